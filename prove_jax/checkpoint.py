@@ -1,0 +1,164 @@
+"""Model checkpoints: a directory with our `config.json`, orbax `params/`, and tokenizer files.
+
+Writes go to a temporary sibling directory that is renamed into place only when complete, so a
+crash never leaves a half-written checkpoint under the final name. Restores go straight into
+the target sharding (each host reads only its shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from prove_jax import sharding
+from prove_jax.config import ConfigError, ModelConfig
+from prove_jax.model import Qwen2, _dtype
+from prove_jax.params import abstract_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or unreadable."""
+
+
+def atomic_dir(final_path: str):
+    """Context manager yielding a temp dir next to `final_path`, renamed onto it on success."""
+    class _Atomic:
+        def __enter__(self):
+            parent = os.path.dirname(os.path.abspath(final_path)) or "."
+            os.makedirs(parent, exist_ok=True)
+            self.tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final_path) + "-", dir=parent)
+            return self.tmp
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return False
+            if os.path.exists(final_path):
+                old = self.tmp + ".old"
+                os.rename(final_path, old)
+                os.rename(self.tmp, final_path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(self.tmp, final_path)
+            return False
+    return _Atomic()
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a text file via a temporary name + rename (never a half-written file)."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
+    copied = []
+    if not src_dir or not os.path.isdir(src_dir):
+        return copied
+    for name in TOKENIZER_FILES:
+        src = os.path.join(src_dir, name)
+        if os.path.exists(src):
+            shutil.copy2(src, os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied
+
+
+def params_pure_dict(model_or_state) -> dict:
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    return state.to_pure_dict()
+
+
+def save_model(path: str, model: Qwen2, cfg: ModelConfig | None = None,
+               tokenizer_dir: str | None = None) -> str:
+    """Save params + config (+ tokenizer files copied from `tokenizer_dir`) atomically."""
+    cfg = cfg or model.cfg
+    with atomic_dir(path) as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(tmp, "params"), params_pure_dict(model))
+        ckptr.wait_until_finished()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg.to_json_dict(), f, indent=2)
+        copy_tokenizer_files(tokenizer_dir, tmp)
+    return path
+
+
+def load_config(path: str) -> ModelConfig:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    try:
+        return ModelConfig.load(path)
+    except ConfigError as e:
+        raise CheckpointError(f"bad checkpoint {path}: {e}") from None
+
+
+def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
+               dtype: str | None = None, param_dtype: str | None = None,
+               remat: bool = False) -> Qwen2:
+    """Restore a model; with a mesh each array is read directly into its target sharding.
+
+    `dtype` / `param_dtype` override the compute / storage dtype recorded in the checkpoint
+    (e.g. bfloat16 storage restored as float32 for CPU).
+    """
+    cfg = load_config(path)
+    overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
+    cfg = cfg.replace(**overrides)
+    params_dir = os.path.join(os.path.abspath(path), "params")
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"checkpoint {path} has no params/ directory (incomplete or not a "
+                              f"prove-jax checkpoint)")
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, remat))
+    params_state = nnx.state(nnx.merge(graphdef, abstract_state), nnx.Param)
+    if mesh is not None:
+        shardings = sharding.state_shardings(params_state, mesh, rules)
+    else:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: dev, params_state.to_pure_dict())
+    target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                          params_state.to_pure_dict(), _pure(shardings))
+    try:
+        restored = ocp.StandardCheckpointer().restore(params_dir, target)
+    except Exception as e:  # orbax raises many types; name the checkpoint and the cause
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot restore {params_dir}: {msg[:300]}") from None
+    model = nnx.merge(graphdef, abstract_state)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(model, state)
+    return model
+
+
+def _pure(tree):
+    return tree.to_pure_dict() if isinstance(tree, nnx.State) else tree
+
+
+def load_tokenizer(path: str):
+    """The HF tokenizer saved with a checkpoint, or None when there is none."""
+    if not os.path.exists(os.path.join(path, "tokenizer.json")) and not os.path.exists(
+            os.path.join(path, "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def to_numpy_tree(tree):
+    return jax.tree.map(lambda x: np.asarray(x), tree)

@@ -1,0 +1,191 @@
+"""Model configuration: one frozen dataclass for the Qwen2 family, read from / written to HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+class ConfigError(ValueError):
+    """A configuration that this project cannot build a model from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    # Token ids the tokenizer treats specially; None when unknown.
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    mask_token_id: int | None = None  # `<|mask|>`, set once the MARS token is added
+    # Numerics: weights stored in param_dtype, matmuls run in dtype.
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id={self.mask_token_id} outside vocab_size={self.vocab_size}")
+
+    @property
+    def num_params(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = d * q + q + 2 * (d * kv + kv) + q * d
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * v
+        return v * d + self.num_layers * per_layer + d + head
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- HF config.json <-> ModelConfig ---------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            vocab = int(hf["vocab_size"])
+            inter = int(hf["intermediate_size"])
+        except KeyError as e:
+            raise ConfigError(f"HF config is missing required key {e.args[0]!r}") from None
+        # transformers 5 nests rope settings in rope_parameters; older files have rope_theta on top.
+        rope = hf.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        return cls(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=hf.get("pad_token_id"),
+            mask_token_id=hf.get("mask_token_id"),
+            param_dtype=dtype if dtype in ("float32", "bfloat16") else "float32",
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        eos = list(self.eos_token_ids)
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": self.pad_token_id,
+            "mask_token_id": self.mask_token_id,
+            "dtype": self.param_dtype,
+        }
+
+    # ---- our own config.json (a superset of HF's) ------------------------------------------
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"model_type": "qwen2"}
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if "num_hidden_layers" in d:  # an HF config.json
+            return cls.from_hf_dict(d)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields - {"model_type"})
+        if unknown:
+            raise ConfigError(f"unknown model config keys {unknown}; valid keys: {sorted(fields)}")
+        d = {k: v for k, v in d.items() if k in fields}
+        if "eos_token_ids" in d:
+            d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str) -> "ModelConfig":
+        """Read `config.json` (ours or HF's) from a file or a directory."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ConfigError(f"no config.json at {path}")
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_json_dict(d)
+
+
+# Real Qwen2.5 shapes (from the published config.json files). Vocab rows are the padded 151,936
+# (151,665 real ids), which is why `<|mask|>` fits without a resize.
+_QWEN25_COMMON = dict(vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                      bos_token_id=151643, eos_token_ids=(151645, 151643), pad_token_id=151643)
+PRESETS: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                                num_kv_heads=2, head_dim=64, tie_word_embeddings=True, **_QWEN25_COMMON),
+    "qwen2.5-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                                num_kv_heads=2, head_dim=128, tie_word_embeddings=True, **_QWEN25_COMMON),
+    "qwen2.5-3b": ModelConfig(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
+                              num_kv_heads=2, head_dim=128, tie_word_embeddings=True, **_QWEN25_COMMON),
+    "qwen2.5-7b": ModelConfig(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                              num_kv_heads=4, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
+    "qwen2.5-14b": ModelConfig(hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40,
+                               num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
+    "qwen2.5-32b": ModelConfig(hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
+                               num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None

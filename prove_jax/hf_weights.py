@@ -1,0 +1,137 @@
+"""The one table between HF Qwen2 tensor names/layouts and our parameter tree.
+
+Each rule: an HF name regex, our path template, the HF shape expected (from the config), and a
+numpy transform. Both directions use the same rules, so a key or layout fix is made once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Iterator
+
+import numpy as np
+
+from prove_jax.config import ModelConfig
+
+
+class WeightError(ValueError):
+    """A tensor that does not fit the model: unmapped, missing, duplicate or misshapen."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    hf: str  # regex with an optional (?P<i>\d+) layer group
+    ours: str  # dotted path template with {i}
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _ident(x, c):
+    return x
+
+
+def _t(x, c):
+    return np.ascontiguousarray(x.T)
+
+
+def _proj_in(heads_of):  # HF [N*Dh, D] -> ours [D, N, Dh]
+    return lambda x, c: np.ascontiguousarray(x.T).reshape(c.hidden_size, heads_of(c), c.head_dim)
+
+
+def _proj_out(x, c):  # ours [D, N, Dh] -> HF [N*Dh, D]
+    return np.ascontiguousarray(x.reshape(x.shape[0], -1).T)
+
+
+def _bias_in(heads_of):
+    return lambda x, c: x.reshape(heads_of(c), c.head_dim)
+
+
+def _bias_out(x, c):
+    return x.reshape(-1)
+
+
+_H = lambda c: c.num_heads
+_K = lambda c: c.num_kv_heads
+_L = r"model\.layers\.(?P<i>\d+)\."
+
+RULES: tuple[_Rule, ...] = (
+    _Rule(r"model\.embed_tokens\.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _ident, _ident),
+    _Rule(r"model\.norm\.weight", "final_norm.weight", lambda c: (c.hidden_size,), _ident, _ident),
+    _Rule(r"lm_head\.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _t, _t),
+    _Rule(_L + r"input_layernorm\.weight", "layers.{i}.input_norm.weight", lambda c: (c.hidden_size,), _ident, _ident),
+    _Rule(_L + r"post_attention_layernorm\.weight", "layers.{i}.post_attn_norm.weight",
+          lambda c: (c.hidden_size,), _ident, _ident),
+    _Rule(_L + r"self_attn\.q_proj\.weight", "layers.{i}.attn.q_kernel",
+          lambda c: (c.num_heads * c.head_dim, c.hidden_size), _proj_in(_H), _proj_out),
+    _Rule(_L + r"self_attn\.k_proj\.weight", "layers.{i}.attn.k_kernel",
+          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _proj_in(_K), _proj_out),
+    _Rule(_L + r"self_attn\.v_proj\.weight", "layers.{i}.attn.v_kernel",
+          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _proj_in(_K), _proj_out),
+    _Rule(_L + r"self_attn\.q_proj\.bias", "layers.{i}.attn.q_bias",
+          lambda c: (c.num_heads * c.head_dim,), _bias_in(_H), _bias_out),
+    _Rule(_L + r"self_attn\.k_proj\.bias", "layers.{i}.attn.k_bias",
+          lambda c: (c.num_kv_heads * c.head_dim,), _bias_in(_K), _bias_out),
+    _Rule(_L + r"self_attn\.v_proj\.bias", "layers.{i}.attn.v_bias",
+          lambda c: (c.num_kv_heads * c.head_dim,), _bias_in(_K), _bias_out),
+    _Rule(_L + r"self_attn\.o_proj\.weight", "layers.{i}.attn.o_kernel",
+          lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+          lambda x, c: np.ascontiguousarray(x.T).reshape(c.num_heads, c.head_dim, c.hidden_size),
+          lambda x, c: np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T)),
+    _Rule(_L + r"mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_kernel",
+          lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+    _Rule(_L + r"mlp\.up_proj\.weight", "layers.{i}.mlp.up_kernel",
+          lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+    _Rule(_L + r"mlp\.down_proj\.weight", "layers.{i}.mlp.down_kernel",
+          lambda c: (c.hidden_size, c.intermediate_size), _t, _t),
+)
+_COMPILED = [(re.compile(r.hf + r"\Z"), r) for r in RULES]
+# HF checkpoints may carry buffers that are not weights.
+IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq\Z")
+
+
+def expected_hf_keys(cfg: ModelConfig) -> list[str]:
+    """Every HF tensor name a checkpoint for `cfg` must contain."""
+    keys = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        keys.append("lm_head.weight")
+    for rule in RULES:
+        if "(?P<i>" in rule.hf:
+            template = rule.hf.replace(_L, "model.layers.{i}.").replace("\\.", ".")
+            keys += [template.format(i=i) for i in range(cfg.num_layers)]
+    return keys
+
+
+def hf_to_ours(name: str, array: np.ndarray, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
+    """Map one HF tensor to (our dotted path, array in our layout); None for ignored buffers."""
+    if IGNORED_HF_KEYS.match(name):
+        return None
+    for pattern, rule in _COMPILED:
+        m = pattern.match(name)
+        if not m:
+            continue
+        if rule.ours == "lm_head" and cfg.tie_word_embeddings:
+            return None  # tied: the head is the embedding; a stray copy is harmless
+        want = rule.hf_shape(cfg)
+        if tuple(array.shape) != want:
+            raise WeightError(f"shape mismatch for {name}: checkpoint has {tuple(array.shape)}, "
+                              f"config expects {want}")
+        i = m.groupdict().get("i")
+        if i is not None and int(i) >= cfg.num_layers:
+            raise WeightError(f"unexpected key {name}: layer {i} but config has {cfg.num_layers} layers")
+        return rule.ours.format(i=i), rule.to_ours(array, cfg)
+    raise WeightError(f"unmapped weight {name!r} (shape {tuple(array.shape)}): not part of a Qwen2 model")
+
+
+def ours_to_hf(flat_params: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, HF-layout array) for every parameter in our flat dotted-path dict."""
+    for name in expected_hf_keys(cfg):
+        for pattern, rule in _COMPILED:
+            m = pattern.match(name)
+            if m:
+                path = rule.ours.format(i=m.groupdict().get("i"))
+                if path not in flat_params:
+                    raise WeightError(f"checkpoint is missing parameter {path} (for HF {name})")
+                yield name, rule.to_hf(np.asarray(flat_params[path]), cfg)
+                break

@@ -1,0 +1,222 @@
+"""Qwen2 / Qwen2.5 decoder in flax.nnx.
+
+The forward pass is deliberately explicit: callers pass token ids, position ids and a boolean
+attention mask, because MARS training (two streams sharing positions) and block decoding (mask
+groups that must not see each other) both need masks that are not the causal default.
+
+With a `KVCache`, the new tokens' keys/values are first written at per-row slots
+(`write_slots`, out-of-range writes are dropped), then the queries attend over the whole cache
+buffer under `attn_mask` [B, T, S]. Slots beyond a row's committed length hold garbage that the
+mask hides and the next write overwrites: nothing is ever copied or cropped.
+
+Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
+G = H // K query heads per kv head, Dh head dim, F mlp width, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from prove_jax.config import ModelConfig
+from prove_jax.sharding import constrain
+
+_NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def _param(rngs, shape, axes, dtype, init="normal"):
+    if init == "normal":
+        value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = jnp.ones(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+@struct.dataclass
+class KVCache:
+    """Static per-layer key/value buffers: k[i], v[i] are [B, S, K, Dh]."""
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+        dtype = _dtype(config.dtype) if dtype is None else dtype
+        shape = (batch, length, config.num_kv_heads, config.head_dim)
+        mk = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=mk(), v=mk())
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+    """cos/sin tables [B, T, Dh] for explicit position ids [B, T] (HF 'rotate_half' layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, Dh]; rotation done in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = _param(rngs, (dim,), ("embed",), param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(x.dtype) * y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
+        self.q_bias = _param(rngs, (h, dh), ("heads", "head_dim"), pd, init="zeros")
+        self.k_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.k_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.v_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.o_kernel = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), pd)
+
+    def __call__(self, x, cos, sin, attn_mask, kv=None, write_slots=None):
+        """x [B,T,D]; attn_mask [B,T,T] without cache, [B,T,S] with; kv = (k [B,S,K,Dh], v)."""
+        cfg = self.cfg
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel.value.astype(dt)) + self.q_bias.value.astype(dt)
+        k = jnp.einsum("btd,dnk->btnk", x, self.k_kernel.value.astype(dt)) + self.k_bias.value.astype(dt)
+        v = jnp.einsum("btd,dnk->btnk", x, self.v_kernel.value.astype(dt)) + self.v_bias.value.astype(dt)
+        q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
+        k = apply_rope(k, cos, sin)
+
+        if kv is not None:
+            cache_k, cache_v = kv
+            rows = jnp.arange(x.shape[0])[:, None]
+            # mode="drop": a slot past the buffer end is skipped, never clamped onto valid KV.
+            cache_k = cache_k.at[rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
+            keys, values, kv = cache_k.astype(dt), cache_v.astype(dt), (cache_k, cache_v)
+        else:
+            keys, values = k, v
+
+        b, t = x.shape[:2]
+        g = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys).astype(jnp.float32)
+        scores = scores * (cfg.head_dim ** -0.5)
+        scores = jnp.where(attn_mask[:, None, None, :, :], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel.value.astype(dt))
+        return out, kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.up_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.down_kernel = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x):
+        dt = x.dtype
+        gate = x @ self.gate_kernel.value.astype(dt)
+        up = x @ self.up_kernel.value.astype(dt)
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
+        return h @ self.down_kernel.value.astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, attn_mask, kv=None, write_slots=None):
+        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv, write_slots)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return constrain(x, ("batch", "sequence", "embed")), kv
+
+
+class Qwen2(nnx.Module):
+    """Qwen2ForCausalLM. Parameter names follow HF's module tree so conversion is a flat table."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: bool = False):
+        pd = _dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.remat = remat
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+
+    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None,
+                      write_slots=None):
+        """Final-norm hidden states [B, T, D] and the updated cache."""
+        cfg = self.cfg
+        dt = _dtype(cfg.dtype)
+        x = jnp.take(self.embed.value, tokens, axis=0).astype(dt)
+        x = constrain(x, ("batch", "sequence", "embed"))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            if self.remat and cache is None:
+                x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, attn_mask)
+            else:
+                x, kv = layer(x, cos, sin, attn_mask, kv, write_slots)
+            if cache is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        x = self.final_norm(x)
+        return x, (None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v)))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head, float32 logits [..., V]."""
+        dt = hidden.dtype
+        if self.cfg.tie_word_embeddings:
+            w = self.embed.value.astype(dt)
+            out = jnp.einsum("...d,vd->...v", hidden, w)
+        else:
+            out = hidden @ self.lm_head.value.astype(dt)
+        return out.astype(jnp.float32)
+
+    def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None, write_slots=None):
+        """tokens, positions [B, T] int32; attn_mask bool [B, T, T] (no cache) or [B, T, S].
+
+        Returns (logits [B, T, V] float32, updated cache or None).
+        """
+        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, write_slots)
+        return self.logits(hidden), cache
+
+
+def causal_mask(batch: int, length: int, valid: jax.Array | None = None) -> jax.Array:
+    """[B, T, T] causal mask; `valid` [B, T] hides padding keys."""
+    m = jnp.tril(jnp.ones((length, length), bool))[None].repeat(batch, 0)
+    if valid is not None:
+        m = m & valid[:, None, :]
+    return m

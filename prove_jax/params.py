@@ -1,0 +1,68 @@
+"""Building models: random init or abstract, sharded on a mesh, and flat dotted-path views."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+from flax import nnx
+
+from prove_jax import sharding
+from prove_jax.config import ModelConfig
+from prove_jax.model import Qwen2
+
+
+def abstract_model(cfg: ModelConfig, remat: bool = False) -> Qwen2:
+    """A Qwen2 whose parameters are ShapeDtypeStructs: no memory allocated."""
+    return nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0), remat=remat))
+
+
+def create_model(cfg: ModelConfig, seed: int = 0, mesh=None,
+                 rules: Mapping = sharding.DEFAULT_RULES, remat: bool = False) -> Qwen2:
+    """Random-init model; with a mesh, each parameter is created directly in its sharding."""
+    if mesh is None:
+        return Qwen2(cfg, nnx.Rngs(seed), remat=remat)
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, remat))
+    shardings = sharding.state_shardings(abstract_state, mesh, rules)
+
+    @jax.jit
+    def init():
+        state = nnx.state(Qwen2(cfg, nnx.Rngs(seed), remat=remat))
+        return jax.lax.with_sharding_constraint(state, shardings)
+
+    with jax.set_mesh(mesh):
+        state = init()
+    return nnx.merge(graphdef, state)
+
+
+def _dotted(path) -> str:
+    return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+def flat_params(model_or_state) -> dict[str, jax.Array]:
+    """{'layers.0.attn.q_kernel': array, ...} for every nnx.Param."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        flat[_dotted(path)] = leaf.value if isinstance(leaf, nnx.Variable) else leaf
+    return flat
+
+
+def param_logical_axes(model) -> dict[str, tuple]:
+    state = nnx.state(model, nnx.Param)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        out[_dotted(path)] = getattr(leaf, "logical_axes", None)
+    return out
+
+
+def set_flat_params(model, flat: Mapping[str, jax.Array]) -> None:
+    """Assign arrays (already in our layout) to the model's parameters in place."""
+    state = nnx.state(model, nnx.Param)
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, var in leaves:
+        name = _dotted(path)
+        var.value = flat[name]
+    nnx.update(model, state)

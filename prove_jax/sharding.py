@@ -1,0 +1,123 @@
+"""Logical-axis sharding: one table maps model axis names to mesh axes.
+
+Every parameter carries `logical_axes` metadata (e.g. ("embed", "heads", "head_dim")). Changing
+the parallelism means editing `DEFAULT_RULES`, nothing else. A dimension that the mesh axis does
+not divide is replicated instead of failing, so size-1 axes and odd head counts always work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "sequence": None,
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "cache_sequence": None,
+    "layers": None,
+}
+
+
+def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
+              axis_names: Sequence[str] = MESH_AXES, devices=None) -> Mesh:
+    """A device mesh with Auto axis types (classic GSPMD propagation), stated explicitly.
+
+    `shape` may contain one -1, filled with the remaining device count.
+    """
+    if isinstance(shape, Mapping):
+        axis_names, shape = tuple(shape), tuple(shape.values())
+    shape = list(shape)
+    devices = jax.devices() if devices is None else devices
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape {shape} does not match axis names {tuple(axis_names)}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape} has more than one -1")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = len(devices) // known
+    n = math.prod(shape)
+    if n > len(devices) or n <= 0:
+        raise ValueError(f"mesh shape {tuple(shape)} needs {n} devices, {len(devices)} available")
+    device_grid = np.asarray(devices[:n]).reshape(shape)
+    return Mesh(device_grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_names))
+
+
+def _mesh_axis_size(mesh, axis) -> int:
+    if axis is None:
+        return 1
+    names = (axis,) if isinstance(axis, str) else axis
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh=None, rules: Mapping = DEFAULT_RULES) -> P:
+    """PartitionSpec for an array with the given logical axes.
+
+    With `shape` and `mesh`, a mesh axis that does not divide its dimension is dropped
+    (replicated), and a mesh axis is never used twice in one spec.
+    """
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(logical_axes):
+        target = rules.get(name) if name is not None else None
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+        names = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        if mesh is not None:
+            names = tuple(a for a in names if a in mesh.shape and a not in used)
+            if shape is not None:
+                # keep the longest prefix of mesh axes that divides the dimension
+                while names and shape[i] % _mesh_axis_size(mesh, names):
+                    names = names[:-1]
+            names = tuple(a for a in names if mesh.shape[a] > 1) or names
+        used.update(names)
+        spec.append(None if not names else (names[0] if len(names) == 1 else names))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def state_specs(state, mesh=None, rules: Mapping = DEFAULT_RULES):
+    """Pure-dict pytree of PartitionSpecs for an nnx.State (concrete or abstract)."""
+    def spec(v):
+        axes = getattr(v, "logical_axes", None)
+        if axes is None:
+            return P()
+        return logical_to_spec(axes, v.value.shape, mesh, rules)
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(state, mesh, rules: Mapping = DEFAULT_RULES):
+    """NamedShardings with the same tree structure as `state`'s leaves."""
+    specs = state_specs(state, mesh, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def activation_sharding(mesh, logical_axes: Sequence[str | None], shape=None,
+                        rules: Mapping = DEFAULT_RULES) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping = DEFAULT_RULES):
+    """with_sharding_constraint under the ambient mesh (`jax.set_mesh`); a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not mesh.shape:
+        return x
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        return x  # under Explicit axes the type system carries shardings itself
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh, rules))
