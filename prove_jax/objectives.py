@@ -1,0 +1,186 @@
+"""Training objectives: plain next-token (AR) loss and the MARS masked-block loss.
+
+MARS (METHOD.md section 2) runs one causal forward over two copies of each length-L sequence
+concatenated to 2L: the *clean* stream (the real tokens) and the *masked* stream (every trained
+token replaced by `<|mask|>`, prompt tokens kept). Both streams use position ids 0..L-1 and are
+cut into fixed blocks of `block_size` positions counted from 0.
+
+Label alignment (the AR convention, one shift over the whole 2L sequence): the logit at stream
+position p predicts the token at position p+1 of the *original* sequence, in both streams.
+
+- clean position p sees clean 0..p, so it learns ordinary next-token prediction.
+- masked position p in block b = p // B sees clean tokens of blocks < b (the last one at
+  b*B - 1) and the masks at b*B..p, so its target p+1 lies (p - b*B) + 2 tokens past the last
+  visible clean token: in-block offsets 0..B-1 learn distances 2..B+1. Distance 1 is the clean
+  stream's job (at inference the last real token gives the first proposed token).
+- the last masked position of a block (offset B-1) predicts the first token of the next block
+  (distance B+1). It is trained, as in the reference: the one shift over 2L gives it that label
+  and METHOD.md states the learned distances as 2..B+1. Inference uses masks 1..K-1 (distances
+  2..K); the extra distance costs nothing and keeps every block position trained.
+- the two positions whose shifted label would cross a boundary (the last clean position, whose
+  shifted neighbour is the first masked token, and the last masked position, which has no next
+  token) carry zero weight.
+
+A target is trained when it is a `loss_mask` token (response / text / EOS block padding) and
+`valid`; prompt and right padding targets have weight 0. Each stream's loss is averaged per
+sequence over its trained targets, then over the sequences that have any; loss = CE(masked) +
+ar_weight * CE(clean). The clean half is exactly the AR loss of the same batch.
+
+Batch arrays (from prove_jax.data): `input_ids` int32 [B, L], `loss_mask` bool [B, L],
+`valid` bool [B, L]; L a multiple of block_size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from prove_jax.model import causal_mask
+
+OBJECTIVES = ("ar", "mars")
+
+
+class ObjectiveError(ValueError):
+    """An objective that cannot be built from the given settings."""
+
+
+def _check_block(length: int, block_size: int) -> None:
+    if block_size <= 0:
+        raise ObjectiveError(f"block_size must be positive, got {block_size}")
+    if length % block_size:
+        raise ObjectiveError(f"sequence length {length} is not a multiple of block_size {block_size}")
+
+
+def mars_attention_mask(length: int, block_size: int, valid: jax.Array | None = None) -> jax.Array:
+    """Boolean [B or 1, 2L, 2L] mask (query rows, key columns; True = may attend).
+
+    Rows/columns 0..L-1 are the clean stream, L..2L-1 the masked stream. `valid` [B, L] hides
+    right-padding keys in both streams.
+    """
+    _check_block(length, block_size)
+    pos = jnp.arange(length)
+    blk = pos // block_size
+    causal = pos[None, :] <= pos[:, None]                # [Lq, Lk]
+    same_block = blk[:, None] == blk[None, :]
+    earlier_block = blk[None, :] < blk[:, None]
+    clean_rows = jnp.concatenate([causal, jnp.zeros_like(causal)], axis=1)        # clean -> masked: never
+    masked_rows = jnp.concatenate([earlier_block, causal & same_block], axis=1)
+    mask = jnp.concatenate([clean_rows, masked_rows], axis=0)[None]  # [1, 2L, 2L]
+    if valid is not None:
+        key_valid = jnp.concatenate([valid, valid], axis=-1).astype(bool)  # [B, 2L]
+        mask = mask & key_valid[:, None, :]
+    return mask
+
+
+def _next_token_targets(batch) -> tuple[jax.Array, jax.Array]:
+    """labels [B, L] = input_ids shifted left by one; weights f32 [B, L] (1 = trained target)."""
+    ids = batch["input_ids"]
+    trained = jnp.logical_and(batch["loss_mask"], batch["valid"])
+    labels = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    weights = jnp.concatenate([trained[:, 1:], jnp.zeros_like(trained[:, :1])], axis=1)
+    return labels, weights.astype(jnp.float32)
+
+
+def mars_inputs(batch, block_size: int, mask_token_id: int) -> dict[str, jax.Array]:
+    """The two-stream model inputs and targets for one batch.
+
+    Returns tokens, positions int32 [B, 2L], attn_mask bool [B, 2L, 2L], labels int32 [B, 2L]
+    and weights f32 [B, 2L]; stream position p (either half) targets input_ids[p + 1].
+    """
+    ids = batch["input_ids"]
+    b, length = ids.shape
+    _check_block(length, block_size)
+    masked_ids = jnp.where(batch["loss_mask"], jnp.asarray(mask_token_id, ids.dtype), ids)
+    tokens = jnp.concatenate([ids, masked_ids], axis=1)
+    pos = jnp.arange(length, dtype=jnp.int32)
+    positions = jnp.broadcast_to(jnp.concatenate([pos, pos])[None], (b, 2 * length))
+    attn_mask = jnp.broadcast_to(mars_attention_mask(length, block_size, batch["valid"]),
+                                 (b, 2 * length, 2 * length))
+    labels, weights = _next_token_targets(batch)
+    return dict(tokens=tokens, positions=positions, attn_mask=attn_mask,
+                labels=jnp.concatenate([labels, labels], axis=1).astype(jnp.int32),
+                weights=jnp.concatenate([weights, weights], axis=1))
+
+
+def token_nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-token negative log-likelihood [B, T] from logits [B, T, V], in float32."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return log_z - target
+
+
+def sequence_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
+    """Mean over each row's weighted tokens, then over the rows that have any ([B, T] -> [])."""
+    per_row_w = weights.sum(-1)
+    per_row = (values * weights).sum(-1) / jnp.maximum(per_row_w, 1.0)
+    has_tokens = (per_row_w > 0).astype(jnp.float32)
+    return (per_row * has_tokens).sum() / jnp.maximum(has_tokens.sum(), 1.0)
+
+
+def _sequences(weights: jax.Array) -> jax.Array:
+    return (weights.sum(-1) > 0).sum().astype(jnp.float32)
+
+
+def mars_loss(model, batch, *, block_size: int, mask_token_id: int,
+              ar_weight: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CE(masked stream) + ar_weight * CE(clean stream), one forward of the 2L sequence.
+
+    metrics: loss, loss_masked, loss_clean, masked_acc_by_pos f32 [block_size] (top-1 accuracy
+    of the masked stream at each in-block offset j, which predicts distance j + 2), tokens
+    (trained targets per stream), sequences (rows with any trained target).
+    """
+    inp = mars_inputs(batch, block_size, mask_token_id)
+    length = batch["input_ids"].shape[1]
+    logits, _ = model(inp["tokens"], inp["positions"], inp["attn_mask"])  # [B, 2L, V] f32
+    nll = token_nll(logits, inp["labels"])
+    w = inp["weights"]
+    loss_clean = sequence_mean(nll[:, :length], w[:, :length])
+    loss_masked = sequence_mean(nll[:, length:], w[:, length:])
+    loss = loss_masked + ar_weight * loss_clean
+
+    b = logits.shape[0]
+    correct = (jnp.argmax(logits[:, length:], axis=-1) == inp["labels"][:, length:])
+    by_pos_w = w[:, length:].reshape(b, length // block_size, block_size)
+    by_pos_hit = (correct.astype(jnp.float32) * w[:, length:]).reshape(by_pos_w.shape)
+    acc_by_pos = by_pos_hit.sum((0, 1)) / jnp.maximum(by_pos_w.sum((0, 1)), 1.0)
+    metrics = dict(loss=loss, loss_masked=loss_masked, loss_clean=loss_clean,
+                   masked_acc_by_pos=acc_by_pos, tokens=w[:, :length].sum(),
+                   sequences=_sequences(w[:, :length]))
+    return loss, metrics
+
+
+def ar_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Plain causal next-token loss with the same per-sequence averaging as mars_loss."""
+    ids = batch["input_ids"]
+    b, length = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
+    logits, _ = model(ids, positions, causal_mask(b, length, batch["valid"]))
+    labels, w = _next_token_targets(batch)
+    loss = sequence_mean(token_nll(logits, labels), w)
+    return loss, dict(loss=loss, loss_clean=loss, tokens=w.sum(), sequences=_sequences(w))
+
+
+LOSS_FNS: dict[str, Callable] = {"ar": ar_loss, "mars": mars_loss}
+
+
+def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id: int | None = None,
+                 ar_weight: float = 1.0) -> Callable:
+    """`loss_fn(model, batch) -> (loss, metrics)` for objective 'ar' or 'mars'.
+
+    'ar' ignores the MARS settings; 'mars' needs block_size and mask_token_id.
+    """
+    if objective not in LOSS_FNS:
+        raise ObjectiveError(f"unknown objective {objective!r}; valid objectives: {', '.join(OBJECTIVES)}")
+    if objective == "ar":
+        return ar_loss
+    if block_size is None or block_size <= 0:
+        raise ObjectiveError(f"objective 'mars' needs a positive block_size, got {block_size}")
+    if mask_token_id is None:
+        raise ObjectiveError("objective 'mars' needs mask_token_id (add <|mask|> with "
+                             "prove_jax.vocab.ensure_mask_token)")
+    return functools.partial(mars_loss, block_size=int(block_size), mask_token_id=int(mask_token_id),
+                             ar_weight=float(ar_weight))
