@@ -1,0 +1,269 @@
+"""The decoding engine: one compiled `jax.lax.while_loop` per (batch, prompt width, buffer, mode).
+
+Prefill and the whole generation run inside a single jitted function; the host only sees the
+final buffers. Model state is split once (`nnx.split`) and passed as a traced argument, so the
+compiled program is reused across batches of the same shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prove_jax.decoding import steps
+from prove_jax.decoding.layouts import LosslessLayout, cache_attention_mask, propose_layout
+from prove_jax.decoding.state import LoopState
+from prove_jax.model import KVCache
+
+MODES = ("ar", "threshold", "lossless", "verify")
+COMMIT_RULES = ("top1", "prob", "head")
+CONFIDENCE_KINDS = ("prob", "entropy", "margin")
+
+
+class DecodeError(ValueError):
+    """A decoding request that cannot be served (bad prompt, mode, or model pairing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    mode: str = "ar"
+    block_size: int = 8  # K: tokens proposed per proposer forward
+    max_groups: int | None = None  # lossless: mask groups (acceptance lengths served); None = K
+    adaptive: bool = False  # lossless: shrink K / groups as the batch grows (see adapt_for_batch)
+    tau: float = 0.9  # threshold: confidence needed to accept a proposed token
+    confidence: str = "prob"  # threshold: prob | entropy | margin
+    commit_rule: str = "top1"  # verify: top1 | prob | head
+    tau_v: float = 0.5  # verify/prob: verifier probability needed to commit a token
+
+    def validate(self) -> "DecodeOptions":
+        if self.mode not in MODES:
+            raise DecodeError(f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
+        if self.block_size < 1:
+            raise DecodeError(f"block size must be >= 1, got {self.block_size}")
+        if self.mode == "lossless" and self.block_size < 2:
+            raise DecodeError("lossless mode needs --block-size >= 2")
+        if self.confidence not in CONFIDENCE_KINDS:
+            raise DecodeError(f"unknown confidence {self.confidence!r}; choose from {CONFIDENCE_KINDS}")
+        if self.commit_rule not in COMMIT_RULES:
+            raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
+        if self.max_groups is not None and self.max_groups < 1:
+            raise DecodeError(f"max groups must be >= 1, got {self.max_groups}")
+        return self
+
+
+# (max batch, K, groups) for the adaptive lossless setting. On accelerators a step of width
+# ~64 costs about one token at small batch; as the batch grows the step becomes compute bound
+# and wide proposals stop paying, so shrink them, and past the last row fall back to K=1
+# (plain AR) so a step never loses to AR. Measured points: benchmarks/decode*.md.
+ADAPTIVE_TABLE: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (4, 4, 2), (8, 3, 2), (16, 2, 2))
+
+
+def adapt_for_batch(options: DecodeOptions, batch: int) -> DecodeOptions:
+    if options.mode != "lossless" or not options.adaptive:
+        return options
+    for max_batch, k, g in ADAPTIVE_TABLE:
+        if batch <= max_batch:
+            return dataclasses.replace(options, block_size=min(k, options.block_size),
+                                       max_groups=min(g, options.max_groups or g))
+    return dataclasses.replace(options, mode="ar", block_size=1)
+
+
+@dataclasses.dataclass
+class BatchResult:
+    output_ids: list[list[int]]
+    forwards: np.ndarray  # [B]
+    verifier_forwards: np.ndarray  # [B]
+    accept_hist: np.ndarray  # [B, K+1]
+    seconds: float
+    compile_seconds: float
+    options: DecodeOptions
+
+
+def _round_up(x: int, m: int) -> int:
+    return max(m, int(math.ceil(x / m)) * m)
+
+
+class Decoder:
+    """Batch decoder for one proposer (and optionally one verifier).
+
+    >>> dec = Decoder(model, eos_ids=[eos], options=DecodeOptions(mode="lossless", block_size=4))
+    >>> result = dec.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
+    """
+
+    def __init__(self, model, eos_ids: Sequence[int], options: DecodeOptions = DecodeOptions(),
+                 verifier=None, commit_head=None, mesh=None, pad_id: int = 0,
+                 max_buffer: int | None = None):
+        self.options = options.validate()
+        cfg = model.cfg
+        if options.mode in ("threshold", "lossless", "verify") and cfg.mask_token_id is None:
+            raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token "
+                              f"(config mask_token_id is unset); use --mode ar or a trained proposer")
+        if options.mode == "verify":
+            if verifier is None:
+                raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
+            if verifier.cfg.vocab_size != cfg.vocab_size:
+                raise DecodeError(f"verifier vocabulary size {verifier.cfg.vocab_size} differs from "
+                                  f"the proposer's {cfg.vocab_size}: they must share a tokenizer")
+            if options.commit_rule == "head" and commit_head is None:
+                raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
+                                  "checkpoint (train it with objective=commit_head)")
+        self.cfg = cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.vgraphdef, self.vstate = nnx.split(verifier) if verifier is not None else (None, None)
+        self.hgraphdef, self.hstate = nnx.split(commit_head) if commit_head is not None else (None, None)
+        self.eos_ids = np.asarray(list(eos_ids) or [-1], np.int32)
+        self.mesh = mesh
+        self.pad_id = pad_id
+        self.max_buffer = max_buffer or cfg.max_position_embeddings
+        self._compiled: dict = {}
+        self.trace_count = 0
+
+    # ---- shapes -----------------------------------------------------------------------------
+
+    def buffer_len(self, prompt_width: int, max_new_tokens: int) -> int:
+        return _round_up(prompt_width + max_new_tokens, 64)
+
+    def _data_size(self) -> int:
+        return 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")
+                                                        if a in self.mesh.shape]))
+
+    # ---- the compiled program ---------------------------------------------------------------
+
+    def _build(self, options: DecodeOptions, n_slots: int):
+        k = options.block_size
+        mask_id = -1 if self.cfg.mask_token_id is None else int(self.cfg.mask_token_id)
+        eos_ids = self.eos_ids
+        if options.mode == "lossless":
+            layout = LosslessLayout.build(k, options.max_groups)
+            width, n_drafts = layout.width, layout.num_drafts
+        else:
+            width, n_drafts = propose_layout(k)[0], 1
+        pad_id = self.pad_id
+        graphdef, vgraphdef, hgraphdef = self.graphdef, self.vgraphdef, self.hgraphdef
+
+        def run(state, vstate, hstate, prompts, prompt_len, max_new):
+            self.trace_count += 1  # runs only while tracing: counts compilations
+            model = nnx.merge(graphdef, state)
+            verifier = nnx.merge(vgraphdef, vstate) if vgraphdef is not None else None
+            head = nnx.merge(hgraphdef, hstate) if hgraphdef is not None else None
+            b, p = prompts.shape
+            eos = jnp.asarray(eos_ids)
+            tokens = jnp.full((b, n_slots), pad_id, jnp.int32).at[:, :p].set(prompts)
+            causal = jnp.tril(jnp.ones((p, p), bool))[None]
+            pos = jnp.broadcast_to(jnp.arange(p)[None], (b, p))
+            zeros = jnp.zeros((b,), jnp.int32)
+
+            def prefill(m, size):
+                cache = KVCache.zeros(m.cfg, b, size)
+                mask = cache_attention_mask(zeros, causal, size) & (jnp.arange(size)[None, None, :]
+                                                                    < prompt_len[:, None, None])
+                _, cache = m.hidden_states(prompts, pos, mask, cache, pos)
+                return cache
+
+            cache = prefill(model, n_slots + width)
+            vcache = prefill(verifier, n_slots + k) if verifier is not None else None
+            st = LoopState(
+                step=jnp.int32(0), tokens=tokens, length=prompt_len, prompt_len=prompt_len,
+                max_new=max_new, done=max_new <= 0, cache=cache, cache_len=prompt_len - 1,
+                drafts=jnp.full((b, n_drafts), pad_id, jnp.int32), vcache=vcache,
+                vcache_len=prompt_len, forwards=zeros, verifier_forwards=zeros,
+                accept_hist=jnp.zeros((b, k + 1), jnp.int32))
+
+            def body(st):
+                if options.mode == "lossless":
+                    st = steps.lossless_step(model, st, eos, layout=layout, mask_id=mask_id)
+                elif options.mode == "verify":
+                    st = steps.verify_step(model, verifier, st, eos, block_size=k, mask_id=mask_id,
+                                           rule=options.commit_rule, tau_v=options.tau_v, head=head)
+                else:
+                    st = steps.threshold_step(model, st, eos, block_size=k, mask_id=mask_id,
+                                              tau=options.tau if k > 1 else 2.0,
+                                              conf_kind=options.confidence)
+                return st.replace(step=st.step + 1)
+
+            max_steps = jnp.max(max_new)
+            st = jax.lax.while_loop(lambda s: (s.step < max_steps) & ~jnp.all(s.done), body, st)
+            return st.tokens, st.length, st.forwards, st.verifier_forwards, st.accept_hist
+
+        return jax.jit(run)
+
+    def _compiled_for(self, options, b, p, n_slots, args):
+        key = (options, b, p, n_slots)
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            fn = self._build(options, n_slots)
+            compiled = fn.lower(*args).compile()
+            self._compiled[key] = (compiled, time.perf_counter() - t0)
+            return compiled, self._compiled[key][1]
+        return self._compiled[key][0], 0.0
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise DecodeError("no prompts given")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise DecodeError(f"prompt {i} is empty: decoding needs at least one prompt token")
+            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
+            if bad:
+                raise DecodeError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                                  f"[0, {self.cfg.vocab_size})")
+            if len(p) + max_new_tokens > self.max_buffer:
+                raise DecodeError(f"prompt {i} has {len(p)} tokens; with max_new_tokens="
+                                  f"{max_new_tokens} it needs {len(p) + max_new_tokens} positions, "
+                                  f"longer than the buffer limit {self.max_buffer}")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 batch_size: int | None = None, prompt_width: int | None = None) -> BatchResult:
+        """Greedy-family decoding of one batch (padded to `batch_size` rows if given).
+
+        `prompt_width` pads every batch of a run to one width, so all batches share a program.
+        """
+        if max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.check_prompts(prompts, max_new_tokens)
+        n = len(prompts)
+        b = max(batch_size or n, n)
+        b = _round_up(b, self._data_size())
+        options = adapt_for_batch(self.options, b)
+        p = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
+        n_slots = self.buffer_len(p, max_new_tokens)
+        arr = np.full((b, p), self.pad_id, np.int32)
+        plen = np.ones((b,), np.int32)
+        max_new = np.zeros((b,), np.int32)  # padding rows get no budget: done from the start
+        for i, x in enumerate(prompts):
+            arr[i, : len(x)] = x
+            plen[i] = len(x)
+            max_new[i] = max_new_tokens
+        args = [self.state, self.vstate, self.hstate, arr, plen, max_new]
+        if self.mesh is not None:
+            batch_sharding = jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)))
+            args[3:] = [jax.device_put(x, batch_sharding) for x in args[3:]]
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx:
+            compiled, compile_s = self._compiled_for(options, b, p, n_slots, args)
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(compiled(*args))
+            seconds = time.perf_counter() - t0
+        tokens, length, fwd, vfwd, hist = (np.asarray(x) for x in out)
+        outputs = [tokens[i, plen[i]: length[i]].tolist() for i in range(n)]
+        return BatchResult(output_ids=outputs, forwards=fwd[:n], verifier_forwards=vfwd[:n],
+                           accept_hist=hist[:n], seconds=seconds, compile_seconds=compile_s,
+                           options=options)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,55 @@
+"""Build a Decoder from checkpoint paths (the one place CLIs, demo and benchmark load models)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
+from prove_jax.config import ConfigError
+from prove_jax.decoding.engine import DecodeError, DecodeOptions, Decoder
+from prove_jax.sharding import make_mesh
+
+
+
+def parse_mesh(spec: str | None):
+    """'4,1,2' -> a (data, fsdp, tensor) mesh; None -> all devices on data (None for one device)."""
+    if spec is None:
+        n = len(jax.devices())
+        return None if n == 1 else make_mesh((n, 1, 1))
+    try:
+        shape = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise DecodeError(f"--mesh must be three integers like 4,1,2, got {spec!r}") from None
+    if len(shape) != 3:
+        raise DecodeError(f"--mesh must be data,fsdp,tensor (three integers), got {spec!r}")
+    try:
+        return make_mesh(shape)
+    except ValueError as e:
+        raise DecodeError(str(e)) from None
+
+
+def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | None = None,
+                  dtype: str = "float32", mesh_shape: str | None = None, mesh=None):
+    """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier."""
+    if not os.path.isdir(model_path):
+        raise CheckpointError(f"model checkpoint not found: {model_path}")
+    mesh = mesh if mesh is not None else parse_mesh(mesh_shape)
+    model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+    verifier = head = None
+    if options.mode == "verify":
+        if verifier_path is None or not os.path.isdir(verifier_path):
+            raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
+        verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+        if options.commit_rule == "head":
+            from prove_jax.commit_head import load_commit_head
+            head = load_commit_head(verifier_path)
+    tokenizer = load_tokenizer(model_path)
+    cfg = model.cfg
+    eos = list(cfg.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    decoder = Decoder(model, eos, options, verifier=verifier, commit_head=head, mesh=mesh, pad_id=pad)
+    return decoder, tokenizer

@@ -1,0 +1,116 @@
+"""Request files for batch inference: JSONL in, JSONL out (atomically), per-request stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from prove_jax.checkpoint import atomic_write_text
+from prove_jax.decoding.engine import BatchResult, DecodeError, Decoder
+
+
+def read_requests(path: str) -> list[dict]:
+    """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line."""
+    if not os.path.exists(path):
+        raise DecodeError(f"input file not found: {path}")
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DecodeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
+                raise DecodeError(f"{path}:{lineno}: a record needs 'prompt' (text) or 'prompt_ids'")
+            rec.setdefault("id", len(records))
+            records.append(rec)
+    if not records:
+        raise DecodeError(f"input file {path} has no records")
+    return records
+
+
+def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False) -> list[list[int]]:
+    prompts = []
+    for rec in records:
+        if "prompt_ids" in rec:
+            ids = rec["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise DecodeError(f"request {rec['id']!r}: prompt_ids must be a list of ints")
+            prompts.append(ids)
+            continue
+        if tokenizer is None:
+            raise DecodeError(f"request {rec['id']!r} has a text prompt but the checkpoint has no "
+                              f"tokenizer; give prompt_ids instead")
+        text = rec["prompt"]
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        prompts.append(list(ids))
+    return prompts
+
+
+def request_stats(result: BatchResult, i: int) -> dict:
+    n_out = len(result.output_ids[i])
+    fwd = int(result.forwards[i])
+    return {
+        "generated_tokens": n_out,
+        "proposer_forwards": fwd,
+        "verifier_forwards": int(result.verifier_forwards[i]),
+        "tokens_per_forward": n_out / fwd if fwd else 0.0,
+        "accept_hist": result.accept_hist[i].tolist(),
+    }
+
+
+def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 batch_size: int, progress: bool = True) -> tuple[list[list[int]], list[dict], dict]:
+    """Decode all prompts in fixed-size batches (one compiled shape; the tail batch is padded)."""
+    decoder.check_prompts(prompts, max_new_tokens)
+    outputs, stats = [], []
+    seconds = compile_s = 0.0
+    width = max(len(p) for p in prompts)  # one prompt width for every batch: one compilation
+    n_batches = (len(prompts) + batch_size - 1) // batch_size
+    for bi, start in enumerate(range(0, len(prompts), batch_size)):
+        chunk = list(prompts[start: start + batch_size])
+        result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width)
+        seconds += result.seconds
+        compile_s += result.compile_seconds
+        outputs += result.output_ids
+        stats += [request_stats(result, i) for i in range(len(chunk))]
+        if progress:
+            done = sum(len(o) for o in outputs)
+            print(f"[batch {bi + 1}/{n_batches}] {done} tokens, {seconds:.2f}s decode, "
+                  f"{compile_s:.1f}s compile", file=sys.stderr, flush=True)
+    total = sum(len(o) for o in outputs)
+    fwd = sum(s["proposer_forwards"] for s in stats)
+    summary = {
+        "mode": decoder.options.mode, "requests": len(prompts), "generated_tokens": total,
+        "decode_seconds": seconds, "compile_seconds": compile_s,
+        "tokens_per_second": total / seconds if seconds else 0.0,
+        "tokens_per_forward": total / fwd if fwd else 0.0,
+        "proposer_forwards": fwd,
+        "verifier_forwards": sum(s["verifier_forwards"] for s in stats),
+    }
+    return outputs, stats, summary
+
+
+def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer) -> None:
+    lines = []
+    for rec, out, st in zip(records, outputs, stats):
+        row = {"id": rec["id"], "output_ids": out}
+        if tokenizer is not None:
+            row["text"] = tokenizer.decode(out, skip_special_tokens=True)
+        row["stats"] = st
+        lines.append(json.dumps(row))
+    atomic_write_text(path, "\n".join(lines) + "\n")

@@ -1,0 +1,66 @@
+"""Loop state of the compiled decode loop and the commit rule shared by every mode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from prove_jax.model import KVCache
+
+
+@struct.dataclass
+class LoopState:
+    """Everything the `while_loop` carries. B rows, N token slots.
+
+    Invariants after every step: tokens[b, :length[b]] are committed; the proposer cache holds
+    KV for [0, cache_len[b]) and the committed tokens [cache_len, length) are pending (their KV
+    is written by the next proposer forward); the verifier cache holds [0, vcache_len).
+    """
+    step: jax.Array  # scalar int32
+    tokens: jax.Array  # [B, N] int32
+    length: jax.Array  # [B] committed tokens (prompt + generated)
+    prompt_len: jax.Array  # [B]
+    max_new: jax.Array  # [B] per-row budget of new tokens
+    done: jax.Array  # [B] bool
+    cache: KVCache
+    cache_len: jax.Array  # [B]
+    drafts: jax.Array  # [B, M] lossless drafts for the next step (M >= 1; unused otherwise)
+    vcache: KVCache | None
+    vcache_len: jax.Array  # [B]
+    forwards: jax.Array  # [B] proposer forwards while the row was active
+    verifier_forwards: jax.Array  # [B]
+    accept_hist: jax.Array  # [B, K + 1] histogram of per-step AR-matching / committed lengths
+
+
+def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, eos_ids: jax.Array,
+           hist_value: jax.Array) -> tuple[LoopState, jax.Array]:
+    """Append the first n_commit[b] tokens of block[b] to each active row.
+
+    Truncates at the first EOS (kept), at the row's max_new budget and at the buffer end, and
+    marks rows done. Returns the new state and the number of tokens actually committed [B].
+    """
+    b, width = block.shape
+    n_slots = state.tokens.shape[1]
+    active = ~state.done
+    idx = jnp.arange(width)[None, :]
+    is_eos = jnp.isin(block, eos_ids) & (idx < n_commit[:, None])
+    has_eos = jnp.any(is_eos, axis=1)
+    n = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, n_commit)
+    budget = state.max_new - (state.length - state.prompt_len)
+    n = jnp.minimum(jnp.minimum(n, budget), n_slots - state.length)
+    n = jnp.where(active, jnp.maximum(n, 0), 0)
+
+    slots = state.length[:, None] + idx
+    slots = jnp.where(idx < n[:, None], slots, n_slots)  # out of range -> dropped
+    rows = jnp.arange(b)[:, None]
+    tokens = state.tokens.at[rows, slots].set(block, mode="drop")
+    length = state.length + n
+    eos_hit = has_eos & (jnp.argmax(is_eos, axis=1) < n)
+    done = state.done | (active & (eos_hit | (length - state.prompt_len >= state.max_new)
+                                   | (length >= n_slots)))
+    k1 = state.accept_hist.shape[1]
+    hist = state.accept_hist + (active[:, None] & (jnp.arange(k1)[None, :] == hist_value[:, None]))
+    new = state.replace(tokens=tokens, length=length, done=done,
+                        forwards=state.forwards + active, accept_hist=hist.astype(jnp.int32))
+    return new, n

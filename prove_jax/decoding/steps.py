@@ -1,0 +1,141 @@
+"""One decoding step per mode, as pure functions of (models, LoopState) -> LoopState.
+
+`ar`, `threshold` and `verify` share the proposer step `propose_block`: a row feeds its
+pending committed tokens plus K-1 masks and gets a block D of K tokens whose first token is
+exact greedy AR. `lossless` has its own layout (see layouts.LosslessLayout).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from prove_jax.decoding.layouts import LosslessLayout, cache_attention_mask, propose_layout
+from prove_jax.decoding.state import LoopState, commit
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, T, ...], idx [B, J] -> [B, J, ...]."""
+    return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
+
+
+def _logits_at(model, hidden: jax.Array, idx: jax.Array) -> jax.Array:
+    """LM head only where logits are needed: hidden [B, T, D], idx [B, J] -> [B, J, V]."""
+    return model.logits(_gather_rows(hidden, idx))
+
+
+def propose_block(model, state: LoopState, block_size: int, mask_id: int):
+    """Proposer forward over [pending, MASK x (K-1)]. Returns (D [B,K], logits [B,K,V], cache)."""
+    width, intra_fn = propose_layout(block_size)
+    n_slots = state.tokens.shape[1]
+    n_pending = state.length - state.cache_len  # [B], 1..K
+    idx = jnp.arange(width)[None, :]
+    slots = state.cache_len[:, None] + idx
+    pending = jnp.take_along_axis(state.tokens, jnp.clip(slots, 0, n_slots - 1), axis=1)
+    toks = jnp.where(idx < n_pending[:, None], pending, mask_id).astype(jnp.int32)
+    mask = cache_attention_mask(state.cache_len, intra_fn(n_pending), state.cache.length)
+    hidden, cache = model.hidden_states(toks, slots, mask, state.cache, slots)
+    sel = n_pending[:, None] - 1 + jnp.arange(block_size)[None, :]
+    logits = _logits_at(model, hidden, sel)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
+
+
+def confidence(logits: jax.Array, kind: str) -> jax.Array:
+    """Per-token confidence [B, K] with 'higher = surer' for every kind."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    if kind == "prob":
+        return jnp.exp(jnp.max(logp, axis=-1))
+    if kind == "entropy":  # negated so that accepting means conf >= tau with tau <= 0
+        return jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    if kind == "margin":
+        top2 = jax.lax.top_k(logp, 2)[0]
+        return jnp.exp(top2[..., 0]) - jnp.exp(top2[..., 1])
+    raise ValueError(f"unknown confidence {kind!r}")
+
+
+def leading_true(accept: jax.Array) -> jax.Array:
+    """Length of the all-True prefix along the last axis, [B, J] -> [B]."""
+    return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def threshold_step(model, state, eos_ids, *, block_size, mask_id, tau, conf_kind):
+    block, logits, cache = propose_block(model, state, block_size, mask_id)
+    if block_size > 1:
+        conf = confidence(logits[:, 1:], conf_kind)
+        n = 1 + leading_true(conf >= tau)
+    else:
+        n = jnp.ones(block.shape[0], jnp.int32)
+    return _commit_proposal(state, cache, block, n, eos_ids)
+
+
+def _commit_proposal(state, cache, block, n, eos_ids, vcache=None, verified=False):
+    n_pending = state.length - state.cache_len
+    active = ~state.done
+    state = state.replace(cache=cache, cache_len=state.cache_len + jnp.where(active, n_pending, 0))
+    state, n_done = commit(state, block, n, eos_ids, hist_value=n)
+    if verified:
+        state = state.replace(vcache=vcache, vcache_len=state.vcache_len + n_done,
+                              verifier_forwards=state.verifier_forwards + active)
+    return state
+
+
+def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, tau_v, head=None):
+    """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K]."""
+    block, _, cache = propose_block(model, state, block_size, mask_id)
+    k = block_size
+    pos = state.length[:, None] + jnp.arange(k)[None, :]
+    slots = state.vcache_len[:, None] + jnp.arange(k)[None, :]
+    causal = jnp.tril(jnp.ones((k, k), bool))[None]
+    vmask = cache_attention_mask(state.vcache_len, causal, state.vcache.length)
+    hidden, vcache = verifier.hidden_states(block, pos, vmask, state.vcache, slots)
+    if k == 1:
+        n = jnp.ones(block.shape[0], jnp.int32)
+    else:
+        vlogits = verifier.logits(hidden[:, :-1])  # logits at D_i judge D_{i+1}
+        nxt = block[:, 1:]
+        if rule == "top1":
+            accept = jnp.argmax(vlogits, axis=-1) == nxt
+        elif rule == "prob":
+            logp = jax.nn.log_softmax(vlogits, axis=-1)
+            accept = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0] >= jnp.log(tau_v)
+        elif rule == "head":
+            accept = head.accept(hidden[:, :-1], vlogits, nxt)
+        else:
+            raise ValueError(f"unknown commit rule {rule!r}")
+        n = 1 + leading_true(accept)
+    return _commit_proposal(state, cache, block, n, eos_ids, vcache=vcache, verified=True)
+
+
+def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, mask_id: int):
+    """ProVe-lossless: verify last step's drafts and propose the next ones in one forward.
+
+    Row = [t0, d_1..d_M, groups]; g_i = argmax at slot i-1 are exact greedy AR as long as
+    d_1..d_{i-1} were accepted. Commit g_1..g_{a'+1} where a' is the largest group acceptance
+    <= the accepted prefix a; the next drafts are group a''s predictions.
+    """
+    m = layout.num_drafts
+    t = layout.width
+    b = state.tokens.shape[0]
+    offsets = jnp.asarray(layout.offsets())
+    intra = jnp.asarray(layout.intra_mask())[None]
+    t0 = jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)
+    n_mask = t - 1 - m
+    toks = jnp.concatenate([t0, state.drafts, jnp.full((b, n_mask), mask_id, jnp.int32)], axis=1)
+    pos = (state.length - 1)[:, None] + offsets[None, :]
+    slots = state.cache_len[:, None] + jnp.arange(t)[None, :]
+    mask = cache_attention_mask(state.cache_len, intra, state.cache.length)
+    hidden, cache = model.hidden_states(toks, pos, mask, state.cache, slots)
+
+    greedy = jnp.argmax(model.logits(hidden[:, : m + 1]), axis=-1).astype(jnp.int32)  # g_1..g_{M+1}
+    a = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M
+    groups = jnp.asarray(layout.accept_of_group)
+    g_idx = jnp.sum(groups[None, :] <= a[:, None], axis=1) - 1  # largest group with j <= a
+    a_eff = groups[g_idx]
+    group_slots = 1 + m * (1 + g_idx)[:, None] + jnp.arange(m)[None, :]
+    drafts = jnp.argmax(_logits_at(model, hidden, group_slots), axis=-1).astype(jnp.int32)
+
+    active = ~state.done
+    state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts))
+    state, n_done = commit(state, greedy, a_eff + 1, eos_ids, hist_value=a)
+    # t0 and d_1..d_{n-1} now have valid KV; the last committed token is the new pending t0.
+    return state.replace(cache_len=state.length - 1)
