@@ -1,0 +1,57 @@
+"""Multi-host start-up: `jax.distributed.initialize` before any other JAX call.
+
+On a TPU pod slice JAX discovers the coordinator and process ids from the TPU metadata, so a
+bare `initialize()` is right; elsewhere (GPU clusters, CPU tests on loopback) the coordinator
+address, process count and process id are given explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+# Set by the TPU runtime on multi-host slices (one entry per host).
+_TPU_POD_ENV = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+class DistributedError(RuntimeError):
+    """Inconsistent multi-host launch arguments."""
+
+
+def _on_tpu_pod() -> bool:
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return "," in hosts or bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, heartbeat_timeout_s: int | None = None,
+               init_timeout_s: int | None = None) -> bool:
+    """Join the multi-process job if this launch is one; returns True when it did.
+
+    Explicit arguments win; with none, a multi-host TPU slice is detected from the environment;
+    otherwise this is a single-process run and nothing happens.
+    """
+    explicit = [a is not None for a in (coordinator, num_processes, process_id)]
+    if any(explicit) and not all(explicit):
+        raise DistributedError("--coordinator, --num-processes and --process-id go together")
+    kwargs = {}
+    if heartbeat_timeout_s is not None:
+        kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
+    if init_timeout_s is not None:
+        kwargs["initialization_timeout"] = int(init_timeout_s)
+    if all(explicit):
+        if not 0 <= process_id < num_processes:
+            raise DistributedError(f"--process-id {process_id} outside [0, {num_processes})")
+        if num_processes == 1:
+            return False
+        jax.distributed.initialize(coordinator, num_processes, process_id, **kwargs)
+        return True
+    if _on_tpu_pod():
+        jax.distributed.initialize(**kwargs)
+        return True
+    return False
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0

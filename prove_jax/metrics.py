@@ -1,0 +1,116 @@
+"""Training progress: a tqdm bar and RUN_DIR/metrics.jsonl (one JSON record per logged step).
+
+Throughput is counted in model-input tokens per second (batch x length, padding included, the
+MARS clean stream only: the masked copy is overhead of the objective, not data). MFU is shown
+when the accelerator's peak is known: FLOPs per step = 6 x params x streamed tokens (2x for
+MARS, whose forward is over 2L positions) + attention, over step time x devices x peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+# Dense bf16 peak FLOP/s per chip, matched on a substring of jax's device_kind.
+PEAK_FLOPS = {
+    "v5p": 459e12, "v5 lite": 197e12, "v5e": 197e12, "v6 lite": 918e12, "v6e": 918e12,
+    "v4": 275e12, "h100": 989e12, "h200": 989e12, "a100": 312e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    kind = device_kind.lower()
+    for key, flops in PEAK_FLOPS.items():
+        if key in kind:
+            return flops
+    return None
+
+
+def train_flops_per_step(model_cfg, batch: int, length: int, objective: str) -> float:
+    """Forward + backward FLOPs of one step (matmuls only; attention over the full span)."""
+    streamed = length * (2 if objective == "mars" else 1)
+    matmul = 6.0 * model_cfg.num_params * batch * streamed
+    attn = 12.0 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * batch * streamed ** 2
+    return matmul + attn
+
+
+def _scalar(x) -> float:
+    return float(np.asarray(x))
+
+
+class MetricsLogger:
+    """Writes jsonl on process 0 only; every process may call it (others are no-ops)."""
+
+    def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, flops_per_step=None,
+                 tokens_per_step: int = 0, block_size: int | None = None, show_bar: bool = True):
+        self.main = jax.process_index() == 0
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tokens_per_step = tokens_per_step
+        self.block_size = block_size
+        peak = peak_flops(jax.devices()[0].device_kind)
+        self.peak_total = peak * jax.device_count() if peak else None
+        self.flops_per_step = flops_per_step
+        self.last_time, self.last_step = time.perf_counter(), start_step
+        self.bar = None
+        if self.main:
+            os.makedirs(run_dir, exist_ok=True)
+            self._drop_records_after(start_step)
+            if show_bar:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
+                                dynamic_ncols=True)
+
+    def _drop_records_after(self, step: int) -> None:
+        """On resume, forget records of steps that the restored checkpoint never reached."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        from prove_jax.checkpoint import atomic_write_text
+        atomic_write_text(self.path, "".join(keep))
+
+    def record(self, step: int, metrics: dict) -> dict:
+        """Log the metrics of the step that just finished (1-based `step`)."""
+        now = time.perf_counter()
+        steps_done = max(1, step - self.last_step)
+        dt = (now - self.last_time) / steps_done
+        self.last_time, self.last_step = now, step
+        rec = {"step": step}
+        for k, v in metrics.items():
+            arr = np.asarray(v)
+            rec[k] = arr.tolist() if arr.ndim else float(arr)
+        rec["step_time_s"] = dt
+        rec["tokens_per_s"] = self.tokens_per_step / dt if dt > 0 else None
+        if self.peak_total and self.flops_per_step:
+            rec["mfu"] = self.flops_per_step / dt / self.peak_total
+        if self.main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if self.bar is not None:
+                self.bar.update(step - self.bar.n)
+                self.bar.set_postfix_str(self.describe(rec), refresh=True)
+        return rec
+
+    def describe(self, rec: dict) -> str:
+        parts = [f"loss {rec['loss']:.4f}"]
+        if "loss_masked" in rec:
+            parts.append(f"masked {rec['loss_masked']:.4f}")
+        if "loss_clean" in rec:
+            parts.append(f"clean {rec['loss_clean']:.4f}")
+        acc = rec.get("masked_acc_by_pos")
+        if acc:
+            shown = acc[:4] + (["..", acc[-1]] if len(acc) > 5 else acc[4:])
+            parts.append("acc@pos " + " ".join(x if isinstance(x, str) else f"{x:.2f}" for x in shown))
+        if rec.get("tokens_per_s"):
+            parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
+        if rec.get("mfu") is not None:
+            parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+        return ", ".join(parts)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,95 @@
+"""Run checkpoints: train state (params, optimizer, step) + data iterator + metadata, via orbax.
+
+Lives in RUN_DIR/checkpoints/<step>/ with items `state` (sharded arrays, each host writes its
+shards), `data` (the grain iterator position, one JSON per host) and `meta` (JSON). Saves are
+asynchronous (training continues while arrays are written) and orbax keeps the last N. A run
+resumes from the newest checkpoint that restores; one that does not (a crash mid-write on a
+filesystem without atomic rename, a deleted shard) is moved aside to RUN_DIR/corrupt/ with a
+message, and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class RunCheckpointError(RuntimeError):
+    """No usable checkpoint where one was expected."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+class RunCheckpoints:
+    def __init__(self, run_dir: str, keep: int = 3, async_save: bool = True,
+                 log: Callable[[str], None] = print):
+        self.run_dir = os.path.abspath(run_dir)
+        self.dir = os.path.join(self.run_dir, "checkpoints")
+        self.log = log
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(self.dir, options=options)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: dict, data_iter, meta: dict, force: bool = True) -> None:
+        """Start an (async) save; arrays are copied off-device before this returns."""
+        args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        if data_iter is not None:
+            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        self.manager.save(step, args=ocp.args.Composite(**args), force=force)
+
+    def restore_latest(self, abstract_state: dict, data_iter) -> tuple[int, dict, dict] | None:
+        """(step, state, meta) of the newest readable checkpoint (the iterator is rewound in
+        place), or None for a fresh run. `abstract_state` carries the target shardings."""
+        steps = sorted(self.steps(), reverse=True)
+        for i, step in enumerate(steps):
+            args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+            if data_iter is not None:
+                args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+            except Exception as e:  # orbax/tensorstore raise many types for a damaged folder
+                older = steps[i + 1] if i + 1 < len(steps) else None
+                self.log(f"warning: checkpoint step {step} in {self.dir} cannot be restored "
+                         f"({_first_line(e)}); "
+                         + (f"falling back to step {older}" if older is not None
+                            else "no older checkpoint to fall back to"))
+                self._move_aside(step)
+                continue
+            return step, restored["state"], restored["meta"]
+        if steps:
+            raise RunCheckpointError(f"no checkpoint in {self.dir} could be restored "
+                                     f"(tried steps {steps}); remove the folder to start over")
+        return None
+
+    def _move_aside(self, step: int) -> None:
+        """Keep a damaged step out of the manager's way (a later save reuses its number)."""
+        if jax.process_index() == 0:
+            src = os.path.join(self.dir, str(step))
+            dst = os.path.join(self.run_dir, "corrupt", str(step))
+            if os.path.isdir(src):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.move(src, dst)
+                self.log(f"moved the damaged checkpoint to {dst}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"move_aside_{step}")
+        self.manager.reload()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

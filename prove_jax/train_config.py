@@ -1,0 +1,233 @@
+"""Training configuration: nested dataclasses read from YAML, with `key=value` overrides.
+
+One file describes a run; the command line changes single keys (`steps=10`,
+`optimizer.lr=1e-4`). Unknown keys fail with the list of valid ones, so a typo never silently
+trains with a default. `${stdlib}` in a path expands to this Python's standard-library folder
+(a real text corpus present everywhere, used by the tiny CPU config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from typing import Any
+
+import yaml
+
+
+class TrainConfigError(ValueError):
+    """A training configuration that cannot be used as written."""
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """Where the initial weights come from: exactly one of hf_dir / checkpoint / preset / config."""
+    hf_dir: str | None = None  # HF safetensors directory, converted on the fly
+    checkpoint: str | None = None  # a prove_jax model checkpoint (checkpoint.save_model)
+    preset: str | None = None  # a name from config.PRESETS, random init
+    config: dict | None = None  # inline ModelConfig fields, random init
+    dtype: str | None = None  # compute dtype override (bfloat16 = bf16 compute)
+    param_dtype: str | None = None  # master-weight dtype override (float32 recommended)
+    remat: bool = False  # rematerialise each decoder layer in the backward pass
+
+
+@dataclasses.dataclass
+class TokenizerSource:
+    """A tokenizer directory, or (for from-scratch runs) a byte-level BPE trained on the data."""
+    path: str | None = None  # None: the model checkpoint's / HF dir's tokenizer
+    bpe_vocab_size: int | None = None  # train a BPE of this size on the training data
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    warmup_ratio: float = 0.03  # fraction of `steps` spent in linear warmup
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0  # global-norm clipping; None disables
+    grad_accum: int = 1  # micro-batches per step (global_batch_size must divide)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
+    tokenizer: TokenizerSource = dataclasses.field(default_factory=TokenizerSource)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    objective: str = "mars"  # mars | ar
+    block_size: int = 16
+    ar_weight: float = 1.0
+    data: str | None = None  # text file, folder of text files, or JSONL
+    chat: bool = False  # apply the tokenizer's chat template to prompt/response pairs
+    max_length: int = 512
+    global_batch_size: int = 8
+    steps: int = 100
+    mesh: list = dataclasses.field(default_factory=lambda: [1, -1, 1])  # data, fsdp, tensor
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 10
+    save_every: int = 100
+    keep: int = 3  # checkpoints kept in run_dir/checkpoints
+    export_every_save: bool = False  # also refresh run_dir/model at every save
+    async_save: bool = True
+    target_chip: str | None = None  # for --dry-run: v5p, v5e, v4, v6e, H100, H200
+
+    def validate(self) -> "TrainConfig":
+        if self.objective not in ("mars", "ar"):
+            raise TrainConfigError(f"objective must be 'mars' or 'ar', got {self.objective!r}")
+        for name in ("block_size", "max_length", "global_batch_size", "steps", "log_every",
+                     "save_every", "keep"):
+            if getattr(self, name) <= 0:
+                raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.optimizer.grad_accum <= 0 or self.global_batch_size % self.optimizer.grad_accum:
+            raise TrainConfigError(
+                f"optimizer.grad_accum={self.optimizer.grad_accum} must divide "
+                f"global_batch_size={self.global_batch_size}")
+        if len(self.mesh) != 3:
+            raise TrainConfigError(f"mesh must be [data, fsdp, tensor], got {self.mesh}")
+        sources = [k for k in ("hf_dir", "checkpoint", "preset", "config")
+                   if getattr(self.model, k) is not None]
+        if len(sources) != 1:
+            raise TrainConfigError(
+                f"set exactly one of model.hf_dir / model.checkpoint / model.preset / "
+                f"model.config (got {sources or 'none'})")
+        return self
+
+
+def _field_types(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a config file or override may set."""
+    out = []
+    for f in dataclasses.fields(cls):
+        sub = _nested_class(cls, f.name)
+        if sub is not None:
+            out += valid_keys(sub, prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+_NESTED = {(TrainConfig, "model"): ModelSource, (TrainConfig, "tokenizer"): TokenizerSource,
+           (TrainConfig, "optimizer"): OptimizerConfig}
+
+
+def _nested_class(cls, name):
+    return _NESTED.get((cls, name))
+
+
+def _unknown(key: str) -> TrainConfigError:
+    return TrainConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}")
+
+
+def _build(cls, d: dict, prefix: str = ""):
+    if not isinstance(d, dict):
+        raise TrainConfigError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping")
+    fields = _field_types(cls)
+    kwargs = {}
+    for key, value in d.items():
+        if key not in fields:
+            raise _unknown(prefix + key)
+        sub = _nested_class(cls, key)
+        if sub is not None:
+            if isinstance(value, str) and key == "tokenizer":
+                value = {"path": value}  # `tokenizer: DIR` shorthand
+            kwargs[key] = _build(sub, value or {}, prefix + key + ".")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    """YAML scalar parsing: 10 -> int, 1e-4 -> float, null -> None, [1,2] -> list."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and _looks_float(value):
+        return float(value)
+    return value
+
+
+def _looks_float(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _coerce(value, current, key):
+    """Match an override's type to the field's current value where that is unambiguous."""
+    if isinstance(current, bool) or value is None:
+        return value
+    if isinstance(current, float) and isinstance(value, int):
+        return float(value)
+    if isinstance(current, int) and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (int, float)) and isinstance(current, str):
+        return str(value)
+    return value
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """`key=value` strings, dotted keys for nested sections (`optimizer.lr=3e-4`)."""
+    for item in overrides:
+        if "=" not in item:
+            raise TrainConfigError(f"override {item!r} is not key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        value = _parse_value(text)
+        parts = key.split(".")
+        obj, cls = cfg, TrainConfig
+        for part in parts[:-1]:
+            sub = _nested_class(cls, part)
+            if sub is None:
+                raise _unknown(key)
+            obj, cls = getattr(obj, part), sub
+        leaf = parts[-1]
+        if leaf not in _field_types(cls) or _nested_class(cls, leaf) is not None:
+            if _nested_class(cls, leaf) is TokenizerSource and isinstance(value, str):
+                obj.tokenizer = TokenizerSource(path=value)
+                continue
+            raise _unknown(key)
+        if cls is ModelSource and leaf in ("hf_dir", "checkpoint", "preset", "config") and value is not None:
+            for other in ("hf_dir", "checkpoint", "preset", "config"):
+                setattr(obj, other, None)  # choosing a model source replaces the old one
+        setattr(obj, leaf, _coerce(value, getattr(obj, leaf), key))
+    return cfg
+
+
+def expand_path(path: str | None) -> str | None:
+    if path is None:
+        return None
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return os.path.expanduser(str(path).replace("${stdlib}", stdlib))
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML config (or start from defaults with path=None) and apply overrides."""
+    raw: dict = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise TrainConfigError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise TrainConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    cfg = apply_overrides(_build(TrainConfig, raw), list(overrides))
+    cfg.data = expand_path(cfg.data)
+    cfg.run_dir = expand_path(cfg.run_dir)
+    for section, key in ((cfg.model, "hf_dir"), (cfg.model, "checkpoint"), (cfg.tokenizer, "path")):
+        setattr(section, key, expand_path(getattr(section, key)))
+    return cfg.validate()
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

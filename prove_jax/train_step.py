@@ -1,0 +1,136 @@
+"""The jitted train step: loss + grads (with gradient accumulation) + one optimizer update.
+
+The train state is a plain pytree `{"params": pure dict, "opt_state": optax state, "step":
+int32}` so it jits, donates and checkpoints without NNX bookkeeping; the model is rebuilt from
+(graphdef, params) inside the trace. Shardings come from the logical-axis table
+(sharding.py), so the same step runs on one CPU, a simulated 2x2x2 mesh, a multi-host mesh or
+(for --dry-run) an AbstractMesh.
+
+Precision: parameters are stored in `cfg.param_dtype` (keep float32 as master weights) and the
+model casts them to `cfg.dtype` at each matmul, so `dtype=bfloat16` gives bf16 compute with f32
+master weights and f32 optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from prove_jax import sharding
+
+BATCH_SPEC = P(("data", "fsdp"))  # rows of every batch array are split over data x fsdp
+LossFn = Callable  # (model, batch) -> (loss scalar, metrics dict)
+
+
+def make_loss_fn(objective: str, *, block_size: int, mask_token_id: int | None,
+                 ar_weight: float = 1.0) -> LossFn:
+    """The (model, batch) -> (loss, metrics) function of an objective from objectives.py."""
+    from prove_jax import objectives
+    if objective == "ar":
+        return objectives.ar_loss
+    if objective == "mars":
+        if mask_token_id is None:
+            raise ValueError("the mars objective needs a mask token id (cfg.mask_token_id)")
+        return functools.partial(objectives.mars_loss, block_size=block_size,
+                                 mask_token_id=mask_token_id, ar_weight=ar_weight)
+    raise ValueError(f"unknown objective {objective!r}; expected 'ar' or 'mars'")
+
+
+def batch_shardings(mesh, batch_keys=("input_ids", "loss_mask", "valid")) -> dict:
+    return {k: NamedSharding(mesh, BATCH_SPEC) for k in batch_keys}
+
+
+@dataclasses.dataclass
+class StateLayout:
+    """Abstract train state + its shardings: all a jit, a restore or a dry run needs."""
+    graphdef: nnx.GraphDef
+    abstract: dict  # ShapeDtypeStructs (with shardings) of {"params", "opt_state", "step"}
+    shardings: dict  # NamedShardings, same tree
+
+
+def state_layout(abstract_model, tx: optax.GradientTransformation, mesh) -> StateLayout:
+    """Shardings of params (logical-axis table), optimizer moments (follow params), step."""
+    from prove_jax.optim import opt_state_shardings
+    graphdef, abstract_state = nnx.split(abstract_model)
+    param_sh = sharding.state_shardings(abstract_state, mesh)
+    param_sh = param_sh.to_pure_dict() if isinstance(param_sh, nnx.State) else param_sh
+    abs_params = abstract_state.to_pure_dict()
+    opt_sh, abs_opt = opt_state_shardings(tx, abs_params, param_sh, mesh)
+    shardings = {"params": param_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
+    abstract = {"params": abs_params, "opt_state": abs_opt,
+                "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+    return StateLayout(graphdef, abstract, shardings)
+
+
+def init_state(model, tx: optax.GradientTransformation, layout: StateLayout) -> dict:
+    """Concrete train state from a concrete model, every array placed in its sharding."""
+    params = nnx.state(model).to_pure_dict()
+    params = jax.device_put(params, layout.shardings["params"])
+    opt_state = jax.jit(tx.init, out_shardings=layout.shardings["opt_state"])(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), layout.shardings["step"])
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def _split_micro(x, n):
+    """[B, ...] -> [n, B/n, ...] taking every n-th row, so each device's shard splits evenly."""
+    if n == 1:
+        return x[None]
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+
+def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
+    """Pure (state, batch) -> (state, metrics); metrics averaged over micro-batches."""
+
+    def loss_of(params, micro):
+        return loss_fn(nnx.merge(graphdef, params), micro)
+
+    grad_of = jax.value_and_grad(loss_of, has_aux=True)
+
+    def step_fn(state, batch):
+        params = state["params"]
+        if grad_accum == 1:
+            (_, metrics), grads = grad_of(params, batch)
+        else:
+            micro_batches = jax.tree.map(lambda x: _split_micro(x, grad_accum), batch)
+
+            def body(acc, micro):
+                (_, m), g = grad_of(params, micro)
+                return jax.tree.map(jnp.add, acc, (g, m)), None
+
+            zero_g = jax.tree.map(jnp.zeros_like, params)
+            first = jax.tree.map(lambda x: x[0], micro_batches)
+            zero_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                  jax.eval_shape(lambda: loss_of(params, first)[1]))
+            (grads, metrics), _ = jax.lax.scan(body, (zero_g, zero_m), micro_batches)
+            # equal-size micro-batches: the mean of per-micro means is the full-batch mean
+            grads = jax.tree.map(lambda g: g / grad_accum, grads)
+            metrics = {k: (v if k == "tokens" else v / grad_accum) for k, v in metrics.items()}
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return step_fn
+
+
+def jit_step(step_fn, layout: StateLayout, mesh):
+    """jax.jit with explicit in/out shardings; the input state is donated (updated in place)."""
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings(mesh)),
+                   out_shardings=(layout.shardings, replicated), donate_argnums=(0,))
+
+
+def abstract_batch(mesh, batch_size: int, length: int) -> dict:
+    sh = NamedSharding(mesh, BATCH_SPEC)
+    return {"input_ids": jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=sh),
+            "loss_mask": jax.ShapeDtypeStruct((batch_size, length), jnp.bool_, sharding=sh),
+            "valid": jax.ShapeDtypeStruct((batch_size, length), jnp.bool_, sharding=sh)}

@@ -1,0 +1,342 @@
+"""The training loop: config -> mesh, tokenizer, model, data, optimizer -> steps -> checkpoints.
+
+Start-up order matters for resumption: the model config and tokenizer are derived the same
+way on every launch (the `<|mask|>` token included), so the abstract train state, and with it
+the restore target, is known before any weights are read. A fresh run loads the initial
+weights (HF dir, prove_jax checkpoint, or random init); a resumed run reads only its own
+latest checkpoint (params, optimizer, step, data position).
+
+At the end the trained model is exported as a prove_jax model checkpoint at RUN_DIR/model
+(config with mask_token_id + tokenizer files), the input of `infer.generate --model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from prove_jax import checkpoint, params as params_lib, sharding
+from prove_jax.config import ModelConfig, preset
+from prove_jax.metrics import MetricsLogger, train_flops_per_step
+from prove_jax.optim import make_optimizer
+from prove_jax.run_checkpoint import RunCheckpointError, RunCheckpoints
+from prove_jax.train_config import TrainConfig, TrainConfigError, to_dict
+from prove_jax.train_step import (BATCH_SPEC, build_step_fn, init_state, jit_step, make_loss_fn,
+                                  state_layout)
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue, with a message naming the cause."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: str
+    start_step: int  # 0 for a fresh run, the restored step otherwise
+    final_step: int
+    records: list[dict]  # logged metrics of this launch
+    model_cfg: ModelConfig
+    state: dict  # final train state (params, opt_state, step)
+    model_dir: str | None  # the exported model checkpoint
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input (CLI: `error: ...`, exit 2), not a bug."""
+    import importlib
+    found = [TrainError, TrainConfigError, RunCheckpointError, FileNotFoundError]
+    for module, name in (("prove_jax.config", "ConfigError"), ("prove_jax.checkpoint", "CheckpointError"),
+                         ("prove_jax.data", "DataError"), ("prove_jax.objectives", "ObjectiveError"),
+                         ("prove_jax.vocab", "VocabError"), ("prove_jax.distributed", "DistributedError"),
+                         ("prove_jax.tokenizer_build", "TokenizerBuildError"),
+                         ("prove_jax.hf_weights", "WeightError"),
+                         ("prove_jax.safetensors_io", "SafetensorsError"),
+                         ("prove_jax.dry_run", "DryRunError")):
+        try:
+            exc = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(exc, type) and issubclass(exc, BaseException):
+            found.append(exc)
+    return tuple(found)
+
+
+def _log_main(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+# ---- model config and tokenizer -----------------------------------------------------------
+
+def source_model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model config of the initial weights, without reading any weights."""
+    src = cfg.model
+    if src.hf_dir is not None:
+        from prove_jax import convert
+        if not os.path.isdir(src.hf_dir):
+            raise TrainError(f"model.hf_dir not found: {src.hf_dir}")
+        model_cfg = convert.read_hf_config(src.hf_dir)
+    elif src.checkpoint is not None:
+        model_cfg = checkpoint.load_config(src.checkpoint)
+    elif src.preset is not None:
+        model_cfg = preset(src.preset)
+    else:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(src.config) - fields)
+        if unknown:
+            raise TrainConfigError(f"unknown model.config keys {unknown}; valid: {sorted(fields)}")
+        d = dict(src.config)
+        if "eos_token_ids" in d:
+            d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        model_cfg = ModelConfig(**d)
+    overrides = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
+    return model_cfg.replace(**overrides)
+
+
+def _training_texts(path: str):
+    from prove_jax import data as data_lib
+    for ex in data_lib.load_examples(path):
+        if "text" in ex:
+            yield ex["text"]
+        else:
+            yield str(ex.get("prompt", "")) + str(ex.get("response", ""))
+
+
+def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
+    """(tokenizer, directory it was read from). A run's own saved tokenizer wins on resume."""
+    from prove_jax.tokenizer_build import build_tokenizer, load_tokenizer_dir
+    own = os.path.join(cfg.run_dir, "tokenizer")
+    if os.path.isfile(os.path.join(own, "tokenizer.json")):
+        return load_tokenizer_dir(own), own
+    tok = cfg.tokenizer
+    if tok.bpe_vocab_size:
+        base = os.path.join(cfg.run_dir, "tokenizer_base")
+        if jax.process_index() == 0 and not os.path.isfile(os.path.join(base, "tokenizer.json")):
+            _require_data(cfg.data)
+            _log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
+            build_tokenizer(_training_texts(cfg.data), base, vocab_size=tok.bpe_vocab_size)
+        _barrier("tokenizer_built")
+        return load_tokenizer_dir(base), base
+    where = tok.path or cfg.model.checkpoint or cfg.model.hf_dir
+    if where is None:
+        raise TrainConfigError("no tokenizer: set tokenizer.path (a tokenizer directory) or "
+                               "tokenizer.bpe_vocab_size (train one on the data)")
+    if not os.path.isdir(where):
+        raise TrainError(f"tokenizer directory not found: {where}")
+    loaded = checkpoint.load_tokenizer(where)
+    if loaded is None:
+        raise TrainError(f"no tokenizer files (tokenizer.json / vocab.json) in {where}")
+    return loaded, where
+
+
+def _fill_special_ids(model_cfg: ModelConfig, tokenizer) -> ModelConfig:
+    """From-scratch configs take EOS/pad ids from the tokenizer (needed by generation)."""
+    changes = {}
+    if not model_cfg.eos_token_ids and tokenizer.eos_token_id is not None:
+        changes["eos_token_ids"] = (int(tokenizer.eos_token_id),)
+    if model_cfg.pad_token_id is None and tokenizer.pad_token_id is not None:
+        changes["pad_token_id"] = int(tokenizer.pad_token_id)
+    return model_cfg.replace(**changes)
+
+
+def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
+    """The tokenizer as trained (with `<|mask|>`), saved once into RUN_DIR/tokenizer."""
+    own = os.path.join(run_dir, "tokenizer")
+    if jax.process_index() == 0 and not os.path.isfile(os.path.join(own, "tokenizer.json")):
+        with checkpoint.atomic_dir(own) as tmp:
+            tokenizer.save_pretrained(tmp)
+    _barrier("tokenizer_saved")
+    return own
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
+    """The starting weights of a fresh run, each array placed in its sharding."""
+    src = cfg.model
+    if src.hf_dir is not None:
+        from prove_jax import convert
+        _log_main(f"converting HF weights from {src.hf_dir}")
+        tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=jax.process_index() == 0)
+        graphdef, abstract_state = nnx.split(params_lib.abstract_model(model_cfg, src.remat))
+        shardings = sharding.state_shardings(abstract_state, mesh).to_pure_dict()
+        return nnx.merge(graphdef, jax.device_put(tree, shardings))
+    if src.checkpoint is not None:
+        _log_main(f"loading model checkpoint {src.checkpoint}")
+        return checkpoint.load_model(src.checkpoint, mesh=mesh, dtype=src.dtype,
+                                     param_dtype=src.param_dtype, remat=src.remat)
+    return params_lib.create_model(model_cfg, seed=cfg.seed, mesh=mesh, remat=src.remat)
+
+
+def _with_mask_token(cfg: TrainConfig, tokenizer, model_cfg: ModelConfig):
+    """(tokenizer, model config, grown): MARS needs `<|mask|>`; AR runs leave the vocab alone."""
+    if cfg.objective != "mars" and model_cfg.mask_token_id is None:
+        return tokenizer, model_cfg, False
+    from prove_jax import vocab
+    return vocab.ensure_mask_token(tokenizer, model_cfg)
+
+
+# ---- export -------------------------------------------------------------------------------
+
+def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, tokenizer_dir: str) -> str:
+    """RUN_DIR/model: a prove_jax model checkpoint that `checkpoint.load_model` reads.
+
+    Single process: checkpoint.save_model (atomic rename). Several processes: every host writes
+    its shards through orbax (itself atomic: a temp folder finalised by the primary host), then
+    host 0 adds config and tokenizer files.
+    """
+    if jax.process_count() == 1:
+        return checkpoint.save_model(path, nnx.merge(graphdef, params), model_cfg, tokenizer_dir)
+    import orbax.checkpoint as ocp
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
+    ckptr.wait_until_finished()
+    if jax.process_index() == 0:
+        checkpoint.copy_tokenizer_files(tokenizer_dir, path)
+        checkpoint.atomic_write_text(os.path.join(path, "config.json"),
+                                     json.dumps(model_cfg.to_json_dict(), indent=2))
+    _barrier("export_done")
+    return path
+
+
+# ---- data ---------------------------------------------------------------------------------
+
+def _require_data(path: str | None) -> None:
+    if path is None:
+        raise TrainConfigError("no training data: set data=PATH (text file, folder or JSONL)")
+    if not os.path.exists(path):
+        raise TrainError(f"data not found: {path}")
+
+
+def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
+    from prove_jax import data as data_lib
+    _require_data(cfg.data)
+    it = data_lib.make_dataset(
+        cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
+        global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True, num_epochs=None,
+        process_index=jax.process_index(), process_count=jax.process_count(), chat=cfg.chat)
+    stats = getattr(it, "stats", None) or getattr(data_lib, "last_stats", None)
+    if stats:
+        log(f"data: {stats}")
+    return it
+
+
+def check_batch_layout(cfg: TrainConfig, mesh) -> None:
+    rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+    micro = cfg.global_batch_size // cfg.optimizer.grad_accum
+    if cfg.global_batch_size % jax.process_count():
+        raise TrainConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
+                               f"the process count {jax.process_count()}")
+    if micro % rows or (cfg.global_batch_size // rows) % cfg.optimizer.grad_accum:
+        raise TrainConfigError(
+            f"global_batch_size={cfg.global_batch_size} must be a multiple of data x fsdp = {rows} "
+            f"times optimizer.grad_accum = {cfg.optimizer.grad_accum}")
+
+
+# ---- the loop -----------------------------------------------------------------------------
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bool = True,
+          stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) the configured training. `stop_after` ends this launch early at that
+    step (after saving), as if the job were killed there; used to test resumption."""
+    run_dir = os.path.abspath(cfg.run_dir)
+    cfg = dataclasses.replace(cfg, run_dir=run_dir)
+    mesh = sharding.make_mesh(cfg.mesh)
+    check_batch_layout(cfg, mesh)
+    log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"{jax.process_count()} process(es)")
+
+    tokenizer, _ = resolve_tokenizer(cfg)
+    model_cfg = source_model_config(cfg)
+    if cfg.model.preset is not None or cfg.model.config is not None:
+        model_cfg = _fill_special_ids(model_cfg, tokenizer)
+        if len(tokenizer) > model_cfg.vocab_size:
+            raise TrainConfigError(f"tokenizer has {len(tokenizer)} tokens but the model vocab_size "
+                                   f"is {model_cfg.vocab_size}")
+    tokenizer, train_cfg, grown = _with_mask_token(cfg, tokenizer, model_cfg)
+    tok_dir = _save_run_tokenizer(tokenizer, run_dir)
+    if jax.process_index() == 0:
+        checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
+                                     json.dumps(to_dict(cfg), indent=2))
+
+    tx = make_optimizer(cfg.optimizer, cfg.steps)
+    layout = state_layout(params_lib.abstract_model(train_cfg, cfg.model.remat), tx, mesh)
+    loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
+                           mask_token_id=train_cfg.mask_token_id, ar_weight=cfg.ar_weight)
+    step_fn = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
+                       layout, mesh)
+
+    data_iter = make_data_iterator(cfg, tokenizer, log)
+    ckpts = RunCheckpoints(run_dir, keep=cfg.keep, async_save=cfg.async_save, log=log)
+    restored = ckpts.restore_latest(layout.abstract, data_iter)
+    if restored is not None:
+        start, state, _ = restored
+        log(f"resumed from {ckpts.dir}/{start}")
+    else:
+        start = 0
+        from_scratch = cfg.model.preset is not None or cfg.model.config is not None
+        if from_scratch:  # random init directly at the final vocab size
+            model = params_lib.create_model(train_cfg, seed=cfg.seed, mesh=mesh,
+                                            remat=cfg.model.remat)
+        else:
+            model = load_initial_model(cfg, model_cfg, mesh)
+            if grown:
+                from prove_jax import vocab
+                model = vocab.grow_embeddings(model, train_cfg)
+        state = init_state(model, tx, layout)
+        del model
+
+    meta = {"model_config": train_cfg.to_json_dict(), "objective": cfg.objective}
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    tokens_per_step = cfg.global_batch_size * cfg.max_length
+    logger = MetricsLogger(run_dir, cfg.steps, start_step=start,
+                           flops_per_step=train_flops_per_step(train_cfg, cfg.global_batch_size,
+                                                               cfg.max_length, cfg.objective),
+                           tokens_per_step=tokens_per_step,
+                           show_bar=show_bar and jax.process_index() == 0)
+    records = []
+    try:
+        with jax.set_mesh(mesh):
+            from prove_jax import data as data_lib
+            for step in range(start, end):
+                batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
+                state, metrics = step_fn(state, batch)
+                done = step + 1
+                if done % cfg.log_every == 0 or done in (start + 1, end):
+                    rec = logger.record(done, metrics)
+                    records.append(rec)
+                    if not math.isfinite(rec["loss"]):
+                        raise TrainError(f"loss is {rec['loss']} at step {done}; stopping")
+                if done % cfg.save_every == 0 or done == end:
+                    ckpts.save(done, state, data_iter, meta)
+                    if cfg.export_every_save and done != cfg.steps:
+                        ckpts.wait()
+                        export_model(os.path.join(run_dir, "model"), layout.graphdef,
+                                     state["params"], train_cfg, tok_dir)
+        ckpts.wait()
+    finally:
+        logger.close()
+        ckpts.close()
+
+    final = end if end > start else start
+    model_dir = None
+    if final == cfg.steps:
+        model_dir = export_model(os.path.join(run_dir, "model"), layout.graphdef, state["params"],
+                                 train_cfg, tok_dir)
+        log(f"exported the trained model to {model_dir}")
+    return TrainResult(run_dir=run_dir, start_step=start, final_step=final, records=records,
+                       model_cfg=train_cfg, state=state, model_dir=model_dir)

@@ -1,0 +1,64 @@
+"""Train a proposer (MARS) or verifier (AR) from one YAML config.
+
+    python -m train.train --config configs/tiny.yaml [key=value ...] [--dry-run]
+    python -m train.train --config configs/X.yaml --coordinator HOST:PORT --num-processes N --process-id I
+
+Overrides use the config's dotted keys (`steps=50`, `optimizer.lr=3e-4`, `data=PATH`,
+`run_dir=DIR`, `objective=ar`, `block_size=8`, `seed=1`). A run resumes automatically from the
+newest checkpoint in its run_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="YAML training config (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, dotted keys for nested sections (e.g. optimizer.lr=1e-4)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="lower the train step on an abstract mesh of the configured size (TPU "
+                        "lowering, no weights allocated) and print per-device memory vs the chip")
+    p.add_argument("--chip", default=None,
+                   help="target chip for --dry-run (v5p, v5e, v4, v6e, H100, H200); "
+                        "default: the config's target_chip")
+    p.add_argument("--coordinator", default=None,
+                   help="multi-host: coordinator address HOST:PORT (process 0 listens there)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: total process count")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    p.add_argument("--heartbeat-timeout", type=int, default=None,
+                   help="multi-host: seconds before a silent peer is declared dead (JAX default 100)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from prove_jax.trainer import user_errors
+    try:
+        from prove_jax.train_config import load_config
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            from prove_jax.dry_run import dry_run
+            report = dry_run(cfg, chip=args.chip)
+            print(report.describe())
+            return 0
+        from prove_jax import distributed
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               heartbeat_timeout_s=args.heartbeat_timeout)
+        from prove_jax.trainer import train  # noqa: after initialize
+        result = train(cfg, show_bar=not args.no_progress)
+        last = result.records[-1] if result.records else None
+        if last is not None:
+            print(f"step {result.final_step}: loss {last['loss']:.4f}; run dir {result.run_dir}")
+        return 0
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
