@@ -1,0 +1,286 @@
+"""Training data: load text / JSONL, tokenize into fixed-length rows, batch per host with grain.
+
+Every example becomes one row of `max_length` tokens with two masks:
+- `loss_mask` True for trained tokens: the response (+ EOS) of a prompt/response pair, every
+  token of plain text, and the EOS padding up to a multiple of `block_size` (MARS trains it);
+- `valid` True for real tokens including that EOS padding; False for the right padding.
+
+Rows are tokenized once, up front, so that truncation is counted before training starts and
+each row is a cheap numpy lookup afterwards. The grain pipeline is a MapDataset over row
+indices: shuffle (reseeded each epoch) -> repeat -> host-sized batches -> every
+`process_count`-th batch from `process_index`. Host h's j-th batch is therefore rows
+h*b .. (h+1)*b-1 of the j-th global batch, so a multi-host run sees exactly the global batches
+of a single-process run with the same seed, and the iterator state is one integer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".rs", ".go",
+                 ".js", ".ts", ".java", ".sh", ".toml", ".yaml", ".yml", ".cfg", ".ini", ".tex",
+                 ".html", ".css")
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+Example = dict  # {"prompt": str, "response": str} or {"text": str}
+
+
+class DataError(ValueError):
+    """Training data that cannot be read or turned into batches."""
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _parse_jsonl(path: str) -> list[Example]:
+    examples = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(
+                record.get("response"), str):
+            examples.append({"prompt": record["prompt"], "response": record["response"]})
+        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+            examples.append({"text": record["text"]})
+        else:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f'{path}:{lineno}: expected a {{"prompt", "response"}} or {{"text"}} '
+                            f"record of strings, got {keys}")
+    return examples
+
+
+def _load_file(path: str) -> list[Example]:
+    if path.endswith(JSONL_SUFFIXES):
+        return _parse_jsonl(path)
+    text = _read_text(path)
+    return [{"text": text}] if text.strip() else []
+
+
+def load_examples(path: str) -> list[Example]:
+    """Examples from a text file, a folder of text files (recursive, sorted) or JSONL."""
+    if not os.path.exists(path):
+        raise DataError(f"data path not found: {path}")
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            files += [os.path.join(root, n) for n in names
+                      if not n.startswith(".") and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
+        examples = [ex for f in sorted(files) for ex in _load_file(f)]
+    else:
+        examples = _load_file(path)
+    if not examples:
+        raise DataError(f"empty dataset: no examples in {path}")
+    return examples
+
+
+# ---- tokenizing ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DataStats:
+    examples: int           # records loaded
+    sequences: int          # rows after packing / splitting
+    truncated: int          # prompt/response rows cut at max_length
+    dropped: int            # rows left with no trained target (e.g. prompt alone >= max_length)
+    trained_tokens: int     # loss_mask & valid tokens over all rows
+    steps_per_epoch: int    # global batches per epoch (0 when smaller than one batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedRows:
+    input_ids: np.ndarray   # int32 [N, L]
+    loss_mask: np.ndarray   # bool [N, L]
+    valid: np.ndarray       # bool [N, L]
+    truncated: int
+    dropped: int
+
+
+def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return list(tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+
+
+def _chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def _special_ids(tokenizer) -> tuple[int, int]:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no eos_token; set one (it ends responses and pads blocks)")
+    pad = tokenizer.pad_token_id
+    return int(eos), int(eos if pad is None else pad)
+
+
+def _pack_stream(docs: Iterable[list[int]], max_length: int, pack: bool) -> list[list[int]]:
+    """Cut documents (EOS already appended) into chunks of at most max_length tokens."""
+    if pack:
+        stream = [t for d in docs for t in d]
+        return [stream[i:i + max_length] for i in range(0, len(stream), max_length)]
+    return [d[i:i + max_length] for d in docs for i in range(0, len(d), max_length)]
+
+
+def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int, block_size: int,
+                      chat: bool = False, pack: bool = True) -> TokenizedRows:
+    """Rows of exactly max_length tokens (see the module docstring for the masks)."""
+    if block_size <= 0 or max_length <= 0:
+        raise DataError(f"max_length ({max_length}) and block_size ({block_size}) must be positive")
+    if max_length % block_size:
+        raise DataError(f"max_length {max_length} is not a multiple of block_size {block_size}")
+    eos, pad = _special_ids(tokenizer)
+    pairs = [ex for ex in examples if "prompt" in ex]
+    texts = [ex["text"] for ex in examples if "prompt" not in ex]
+
+    rows: list[tuple[list[int], list[bool]]] = []  # (tokens, trained) before padding
+    truncated = 0
+    if pairs:
+        if chat:
+            prompts = [_chat_prompt_ids(tokenizer, ex["prompt"]) for ex in pairs]
+        else:
+            prompts = _token_ids(tokenizer, [ex["prompt"] for ex in pairs])
+        responses = _token_ids(tokenizer, [ex["response"] for ex in pairs])
+        for p, r in zip(prompts, responses):
+            tokens, trained = list(p) + list(r) + [eos], [False] * len(p) + [True] * (len(r) + 1)
+            if len(tokens) > max_length:
+                truncated += 1
+                tokens, trained = tokens[:max_length], trained[:max_length]
+            rows.append((tokens, trained))
+    if texts:
+        docs = [ids + [eos] for ids in _token_ids(tokenizer, texts)]
+        rows += [(chunk, [True] * len(chunk)) for chunk in _pack_stream(docs, max_length, pack)]
+
+    # A row trains something only if a trained token has a predecessor (targets are 1..n-1);
+    # EOS block padding (when the length is not a block multiple) always provides one.
+    kept = [(t, m) for t, m in rows if any(m[1:]) or len(t) % block_size]
+    dropped = len(rows) - len(kept)
+    n = len(kept)
+    input_ids = np.full((n, max_length), pad, np.int32)
+    loss_mask = np.zeros((n, max_length), bool)
+    valid = np.zeros((n, max_length), bool)
+    for i, (tokens, trained) in enumerate(kept):
+        length = len(tokens)
+        padded = length + (-length) % block_size  # EOS padding up to a block boundary: trained
+        input_ids[i, :length], input_ids[i, length:padded] = tokens, eos
+        loss_mask[i, :length], loss_mask[i, length:padded] = trained, True
+        valid[i, :padded] = True
+    return TokenizedRows(input_ids, loss_mask, valid, truncated, dropped)
+
+
+# ---- grain pipeline --------------------------------------------------------------------------
+
+class _RowLookup:
+    """index -> one row's arrays (a picklable grain map function)."""
+
+    def __init__(self, rows: TokenizedRows):
+        self.rows = rows
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        r = self.rows
+        return {"input_ids": r.input_ids[index], "loss_mask": r.loss_mask[index], "valid": r.valid[index]}
+
+
+def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_length: int,
+                 block_size: int, global_batch_size: int, seed: int, shuffle: bool = True,
+                 num_epochs: int | None = None, process_index: int | None = None,
+                 process_count: int | None = None, chat: bool = False, pack: bool = True,
+                 read_threads: int = 0, worker_count: int = 0) -> grain.DatasetIterator:
+    """This host's batch iterator: dicts of input_ids / loss_mask / valid, each [b, max_length].
+
+    b = global_batch_size // process_count. `num_epochs=None` repeats forever; a finite count
+    stops after the last full global batch (the same step on every host). The returned grain
+    iterator has get_state()/set_state() (one integer: the next batch index) and works with
+    `iterator_save_args` / `iterator_restore_args` inside an orbax Composite. `.stats` holds
+    the DataStats of the dataset.
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if global_batch_size <= 0 or global_batch_size % process_count:
+        raise DataError(f"global_batch_size {global_batch_size} must be a positive multiple of the "
+                        f"process count {process_count}")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index {process_index} outside 0..{process_count - 1}")
+    if num_epochs is not None and num_epochs <= 0:
+        raise DataError(f"num_epochs must be positive or None (forever), got {num_epochs}")
+    examples = load_examples(examples_or_path) if isinstance(examples_or_path, (str, os.PathLike)) \
+        else list(examples_or_path)
+    if not examples:
+        raise DataError("empty dataset: no examples given")
+    rows = tokenize_examples(examples, tokenizer, max_length=max_length, block_size=block_size,
+                             chat=chat, pack=pack)
+    n = rows.input_ids.shape[0]
+    if n == 0:
+        raise DataError(f"empty dataset: all {len(examples)} examples were dropped (no trained tokens "
+                        f"within max_length {max_length})")
+    if rows.truncated or rows.dropped:
+        log.warning("data: %d sequences longer than max_length %d were truncated; %d rows dropped "
+                    "(no trained token left)", rows.truncated, max_length, rows.dropped)
+    stats = DataStats(examples=len(examples), sequences=n, truncated=rows.truncated,
+                      dropped=rows.dropped, trained_tokens=int((rows.loss_mask & rows.valid).sum()),
+                      steps_per_epoch=n // global_batch_size)
+
+    host_batch = global_batch_size // process_count
+    ds = grain.MapDataset.range(n)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs).map(_RowLookup(rows)).batch(host_batch, drop_remainder=True)
+    ds = ds[process_index::process_count]  # host h: hb-chunks h, h + P, ... of the global order
+    if num_epochs is not None:
+        steps = n * num_epochs // global_batch_size
+        if steps == 0:
+            raise DataError(f"{n} sequences x {num_epochs} epochs do not fill one global batch of "
+                            f"{global_batch_size}")
+        ds = ds[:steps]
+    iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
+                                                   prefetch_buffer_size=2 * read_threads))
+    if worker_count > 0:
+        iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    iterator = iter(iter_ds)
+    iterator.stats = stats
+    return iterator
+
+
+def iterator_save_args(iterator):
+    """orbax args that save the iterator's state (use inside ocp.args.Composite)."""
+    import grain.checkpoint as gcp
+    return gcp.CheckpointSave(iterator)
+
+
+def iterator_restore_args(iterator):
+    """orbax args that restore a saved state into `iterator` (built with the same settings)."""
+    import grain.checkpoint as gcp
+    return gcp.CheckpointRestore(iterator)
+
+
+def to_global_batch(host_batch: Mapping[str, Any], mesh,
+                    batch_spec: PartitionSpec = PartitionSpec(("data", "fsdp"))) -> dict[str, jax.Array]:
+    """Assemble each host's rows into global arrays sharded over the batch axes of `mesh`."""
+    sharding = NamedSharding(mesh, batch_spec)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in host_batch.items()}
