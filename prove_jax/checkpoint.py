@@ -91,10 +91,19 @@ def params_pure_dict(model_or_state) -> dict:
 def save_model(path: str, model: Qwen2, cfg: ModelConfig | None = None,
                tokenizer_dir: str | None = None) -> str:
     """Save params + config (+ tokenizer files copied from `tokenizer_dir`) atomically."""
-    cfg = cfg or model.cfg
+    return save_params(path, params_pure_dict(model), cfg or model.cfg, tokenizer_dir)
+
+
+def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | None = None) -> str:
+    """Write a checkpoint from a pure-dict param tree (jax or numpy leaves) atomically.
+
+    The one writer of the checkpoint format: `save_model` and the HF converter both use it, so a
+    converted checkpoint is exactly what `load_model` expects. `params` must have the structure
+    of `nnx.state(model, nnx.Param).to_pure_dict()` (layer indices as int keys).
+    """
     with atomic_dir(path) as tmp:
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "params"), params_pure_dict(model))
+        ckptr.save(os.path.join(tmp, "params"), params)
         ckptr.wait_until_finished()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_json_dict(), f, indent=2)

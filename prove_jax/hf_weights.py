@@ -103,25 +103,47 @@ def expected_hf_keys(cfg: ModelConfig) -> list[str]:
     return keys
 
 
-def hf_to_ours(name: str, array: np.ndarray, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
-    """Map one HF tensor to (our dotted path, array in our layout); None for ignored buffers."""
+def check_hf_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> str | None:
+    """Our dotted path for HF tensor `name` of `shape`, None for ignored ones; WeightError if it
+    does not fit `cfg`. Needs only the header shape, so a converter can check a whole
+    checkpoint before reading any tensor data."""
+    return _match(name, tuple(shape), cfg)[0]
+
+
+def _match(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str | None, _Rule | None]:
     if IGNORED_HF_KEYS.match(name):
-        return None
+        return None, None
     for pattern, rule in _COMPILED:
         m = pattern.match(name)
         if not m:
             continue
         if rule.ours == "lm_head" and cfg.tie_word_embeddings:
-            return None  # tied: the head is the embedding; a stray copy is harmless
+            return None, None  # tied: the head is the embedding; a stray copy is harmless
         want = rule.hf_shape(cfg)
-        if tuple(array.shape) != want:
-            raise WeightError(f"shape mismatch for {name}: checkpoint has {tuple(array.shape)}, "
+        if shape != want:
+            raise WeightError(f"shape mismatch for {name}: checkpoint has {shape}, "
                               f"config expects {want}")
         i = m.groupdict().get("i")
         if i is not None and int(i) >= cfg.num_layers:
             raise WeightError(f"unexpected key {name}: layer {i} but config has {cfg.num_layers} layers")
-        return rule.ours.format(i=i), rule.to_ours(array, cfg)
-    raise WeightError(f"unmapped weight {name!r} (shape {tuple(array.shape)}): not part of a Qwen2 model")
+        return rule.ours.format(i=i), rule
+    raise WeightError(f"unmapped weight {name!r} (shape {shape}): not part of a Qwen2 model")
+
+
+def hf_to_ours(name: str, array: np.ndarray, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
+    """Map one HF tensor to (our dotted path, array in our layout); None for ignored buffers."""
+    path, rule = _match(name, tuple(array.shape), cfg)
+    if path is None:
+        return None
+    return path, rule.to_ours(array, cfg)
+
+
+def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The HF shape `cfg` implies for HF tensor `name` (for planning a safetensors header)."""
+    for pattern, rule in _COMPILED:
+        if pattern.match(name):
+            return tuple(rule.hf_shape(cfg))
+    raise WeightError(f"unmapped weight {name!r}: not part of a Qwen2 model")
 
 
 def ours_to_hf(flat_params: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:

@@ -1,0 +1,309 @@
+"""Convert Qwen2 checkpoints between HF safetensors and our orbax format, tensor by tensor.
+
+    python -m prove_jax.convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16]
+    python -m prove_jax.convert flax-to-hf --ckpt CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
+
+Memory: hf-to-flax reads one HF tensor at a time into its own buffer and keeps only the
+converted tree (one copy of the model); flax-to-hf plans each safetensors header from the config,
+then streams tensors in HF layout one at a time. Every check that needs only headers (model_type,
+missing / unmapped / duplicate keys, shapes, truncation) runs before any tensor data is read.
+Outputs appear under their final name only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+
+from prove_jax import safetensors_io as st
+from prove_jax.config import ConfigError, ModelConfig
+from prove_jax.hf_weights import WeightError, check_hf_tensor, expected_hf_keys, hf_shape, hf_to_ours, ours_to_hf
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+CONVERSION_ERRORS = (WeightError, ConfigError, st.SafetensorsError)  # + CheckpointError, see main
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return st.DTYPES["BF16"] if name == "bfloat16" else np.dtype(name)
+
+
+class _Progress:
+    """Tensor count / bytes on stderr, at most once every `every` seconds, plus a final line."""
+
+    def __init__(self, what: str, total_tensors: int, total_bytes: int, enabled: bool, every: float = 2.0):
+        self.what, self.n, self.total_bytes, self.enabled, self.every = what, total_tensors, total_bytes, enabled, every
+        self.done = self.bytes = 0
+        self.start = self.last = time.monotonic()
+
+    def step(self, nbytes: int) -> None:
+        self.done += 1
+        self.bytes += nbytes
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= self.every or self.done == self.n):
+            self.last = now
+            print(f"{self.what}: {self.done}/{self.n} tensors, {self.bytes / 1e9:.2f}/"
+                  f"{self.total_bytes / 1e9:.2f} GB, {now - self.start:.1f}s", file=sys.stderr, flush=True)
+
+
+def _check_out_dir(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to replace it)")
+
+
+def nest(flat: dict[str, object]) -> dict:
+    """Dotted paths -> the nested pure dict of `nnx.state(model, nnx.Param).to_pure_dict()`.
+
+    Digit segments become int keys, as nnx.List indices are ints in the pure dict.
+    """
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+# ---- HF -> ours --------------------------------------------------------------------------------
+
+def read_hf_config(hf_dir: str) -> ModelConfig:
+    """ModelConfig from an HF dir; eos ids from generation_config.json are added (Qwen2.5-Instruct
+    lists <|im_end|> in config.json but both <|im_end|> and <|endoftext|> there)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json in {hf_dir}")
+    cfg = ModelConfig.from_hf_dict(_read_json(path))
+    gen_path = os.path.join(hf_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        eos = _read_json(gen_path).get("eos_token_id")
+        eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        merged = tuple(dict.fromkeys(list(cfg.eos_token_ids) + [int(e) for e in eos]))
+        cfg = cfg.replace(eos_token_ids=merged)
+    return cfg
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return d
+
+
+def plan_hf_to_ours(infos: dict[str, st.TensorInfo], cfg: ModelConfig) -> list[st.TensorInfo]:
+    """The tensors to convert, after checking every name and shape against `cfg` (headers only)."""
+    wanted = []
+    for name, info in infos.items():
+        if check_hf_tensor(name, info.shape, cfg) is not None:
+            wanted.append(info)
+    missing = [k for k in expected_hf_keys(cfg) if k not in infos]
+    if missing:
+        raise WeightError(f"checkpoint is missing {len(missing)} weight(s) the config needs: "
+                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    return wanted
+
+
+def convert_hf_to_ours(hf_dir: str, cfg: ModelConfig, progress: bool = False) -> dict:
+    """Read an HF safetensors checkpoint into our nested pure-dict param tree (numpy leaves)."""
+    if not os.path.isdir(hf_dir):
+        raise st.SafetensorsError(f"HF model directory not found: {hf_dir}")
+    plan = plan_hf_to_ours(st.model_index(hf_dir), cfg)
+    target = _np_dtype(cfg.param_dtype)
+    report = _Progress("hf-to-flax", len(plan), sum(i.nbytes for i in plan), progress)
+    flat: dict[str, np.ndarray] = {}
+    for info, array in st.iter_tensors(plan):
+        path, ours = hf_to_ours(info.name, array, cfg)
+        del array  # the raw HF buffer; `ours` is a transposed copy (or a view for 1-D tensors)
+        flat[path] = np.ascontiguousarray(ours.astype(target, copy=False))
+        report.step(info.nbytes)
+    _check_against_model(flat, cfg)
+    return nest(flat)
+
+
+def _check_against_model(flat: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Our tree must be exactly the model's parameter set (guards the table, shapes included)."""
+    from prove_jax.params import abstract_model, flat_params  # jax import only when needed
+
+    want = {k: tuple(v.shape) for k, v in flat_params(abstract_model(cfg)).items()}
+    missing = sorted(set(want) - set(flat))
+    extra = sorted(set(flat) - set(want))
+    if missing or extra:
+        raise WeightError(f"converted params do not match the model: missing {missing[:5]}, extra {extra[:5]}")
+    for k, shape in want.items():
+        if flat[k].shape != shape:
+            raise WeightError(f"shape mismatch for {k}: converted {flat[k].shape}, model expects {shape}")
+
+
+def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: str | None = None,
+               overwrite: bool = False, progress: bool = False) -> ModelConfig:
+    """HF dir (config.json + safetensors [+ tokenizer]) -> our checkpoint dir. Returns its config.
+
+    `dtype` is the stored parameter dtype (default: the HF config's), `compute_dtype` the matmul
+    dtype recorded in our config (default float32; `load_model(dtype=...)` can override it).
+    """
+    from prove_jax.checkpoint import save_params
+
+    if not os.path.isdir(hf_dir):
+        raise st.SafetensorsError(f"HF model directory not found: {hf_dir}")
+    _check_out_dir(out, overwrite)
+    cfg = read_hf_config(hf_dir)
+    changes = {k: v for k, v in (("param_dtype", dtype), ("dtype", compute_dtype)) if v}
+    for v in changes.values():
+        if v not in DTYPES:
+            raise ConfigError(f"unsupported dtype {v!r}; supported: {', '.join(DTYPES)}")
+    cfg = cfg.replace(**changes)
+    params = convert_hf_to_ours(hf_dir, cfg, progress)
+    if progress:
+        print(f"hf-to-flax: writing orbax checkpoint to {out}", file=sys.stderr, flush=True)
+    save_params(out, params, cfg, tokenizer_dir=hf_dir)
+    return cfg
+
+
+# ---- ours -> HF --------------------------------------------------------------------------------
+
+def plan_shards(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int) -> list[list]:
+    """Greedy split into files of at most `max_bytes` of tensor data (a bigger tensor gets its own)."""
+    shards, current, size = [], [], 0
+    for entry in entries:
+        n = int(np.prod(entry[2])) * np.dtype(entry[1]).itemsize
+        if current and size + n > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += n
+    return shards + [current] if current else shards
+
+
+def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
+               max_shard_size: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+               progress: bool = False) -> list[str]:
+    """Our checkpoint -> HF dir that `AutoModelForCausalLM.from_pretrained` loads. Returns the
+    safetensors file names written."""
+    from prove_jax.checkpoint import atomic_dir, copy_tokenizer_files, load_config, load_model
+    from prove_jax.params import flat_params
+
+    cfg = load_config(ckpt)
+    out_dtype = dtype or cfg.param_dtype
+    if out_dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {out_dtype!r}; supported: {', '.join(DTYPES)}")
+    if max_shard_size <= 0:
+        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_size}")
+    _check_out_dir(out, overwrite)
+    flat = {k: np.asarray(v) for k, v in flat_params(load_model(ckpt)).items()}  # host views, no copy
+    target = _np_dtype(out_dtype)
+    entries = [(name, target, hf_shape(name, cfg)) for name in expected_hf_keys(cfg)]
+    shards = plan_shards(entries, max_shard_size)
+    names = ([st.SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(int(np.prod(s)) * target.itemsize for _, _, s in entries)
+    report = _Progress("flax-to-hf", len(entries), total, progress)
+
+    def hf_arrays() -> Iterator[tuple[str, np.ndarray]]:
+        for name, array in ours_to_hf(flat, cfg):
+            array = array.astype(target, copy=False)
+            report.step(array.nbytes)
+            yield name, array
+
+    arrays = hf_arrays()
+    hf_cfg = cfg.replace(param_dtype=out_dtype)
+    with atomic_dir(out) as tmp:
+        for name, shard in zip(names, shards):
+            st.write_file(os.path.join(tmp, name), shard, arrays)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {e[0]: n for n, shard in zip(names, shards) for e in shard}}
+            _write_json(os.path.join(tmp, st.INDEX_FILE), index)
+        _write_json(os.path.join(tmp, "config.json"), hf_cfg.to_hf_dict())
+        copy_tokenizer_files(ckpt, tmp)
+        _write_generation_config(os.path.join(tmp, "generation_config.json"), hf_cfg)
+    return names
+
+
+def _write_json(path: str, d: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+
+
+def _write_generation_config(path: str, cfg: ModelConfig) -> None:
+    """Keep a copied generation_config.json's sampling settings; our special ids win."""
+    gen = _read_json(path) if os.path.exists(path) else {}
+    eos = list(cfg.eos_token_ids)
+    gen.update({"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+                "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)})
+    _write_json(path, {k: v for k, v in gen.items() if v is not None})
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0])
+    return int(float(m.group(1)) * base**power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m prove_jax.convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-flax", help="HF Qwen2 safetensors dir -> prove-jax orbax checkpoint")
+    a.add_argument("--hf-dir", required=True, help="HF model dir: config.json + model.safetensors "
+                   "or model.safetensors.index.json shards (+ tokenizer files, copied)")
+    a.add_argument("--out", required=True, help="checkpoint dir to create (must not exist or be empty)")
+    a.add_argument("--dtype", choices=DTYPES, help="stored parameter dtype (default: the HF config's dtype)")
+    a.add_argument("--compute-dtype", choices=DTYPES, help="matmul dtype recorded in the checkpoint "
+                   "config (default float32; bfloat16 is ~5x slower on CPU)")
+    b = sub.add_parser("flax-to-hf", help="prove-jax checkpoint -> HF dir loadable by transformers")
+    b.add_argument("--ckpt", required=True, help="prove-jax checkpoint dir (config.json + params/)")
+    b.add_argument("--out", required=True, help="HF dir to create (must not exist or be empty)")
+    b.add_argument("--dtype", choices=DTYPES, help="safetensors dtype (default: the checkpoint's param dtype)")
+    b.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
+                   help="split into model-0000X-of-0000N.safetensors + index above this size (default 5GB)")
+    for q in (a, b):
+        q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+        q.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prove_jax.checkpoint import CheckpointError
+
+    args = build_parser().parse_args(argv)
+    start = time.monotonic()
+    try:
+        if args.command == "hf-to-flax":
+            cfg = hf_to_flax(args.hf_dir, args.out, args.dtype, args.compute_dtype, args.overwrite,
+                             progress=not args.quiet)
+            what = f"{cfg.num_params / 1e6:.1f}M params, {cfg.param_dtype}"
+        else:
+            files = flax_to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, args.overwrite,
+                               progress=not args.quiet)
+            what = f"{len(files)} safetensors file(s)"
+    except (*CONVERSION_ERRORS, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"{args.command}: wrote {args.out} ({what}) in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
