@@ -1,0 +1,107 @@
+"""The `<|mask|>` token MARS needs: add it to the tokenizer, and grow the model only if it must.
+
+Qwen2.5 checkpoints carry padded embedding rows (151,936 rows for 151,665 ids), so the new
+token lands on an existing row and nothing is resized. A tokenizer without spare rows gets the
+embedding (and an untied LM head) grown to the next multiple of 64; the new rows start at the
+mean of the old ones, a neutral point whose logit is the average logit (no token is favoured).
+The id is recorded in `ModelConfig.mask_token_id`, which `checkpoint.save_model` saves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from prove_jax import sharding
+from prove_jax.config import ModelConfig
+from prove_jax.model import Qwen2
+from prove_jax.params import abstract_model, flat_params, set_flat_params
+
+MASK_TOKEN = "<|mask|>"
+VOCAB_MULTIPLE = 64
+
+
+class VocabError(ValueError):
+    """A tokenizer and model config that disagree about the mask token."""
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    found = tokenizer.get_vocab().get(token)
+    return None if found is None else int(found)
+
+
+def ensure_mask_token(tokenizer, cfg: ModelConfig) -> tuple[object, ModelConfig, bool]:
+    """Add `<|mask|>` when missing; returns (tokenizer, cfg with mask_token_id, grown).
+
+    The tokenizer is updated in place. `grown` is True when the id does not fit the model's
+    rows: cfg.vocab_size is then rounded up and the caller must run `grow_embeddings`.
+    """
+    mask_id = _token_id(tokenizer, MASK_TOKEN)
+    if mask_id is None:
+        if cfg.mask_token_id is not None:
+            raise VocabError(f"model config says mask_token_id={cfg.mask_token_id} but the tokenizer "
+                             f"has no {MASK_TOKEN} token (use the tokenizer saved with the checkpoint)")
+        tokenizer.add_tokens([MASK_TOKEN], special_tokens=True)
+        mask_id = _token_id(tokenizer, MASK_TOKEN)
+    elif cfg.mask_token_id is not None and cfg.mask_token_id != mask_id:
+        raise VocabError(f"model config says mask_token_id={cfg.mask_token_id} but the tokenizer maps "
+                         f"{MASK_TOKEN} to {mask_id}")
+    grown = mask_id >= cfg.vocab_size
+    vocab_size = -(-(mask_id + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE if grown else cfg.vocab_size
+    return tokenizer, cfg.replace(vocab_size=vocab_size, mask_token_id=mask_id), grown
+
+
+def _grow(x: jax.Array, new_size: int, axis: int, logical_axes) -> jax.Array:
+    """Append rows (along `axis`) equal to the mean of the existing ones, keeping the sharding."""
+    def grow(x):
+        mean = jnp.mean(x.astype(jnp.float32), axis=axis, keepdims=True).astype(x.dtype)
+        extra = list(x.shape)
+        extra[axis] = new_size - x.shape[axis]
+        return jnp.concatenate([x, jnp.broadcast_to(mean, extra)], axis=axis)
+
+    if isinstance(x.sharding, NamedSharding):
+        shape = list(x.shape)
+        shape[axis] = new_size
+        out = NamedSharding(x.sharding.mesh, sharding.logical_to_spec(logical_axes, shape, x.sharding.mesh))
+        return jax.jit(grow, out_shardings=out)(x)
+    return jax.jit(grow)(x)
+
+
+def grow_embeddings(model: Qwen2, new_cfg: ModelConfig) -> Qwen2:
+    """A model for `new_cfg` whose old embedding / head rows are copied exactly.
+
+    Every other parameter is shared with `model` (no copy); only embed and lm_head are rebuilt.
+    """
+    old_v, new_v = model.cfg.vocab_size, new_cfg.vocab_size
+    if new_v < old_v:
+        raise VocabError(f"cannot shrink the vocabulary from {old_v} to {new_v} rows")
+    if model.cfg.replace(vocab_size=new_v, mask_token_id=new_cfg.mask_token_id) != new_cfg:
+        raise VocabError("grow_embeddings may only change vocab_size and mask_token_id")
+    flat = dict(flat_params(model))
+    flat["embed"] = _grow(flat["embed"], new_v, 0, ("vocab", "embed"))
+    if not new_cfg.tie_word_embeddings:
+        flat["lm_head"] = _grow(flat["lm_head"], new_v, 1, ("embed", "vocab"))
+    graphdef, state = nnx.split(abstract_model(new_cfg, model.remat))
+    grown = nnx.merge(graphdef, state)
+    set_flat_params(grown, flat)
+    return grown
+
+
+def save_tokenizer(tokenizer, ckpt_dir: str) -> list[str]:
+    """Write the (updated) tokenizer files into a checkpoint dir, each file replaced atomically."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=ckpt_dir)
+    try:
+        tokenizer.save_pretrained(tmp)
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(ckpt_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names
