@@ -78,17 +78,40 @@ def _load_file(path: str) -> list[Example]:
     return [{"text": text}] if text.strip() else []
 
 
+def _load_folder(path: str) -> list[Example]:
+    """Text files (TEXT_SUFFIXES) and .jsonl files under `path`, in sorted path order.
+
+    A stray .json file in a folder is usually configuration, not data, so only .jsonl counts;
+    files that are not UTF-8 (e.g. encoding test fixtures) are skipped with one warning.
+    """
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [os.path.join(root, n) for n in names
+                  if not n.startswith(".") and n.endswith(TEXT_SUFFIXES + (".jsonl",))]
+    examples, skipped = [], []
+    for f in sorted(files):
+        try:
+            examples += _load_file(f)
+        except DataError as e:
+            if "not UTF-8" not in str(e):
+                raise
+            skipped.append(f)
+    if skipped:
+        log.warning("data: skipped %d file(s) that are not UTF-8 text under %s (first: %s)",
+                    len(skipped), path, skipped[0])
+    return examples
+
+
 def load_examples(path: str) -> list[Example]:
-    """Examples from a text file, a folder of text files (recursive, sorted) or JSONL."""
+    """Examples from a text file, a folder of text files (recursive, sorted) or JSONL.
+
+    A file ending in .jsonl or .json is read as JSON lines; any other file is one document.
+    """
     if not os.path.exists(path):
         raise DataError(f"data path not found: {path}")
     if os.path.isdir(path):
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            files += [os.path.join(root, n) for n in names
-                      if not n.startswith(".") and n.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
-        examples = [ex for f in sorted(files) for ex in _load_file(f)]
+        examples = _load_folder(path)
     else:
         examples = _load_file(path)
     if not examples:

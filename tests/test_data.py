@@ -46,7 +46,11 @@ def test_load_text_folder_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("one\n")
     (tmp_path / "image.png").write_bytes(b"\x89PNG")  # not a text suffix: ignored
     (tmp_path / "empty.md").write_text("  \n")         # empty document: skipped
+    (tmp_path / "config.json").write_text("{}")         # .json in a folder is config: ignored
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8: skipped
     assert load_examples(str(tmp_path)) == [{"text": "one\n"}, {"text": "x = 2\n"}]
+    with pytest.raises(DataError, match="latin1.txt: not UTF-8"):
+        load_examples(str(tmp_path / "latin1.txt"))
     assert load_examples(str(tmp_path / "a.txt")) == [{"text": "one\n"}]
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "response": "r"}, {"text": "t"}])
     assert load_examples(path) == [{"prompt": "p", "response": "r"}, {"text": "t"}]
