@@ -30,6 +30,8 @@ class ModelSource:
     dtype: str | None = None  # compute dtype override (bfloat16 = bf16 compute)
     param_dtype: str | None = None  # master-weight dtype override (float32 recommended)
     remat: bool = False  # rematerialise each decoder layer in the backward pass
+    # --dry-run only: a preset with the same shapes, used when the weights are not on this machine
+    shape_preset: str | None = None
 
 
 @dataclasses.dataclass

@@ -116,7 +116,7 @@ def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
             metrics = {k: (v if k == "tokens" else v / grad_accum) for k, v in metrics.items()}
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return step_fn

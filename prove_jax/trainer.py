@@ -229,9 +229,15 @@ def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
         cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
         global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True, num_epochs=None,
         process_index=jax.process_index(), process_count=jax.process_count(), chat=cfg.chat)
-    stats = getattr(it, "stats", None) or getattr(data_lib, "last_stats", None)
-    if stats:
-        log(f"data: {stats}")
+    stats = getattr(it, "stats", None)
+    if stats is not None:
+        log(f"data: {stats.examples} examples -> {stats.sequences} sequences of {cfg.max_length} "
+            f"tokens, {stats.trained_tokens} trained tokens, {stats.steps_per_epoch} steps/epoch")
+        if stats.truncated:
+            log(f"warning: {stats.truncated} sequence(s) longer than max_length={cfg.max_length} "
+                f"were truncated")
+        if stats.dropped:
+            log(f"warning: {stats.dropped} sequence(s) dropped (no trained token within max_length)")
     return it
 
 

@@ -1,0 +1,180 @@
+"""--dry-run: check that a config's train step fits its target chips, from this CPU.
+
+The model, optimizer state and batch are built as ShapeDtypeStructs on an AbstractMesh of the
+configured size (e.g. 256 v5p chips as (1, 64, 4)), the real jitted train step is traced and
+lowered for TPU (`.trace(...).lower(lowering_platforms=("tpu",))`), which proves the shardings
+are consistent, and nothing is allocated. Memory per device is then counted:
+
+- parameters, gradients and optimizer state: exact, from each array's shard shape;
+- activations: an estimate of what the backward pass keeps (per-layer inputs with remat, every
+  intermediate without), the attention scores/probabilities of one layer, and the float32
+  logits with their gradient. XLA's own temporaries and fragmentation are not counted, so the
+  verdict keeps 10% of HBM free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+
+from prove_jax import params as params_lib
+from prove_jax.config import ModelConfig, preset
+from prove_jax.optim import make_optimizer
+from prove_jax.sharding import MESH_AXES
+from prove_jax.train_config import TrainConfig
+from prove_jax.train_step import abstract_batch, build_step_fn, jit_step, make_loss_fn, state_layout
+
+GIB = 1024 ** 3
+CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
+HEADROOM = 0.9  # fraction of HBM the estimate may use
+
+
+class DryRunError(ValueError):
+    """A dry run that cannot be set up (unknown chip, mesh with -1, no model shapes)."""
+
+
+@dataclasses.dataclass
+class DryRunReport:
+    chip: str
+    hbm_bytes: int
+    mesh: dict
+    devices: int
+    model_params: int
+    param_bytes: int
+    grad_bytes: int
+    opt_bytes: int
+    activation_bytes: int
+    lowered: bool
+    lower_seconds: float
+    micro_batch_per_device: int
+    streamed_length: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.opt_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= HEADROOM * self.hbm_bytes
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GIB:8.2f} GiB"
+        rows = [
+            f"dry run: {self.model_params / 1e9:.2f}B-parameter model, mesh {self.mesh} "
+            f"({self.devices} x {self.chip}, {self.hbm_bytes / GIB:.0f} GiB HBM each)",
+            f"train step lowered for TPU: {'ok' if self.lowered else 'FAILED'} "
+            f"({self.lower_seconds:.1f} s); per device {self.micro_batch_per_device} sequence(s) "
+            f"x {self.streamed_length} positions per micro-batch",
+            "per-device memory:",
+            f"  parameters   {g(self.param_bytes)}",
+            f"  gradients    {g(self.grad_bytes)}",
+            f"  optimizer    {g(self.opt_bytes)}",
+            f"  activations  {g(self.activation_bytes)}  (estimate)",
+            f"  total        {g(self.total_bytes)}  of {self.hbm_bytes / GIB:.0f} GiB "
+            f"({100 * self.total_bytes / self.hbm_bytes:.0f}%)",
+            ("FITS" if self.fits else "DOES NOT FIT")
+            + f": the estimate {'stays within' if self.fits else 'exceeds'} "
+            f"{int(100 * HEADROOM)}% of {self.chip} HBM",
+        ]
+        return "\n".join(rows)
+
+
+def chip_hbm_bytes(chip: str) -> int:
+    for name, gib in CHIP_HBM_GIB.items():
+        if name.lower() == chip.lower():
+            return gib * GIB
+    raise DryRunError(f"unknown chip {chip!r}; known: {', '.join(CHIP_HBM_GIB)}")
+
+
+def _model_config_for(cfg: TrainConfig) -> ModelConfig:
+    """Shapes only: the weights (often an HF dir on another machine) are never read."""
+    from prove_jax.trainer import source_model_config
+    import os
+    src = cfg.model
+    if src.shape_preset and not (src.hf_dir and os.path.isdir(src.hf_dir)) \
+            and not (src.checkpoint and os.path.isdir(src.checkpoint)):
+        model_cfg = preset(src.shape_preset)
+        changes = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
+        model_cfg = model_cfg.replace(**changes)
+    else:
+        model_cfg = source_model_config(cfg)
+    if model_cfg.mask_token_id is None and cfg.objective == "mars":
+        model_cfg = model_cfg.replace(mask_token_id=model_cfg.vocab_size - 1)  # shape-neutral
+    return model_cfg
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with NamedShardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = list(leaf.shape)
+        spec = leaf.sharding.spec
+        mesh_shape = leaf.sharding.mesh.shape
+        for i, axes in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+            if axes is None:
+                continue
+            names = (axes,) if isinstance(axes, str) else axes
+            shape[i] = math.ceil(shape[i] / math.prod(mesh_shape[a] for a in names))
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: bool) -> int:
+    """Estimated bytes kept for the backward pass of one micro-batch on one device."""
+    db = np.dtype(m.dtype if m.dtype != "bfloat16" else np.float16).itemsize
+    d, f, dh = m.hidden_size, m.intermediate_size, m.head_dim
+    h, k = m.num_heads, m.num_kv_heads
+    tok = rows * length
+    per_layer_linear = tok * db * (4 * d + ((h + 2 * k) * dh + h * dh + 3 * f) / tensor)
+    attn = rows * math.ceil(h / tensor) * length * length * (4 + db)  # f32 scores + probs
+    per_layer = per_layer_linear + attn
+    mask = rows * length * length  # bool attention mask, shared by layers
+    logits = 3 * tok * math.ceil(m.vocab_size / tensor) * 4  # f32 logits, softmax, grad
+    kept = m.num_layers * tok * d * db + per_layer if remat else m.num_layers * per_layer
+    return int(kept + mask + logits)
+
+
+def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
+    chip = chip or cfg.target_chip
+    if chip is None:
+        raise DryRunError(f"no target chip: set target_chip in the config or pass --chip "
+                          f"({', '.join(CHIP_HBM_GIB)})")
+    hbm = chip_hbm_bytes(chip)
+    if any(int(s) <= 0 for s in cfg.mesh):
+        raise DryRunError(f"--dry-run needs an explicit mesh size (no -1), got mesh={cfg.mesh}")
+    axis_sizes = tuple(int(s) for s in cfg.mesh)
+    mesh = AbstractMesh(axis_sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    dp = axis_sizes[0] * axis_sizes[1]
+    micro = cfg.global_batch_size // cfg.optimizer.grad_accum
+    if micro % dp:
+        raise DryRunError(f"global_batch_size / grad_accum = {micro} is not a multiple of "
+                          f"data x fsdp = {dp}")
+    model_cfg = _model_config_for(cfg)
+    tx = make_optimizer(cfg.optimizer, cfg.steps)
+    length = cfg.max_length
+    with jax.sharding.use_abstract_mesh(mesh):
+        layout = state_layout(params_lib.abstract_model(model_cfg, cfg.model.remat), tx, mesh)
+        loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
+                               mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
+        step = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
+                        layout, mesh)
+        t0 = time.perf_counter()
+        step.trace(layout.abstract, abstract_batch(mesh, cfg.global_batch_size, length)) \
+            .lower(lowering_platforms=("tpu",))
+        seconds = time.perf_counter() - t0
+    streamed = length * (2 if cfg.objective == "mars" else 1)
+    params_b = _shard_bytes(layout.abstract["params"])
+    return DryRunReport(
+        chip=chip, hbm_bytes=hbm, mesh=dict(zip(MESH_AXES, axis_sizes)),
+        devices=math.prod(axis_sizes), model_params=model_cfg.num_params,
+        param_bytes=params_b, grad_bytes=params_b,
+        opt_bytes=_shard_bytes(layout.abstract["opt_state"]),
+        activation_bytes=activation_bytes(model_cfg, micro // dp, streamed, axis_sizes[2],
+                                          cfg.model.remat),
+        lowered=True, lower_seconds=seconds, micro_batch_per_device=micro // dp,
+        streamed_length=streamed)
