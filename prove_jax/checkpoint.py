@@ -100,15 +100,28 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     The one writer of the checkpoint format: `save_model` and the HF converter both use it, so a
     converted checkpoint is exactly what `load_model` expects. `params` must have the structure
     of `nnx.state(model, nnx.Param).to_pure_dict()` (layer indices as int keys).
+
+    Memory: a synchronous save without orbax's defensive deep copy of numpy leaves, and without
+    OCDBT (which buffers every array until the final commit), so writing costs ~0.2x the params
+    on top of the params themselves instead of ~1.9x. `load_model` reads either layout.
     """
     with atomic_dir(path) as tmp:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "params"), params)
-        ckptr.wait_until_finished()
+        ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+            use_ocdbt=False, type_handler_registry=_streaming_handlers()))
+        ckptr.save(os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_json_dict(), f, indent=2)
         copy_tokenizer_files(tokenizer_dir, tmp)
     return path
+
+
+def _streaming_handlers():
+    """Orbax handlers for a synchronous save: numpy leaves written in place (no deepcopy; the
+    copy only protects callers that mutate arrays during an async save)."""
+    th = ocp.type_handlers
+    return th.create_type_handler_registry(
+        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, th.get_type_handler(jax.Array)))
 
 
 def load_config(path: str) -> ModelConfig:

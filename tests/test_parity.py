@@ -19,6 +19,7 @@ from hf_models import make_hf_qwen2
 from prove_jax import convert
 from prove_jax.checkpoint import load_model
 from prove_jax.model import causal_mask
+from prove_jax.params import flat_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +141,7 @@ def test_cli_bfloat16_argmax_agreement_and_cli_round_trip(tmp_path):
     saved = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert saved["param_dtype"] == "bfloat16" and saved["dtype"] == "bfloat16"
     model = load_model(str(tmp_path / "bf16"))
-    assert model.embed.value.dtype == jnp.bfloat16
+    assert flat_params(model)["embed"].dtype == jnp.bfloat16
 
     tokens = _tokens(batch=4, length=64, seed=1)
     ref = torch_logits(hf, tokens).argmax(-1)

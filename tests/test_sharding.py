@@ -96,10 +96,15 @@ def test_load_onto_mesh_restores_sharded_and_forward_matches(reference, shape):
         assert restored["layers.0.attn.q_kernel"].addressable_shards[0].data.shape == (64, 4, 16)
 
 
-def test_create_model_on_mesh_is_sharded_and_matches(reference):
-    _, _, tokens, positions, ref_logits = reference
+def test_create_model_on_mesh_is_sharded_and_matches(reference, tmp_path):
+    _, ref_params, tokens, positions, ref_logits = reference
     mesh = sharding.make_mesh((2, 2, 2))
     model = create_model(CFG, seed=0, mesh=mesh)
     assert_sharded_per_table(model, mesh)
     out = sharded_logits(model, mesh, tokens, positions)
     np.testing.assert_allclose(np.asarray(out), ref_logits, atol=1e-5, rtol=0)
+    # a sharded model saves and restores unsharded with the same values
+    save_model(str(tmp_path / "sharded"), model)
+    restored = flat_params(load_model(str(tmp_path / "sharded")))
+    for name, want in ref_params.items():
+        np.testing.assert_allclose(np.asarray(restored[name]), want, atol=1e-6, rtol=0, err_msg=name)
