@@ -82,7 +82,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(x.dtype) * y.astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -102,9 +102,9 @@ class Attention(nnx.Module):
         """x [B,T,D]; attn_mask [B,T,T] without cache, [B,T,S] with; kv = (k [B,S,K,Dh], v)."""
         cfg = self.cfg
         dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel.value.astype(dt)) + self.q_bias.value.astype(dt)
-        k = jnp.einsum("btd,dnk->btnk", x, self.k_kernel.value.astype(dt)) + self.k_bias.value.astype(dt)
-        v = jnp.einsum("btd,dnk->btnk", x, self.v_kernel.value.astype(dt)) + self.v_bias.value.astype(dt)
+        q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
+        k = jnp.einsum("btd,dnk->btnk", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
+        v = jnp.einsum("btd,dnk->btnk", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
 
@@ -126,7 +126,7 @@ class Attention(nnx.Module):
         scores = jnp.where(attn_mask[:, None, None, :, :], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel.value.astype(dt))
+        out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel[...].astype(dt))
         return out, kv
 
 
@@ -140,10 +140,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = x @ self.gate_kernel.value.astype(dt)
-        up = x @ self.up_kernel.value.astype(dt)
+        gate = x @ self.gate_kernel[...].astype(dt)
+        up = x @ self.up_kernel[...].astype(dt)
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        return h @ self.down_kernel.value.astype(dt)
+        return h @ self.down_kernel[...].astype(dt)
 
 
 class DecoderLayer(nnx.Module):
@@ -179,7 +179,7 @@ class Qwen2(nnx.Module):
         """Final-norm hidden states [B, T, D] and the updated cache."""
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
-        x = jnp.take(self.embed.value, tokens, axis=0).astype(dt)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "sequence", "embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         new_k, new_v = [], []
@@ -199,10 +199,10 @@ class Qwen2(nnx.Module):
         """LM head, float32 logits [..., V]."""
         dt = hidden.dtype
         if self.cfg.tie_word_embeddings:
-            w = self.embed.value.astype(dt)
+            w = self.embed[...].astype(dt)
             out = jnp.einsum("...d,vd->...v", hidden, w)
         else:
-            out = hidden @ self.lm_head.value.astype(dt)
+            out = hidden @ self.lm_head[...].astype(dt)
         return out.astype(jnp.float32)
 
     def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None, write_slots=None):

@@ -37,9 +37,10 @@ class LosslessLayout:
             raise ValueError(f"lossless mode needs block_size >= 2, got {block_size}")
         m = block_size - 1
         g = block_size if max_groups is None else max(1, min(max_groups, block_size))
-        # The lowest acceptances are the common ones after a rejection; full acceptance is the
-        # big win when the proposer is right. Keep 0..g-2 and the full block.
-        groups = tuple(range(g)) if g == block_size else tuple(range(g - 1)) + (m,)
+        # Group 0 must exist (a rejection at d_1 is always possible). The lowest acceptances
+        # are the common ones after a rejection; full acceptance is the big win when the
+        # proposer is right. Keep 0..g-2 and the full block.
+        groups = tuple(range(g)) if g in (1, block_size) else tuple(range(g - 1)) + (m,)
         return cls(num_drafts=m, accept_of_group=groups)
 
     @property

@@ -1,0 +1,205 @@
+"""Decoding engine: every lossless mode must equal greedy AR token for token.
+
+Oracles: transformers `generate(do_sample=False)` for AR; our AR for the lossless modes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from prove_jax.checkpoint import load_model, save_model
+from prove_jax.config import ModelConfig
+from prove_jax.convert import hf_to_flax
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.params import create_model
+from prove_jax.sharding import make_mesh
+from tests.hf_models import make_hf_qwen2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
+
+
+def _prompts(seed=0, lengths=(3, 9, 1, 14)):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(2, 90, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ar_out(model):
+    return Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 24)
+
+
+def test_ar_matches_transformers_generate(tmp_path):
+    hf = make_hf_qwen2(tmp_path / "hf", seed=1, eos_token_id=5)
+    hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    ours = load_model(str(tmp_path / "ours"))
+    prompts = _prompts(1, (5, 11, 2, 17))
+    res = Decoder(ours, [5], DecodeOptions("ar")).generate(prompts, 20)
+    for p, out in zip(prompts, res.output_ids):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20,
+                              eos_token_id=5, pad_token_id=0)[0, len(p):].tolist()
+        if 5 in ref:  # HF pads after EOS; we stop there
+            ref = ref[: ref.index(5) + 1]
+        assert out == ref
+
+
+@pytest.mark.parametrize("k,groups", [(4, None), (5, 2), (3, 1), (6, 3)])
+def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
+    res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)
+    assert res.output_ids == ar_out.output_ids
+    assert (res.accept_hist.sum(1) == res.forwards).all()
+
+
+def _eos_inside_output(ar_out):
+    """A token that AR emits mid-stream: used as EOS, generation must stop right after it."""
+    out = ar_out.output_ids[1]
+    return out[len(out) // 2]
+
+
+def test_lossless_and_verify_stop_at_eos_like_ar(model, ar_out):
+    eos = _eos_inside_output(ar_out)
+    ar = Decoder(model, [eos], DecodeOptions("ar")).generate(_prompts(), 24)
+    assert any(len(o) < 24 and o[-1] == eos for o in ar.output_ids)
+    for opts in (DecodeOptions("lossless", 4), DecodeOptions("verify", 4)):
+        res = Decoder(model, [eos], opts, verifier=model).generate(_prompts(), 24)
+        assert res.output_ids == ar.output_ids, opts.mode
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7])
+def test_max_new_tokens_inside_block(model, ar_out, max_new):
+    res = Decoder(model, [1], DecodeOptions("lossless", 4)).generate(_prompts(), max_new)
+    assert res.output_ids == [o[:max_new] for o in ar_out.output_ids]
+    thr = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), max_new)
+    assert all(len(o) == max_new for o in thr.output_ids)
+
+
+def test_buffer_nearly_full(model):
+    # prompt width rounds to 48 and 48 + 16 = 64 = the buffer: the last step writes at its end
+    prompts = _prompts(2, (47, 33))
+    dec_ar = Decoder(model, [1], DecodeOptions("ar"))
+    assert dec_ar.buffer_len(48, 16) == 64
+    ar = dec_ar.generate(prompts, 16)
+    res = Decoder(model, [1], DecodeOptions("lossless", 6)).generate(prompts, 16)
+    assert res.output_ids == ar.output_ids
+
+
+def test_verify_with_proposer_as_verifier_equals_ar(model, ar_out):
+    res = Decoder(model, [1], DecodeOptions("verify", 4, commit_rule="top1"),
+                  verifier=model).generate(_prompts(), 24)
+    assert res.output_ids == ar_out.output_ids
+    assert (res.verifier_forwards == res.forwards).all()
+
+
+def test_threshold_tau_above_one_is_ar_and_lower_tau_commits_more(model, ar_out):
+    strict = Decoder(model, [1], DecodeOptions("threshold", 4, tau=1.01)).generate(_prompts(), 24)
+    assert strict.output_ids == ar_out.output_ids
+    assert (strict.forwards == 24).all()
+    loose = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), 24)
+    assert (loose.forwards < strict.forwards).all()
+
+
+def test_stats_are_consistent(model):
+    for opts in (DecodeOptions("threshold", 4, tau=0.05), DecodeOptions("lossless", 4)):
+        res = Decoder(model, [1], opts).generate(_prompts(), 24)
+        assert (res.accept_hist.sum(1) == res.forwards).all()
+        generated = np.array([len(o) for o in res.output_ids])
+        if opts.mode == "threshold":  # hist counts commit lengths; only the last step may truncate
+            committed = (res.accept_hist * np.arange(res.accept_hist.shape[1])).sum(1)
+            assert ((committed - generated >= 0) & (committed - generated < 4)).all()
+        else:  # a accepted drafts -> a + 1 tokens (group cap only lowers it)
+            upper = (res.accept_hist * (1 + np.arange(res.accept_hist.shape[1]))).sum(1)
+            assert (generated <= upper).all() and (generated >= res.forwards).all()
+
+
+def test_compiled_once_per_shape(model):
+    dec = Decoder(model, [1], DecodeOptions("lossless", 4))
+    dec.generate(_prompts(0), 16)
+    dec.generate(_prompts(5), 16)  # same batch, prompt width bucket and buffer
+    assert dec.trace_count == 1
+    dec.generate(_prompts(0)[:2], 16)  # new batch size -> one more program
+    assert dec.trace_count == 2
+
+
+def test_sharded_decoding_equals_single_device(model, ar_out):
+    mesh = make_mesh((4, 1, 2))
+    sharded = load_or_shard(model, mesh)
+    prompts = _prompts() * 2
+    for opts in (DecodeOptions("ar"), DecodeOptions("lossless", 4)):
+        res = Decoder(sharded, [1], opts, mesh=mesh).generate(prompts, 24)
+        assert res.output_ids == ar_out.output_ids * 2, opts.mode
+
+
+def load_or_shard(model, mesh):
+    import jax
+    from flax import nnx
+    from prove_jax import sharding
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, sharding.state_shardings(state, mesh))
+    return nnx.merge(graphdef, state)
+
+
+def test_bad_requests(model):
+    dec = Decoder(model, [1], DecodeOptions("ar"), max_buffer=64)
+    with pytest.raises(DecodeError, match="longer than the buffer"):
+        dec.generate([[2] * 60], 10)
+    with pytest.raises(DecodeError, match="empty"):
+        dec.generate([[2, 3], []], 4)
+    with pytest.raises(DecodeError, match="unknown mode"):
+        Decoder(model, [1], DecodeOptions("beam"))
+    other = create_model(CFG.replace(vocab_size=128), seed=1)
+    with pytest.raises(DecodeError, match="vocabulary size 128"):
+        Decoder(model, [1], DecodeOptions("verify", 4), verifier=other)
+    with pytest.raises(DecodeError, match="mask"):
+        Decoder(create_model(CFG.replace(mask_token_id=None)), [1], DecodeOptions("lossless", 4))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "infer.generate", *args], cwd=ROOT,
+                          capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
+
+
+def test_cli_end_to_end_and_errors(tmp_path, model):
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, model)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n"
+                           for i, p in enumerate(_prompts())))
+    out = tmp_path / "out.jsonl"
+    r = _cli("--model", ckpt, "--mode", "lossless", "--input", str(inp), "--output", str(out),
+             "--max-new-tokens", "24", "--batch-size", "3")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 24)
+    assert [row["output_ids"] for row in rows] == ar.output_ids
+    assert [row["id"] for row in rows] == ["r0", "r1", "r2", "r3"]
+    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    assert summary["generated_tokens"] == sum(len(o) for o in ar.output_ids)
+
+    bad = tmp_path / "bad.jsonl"
+    for case, expect in [
+        (["--model", str(tmp_path / "missing")], "checkpoint not found"),
+        (["--model", ckpt, "--mode", "nope"], "unknown mode"),
+    ]:
+        r = _cli(*case, "--input", str(inp), "--output", str(bad))
+        assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
+        assert not bad.exists()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"id": 0, "prompt_ids": []}) + "\n")
+    r = _cli("--model", ckpt, "--input", str(empty), "--output", str(bad))
+    assert r.returncode == 2 and "empty" in r.stderr and not bad.exists()
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"id": 0, "prompt_ids": [3] * 600}) + "\n")
+    r = _cli("--model", ckpt, "--input", str(long), "--output", str(bad), "--max-new-tokens", "32500")
+    assert r.returncode == 2 and "longer than the buffer" in r.stderr and not bad.exists()
