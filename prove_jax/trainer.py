@@ -261,6 +261,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
     step (after saving), as if the job were killed there; used to test resumption."""
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
+    _require_data(cfg.data)  # before anything is written to the run dir
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch_layout(cfg, mesh)
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "

@@ -1,0 +1,44 @@
+"""--dry-run: the paper's 32B proposer config lowers for TPU on an abstract 256-chip v5p mesh
+without allocating weights and fits; the same model on 4 chips does not fit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prove_jax.dry_run import DryRunError, GIB, dry_run
+from prove_jax.train_config import load_config
+from train.train import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROPOSER = os.path.join(REPO, "configs", "proposer_qwen2.5_32b_v5p.yaml")
+
+
+def test_proposer_32b_fits_v5p_pod(capsys):
+    assert main(["--config", PROPOSER, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "lowered for TPU: ok" in out and "FITS" in out and "DOES NOT FIT" not in out
+    report = dry_run(load_config(PROPOSER), chip="v5p")
+    # 32.8e9 float32 params over fsdp 64 x tensor 4 = 256 shards; Adam keeps two moments
+    assert report.devices == 256 and report.micro_batch_per_device == 6
+    assert report.streamed_length == 1024  # MARS doubles the 512-token sequence
+    assert abs(report.param_bytes - 32.76e9 * 4 / 256) / report.param_bytes < 0.02
+    assert abs(report.opt_bytes - 2 * report.param_bytes) / report.opt_bytes < 0.01
+    assert report.fits and report.total_bytes < 0.9 * 95 * GIB
+
+
+def test_too_small_mesh_does_not_fit(capsys):
+    assert main(["--config", PROPOSER, "--dry-run", "mesh=[1,4,1]"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    # parameters alone: 131 GB of float32 over 4 chips > 95 GiB of HBM
+    assert "parameters      30.5" in out or "parameters      30.6" in out, out
+
+
+def test_dry_run_needs_a_known_chip_and_explicit_mesh(capsys):
+    cfg = load_config(PROPOSER, ["mesh=[1,-1,4]"])
+    with pytest.raises(DryRunError, match="explicit mesh"):
+        dry_run(cfg)
+    assert main(["--config", PROPOSER, "--dry-run", "--chip", "tpu9"]) == 2
+    assert "error: unknown chip 'tpu9'" in capsys.readouterr().err

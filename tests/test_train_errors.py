@@ -1,0 +1,77 @@
+"""Config loading and bad input: every shipped config takes the standard overrides; unknown
+keys, missing or empty data and over-long sequences give one clear message."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from prove_jax.train_config import TrainConfigError, load_config, valid_keys
+from prove_jax.trainer import make_data_iterator, resolve_tokenizer
+from tests.train_helpers import write_config
+from train.train import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_standard_overrides_work_on_every_config(path, tmp_path):
+    cfg = load_config(path, [f"data={tmp_path}/x.txt", "steps=7", f"run_dir={tmp_path}/r",
+                             "objective=ar", "block_size=8", "seed=3", "optimizer.lr=2e-4"])
+    assert (cfg.data, cfg.steps, cfg.run_dir) == (f"{tmp_path}/x.txt", 7, f"{tmp_path}/r")
+    assert (cfg.objective, cfg.block_size, cfg.seed, cfg.optimizer.lr) == ("ar", 8, 3, 2e-4)
+    assert load_config(path, ["objective=mars"]).objective == "mars"
+
+
+def test_config_values_and_stdlib_expansion():
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["mesh=[1,2,4]"])
+    assert cfg.mesh == [1, 2, 4] and os.path.isdir(cfg.data) and "${" not in cfg.data
+    cfg = load_config(os.path.join(REPO, "configs", "proposer_qwen2.5_32b_v5p.yaml"))
+    assert (cfg.block_size, cfg.max_length, cfg.global_batch_size, cfg.optimizer.lr) == (16, 512, 384, 5e-6)
+    assert cfg.optimizer.warmup_ratio == 0.03 and cfg.model.dtype == "bfloat16"
+
+
+def test_unknown_key_lists_valid_keys(tmp_path, capsys):
+    cfg_path = write_config(tmp_path)
+    assert main(["--config", cfg_path, "stepz=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown config key 'stepz'; valid keys:") and "\n" not in err
+    for key in ("steps", "data", "run_dir", "objective", "block_size", "seed", "optimizer.lr"):
+        assert key in err
+    with pytest.raises(TrainConfigError, match="unknown config key 'optimizer.learning_rate'"):
+        load_config(cfg_path, ["optimizer.learning_rate=1"])
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("steps: 3\nbatch: 4\n")
+    assert main(["--config", str(bad_yaml)]) == 2
+    assert "unknown config key 'batch'" in capsys.readouterr().err
+    assert main(["--config", cfg_path, "objective=diffusion"]) == 2
+    assert "objective must be 'mars' or 'ar'" in capsys.readouterr().err
+    assert "optimizer.grad_accum" in valid_keys()
+
+
+def test_missing_and_empty_data(tmp_path, capsys):
+    cfg_path = write_config(tmp_path)
+    assert main(["--config", cfg_path, f"data={tmp_path}/nope.jsonl", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error: data not found" in err and "nope.jsonl" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["--config", cfg_path, f"data={empty}", "--no-progress"]) == 2
+    assert "error: empty dataset" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # nothing half-started
+
+
+def test_truncated_sequences_are_counted_in_the_log(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    long = "def f(x):\n    return x + 1\n" * 20
+    data.write_text("\n".join(json.dumps({"prompt": "write f", "response": r})
+                              for r in (long, "pass", long, "return 1")) + "\n")
+    cfg = load_config(write_config(tmp_path), [f"data={data}", "global_batch_size=2"])
+    tokenizer, _ = resolve_tokenizer(cfg)
+    messages = []
+    make_data_iterator(cfg, tokenizer, messages.append)
+    assert "warning: 2 sequence(s) longer than max_length=32 were truncated" in messages, messages

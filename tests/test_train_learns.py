@@ -1,0 +1,39 @@
+"""A tiny model trained from scratch on real Python source (CPython stdlib) with the MARS
+objective learns (here: mostly memorises json/__init__.py, ~10k tokens): the loss falls well below its start, and the masked stream's top-1 accuracy
+two tokens ahead (block offset 0) beats always guessing the most frequent token."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prove_jax import data as data_lib
+from prove_jax.trainer import resolve_tokenizer, train
+from tests.train_helpers import tiny_config, write_text
+
+
+def test_tiny_mars_model_learns_stdlib_source(tmp_path):
+    text = write_text(tmp_path, modules=("json",), name="src.py")
+    cfg = tiny_config(
+        tmp_path, "learn", overrides=[f"data={text}"], steps=240, log_every=10, save_every=240,
+        max_length=64, global_batch_size=16, block_size=4,
+        model={"config": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0)},
+        optimizer={"lr": 3e-3, "warmup_ratio": 0.05, "min_lr_ratio": 0.1})
+    result = train(cfg, show_bar=False)
+    recs = result.records
+    first, last = recs[0], recs[-3:]
+    assert first["step"] == 1 and last[-1]["step"] == 240
+    final_loss = np.mean([r["loss"] for r in last])
+    assert final_loss < 0.6 * first["loss"], (first["loss"], final_loss)
+    for key in ("loss_masked", "loss_clean"):
+        assert np.mean([r[key] for r in last]) < 0.7 * first[key], key
+
+    # baseline: how often the single most frequent trained token is the answer
+    tokenizer, _ = resolve_tokenizer(cfg)
+    rows = data_lib.tokenize_examples(data_lib.load_examples(text), tokenizer, max_length=64,
+                                      block_size=4)
+    targets = rows.input_ids[:, 1:][(rows.loss_mask & rows.valid)[:, 1:]]
+    majority = np.bincount(targets).max() / targets.size
+    acc_distance_2 = np.mean([r["masked_acc_by_pos"][0] for r in last])
+    assert acc_distance_2 > majority + 0.1, (acc_distance_2, majority)
+    assert acc_distance_2 > first["masked_acc_by_pos"][0] + 0.1
