@@ -1,0 +1,93 @@
+"""Reproduce the shipped demo pair from scratch with the project's own CLIs.
+
+    python scripts/build_demo_models.py                # full recipe (see README for run time)
+    python scripts/build_demo_models.py --quick --work /tmp/w --out /tmp/demo   # smoke test
+
+Steps: CPython stdlib corpus (held-out split) -> byte-level BPE tokenizer -> proposer AR stage
+-> proposer MARS stage (block 8) -> smaller AR verifier -> verifier commit head -> bfloat16
+copies in prove_jax/demo_models/{proposer,verifier}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from prove_jax import assets  # noqa: E402
+
+# (steps, extra overrides) per stage; --quick shrinks everything to seconds.
+FULL = {"proposer_ar": 700, "proposer_mars": 500, "verifier": 700, "commit_head": 300}
+QUICK = {"proposer_ar": 6, "proposer_mars": 6, "verifier": 6, "commit_head": 6}
+QUICK_OVERRIDES = ["max_length=32", "global_batch_size=4", "log_every=2", "save_every=1000"]
+
+
+def run(cmd: list[str]) -> None:
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": ROOT})
+    print(f"  ({time.time() - t0:.0f}s)", flush=True)
+
+
+def train(config: str, run_dir: str, steps: int, *overrides: str, quick: bool) -> str:
+    extra = QUICK_OVERRIDES if quick else []
+    run([sys.executable, "-m", "train.train", "--config", config, f"run_dir={run_dir}",
+         f"steps={steps}", *overrides, *extra])
+    return os.path.join(run_dir, "model")
+
+
+def export_bf16(src: str, dst: str) -> None:
+    """Shipped copies are stored in bfloat16 (half the bytes); loaders upcast for CPU."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from prove_jax.checkpoint import load_model, save_model
+    model = load_model(src)
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state)
+    cfg = model.cfg.replace(param_dtype="bfloat16")
+    model = nnx.merge(graphdef, state)
+    model.cfg = cfg
+    save_model(dst, model, cfg, tokenizer_dir=src)
+    if os.path.isdir(os.path.join(src, "commit_head")):
+        import shutil
+        shutil.copytree(os.path.join(src, "commit_head"), os.path.join(dst, "commit_head"))
+    print(f"exported {dst}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="runs/demo", help="scratch dir for corpus, tokenizer and runs")
+    ap.add_argument("--out", default=assets.DEMO_DIR, help="where the shipped pair is written")
+    ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
+    args = ap.parse_args(argv)
+    steps = QUICK if args.quick else FULL
+    w = os.path.abspath(args.work)
+    t0 = time.time()
+    corpus_args = ["--max-bytes", "2000000"] if args.quick else []
+    run([sys.executable, "-m", "prove_jax.corpus", "--out", f"{w}/corpus", *corpus_args])
+    run([sys.executable, "scripts/train_tokenizer.py", "--corpus", f"{w}/corpus", "--out",
+         f"{w}/tokenizer", "--vocab-size", "4096"])
+    common = [f"tokenizer.path={w}/tokenizer", f"data={w}/corpus/train.jsonl"]
+    base = train("configs/demo_proposer.yaml", f"{w}/proposer_ar", steps["proposer_ar"],
+                 "objective=ar", *common, quick=args.quick)
+    proposer = train("configs/demo_proposer.yaml", f"{w}/proposer_mars", steps["proposer_mars"],
+                     "objective=mars", "model.config=null", f"model.checkpoint={base}",
+                     "optimizer.lr=1e-3", *[c for c in common if not c.startswith("model.")],
+                     quick=args.quick)
+    verifier = train("configs/demo_verifier.yaml", f"{w}/verifier", steps["verifier"],
+                     "objective=ar", *common, quick=args.quick)
+    export_bf16(proposer, os.path.join(args.out, "proposer"))
+    export_bf16(verifier, os.path.join(args.out, "verifier"))
+    print(f"done in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
