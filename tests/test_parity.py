@@ -103,8 +103,11 @@ def test_top_level_rope_theta_only(tmp_path):
     d.pop("rope_parameters")
     d["rope_theta"] = 1e6
     path.write_text(json.dumps(d))
+    # Qwen2.5-Instruct style: config.json names one eos, generation_config.json two
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
     cfg = convert.hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     assert cfg.rope_theta == 1e6
+    assert cfg.eos_token_ids == (1, 2)
     tokens = _tokens(length=40)  # long enough that theta 1e4 vs 1e6 differs visibly
     err = np.abs(our_logits(load_model(str(tmp_path / "ckpt")), tokens) - torch_logits(hf, tokens)).max()
     assert err <= 1e-4, err
