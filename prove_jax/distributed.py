@@ -11,15 +11,12 @@ import os
 
 import jax
 
-# Set by the TPU runtime on multi-host slices (one entry per host).
-_TPU_POD_ENV = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
-
-
 class DistributedError(RuntimeError):
     """Inconsistent multi-host launch arguments."""
 
 
 def _on_tpu_pod() -> bool:
+    """Multi-host TPU slice: the runtime lists every host (or a multislice coordinator)."""
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     return "," in hosts or bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
 

@@ -20,7 +20,7 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType
 
 from prove_jax import params as params_lib
 from prove_jax.config import ModelConfig, preset
@@ -93,8 +93,9 @@ def chip_hbm_bytes(chip: str) -> int:
 
 def _model_config_for(cfg: TrainConfig) -> ModelConfig:
     """Shapes only: the weights (often an HF dir on another machine) are never read."""
-    from prove_jax.trainer import source_model_config
     import os
+
+    from prove_jax.trainer import source_model_config
     src = cfg.model
     if src.shape_preset and not (src.hf_dir and os.path.isdir(src.hf_dir)) \
             and not (src.checkpoint and os.path.isdir(src.checkpoint)):

@@ -17,11 +17,9 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Callable
 
 import jax
-import numpy as np
 from flax import nnx
 
 from prove_jax import checkpoint, params as params_lib, sharding
@@ -271,10 +269,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
     model_cfg = source_model_config(cfg)
     if cfg.model.preset is not None or cfg.model.config is not None:
         model_cfg = _fill_special_ids(model_cfg, tokenizer)
-        if len(tokenizer) > model_cfg.vocab_size:
-            raise TrainConfigError(f"tokenizer has {len(tokenizer)} tokens but the model vocab_size "
-                                   f"is {model_cfg.vocab_size}")
     tokenizer, train_cfg, grown = _with_mask_token(cfg, tokenizer, model_cfg)
+    if len(tokenizer) > train_cfg.vocab_size:
+        raise TrainError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
+                         f"{train_cfg.vocab_size} embedding rows; use the model's own tokenizer")
     tok_dir = _save_run_tokenizer(tokenizer, run_dir)
     if jax.process_index() == 0:
         checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),

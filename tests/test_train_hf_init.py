@@ -1,0 +1,52 @@
+"""Fine-tuning starts from an HF checkpoint converted on the fly: the first step's loss equals
+transformers' loss of the same batch (outside oracle), and MARS grows the vocabulary when the
+tokenizer has no spare embedding row for `<|mask|>`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prove_jax import checkpoint, data as data_lib
+from prove_jax.trainer import resolve_tokenizer, train
+from tests.hf_models import make_hf_qwen2
+from tests.train_helpers import tiny_config
+
+
+def _torch_loss(hf_model, batch) -> float:
+    """AR loss, averaged per sequence over trained targets, then over sequences."""
+    ids = torch.tensor(batch["input_ids"], dtype=torch.long)
+    with torch.no_grad():
+        logits = hf_model(ids, attention_mask=torch.tensor(batch["valid"], dtype=torch.long)).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                                            reduction="none").numpy()
+    w = (batch["loss_mask"] & batch["valid"])[:, 1:].astype(np.float64)
+    per_seq = (nll * w).sum(1) / np.maximum(w.sum(1), 1)
+    has = w.sum(1) > 0
+    return float(per_seq[has].mean())
+
+
+def test_ar_finetune_from_hf_dir_starts_at_transformers_loss(tmp_path):
+    hf = make_hf_qwen2(tmp_path / "hf", vocab_size=320, eos_token_id=0, pad_token_id=0)
+    cfg = tiny_config(tmp_path, "ft", objective="ar", steps=2, save_every=2,
+                      model={"hf_dir": str(tmp_path / "hf")})
+    result = train(cfg, show_bar=False)
+    tokenizer, _ = resolve_tokenizer(cfg)
+    first_batch = next(data_lib.make_dataset(
+        cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
+        global_batch_size=cfg.global_batch_size, seed=cfg.seed, process_index=0, process_count=1))
+    np.testing.assert_allclose(result.records[0]["loss"], _torch_loss(hf, first_batch), rtol=2e-5)
+    assert result.records[-1]["loss"] < result.records[0]["loss"]
+    assert checkpoint.load_model(result.model_dir).cfg.mask_token_id is None  # AR: vocab untouched
+
+
+def test_mars_from_hf_dir_grows_vocab_for_mask_token(tmp_path):
+    make_hf_qwen2(tmp_path / "hf", vocab_size=300, eos_token_id=0, pad_token_id=0)
+    cfg = tiny_config(tmp_path, "mars", objective="mars", steps=1, save_every=1,
+                      model={"hf_dir": str(tmp_path / "hf")})
+    result = train(cfg, show_bar=False)  # the tokenizer's 300 ids fill all 300 rows
+    model = checkpoint.load_model(result.model_dir)
+    assert model.cfg.mask_token_id == 300 and model.cfg.vocab_size == 320
+    tok = checkpoint.load_tokenizer(result.model_dir)
+    assert tok.convert_tokens_to_ids("<|mask|>") == 300
+    assert np.isfinite(result.records[0]["loss"])
