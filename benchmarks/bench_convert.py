@@ -176,7 +176,9 @@ def main() -> None:
         f"{fw['torch_median_s']} | {fw['torch_min_s']} |",
         "",
         f"torch / ours: {fw['torch_over_ours_median']} (medians), {fw['torch_over_ours_min']} (minimums); "
-        f"max |logit difference| = {max_err:.2e}. "
+        f"max |logit difference| = {max_err:.2e}. Timings on a shared CPU swing by several x from "
+        "run to run (torch's OpenMP threads suffer most when cores are oversubscribed): rerun on a "
+        "quiet machine before quoting the ratio. "
         "Regenerate: `PYTHONPATH=. nice .venv/bin/python benchmarks/bench_convert.py`.",
         "",
     ]
