@@ -59,7 +59,8 @@ class TrainConfig:
     model: ModelSource = dataclasses.field(default_factory=ModelSource)
     tokenizer: TokenizerSource = dataclasses.field(default_factory=TokenizerSource)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    objective: str = "mars"  # mars | ar
+    objective: str = "mars"  # mars | ar | commit_head (verifier head; see prove_jax/commit_head.py)
+    proposer: str | None = None  # commit_head: the MARS proposer checkpoint whose blocks are judged
     block_size: int = 16
     ar_weight: float = 1.0
     data: str | None = None  # text file, folder of text files, or JSONL
@@ -78,8 +79,9 @@ class TrainConfig:
     target_chip: str | None = None  # for --dry-run: v5p, v5e, v4, v6e, H100, H200
 
     def validate(self) -> "TrainConfig":
-        if self.objective not in ("mars", "ar"):
-            raise TrainConfigError(f"objective must be 'mars' or 'ar', got {self.objective!r}")
+        if self.objective not in ("mars", "ar", "commit_head"):
+            raise TrainConfigError(
+                f"objective must be 'mars', 'ar' or 'commit_head', got {self.objective!r}")
         for name in ("block_size", "max_length", "global_batch_size", "steps", "log_every",
                      "save_every", "keep"):
             if getattr(self, name) <= 0:
@@ -201,6 +203,8 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         if cls is ModelSource and leaf in ("hf_dir", "checkpoint", "preset", "config") and value is not None:
             for other in ("hf_dir", "checkpoint", "preset", "config"):
                 setattr(obj, other, None)  # choosing a model source replaces the old one
+        if _field_types(cls)[leaf].type.startswith("str") and text.strip() not in ("null", "None", "~"):
+            value = text  # paths and names stay verbatim ("0123", "1e3", "a: b")
         setattr(obj, leaf, _coerce(value, getattr(obj, leaf), key))
     return cfg
 
@@ -226,6 +230,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     cfg = apply_overrides(_build(TrainConfig, raw), list(overrides))
     cfg.data = expand_path(cfg.data)
     cfg.run_dir = expand_path(cfg.run_dir)
+    cfg.proposer = expand_path(cfg.proposer)
     for section, key in ((cfg.model, "hf_dir"), (cfg.model, "checkpoint"), (cfg.tokenizer, "path")):
         setattr(section, key, expand_path(getattr(section, key)))
     return cfg.validate()

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from prove_jax import distributed
         distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                heartbeat_timeout_s=args.heartbeat_timeout)
+        if cfg.objective == "commit_head":
+            from prove_jax.commit_head import train_commit_head
+            train_commit_head(cfg, show_bar=not args.no_progress)
+            return 0
         from prove_jax.trainer import train  # noqa: after initialize
         result = train(cfg, show_bar=not args.no_progress)
         last = result.records[-1] if result.records else None

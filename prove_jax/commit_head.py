@@ -1,0 +1,205 @@
+"""The learned commit head: a small MLP on the verifier that predicts how much of the proposer's
+block to commit.
+
+For each proposed token D_{i+1} it reads the verifier's hidden state at D_i plus three cheap
+verifier statistics (log p_V(D_{i+1}), whether D_{i+1} is the verifier's top-1, the entropy)
+and predicts whether D_{i+1} still equals the proposer's own greedy AR token. The commit length
+is 1 + the accepted prefix. Labels are free (METHOD.md 3d): one proposer forward over
+[context, D] gives the proposer's greedy token at every position of the block.
+
+Trained with `python -m train.train --config configs/demo_verifier.yaml objective=commit_head
+proposer=PROPOSER_CKPT model.checkpoint=VERIFIER_CKPT`; the result is the verifier checkpoint
+with a `commit_head/` folder, used by `infer.generate --mode verify --commit-rule head`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+HEAD_DIR = "commit_head"
+
+
+class CommitHead(nnx.Module):
+    def __init__(self, hidden_size: int, width: int = 64, threshold: float = 0.5, *, rngs: nnx.Rngs):
+        self.hidden_size, self.width, self.threshold = hidden_size, width, threshold
+        self.in_proj = nnx.Linear(hidden_size + 3, width, rngs=rngs)
+        self.out_proj = nnx.Linear(width, 1, rngs=rngs)
+
+    @staticmethod
+    def features(hidden, vlogits, nxt):
+        """[B, J, D + 3] from verifier hidden [B,J,D], logits [B,J,V] and next tokens [B,J]."""
+        logp = jax.nn.log_softmax(vlogits.astype(jnp.float32), axis=-1)
+        lp_next = jnp.take_along_axis(logp, nxt[..., None], axis=-1)
+        top1 = (jnp.argmax(logp, axis=-1) == nxt)[..., None].astype(jnp.float32)
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1, keepdims=True)
+        return jnp.concatenate([hidden.astype(jnp.float32), lp_next, top1, entropy], axis=-1)
+
+    def __call__(self, hidden, vlogits, nxt) -> jax.Array:
+        """Accept logits [B, J]."""
+        h = jax.nn.gelu(self.in_proj(self.features(hidden, vlogits, nxt)))
+        return self.out_proj(h)[..., 0]
+
+    def accept(self, hidden, vlogits, nxt) -> jax.Array:
+        return jax.nn.sigmoid(self(hidden, vlogits, nxt)) >= self.threshold
+
+
+# ---- labels ----------------------------------------------------------------------------------
+
+def _causal(b, t):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+
+
+def propose_and_label(proposer, context, block_size: int, mask_id: int):
+    """Proposer block after each context row and its AR-matching labels.
+
+    context [B, C] -> (block D [B, K], labels [B, K-1]: D_1..D_{i+1} all equal the proposer's
+    greedy AR continuation).
+    """
+    b, c = context.shape
+    k = block_size
+    x = jnp.concatenate([context, jnp.full((b, k - 1), mask_id, context.dtype)], axis=1)
+    pos = jnp.broadcast_to(jnp.arange(c + k - 1), x.shape)
+    h, _ = proposer.hidden_states(x, pos, _causal(b, c + k - 1))
+    block = jnp.argmax(proposer.logits(h[:, c - 1:]), axis=-1).astype(context.dtype)  # [B, K]
+    y = jnp.concatenate([context, block], axis=1)
+    pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
+    h, _ = proposer.hidden_states(y, pos, _causal(b, c + k))
+    greedy = jnp.argmax(proposer.logits(h[:, c: c + k - 1]), axis=-1)  # after D_0..D_{K-2}
+    match = greedy == block[:, 1:]
+    return block, jnp.cumprod(match.astype(jnp.int32), axis=-1).astype(jnp.float32)
+
+
+def verifier_inputs(verifier, context, block):
+    """Verifier hidden [B, K-1, D] and logits at D_0..D_{K-2}, which judge D_1..D_{K-1}."""
+    b, c = context.shape
+    k = block.shape[1]
+    y = jnp.concatenate([context, block], axis=1)
+    pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
+    h, _ = verifier.hidden_states(y, pos, _causal(b, c + k))
+    h = h[:, c: c + k - 1]
+    return h, verifier.logits(h)
+
+
+def predicted_length(accept) -> jax.Array:
+    return 1 + jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
+
+
+# ---- save / load -----------------------------------------------------------------------------
+
+def save_commit_head(model_dir: str, head: CommitHead) -> str:
+    from prove_jax.checkpoint import atomic_dir
+    path = os.path.join(model_dir, HEAD_DIR)
+    with atomic_dir(path) as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(tmp, "params"), nnx.state(head, nnx.Param).to_pure_dict())
+        ckptr.wait_until_finished()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"hidden_size": head.hidden_size, "width": head.width,
+                       "threshold": head.threshold}, f)
+    return path
+
+
+def load_commit_head(model_dir: str) -> CommitHead:
+    from prove_jax.checkpoint import CheckpointError
+    path = os.path.join(model_dir, HEAD_DIR)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{model_dir} has no trained commit head ({HEAD_DIR}/); train one with "
+                              f"objective=commit_head")
+    with open(os.path.join(path, "config.json")) as f:
+        meta = json.load(f)
+    head = CommitHead(meta["hidden_size"], meta["width"], meta["threshold"], rngs=nnx.Rngs(0))
+    state = nnx.state(head, nnx.Param)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.to_pure_dict())
+    try:
+        restored = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"), target)
+    except Exception as e:  # orbax raises many types
+        raise CheckpointError(f"cannot restore commit head {path}: {str(e).splitlines()[0][:200]}") from None
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(head, state)
+    return head
+
+
+# ---- training --------------------------------------------------------------------------------
+
+def train_commit_head(cfg, show_bar: bool = True) -> dict:
+    """Train only the head (proposer and verifier frozen) from a TrainConfig with
+    objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint."""
+    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer, save_model
+    from prove_jax.data import make_dataset
+    from prove_jax.train_config import TrainConfigError
+
+    if not cfg.proposer:
+        raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
+    if not cfg.model.checkpoint:
+        raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
+    proposer = load_model(cfg.proposer, dtype="float32", param_dtype="float32")
+    verifier = load_model(cfg.model.checkpoint, dtype="float32", param_dtype="float32")
+    mask_id = proposer.cfg.mask_token_id
+    if mask_id is None:
+        raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
+    if verifier.cfg.vocab_size != proposer.cfg.vocab_size:
+        raise CheckpointError("verifier and proposer vocabularies differ")
+    tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
+    tokenizer = load_tokenizer(tok_dir)
+    k = cfg.block_size
+    data = make_dataset(cfg.data, tokenizer, max_length=cfg.max_length, block_size=k,
+                        global_batch_size=cfg.global_batch_size, seed=cfg.seed)
+    context_len = cfg.max_length - k
+
+    head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.optimizer.lr,
+                                                  max(1, int(cfg.steps * cfg.optimizer.warmup_ratio)),
+                                                  cfg.steps, cfg.optimizer.lr * cfg.optimizer.min_lr_ratio)
+    opt = nnx.Optimizer(head, optax.adam(schedule), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(head, opt, proposer, verifier, ids, valid):
+        ctx = ids[:, :context_len]
+        block, labels = propose_and_label(proposer, ctx, k, mask_id)
+        h, vlogits = verifier_inputs(verifier, ctx, block)
+        weight = jnp.all(valid, axis=1).astype(jnp.float32)[:, None] * jnp.ones_like(labels)
+
+        def loss_fn(head):
+            logits = head(h, vlogits, block[:, 1:])
+            bce = optax.sigmoid_binary_cross_entropy(logits, labels)
+            return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0), logits
+
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(head)
+        opt.update(head, grads)
+        true_len = 1 + jnp.sum(labels, axis=-1)
+        pred_len = predicted_length(jax.nn.sigmoid(logits) >= head.threshold)
+        return loss, jnp.mean(pred_len == true_len), jnp.mean(true_len), jnp.mean(pred_len)
+
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    records = []
+    it = iter(data)
+    bar_every = max(1, cfg.log_every)
+    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") as log:
+        for i in range(1, cfg.steps + 1):
+            batch = next(it)
+            loss, acc, true_len, pred_len = step(head, opt, proposer, verifier,
+                                                 jnp.asarray(batch["input_ids"]), jnp.asarray(batch["valid"]))
+            if i % bar_every == 0 or i == cfg.steps:
+                rec = {"step": i, "loss": float(loss), "length_accuracy": float(acc),
+                       "ar_match_length": float(true_len), "predicted_length": float(pred_len)}
+                records.append(rec)
+                log.write(json.dumps(rec) + "\n")
+                if show_bar:
+                    print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
+                          f"{rec['length_accuracy']:.2f}, AR-match length {true_len:.2f}, predicted "
+                          f"{pred_len:.2f}", file=sys.stderr, flush=True)
+    out = os.path.join(cfg.run_dir, "model")
+    save_model(out, verifier, verifier.cfg, tokenizer_dir=tok_dir)
+    save_commit_head(out, head)
+    print(f"exported verifier + commit head to {out}", file=sys.stderr)
+    return {"records": records, "model_dir": out, "final_step": cfg.steps}

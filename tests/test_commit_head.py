@@ -1,0 +1,102 @@
+"""The learned commit head: labels, plumbing into verify mode, training from the train CLI."""
+
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from prove_jax.checkpoint import CheckpointError, save_model
+from prove_jax.commit_head import (CommitHead, load_commit_head, propose_and_label,
+                                   save_commit_head)
+from prove_jax.config import ModelConfig
+from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.params import create_model
+from tests.tokenizers_fixture import make_tokenizer, stdlib_text
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, mask_token_id=299, eos_token_ids=(0,), pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def proposer():
+    return create_model(CFG, seed=11)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return create_model(CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
+
+
+def _prompts():
+    rs = np.random.RandomState(4)
+    return [rs.randint(5, 290, n).tolist() for n in (6, 6, 6)]
+
+
+def test_labels_match_greedy_ar(proposer):
+    k = 5
+    prompts = _prompts()
+    block, labels = propose_and_label(proposer, jnp.asarray(prompts), k, CFG.mask_token_id)
+    ar = Decoder(proposer, [-1], DecodeOptions("ar")).generate(prompts, k).output_ids
+    for row, (d, lab) in enumerate(zip(np.asarray(block), np.asarray(labels))):
+        assert d[0] == ar[row][0]  # D_0 is exact greedy AR
+        want = np.cumprod([d[i + 1] == ar[row][i + 1] for i in range(k - 1)])
+        assert (lab == want).all()
+
+
+def _with_threshold(head, t):
+    head.threshold = t
+    return head
+
+
+def test_head_rule_drives_commit_length(proposer, verifier):
+    head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
+    ar = Decoder(proposer, [-1], DecodeOptions("ar")).generate(_prompts(), 12)
+    never = Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"),
+                    verifier=verifier, commit_head=_with_threshold(head, 1.1)).generate(_prompts(), 12)
+    assert never.output_ids == ar.output_ids and (never.forwards == 12).all()
+    always = Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"),
+                     verifier=verifier, commit_head=_with_threshold(head, 0.0)).generate(_prompts(), 12)
+    blocks = Decoder(proposer, [-1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), 12)
+    assert always.output_ids == blocks.output_ids and (always.forwards == 3).all()
+
+
+def test_save_load_roundtrip_and_missing_head(tmp_path, verifier):
+    head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(3))
+    save_model(str(tmp_path / "v"), verifier)
+    save_commit_head(str(tmp_path / "v"), head)
+    again = load_commit_head(str(tmp_path / "v"))
+    h = jnp.ones((2, 3, verifier.cfg.hidden_size))
+    logits = jnp.zeros((2, 3, CFG.vocab_size))
+    nxt = jnp.zeros((2, 3), jnp.int32)
+    np.testing.assert_allclose(np.asarray(head(h, logits, nxt)), np.asarray(again(h, logits, nxt)))
+    save_model(str(tmp_path / "plain"), verifier)
+    with pytest.raises(CheckpointError, match="no trained commit head"):
+        load_commit_head(str(tmp_path / "plain"))
+
+
+def test_train_cli_commit_head_objective(tmp_path, proposer, verifier):
+    tok = make_tokenizer(300)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
+    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
+    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
+    r = subprocess.run(
+        [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
+         f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}",
+         "steps=4", "log_every=2", "max_length=32", "block_size=4", "global_batch_size=4",
+         f"run_dir={tmp_path / 'run'}", f"tokenizer.path={tmp_path / 'tok'}", "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-2000:]
+    head = load_commit_head(str(tmp_path / "run" / "model"))
+    assert head.hidden_size == verifier.cfg.hidden_size
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"loss"') == 2
+    r = subprocess.run(
+        [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
+         f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}", "steps=2"],
+        cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
+    assert r.returncode == 2 and "needs proposer=PATH" in r.stderr
