@@ -339,7 +339,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
 
     final = end if end > start else start
     model_dir = None
-    if final == cfg.steps:
+    exported = os.path.join(run_dir, "model")
+    if final == cfg.steps and start == cfg.steps and os.path.isfile(os.path.join(exported, "config.json")):
+        model_dir = exported  # a finished run relaunched: nothing new to export
+    elif final == cfg.steps:
         model_dir = export_model(os.path.join(run_dir, "model"), layout.graphdef, state["params"],
                                  train_cfg, tok_dir)
         log(f"exported the trained model to {model_dir}")

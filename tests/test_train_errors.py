@@ -49,7 +49,7 @@ def test_unknown_key_lists_valid_keys(tmp_path, capsys):
     assert main(["--config", str(bad_yaml)]) == 2
     assert "unknown config key 'batch'" in capsys.readouterr().err
     assert main(["--config", cfg_path, "objective=diffusion"]) == 2
-    assert "objective must be 'mars' or 'ar'" in capsys.readouterr().err
+    assert "error: objective must be 'mars'" in capsys.readouterr().err
     assert "optimizer.grad_accum" in valid_keys()
 
 
