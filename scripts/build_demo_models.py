@@ -4,7 +4,7 @@
     python scripts/build_demo_models.py --quick --work /tmp/w --out /tmp/demo   # smoke test
 
 Steps: CPython stdlib corpus (held-out split) -> byte-level BPE tokenizer -> proposer AR stage
--> proposer MARS stage (block 8) -> smaller AR verifier -> verifier commit head -> bfloat16
+-> proposer MARS stage (block 8) -> smaller AR verifier -> its commit head -> bfloat16
 copies in prove_jax/demo_models/{proposer,verifier}.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 from prove_jax import assets  # noqa: E402
 
 # (steps, extra overrides) per stage; --quick shrinks everything to seconds.
-FULL = {"proposer_ar": 700, "proposer_mars": 500, "verifier": 700, "commit_head": 300}
+FULL = {"proposer_ar": 600, "proposer_mars": 500, "verifier": 600, "commit_head": 200}
 QUICK = {"proposer_ar": 6, "proposer_mars": 6, "verifier": 6, "commit_head": 6}
 QUICK_OVERRIDES = ["max_length=32", "global_batch_size=4", "log_every=2", "save_every=1000"]
 
@@ -83,6 +83,10 @@ def main(argv=None) -> int:
                      quick=args.quick)
     verifier = train("configs/demo_verifier.yaml", f"{w}/verifier", steps["verifier"],
                      "objective=ar", *common, quick=args.quick)
+    verifier = train("configs/demo_verifier.yaml", f"{w}/verifier_head", steps["commit_head"],
+                     "objective=commit_head", f"proposer={proposer}", "model.config=null",
+                     f"model.checkpoint={verifier}", "optimizer.lr=1e-3",
+                     *[c for c in common if not c.startswith("model.")], quick=args.quick)
     export_bf16(proposer, os.path.join(args.out, "proposer"))
     export_bf16(verifier, os.path.join(args.out, "verifier"))
     print(f"done in {time.time() - t0:.0f}s")
