@@ -41,6 +41,7 @@ class DecodeOptions:
     confidence: str = "prob"  # threshold: prob | entropy | margin
     commit_rule: str = "top1"  # verify: top1 | prob | head
     tau_v: float = 0.5  # verify/prob: verifier probability needed to commit a token
+    record_steps: bool = False  # keep per-step commit lengths (BatchResult.step_commits)
 
     def validate(self) -> "DecodeOptions":
         if self.mode not in MODES:
@@ -84,6 +85,9 @@ class BatchResult:
     seconds: float
     compile_seconds: float
     options: DecodeOptions
+    # With options.record_steps: per row, tokens committed by each proposer forward, in order
+    # (sums to the row's output length); lets a caller show the committed blocks.
+    step_commits: list[list[int]] | None = None
 
 
 def _round_up(x: int, m: int) -> int:
@@ -174,7 +178,9 @@ class Decoder:
                 max_new=max_new, done=max_new <= 0, cache=cache, cache_len=prompt_len - 1,
                 drafts=jnp.full((b, n_drafts), pad_id, jnp.int32), vcache=vcache,
                 vcache_len=prompt_len, forwards=zeros, verifier_forwards=zeros,
-                accept_hist=jnp.zeros((b, k + 1), jnp.int32))
+                accept_hist=jnp.zeros((b, k + 1), jnp.int32),
+                # every active step commits >= 1 token, so a row takes at most n_slots steps
+                step_commits=jnp.zeros((b, n_slots), jnp.int32) if options.record_steps else None)
 
             def body(st):
                 if options.mode == "lossless":
@@ -190,7 +196,8 @@ class Decoder:
 
             max_steps = jnp.max(max_new)
             st = jax.lax.while_loop(lambda s: (s.step < max_steps) & ~jnp.all(s.done), body, st)
-            return st.tokens, st.length, st.forwards, st.verifier_forwards, st.accept_hist
+            return (st.tokens, st.length, st.forwards, st.verifier_forwards, st.accept_hist,
+                    st.step_commits)
 
         return jax.jit(run)
 
@@ -254,11 +261,15 @@ class Decoder:
             t0 = time.perf_counter()
             out = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - t0
-        tokens, length, fwd, vfwd, hist = (np.asarray(x) for x in out)
+        tokens, length, fwd, vfwd, hist = (np.asarray(x) for x in out[:5])
         outputs = [tokens[i, plen[i]: length[i]].tolist() for i in range(n)]
+        step_commits = None
+        if out[5] is not None:
+            trace = np.asarray(out[5])
+            step_commits = [trace[i, : fwd[i]].tolist() for i in range(n)]
         return BatchResult(output_ids=outputs, forwards=fwd[:n], verifier_forwards=vfwd[:n],
                            accept_hist=hist[:n], seconds=seconds, compile_seconds=compile_s,
-                           options=options)
+                           options=options, step_commits=step_commits)
 
 
 class _null:

