@@ -44,8 +44,11 @@ class DecodeOptions:
     record_steps: bool = False  # keep per-step commit lengths (BatchResult.step_commits)
 
     def validate(self) -> "DecodeOptions":
+        """Checked copy; `ar` is normalised to K=1 (one token per forward, no masks)."""
         if self.mode not in MODES:
             raise DecodeError(f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
+        if self.mode == "ar" and self.block_size != 1:
+            return dataclasses.replace(self, block_size=1).validate()
         if self.block_size < 1:
             raise DecodeError(f"block size must be >= 1, got {self.block_size}")
         if self.mode == "lossless" and self.block_size < 2:
