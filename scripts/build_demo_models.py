@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 from prove_jax import assets  # noqa: E402
 
 # (steps, extra overrides) per stage; --quick shrinks everything to seconds.
-FULL = {"proposer_ar": 600, "proposer_mars": 500, "verifier": 600, "commit_head": 200}
+FULL = {"proposer_ar": 600, "proposer_mars": 1200, "verifier": 600, "commit_head": 200}
 QUICK = {"proposer_ar": 6, "proposer_mars": 6, "verifier": 6, "commit_head": 6}
 QUICK_OVERRIDES = ["max_length=32", "global_batch_size=4", "log_every=2", "save_every=1000"]
 

@@ -1,0 +1,66 @@
+"""The shipped demo pair: it loads, its lossless output equals AR on held-out prompts, the
+proposer really proposes (acceptance > 0), and the reproduction script runs end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from prove_jax import assets
+from prove_jax.checkpoint import load_config, load_tokenizer
+from prove_jax.corpus import build_corpus, heldout_prompts
+from prove_jax.decoding import DecodeOptions
+from prove_jax.decoding.loading import build_decoder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def heldout_ids():
+    tok = load_tokenizer(assets.DEMO_PROPOSER)
+    split = build_corpus()
+    prompts = heldout_prompts(split.heldout, limit=6)
+    return [tok.encode(p["prompt"])[-96:] for p in prompts]
+
+
+def test_shipped_pair_is_small_and_consistent():
+    p, v = load_config(assets.DEMO_PROPOSER), load_config(assets.DEMO_VERIFIER)
+    assert p.mask_token_id is not None and p.vocab_size == v.vocab_size
+    assert v.num_params < p.num_params
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(assets.DEMO_DIR) for f in fs)
+    assert size < 40e6  # tens of MB at most
+    assert os.path.isdir(os.path.join(assets.DEMO_VERIFIER, "commit_head"))
+
+
+def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
+    ar, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
+    ref = ar.generate(heldout_ids, 40)
+    for k, groups in ((4, None), (8, 3)):
+        dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("lossless", k, max_groups=groups))
+        res = dec.generate(heldout_ids, 40)
+        assert res.output_ids == ref.output_ids
+        # a trained proposer's drafts are accepted: more than one token per forward
+        assert res.accept_hist[:, 1:].sum() > 0
+        assert sum(map(len, res.output_ids)) > res.forwards.sum()
+
+
+def test_shipped_verifier_top1_with_proposer_as_verifier_is_ar(heldout_ids):
+    ar, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
+    dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("verify", 8),
+                           verifier_path=assets.DEMO_PROPOSER)
+    assert dec.generate(heldout_ids[:3], 32).output_ids == ar.generate(heldout_ids[:3], 32).output_ids
+
+
+def test_reproduction_script_quick(tmp_path):
+    r = subprocess.run([sys.executable, "scripts/build_demo_models.py", "--quick", "--work",
+                        str(tmp_path / "w"), "--out", str(tmp_path / "demo")], cwd=ROOT,
+                       capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cfg = load_config(str(tmp_path / "demo" / "proposer"))
+    assert cfg.mask_token_id is not None and cfg.param_dtype == "bfloat16"
+    assert os.path.isdir(tmp_path / "demo" / "verifier" / "commit_head")
+    manifest = json.loads((tmp_path / "w" / "corpus" / "manifest.json").read_text())
+    assert manifest["heldout"]["files"] > 0
