@@ -203,3 +203,15 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
     long.write_text(json.dumps({"id": 0, "prompt_ids": [3] * 600}) + "\n")
     r = _cli("--model", ckpt, "--input", str(long), "--output", str(bad), "--max-new-tokens", "32500")
     assert r.returncode == 2 and "longer than the buffer" in r.stderr and not bad.exists()
+
+
+def test_adaptive_shrinks_width_with_batch_and_falls_back_to_ar(model, ar_out):
+    from prove_jax.decoding import adapt_for_batch
+    opts = DecodeOptions("lossless", 8, adaptive=True)
+    widths = [adapt_for_batch(opts, b, "gpu") for b in (1, 4, 8, 16, 32, 64)]
+    ks = [o.block_size for o in widths]
+    assert ks == sorted(ks, reverse=True) and ks[0] == 8
+    assert widths[-1].mode == "ar" and widths[-1].block_size == 1
+    assert adapt_for_batch(opts, 1, "cpu").mode == "ar"  # wide steps never pay on CPU here
+    res = Decoder(model, [1], opts).generate(_prompts(), 24)
+    assert res.output_ids == ar_out.output_ids

@@ -62,17 +62,28 @@ class DecodeOptions:
         return self
 
 
-# (max batch, K, groups) for the adaptive lossless setting. On accelerators a step of width
-# ~64 costs about one token at small batch; as the batch grows the step becomes compute bound
-# and wide proposals stop paying, so shrink them, and past the last row fall back to K=1
-# (plain AR) so a step never loses to AR. Measured points: benchmarks/decode*.md.
-ADAPTIVE_TABLE: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (4, 4, 2), (8, 3, 2), (16, 2, 2))
+# (max batch, K, groups) for the adaptive lossless setting, per platform; past the last row the
+# decoder falls back to K=1 (plain AR), so a step never loses to AR.
+# - GPU/TPU: a batch-1 step of up to ~64 tokens costs about one token (decode is bound by
+#   weight reads), so wide proposals are nearly free; as the batch grows the step becomes
+#   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
+# - CPU: small models are compute bound even at T=1 (weights sit in cache), so a width-T step
+#   costs 1.7x (T=4) to 3.1x (T=16) an AR step at batch 1 and more at batch 16
+#   (benchmarks/step_cost.md); no proposer we can train here accepts enough to pay for that,
+#   so adaptive decoding on CPU is plain AR.
+ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
+    "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
+    "cpu": (),
+}
 
 
-def adapt_for_batch(options: DecodeOptions, batch: int) -> DecodeOptions:
+def adapt_for_batch(options: DecodeOptions, batch: int, platform: str | None = None) -> DecodeOptions:
+    """The lossless (K, groups) to run at this batch size on this platform (see ADAPTIVE_TABLES)."""
     if options.mode != "lossless" or not options.adaptive:
         return options
-    for max_batch, k, g in ADAPTIVE_TABLE:
+    platform = platform or jax.devices()[0].platform
+    for max_batch, k, g in ADAPTIVE_TABLES.get(platform, ADAPTIVE_TABLES["gpu"]):
         if batch <= max_batch:
             return dataclasses.replace(options, block_size=min(k, options.block_size),
                                        max_groups=min(g, options.max_groups or g))
