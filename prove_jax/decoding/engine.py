@@ -7,6 +7,7 @@ compiled program is reused across batches of the same shape.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -269,7 +270,7 @@ class Decoder:
             batch_sharding = jax.sharding.NamedSharding(
                 self.mesh, jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)))
             args[3:] = [jax.device_put(x, batch_sharding) for x in args[3:]]
-        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
             compiled, compile_s = self._compiled_for(options, b, p, n_slots, args)
             t0 = time.perf_counter()
@@ -285,10 +286,3 @@ class Decoder:
                            accept_hist=hist[:n], seconds=seconds, compile_seconds=compile_s,
                            options=options, step_commits=step_commits)
 
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
