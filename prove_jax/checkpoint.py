@@ -180,7 +180,3 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
-
-
-def to_numpy_tree(tree):
-    return jax.tree.map(lambda x: np.asarray(x), tree)

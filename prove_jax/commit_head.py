@@ -26,6 +26,8 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from prove_jax.model import causal_mask
+
 HEAD_DIR = "commit_head"
 
 
@@ -55,10 +57,6 @@ class CommitHead(nnx.Module):
 
 # ---- labels ----------------------------------------------------------------------------------
 
-def _causal(b, t):
-    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-
-
 def propose_and_label(proposer, context, block_size: int, mask_id: int):
     """Proposer block after each context row and its AR-matching labels.
 
@@ -69,11 +67,11 @@ def propose_and_label(proposer, context, block_size: int, mask_id: int):
     k = block_size
     x = jnp.concatenate([context, jnp.full((b, k - 1), mask_id, context.dtype)], axis=1)
     pos = jnp.broadcast_to(jnp.arange(c + k - 1), x.shape)
-    h, _ = proposer.hidden_states(x, pos, _causal(b, c + k - 1))
+    h, _ = proposer.hidden_states(x, pos, causal_mask(b, c + k - 1))
     block = jnp.argmax(proposer.logits(h[:, c - 1:]), axis=-1).astype(context.dtype)  # [B, K]
     y = jnp.concatenate([context, block], axis=1)
     pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
-    h, _ = proposer.hidden_states(y, pos, _causal(b, c + k))
+    h, _ = proposer.hidden_states(y, pos, causal_mask(b, c + k))
     greedy = jnp.argmax(proposer.logits(h[:, c: c + k - 1]), axis=-1)  # after D_0..D_{K-2}
     match = greedy == block[:, 1:]
     return block, jnp.cumprod(match.astype(jnp.int32), axis=-1).astype(jnp.float32)
@@ -85,7 +83,7 @@ def verifier_inputs(verifier, context, block):
     k = block.shape[1]
     y = jnp.concatenate([context, block], axis=1)
     pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
-    h, _ = verifier.hidden_states(y, pos, _causal(b, c + k))
+    h, _ = verifier.hidden_states(y, pos, causal_mask(b, c + k))
     h = h[:, c: c + k - 1]
     return h, verifier.logits(h)
 

@@ -205,8 +205,7 @@ class Decoder:
                                            rule=options.commit_rule, tau_v=options.tau_v, head=head)
                 else:
                     st = steps.threshold_step(model, st, eos, block_size=k, mask_id=mask_id,
-                                              tau=options.tau if k > 1 else 2.0,
-                                              conf_kind=options.confidence)
+                                              tau=options.tau, conf_kind=options.confidence)
                 return st.replace(step=st.step + 1)
 
             max_steps = jnp.max(max_new)
