@@ -33,7 +33,10 @@ TEXT_SUFFIXES = (".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp"
                  ".html", ".css")
 JSONL_SUFFIXES = (".jsonl", ".json")
 
-Example = dict  # {"prompt": str, "response": str} or {"text": str}
+# {"prompt": str, "response": str}, {"text": str}, or pre-tokenized
+# {"prompt_ids": [int], "response_ids": [int]} (trained exactly as given: no EOS is appended,
+# so a response that should end the text carries its own EOS, as the distill CLI writes it).
+Example = dict
 
 
 class DataError(ValueError):
@@ -64,11 +67,19 @@ def _parse_jsonl(path: str) -> list[Example]:
             examples.append({"prompt": record["prompt"], "response": record["response"]})
         elif isinstance(record, dict) and isinstance(record.get("text"), str):
             examples.append({"text": record["text"]})
+        elif isinstance(record, dict) and _is_ids(record.get("prompt_ids")) and _is_ids(
+                record.get("response_ids")):
+            examples.append({"prompt_ids": record["prompt_ids"], "response_ids": record["response_ids"]})
         else:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(f'{path}:{lineno}: expected a {{"prompt", "response"}} or {{"text"}} '
-                            f"record of strings, got {keys}")
+                            f'record of strings or a {{"prompt_ids", "response_ids"}} record of '
+                            f"token id lists, got {keys}")
     return examples
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _load_file(path: str) -> list[Example]:
@@ -179,7 +190,14 @@ def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int
         raise DataError(f"max_length {max_length} is not a multiple of block_size {block_size}")
     eos, pad = _special_ids(tokenizer)
     pairs = [ex for ex in examples if "prompt" in ex]
-    texts = [ex["text"] for ex in examples if "prompt" not in ex]
+    id_pairs = [ex for ex in examples if "prompt_ids" in ex]
+    texts = [ex["text"] for ex in examples if "text" in ex]
+    vocab = len(tokenizer)
+    for ex in id_pairs:
+        bad = [t for t in ex["prompt_ids"] + ex["response_ids"] if not 0 <= t < vocab]
+        if bad:
+            raise DataError(f"token id {bad[0]} in a prompt_ids/response_ids record is outside the "
+                            f"tokenizer's vocabulary [0, {vocab})")
 
     rows: list[tuple[list[int], list[bool]]] = []  # (tokens, trained) before padding
     truncated = 0
@@ -195,6 +213,13 @@ def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int
                 truncated += 1
                 tokens, trained = tokens[:max_length], trained[:max_length]
             rows.append((tokens, trained))
+    for ex in id_pairs:
+        p, r = ex["prompt_ids"], ex["response_ids"]
+        tokens, trained = list(p) + list(r), [False] * len(p) + [True] * len(r)
+        if len(tokens) > max_length:
+            truncated += 1
+            tokens, trained = tokens[:max_length], trained[:max_length]
+        rows.append((tokens, trained))
     if texts:
         docs = [ids + [eos] for ids in _token_ids(tokenizer, texts)]
         rows += [(chunk, [True] * len(chunk)) for chunk in _pack_stream(docs, max_length, pack)]

@@ -75,7 +75,7 @@ def mars_attention_mask(length: int, block_size: int, valid: jax.Array | None = 
     return mask
 
 
-def _next_token_targets(batch) -> tuple[jax.Array, jax.Array]:
+def next_token_targets(batch) -> tuple[jax.Array, jax.Array]:
     """labels [B, L] = input_ids shifted left by one; weights f32 [B, L] (1 = trained target)."""
     ids = batch["input_ids"]
     trained = jnp.logical_and(batch["loss_mask"], batch["valid"])
@@ -99,7 +99,7 @@ def mars_inputs(batch, block_size: int, mask_token_id: int) -> dict[str, jax.Arr
     positions = jnp.broadcast_to(jnp.concatenate([pos, pos])[None], (b, 2 * length))
     attn_mask = jnp.broadcast_to(mars_attention_mask(length, block_size, batch["valid"]),
                                  (b, 2 * length, 2 * length))
-    labels, weights = _next_token_targets(batch)
+    labels, weights = next_token_targets(batch)
     return dict(tokens=tokens, positions=positions, attn_mask=attn_mask,
                 labels=jnp.concatenate([labels, labels], axis=1).astype(jnp.int32),
                 weights=jnp.concatenate([weights, weights], axis=1))
@@ -159,7 +159,7 @@ def ar_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     b, length = ids.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
     logits, _ = model(ids, positions, causal_mask(b, length, batch["valid"]))
-    labels, w = _next_token_targets(batch)
+    labels, w = next_token_targets(batch)
     loss = sequence_mean(token_nll(logits, labels), w)
     return loss, dict(loss=loss, loss_clean=loss, tokens=w.sum(), sequences=_sequences(w))
 

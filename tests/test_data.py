@@ -90,6 +90,29 @@ def test_pair_row_layout(tok):
     assert rows.truncated == 0 and rows.dropped == 0
 
 
+def test_token_id_records_are_trained_as_given(tok, tmp_path):
+    """{"prompt_ids", "response_ids"} (the distill CLI's output): no EOS added, prompt untrained."""
+    path = _write_jsonl(tmp_path / "ids.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7], "response_ids": [8, 9]},
+                                                 {"prompt_ids": [5], "response_ids": [9, tok.eos_token_id]}])
+    examples = load_examples(path)
+    assert examples == [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9]},
+                        {"prompt_ids": [5], "response_ids": [9, tok.eos_token_id]}]
+    rows = tokenize_examples(examples, tok, max_length=8, block_size=4)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    np.testing.assert_array_equal(rows.input_ids[0], [5, 6, 7, 8, 9, eos, eos, eos])  # block padding only
+    np.testing.assert_array_equal(rows.loss_mask[0], [0, 0, 0, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(rows.input_ids[1], [5, 9, eos, eos, pad, pad, pad, pad])
+    np.testing.assert_array_equal(rows.loss_mask[1], [0, 1, 1, 1, 0, 0, 0, 0])
+    rows = tokenize_examples([{"prompt_ids": [5] * 6, "response_ids": [9] * 6}], tok, max_length=8,
+                             block_size=4)
+    assert rows.truncated == 1 and rows.input_ids.shape == (1, 8)
+    with pytest.raises(DataError, match=r"token id 99999 .* outside the tokenizer's vocabulary"):
+        tokenize_examples([{"prompt_ids": [5], "response_ids": [99999]}], tok, max_length=8, block_size=4)
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [1, "x"], "response_ids": [2]}])
+    with pytest.raises(DataError, match=r"bad.jsonl:1: expected .*prompt_ids"):
+        load_examples(bad)
+
+
 def test_chat_template_prompt(tok):
     rows = tokenize_examples([{"prompt": "hi", "response": "ok"}], tok, max_length=32, block_size=4,
                              chat=True)

@@ -1,0 +1,111 @@
+"""Self-distillation data for the MARS stage: the proposer's own greedy continuations.
+
+ProVe-lossless accepts a draft only when it equals the proposer's *own* greedy token, so what
+the mask stream has to learn is the model's greedy continuation, not the corpus. Greedy text is
+a deterministic function of its prefix (and, for small models, very repetitive), so it is far
+easier to predict several tokens ahead than human text. This module decodes prompts greedily
+with the compiled engine and writes `{"id", "prompt_ids", "response_ids"}` records that the
+training data loader reads as they are (the response keeps its EOS when one was generated, and
+none is added when decoding stopped at the budget).
+
+    python -m prove_jax.distill --model CKPT --corpus CORPUS_DIR --out distill.jsonl \\
+        [--num-prompts 2048] [--max-new-tokens 128] [--batch-size 32]
+
+Prompts are the documented functions of the corpus's *train* split (signature + docstring,
+as in `prove_jax.corpus`), or any `{"id", "prompt"}` JSONL given with `--prompts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Sequence
+
+from prove_jax.corpus import CorpusError, SourceFile, function_prompts
+
+
+def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> list[dict]:
+    """`{"id", "prompt"}` for every documented function of CORPUS_DIR/train.jsonl, in file order."""
+    path = os.path.join(corpus_dir, "train.jsonl")
+    if not os.path.isfile(path):
+        raise CorpusError(f"{path} not found: --corpus must be a directory written by "
+                          f"`python -m prove_jax.corpus`")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+                source = SourceFile(rec["path"], rec["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CorpusError(f"{path}:{n}: expected a {{\"path\", \"text\"}} record") from None
+            records += function_prompts(source, max_prompt_chars=max_prompt_chars)
+    return [{"id": r["id"], "prompt": r["prompt"]} for r in records]
+
+
+def sample_prompts(records: Sequence[dict], num: int | None, seed: int) -> list[dict]:
+    """A seeded sample of `num` records (all of them, shuffled, when num is None or larger)."""
+    records = list(records)
+    random.Random(seed).shuffle(records)
+    return records if num is None else records[:num]
+
+
+def distill_records(decoder, prompt_ids: Sequence[Sequence[int]], ids: Sequence[str],
+                    max_new_tokens: int, batch_size: int, log=print) -> list[dict]:
+    """Greedy continuations as `{"id", "prompt_ids", "response_ids"}` records."""
+    from prove_jax.decoding.requests import run_requests
+    t0 = time.perf_counter()
+    outputs, _, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size, progress=True)
+    log(f"distill: {summary['generated_tokens']} tokens for {len(outputs)} prompts in "
+        f"{time.perf_counter() - t0:.0f}s ({summary['tokens_per_second']:.0f} tok/s decoding)")
+    return [{"id": i, "prompt_ids": list(map(int, p)), "response_ids": list(map(int, o))}
+            for i, p, o in zip(ids, prompt_ids, outputs)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m prove_jax.distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="proposer checkpoint whose greedy output is the target")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", help="corpus directory (prove_jax.corpus): prompts from its train split")
+    src.add_argument("--prompts", help='JSONL of {"id", "prompt"} records')
+    ap.add_argument("--out", required=True, help="output JSONL (written atomically)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="sample this many prompts (default: all)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=192,
+                    help="skip prompts longer than this many tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from prove_jax.checkpoint import CheckpointError, atomic_write_text
+    from prove_jax.decoding.engine import DecodeError, DecodeOptions
+    from prove_jax.decoding.loading import build_decoder
+    from prove_jax.decoding.requests import encode_prompts, read_requests
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    try:
+        if args.max_new_tokens < 1 or args.batch_size < 1:
+            raise DecodeError("--max-new-tokens and --batch-size must be >= 1")
+        records = read_requests(args.prompts) if args.prompts else train_function_prompts(args.corpus)
+        decoder, tokenizer = build_decoder(args.model, DecodeOptions(mode="ar"))
+        ids = encode_prompts(records, tokenizer)
+        kept = [(r, p) for r, p in zip(records, ids) if 0 < len(p) <= args.max_prompt_tokens]
+        kept = sample_prompts(kept, args.num_prompts, args.seed)
+        if not kept:
+            raise DecodeError(f"no prompt of 1..{args.max_prompt_tokens} tokens to distill")
+        log(f"distill: {len(kept)} prompts (of {len(records)}), {args.max_new_tokens} new tokens each")
+        out = distill_records(decoder, [p for _, p in kept], [r["id"] for r, _ in kept],
+                              args.max_new_tokens, args.batch_size, log=log)
+    except (CorpusError, CheckpointError, DecodeError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in out))
+    log(f"wrote {args.out}: {len(out)} records")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Held-out language-model quality of a checkpoint: next-token NLL, perplexity, top-1 accuracy.
+
+ProVe-lossless reproduces the proposer's greedy output exactly, so any change to the proposer
+(MARS fine-tuning, self-distillation) must be checked for what it does to the model itself:
+
+    python -m prove_jax.evaluate --model CKPT [--model CKPT2 ...] \\
+        --data runs/demo/corpus/heldout.jsonl [--max-length 256] [--max-rows 256]
+
+`--data` is anything the training loader reads (text, a folder, JSONL). Every token of every
+row counts once (token-weighted mean, unlike the per-sequence training loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prove_jax.data import load_examples, tokenize_examples
+from prove_jax.model import causal_mask
+from prove_jax.objectives import next_token_targets, token_nll
+
+
+def heldout_metrics(model, rows, batch_size: int = 16) -> dict:
+    """Token-weighted NLL / perplexity / top-1 accuracy of `model` over TokenizedRows."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def sums(state, batch):
+        m = nnx.merge(graphdef, state)
+        ids = batch["input_ids"]
+        b, length = ids.shape
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
+        logits, _ = m(ids, positions, causal_mask(b, length, batch["valid"]))
+        labels, w = next_token_targets(batch)
+        hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+        return (token_nll(logits, labels) * w).sum(), (hit * w).sum(), w.sum()
+
+    n = rows.input_ids.shape[0]
+    nll = hits = count = 0.0
+    for start in range(0, n, batch_size):
+        sl = slice(start, start + batch_size)
+        batch = {"input_ids": rows.input_ids[sl], "loss_mask": rows.loss_mask[sl], "valid": rows.valid[sl]}
+        pad = batch_size - batch["input_ids"].shape[0]  # one shape for every batch: one compile
+        batch = {k: np.pad(v, ((0, pad), (0, 0))) for k, v in batch.items()}
+        s = sums(state, batch)
+        nll, hits, count = nll + float(s[0]), hits + float(s[1]), count + float(s[2])
+    mean = nll / max(count, 1.0)
+    return {"nll": mean, "perplexity": float(np.exp(mean)), "top1_accuracy": hits / max(count, 1.0),
+            "tokens": int(count), "rows": int(n)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m prove_jax.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", required=True, help="checkpoint (repeatable)")
+    ap.add_argument("--data", required=True, help="held-out text, folder or JSONL")
+    ap.add_argument("--max-length", type=int, default=256, help="tokens per row")
+    ap.add_argument("--max-rows", type=int, default=256, help="evaluate at most this many rows")
+    ap.add_argument("--batch-size", type=int, default=16)
+    args = ap.parse_args(argv)
+
+    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
+    from prove_jax.data import DataError
+    try:
+        if min(args.max_length, args.max_rows, args.batch_size) < 1:
+            raise DataError("--max-length, --max-rows and --batch-size must be >= 1")
+        examples = load_examples(args.data)
+        rows_by_tokenizer: dict[str, object] = {}
+        results = []
+        for path in args.model:
+            t0 = time.perf_counter()
+            model = load_model(path, dtype="float32", param_dtype="float32")
+            tokenizer = load_tokenizer(path)
+            if tokenizer is None:
+                raise CheckpointError(f"{path} has no tokenizer: cannot encode {args.data}")
+            key = json.dumps(tokenizer.get_vocab(), sort_keys=True)  # same vocab -> same rows
+            if key not in rows_by_tokenizer:
+                rows = tokenize_examples(examples, tokenizer, max_length=args.max_length, block_size=1)
+                keep = slice(0, args.max_rows)
+                rows_by_tokenizer[key] = type(rows)(rows.input_ids[keep], rows.loss_mask[keep],
+                                                    rows.valid[keep], rows.truncated, rows.dropped)
+            result = {"model": path, **heldout_metrics(model, rows_by_tokenizer[key], args.batch_size)}
+            print(f"{path}: nll {result['nll']:.4f}, perplexity {result['perplexity']:.2f}, top-1 "
+                  f"{result['top1_accuracy']:.3f} over {result['tokens']} tokens "
+                  f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+            results.append(result)
+    except (CheckpointError, DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
