@@ -8,8 +8,14 @@ with the compiled engine and writes `{"id", "prompt_ids", "response_ids"}` recor
 training data loader reads as they are (the response keeps its EOS when one was generated, and
 none is added when decoding stopped at the budget).
 
+Trained on greedy text alone, the clean (AR) stream sharpens onto its own outputs and the model
+gets worse (demo proposer: held-out perplexity 25.6 -> 80.1). `--mix-corpus-chars` appends real
+train-split text records to the file, which keeps the AR stream anchored (25.6 -> 27.8) while
+the mask stream still learns the greedy continuations (lossless K=4: 1.44 -> 2.19 tokens per
+forward); see the README's benchmark section.
+
     python -m prove_jax.distill --model CKPT --corpus CORPUS_DIR --out distill.jsonl \\
-        [--num-prompts 2048] [--max-new-tokens 128] [--batch-size 32]
+        [--num-prompts 2048] [--max-new-tokens 128] [--batch-size 32] [--mix-corpus-chars 2000000]
 
 Prompts are the documented functions of the corpus's *train* split (signature + docstring,
 as in `prove_jax.corpus`), or any `{"id", "prompt"}` JSONL given with `--prompts`.
@@ -46,6 +52,21 @@ def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> lis
     return [{"id": r["id"], "prompt": r["prompt"]} for r in records]
 
 
+def corpus_text_sample(corpus_dir: str, max_chars: int, seed: int) -> list[dict]:
+    """`{"text"}` records of whole train-split files, seeded order, until max_chars is passed."""
+    path = os.path.join(corpus_dir, "train.jsonl")
+    with open(path, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    random.Random(seed).shuffle(texts)
+    out, total = [], 0
+    for text in texts:
+        if total > max_chars:
+            break
+        out.append({"text": text})
+        total += len(text)
+    return out
+
+
 def sample_prompts(records: Sequence[dict], num: int | None, seed: int) -> list[dict]:
     """A seeded sample of `num` records (all of them, shuffled, when num is None or larger)."""
     records = list(records)
@@ -79,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix-corpus-chars", type=int, default=0,
+                    help="also write about this many characters of real train-split text (needs --corpus)")
     args = ap.parse_args(argv)
 
     from prove_jax.checkpoint import CheckpointError, atomic_write_text
@@ -89,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1 or args.batch_size < 1:
             raise DecodeError("--max-new-tokens and --batch-size must be >= 1")
+        if args.mix_corpus_chars and not args.corpus:
+            raise DecodeError("--mix-corpus-chars takes its text from --corpus")
         records = read_requests(args.prompts) if args.prompts else train_function_prompts(args.corpus)
         decoder, tokenizer = build_decoder(args.model, DecodeOptions(mode="ar"))
         ids = encode_prompts(records, tokenizer)
@@ -99,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"distill: {len(kept)} prompts (of {len(records)}), {args.max_new_tokens} new tokens each")
         out = distill_records(decoder, [p for _, p in kept], [r["id"] for r, _ in kept],
                               args.max_new_tokens, args.batch_size, log=log)
+        if args.mix_corpus_chars > 0:
+            text = corpus_text_sample(args.corpus, args.mix_corpus_chars, args.seed)
+            log(f"distill: + {len(text)} train-split files ({sum(len(t['text']) for t in text):,} chars) of real text")
+            out += text
     except (CorpusError, CheckpointError, DecodeError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

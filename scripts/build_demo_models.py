@@ -4,8 +4,10 @@
     python scripts/build_demo_models.py --quick --work /tmp/w --out /tmp/demo   # smoke test
 
 Steps: CPython stdlib corpus (held-out split) -> byte-level BPE tokenizer -> proposer AR stage
--> proposer MARS stage (block 8) -> smaller AR verifier -> its commit head -> bfloat16
-copies in prove_jax/demo_models/{proposer,verifier}.
+-> proposer MARS stage (block 8) -> self-distillation: the MARS proposer's own greedy
+continuations of train-split function prompts (`python -m prove_jax.distill`) -> a second MARS
+stage on them -> smaller AR verifier -> its commit head (labels from the final proposer) ->
+bfloat16 copies in prove_jax/demo_models/{proposer,verifier}.
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ sys.path.insert(0, ROOT)
 from prove_jax import assets  # noqa: E402
 
 # (steps, extra overrides) per stage; --quick shrinks everything to seconds.
-FULL = {"proposer_ar": 600, "proposer_mars": 1200, "verifier": 600, "commit_head": 200}
-QUICK = {"proposer_ar": 6, "proposer_mars": 6, "verifier": 6, "commit_head": 6}
+FULL = {"proposer_ar": 600, "proposer_mars": 1200, "proposer_distill": 400, "verifier": 600,
+        "commit_head": 200}
+QUICK = {"proposer_ar": 6, "proposer_mars": 6, "proposer_distill": 6, "verifier": 6, "commit_head": 6}
+# self-distillation data: prompts sampled from the train split, prompt/new-token caps (rows fit 192)
+# plus real train-split text, which keeps the AR stream from sharpening onto its own outputs
+DISTILL = {"num_prompts": 3072, "max_prompt_tokens": 96, "max_new_tokens": 96, "batch_size": 64,
+           "mix_corpus_chars": 2_000_000}
+QUICK_DISTILL = {"num_prompts": 8, "max_prompt_tokens": 16, "max_new_tokens": 8, "batch_size": 8,
+                 "mix_corpus_chars": 20_000}
 QUICK_OVERRIDES = ["max_length=32", "global_batch_size=4", "log_every=2", "save_every=1000"]
 
 
@@ -81,6 +90,15 @@ def main(argv=None) -> int:
                      "objective=mars", "model.config=null", f"model.checkpoint={base}",
                      "optimizer.lr=1e-3", *[c for c in common if not c.startswith("model.")],
                      quick=args.quick)
+    d = QUICK_DISTILL if args.quick else DISTILL
+    run([sys.executable, "-m", "prove_jax.distill", "--model", proposer, "--corpus", f"{w}/corpus",
+         "--out", f"{w}/distill.jsonl", *[f"--{k.replace('_', '-')}={v}" for k, v in d.items()]])
+    # Stage 3: MARS again, on the proposer's own greedy text: lossless accepts a draft only when it
+    # equals that greedy token, and greedy text is far easier to predict several tokens ahead.
+    proposer = train("configs/demo_proposer.yaml", f"{w}/proposer_distill", steps["proposer_distill"],
+                     "objective=mars", "model.config=null", f"model.checkpoint={proposer}",
+                     "tokenizer.path=null", f"data={w}/distill.jsonl", "max_length=192",
+                     "global_batch_size=8", "optimizer.lr=5e-4", quick=args.quick)
     verifier = train("configs/demo_verifier.yaml", f"{w}/verifier", steps["verifier"],
                      "objective=ar", *common, quick=args.quick)
     verifier = train("configs/demo_verifier.yaml", f"{w}/verifier_head", steps["commit_head"],

@@ -47,7 +47,8 @@ def test_errors_leave_no_output(tmp_path, ckpt, capsys):
     cases = [(["--model", str(tmp_path / "missing"), "--prompts", str(inp)], "checkpoint not found"),
              (["--model", ckpt, "--corpus", str(tmp_path)], "train.jsonl not found"),
              (["--model", ckpt, "--prompts", str(inp), "--max-prompt-tokens", "1"], "no prompt of 1..1 tokens"),
-             (["--model", ckpt, "--prompts", str(inp), "--batch-size", "0"], "must be >= 1")]
+             (["--model", ckpt, "--prompts", str(inp), "--batch-size", "0"], "must be >= 1"),
+             (["--model", ckpt, "--prompts", str(inp), "--mix-corpus-chars", "10"], "takes its text from --corpus")]
     for args, expect in cases:
         assert distill.main([*args, "--out", str(out)]) == 2
         err = capsys.readouterr().err
@@ -64,6 +65,11 @@ def test_train_split_function_prompts(tmp_path):
         assert p["id"].split(":")[0].removeprefix("stdlib/") in train_paths  # never the held-out split
         assert p["prompt"].lstrip().startswith(("def ", "async def ", "@"))
         assert p["prompt"].rstrip().endswith(('"""', "'''"))
+    mixed = distill.corpus_text_sample(str(tmp_path / "corpus"), 20_000, seed=0)
+    sizes = [len(r["text"]) for r in mixed]
+    assert sum(sizes[:-1]) <= 20_000 < sum(sizes)  # whole files until the cap is passed
+    assert all(r["text"] in {json.loads(x)["text"] for x in (tmp_path / "corpus" / "train.jsonl").read_text().splitlines()}
+               for r in mixed)
     sample = distill.sample_prompts(prompts, 5, seed=1)
     assert len(sample) == 5 and sample == distill.sample_prompts(prompts, 5, seed=1)
     assert sample != distill.sample_prompts(prompts, 5, seed=2)
