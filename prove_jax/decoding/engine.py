@@ -68,10 +68,10 @@ class DecodeOptions:
 # - GPU/TPU: a batch-1 step of up to ~64 tokens costs about one token (decode is bound by
 #   weight reads), so wide proposals are nearly free; as the batch grows the step becomes
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
-# - CPU: small models are compute bound even at T=1 (weights sit in cache), so a width-T step
-#   costs 1.7x (T=4) to 3.1x (T=16) an AR step at batch 1 and more at batch 16
-#   (benchmarks/step_cost.md); no proposer we can train here accepts enough to pay for that,
-#   so adaptive decoding on CPU is plain AR.
+# - CPU: a decode step is compute bound from T=2 or so (2 cores, weights in a large L3; the
+#   Qwen2.5-0.5B shape too), so a width-T step costs 1.3-1.8x (T=4) to 2.5-2.8x (T=16) an AR
+#   step (benchmarks/step_cost.md); even the self-distilled demo proposer only breaks even
+#   (K=2: 1.6 tokens per forward against a 1.5x step), so adaptive decoding on CPU is plain AR.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
