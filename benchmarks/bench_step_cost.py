@@ -17,53 +17,19 @@ import argparse
 import json
 import os
 import platform
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from prove_jax import assets
 from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
+from prove_jax.decoding.calibrate import time_step_widths
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import KVCache
 from prove_jax.params import create_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see LosslessLayout.width)
 LAYOUTS = ((2, 2), (3, 3), (4, 2), (4, 4), (8, 3))  # (K, G) as benchmarked in decode.md
-
-
-def time_widths(cfg, batch: int, slots: int = 384, repeats: int = 5, steps: int = 20) -> dict[int, float]:
-    graphdef, state = nnx.split(create_model(cfg, seed=0))
-    cache = KVCache.zeros(cfg, batch, slots)
-
-    @jax.jit
-    def run(state, cache, toks, pos, mask):
-        model = nnx.merge(graphdef, state)
-
-        def body(i, carry):
-            cache, acc = carry
-            logits, cache = model(toks, pos, mask, cache, pos)
-            return cache, acc + jnp.argmax(logits[:, -1], -1).sum()
-        return jax.lax.fori_loop(0, steps, body, (cache, 0))[1]
-
-    args = {}
-    for t in WIDTHS:
-        toks = jnp.zeros((batch, t), jnp.int32)
-        pos = jnp.broadcast_to(200 + jnp.arange(t), (batch, t))
-        mask = jnp.ones((batch, t, slots), bool)
-        args[t] = (toks, pos, mask)
-        jax.block_until_ready(run(state, cache, *args[t]))
-    times = {t: [] for t in WIDTHS}
-    for _ in range(repeats):  # interleaved, so load changes hit every width alike
-        for t in WIDTHS:
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(state, cache, *args[t]))
-            times[t].append((time.perf_counter() - t0) / steps)
-    return {t: float(np.median(v)) for t, v in times.items()}
 
 
 def ceilings(relative: dict[str, float]) -> dict[str, dict]:
@@ -80,7 +46,7 @@ def ceilings(relative: dict[str, float]) -> dict[str, dict]:
 def measure(name: str, cfg, batches, repeats: int, steps: int) -> dict:
     rows = []
     for batch in batches:
-        ms = time_widths(cfg, batch, repeats=repeats, steps=steps)
+        ms = time_step_widths(create_model(cfg, seed=0), batch, WIDTHS, repeats=repeats, steps=steps)
         rel = {str(t): v / ms[1] for t, v in ms.items()}
         rows.append({"batch_size": batch, "step_ms": {str(t): v * 1e3 for t, v in ms.items()},
                      "relative_to_T1": rel, "lossless_ceiling": ceilings(rel)})

@@ -1,6 +1,6 @@
 """Decoding benchmark: `python -m infer.benchmark` -> benchmarks/decode.{json,md,png}.
 
-Our modes (ar; threshold tau sweep; lossless K / group sweep and adaptive; verify with each
+Our modes (ar; threshold tau sweep; lossless K / group sweep, adaptive and calibrated; verify with each
 commit rule and a tau_v sweep) and transformers peers on the same weights (greedy generate,
 assisted generation with our verifier as the draft, prompt lookup; torch CPU), on HumanEval
 prompts by default, at batch sizes 1, 4 and 16. Every ratio is against our `ar` measured in
@@ -56,7 +56,8 @@ def parse_args(argv=None):
         f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS),
                     help="lossless: comma-separated K or KxG (group cap) settings (default %(default)s)")
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                    help="lossless: also run the adaptive setting (K<=4, shrinking with the batch)")
+                    help="lossless: also run adaptive (K<=4, the platform table) and calibrated "
+                         "(K<=8, layout measured here per batch size) settings")
     ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
                     help="verify/prob: comma-separated verifier probability thresholds (default 0.3,0.1); "
                          "top1 and (when the verifier has commit_head/) head always run")

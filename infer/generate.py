@@ -12,7 +12,9 @@ import json
 import sys
 
 from prove_jax import assets
-from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeOptions
+from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError, DecodeOptions
+from prove_jax.decoding.calibrate import DEFAULT_CANDIDATES, calibrate
+from prove_jax.decoding.engine import check_adaptive_table
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.requests import encode_prompts, read_requests, run_requests, write_outputs
 
@@ -35,6 +37,10 @@ def parse_args(argv=None):
                     help="lossless: mask groups = acceptance lengths served per step (default K)")
     ap.add_argument("--adaptive", action="store_true",
                     help="lossless: shrink K and groups as the batch grows (never slower than AR)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="lossless: adaptive with a layout measured here: acceptance on up to 8 of the "
+                         "prompts and step costs at --batch-size on this device pick K and groups "
+                         "(K up to --block-size, default 8), or AR when no layout wins")
     ap.add_argument("--tau", type=float, default=0.9, help="threshold: confidence to accept (default 0.9)")
     ap.add_argument("--confidence", default="prob", help=f"threshold: {', '.join(CONFIDENCE_KINDS)}")
     ap.add_argument("--commit-rule", default="top1", help=f"verify: {', '.join(COMMIT_RULES)}")
@@ -49,9 +55,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        block = args.block_size or (4 if args.mode == "lossless" else 8)
+        if args.calibrate and args.mode != "lossless":
+            raise DecodeError("--calibrate chooses lossless layouts: use it with --mode lossless")
+        block = args.block_size or (4 if args.mode == "lossless" and not args.calibrate else 8)
         options = DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
-                                max_groups=args.groups, adaptive=args.adaptive, tau=args.tau,
+                                max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                                 confidence=args.confidence, commit_rule=args.commit_rule,
                                 tau_v=args.tau_v).validate()
         records = read_requests(args.input)
@@ -59,6 +67,12 @@ def main(argv=None) -> int:
         decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,
                                            dtype=args.dtype, mesh_shape=args.mesh)
         prompts = encode_prompts(records, tokenizer, chat=args.chat)
+        if args.calibrate:
+            decoder.check_prompts(prompts, args.max_new_tokens)
+            table = calibrate(decoder, prompts[:8], [args.batch_size], min(64, args.max_new_tokens),
+                              [c for c in DEFAULT_CANDIDATES if c[0] <= block],
+                              log=lambda msg: print(msg, file=sys.stderr, flush=True))
+            decoder.adaptive_table = check_adaptive_table(table)
         outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size)
         write_outputs(args.output, records, outputs, stats, tokenizer)
     except (ValueError, OSError) as e:  # every project error is a ValueError

@@ -52,6 +52,7 @@ class Setting:
     label: str
     options: DecodeOptions | None = None  # ours
     peer_kwargs: tuple = ()  # peers: extra keyword arguments, as (name, value) pairs
+    calibrate: bool = False  # adaptive lossless with a table measured here (decoding/calibrate.py)
 
     @property
     def is_peer(self) -> bool:
@@ -75,6 +76,12 @@ def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
                          record_steps=record_steps)
     g = len(LosslessLayout.build(k, groups).accept_of_group)
     return Setting("lossless", f"adaptive,K<={k}" if adaptive else f"K={k},G={g}", opts)
+
+
+def calibrated_setting(k_max: int = 8) -> Setting:
+    """Adaptive lossless whose per-batch layout is measured on this machine before timing."""
+    return Setting("lossless", f"calibrated,K<={k_max}",
+                   DecodeOptions("lossless", block_size=k_max, adaptive=True), calibrate=True)
 
 
 def threshold_setting(tau: float, k: int = 8) -> Setting:
@@ -124,7 +131,7 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     if "lossless" in modes:
         out += [lossless_setting(k, g) for k, g in lossless]
         if adaptive:
-            out.append(lossless_setting(4, adaptive=True))
+            out += [lossless_setting(4, adaptive=True), calibrated_setting(8)]
     if "verify" in modes:
         out.append(verify_setting("top1", block_size))
         out += [verify_setting("prob", block_size, t) for t in tau_vs]
@@ -274,6 +281,13 @@ class OurRunner:
         self.width = max(len(p) for p in prompts)  # one prompt width: one program per batch size
         self.decoder = pair.decoder(setting.options)
         self.m = Measurement(setting, batch_size)
+        if setting.calibrate:  # measured before any timing; its own compiles are not counted
+            from prove_jax.decoding.calibrate import DEFAULT_CANDIDATES, calibrate
+            from prove_jax.decoding.engine import check_adaptive_table
+            k_max = setting.options.block_size
+            table = calibrate(self.decoder, prompts[:8], [batch_size], min(64, max_new_tokens),
+                              [c for c in DEFAULT_CANDIDATES if c[0] <= k_max], log=log)
+            self.decoder.adaptive_table = check_adaptive_table(table)
 
     def _generate(self, chunk):
         return self.decoder.generate(chunk, self.max_new, batch_size=self.batch, prompt_width=self.width)

@@ -4,9 +4,9 @@
     python scripts/build_demo_models.py --quick --work /tmp/w --out /tmp/demo   # smoke test
 
 Steps: CPython stdlib corpus (held-out split) -> byte-level BPE tokenizer -> proposer AR stage
--> proposer MARS stage (block 8) -> self-distillation: the MARS proposer's own greedy
-continuations of train-split function prompts (`python -m prove_jax.distill`) -> a second MARS
-stage on them -> smaller AR verifier -> its commit head (labels from the final proposer) ->
+-> proposer MARS stage (block 8) -> self-distillation rounds: the proposer's own greedy
+continuations of train-split function prompts plus real text (`python -m prove_jax.distill`),
+then a MARS stage on them -> smaller AR verifier -> its commit head (labels from the final proposer) ->
 bfloat16 copies in prove_jax/demo_models/{proposer,verifier}.
 """
 
@@ -27,6 +27,8 @@ from prove_jax import assets  # noqa: E402
 FULL = {"proposer_ar": 600, "proposer_mars": 1200, "proposer_distill": 400, "verifier": 600,
         "commit_head": 200}
 QUICK = {"proposer_ar": 6, "proposer_mars": 6, "proposer_distill": 6, "verifier": 6, "commit_head": 6}
+# self-distillation rounds (each: distill the current proposer, then 400 MARS steps on it)
+DISTILL_ROUNDS = 3
 # self-distillation data: prompts sampled from the train split, prompt/new-token caps (rows fit 192)
 # plus real train-split text, which keeps the AR stream from sharpening onto its own outputs
 DISTILL = {"num_prompts": 3072, "max_prompt_tokens": 96, "max_new_tokens": 96, "batch_size": 64,
@@ -91,14 +93,17 @@ def main(argv=None) -> int:
                      "optimizer.lr=1e-3", *[c for c in common if not c.startswith("model.")],
                      quick=args.quick)
     d = QUICK_DISTILL if args.quick else DISTILL
-    run([sys.executable, "-m", "prove_jax.distill", "--model", proposer, "--corpus", f"{w}/corpus",
-         "--out", f"{w}/distill.jsonl", *[f"--{k.replace('_', '-')}={v}" for k, v in d.items()]])
-    # Stage 3: MARS again, on the proposer's own greedy text: lossless accepts a draft only when it
-    # equals that greedy token, and greedy text is far easier to predict several tokens ahead.
-    proposer = train("configs/demo_proposer.yaml", f"{w}/proposer_distill", steps["proposer_distill"],
-                     "objective=mars", "model.config=null", f"model.checkpoint={proposer}",
-                     "tokenizer.path=null", f"data={w}/distill.jsonl", "max_length=192",
-                     "global_batch_size=8", "optimizer.lr=5e-4", quick=args.quick)
+    # Stage 3, in rounds: MARS again on the current proposer's own greedy text (fresh prompts each
+    # round): lossless accepts a draft only when it equals that greedy token, and greedy text is
+    # far easier to predict several tokens ahead.
+    for r in range(1 if args.quick else DISTILL_ROUNDS):
+        data = f"{w}/distill_{r}.jsonl"
+        run([sys.executable, "-m", "prove_jax.distill", "--model", proposer, "--corpus", f"{w}/corpus",
+             "--out", data, f"--seed={r}", *[f"--{k.replace('_', '-')}={v}" for k, v in d.items()]])
+        proposer = train("configs/demo_proposer.yaml", f"{w}/proposer_distill_{r}", steps["proposer_distill"],
+                         "objective=mars", "model.config=null", f"model.checkpoint={proposer}",
+                         "tokenizer.path=null", f"data={data}", "max_length=192",
+                         "global_batch_size=8", "optimizer.lr=5e-4", quick=args.quick)
     verifier = train("configs/demo_verifier.yaml", f"{w}/verifier", steps["verifier"],
                      "objective=ar", *common, quick=args.quick)
     verifier = train("configs/demo_verifier.yaml", f"{w}/verifier_head", steps["commit_head"],

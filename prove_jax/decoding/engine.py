@@ -8,6 +8,7 @@ compiled program is reused across batches of the same shape.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import time
@@ -79,16 +80,32 @@ ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
 }
 
 
-def adapt_for_batch(options: DecodeOptions, batch: int, platform: str | None = None) -> DecodeOptions:
-    """The lossless (K, groups) to run at this batch size on this platform (see ADAPTIVE_TABLES)."""
+def adapt_for_batch(options: DecodeOptions, batch: int, platform: str | None = None,
+                    table: Sequence[tuple[int, int, int]] | None = None) -> DecodeOptions:
+    """The lossless (K, groups) to run at this batch size: from `table` (e.g. measured by
+    `calibrate.calibrate`) or this platform's ADAPTIVE_TABLES row; a row with K=1 is plain AR."""
     if options.mode != "lossless" or not options.adaptive:
         return options
-    platform = platform or jax.devices()[0].platform
-    for max_batch, k, g in ADAPTIVE_TABLES.get(platform, ADAPTIVE_TABLES["gpu"]):
+    if table is None:
+        table = ADAPTIVE_TABLES.get(platform or jax.devices()[0].platform, ADAPTIVE_TABLES["gpu"])
+    for max_batch, k, g in table:
         if batch <= max_batch:
-            return dataclasses.replace(options, block_size=min(k, options.block_size),
-                                       max_groups=min(g, options.max_groups or g))
+            k = min(k, options.block_size)
+            if k < 2:
+                break
+            return dataclasses.replace(options, block_size=k, max_groups=min(g, options.max_groups or g))
     return dataclasses.replace(options, mode="ar", block_size=1)
+
+
+def check_adaptive_table(table) -> tuple[tuple[int, int, int], ...]:
+    """A validated copy of an adaptive table: rows (max_batch, K, groups), batch increasing."""
+    rows = tuple(tuple(int(x) for x in row) for row in table)
+    for i, row in enumerate(rows):
+        if len(row) != 3 or row[0] < 1 or row[1] < 1 or row[2] < 1:
+            raise DecodeError(f"adaptive table row {i} must be (max_batch >= 1, K >= 1, groups >= 1), got {row}")
+        if i and row[0] <= rows[i - 1][0]:
+            raise DecodeError(f"adaptive table rows must have increasing max_batch, got {rows}")
+    return rows
 
 
 @dataclasses.dataclass
@@ -118,8 +135,10 @@ class Decoder:
 
     def __init__(self, model, eos_ids: Sequence[int], options: DecodeOptions = DecodeOptions(),
                  verifier=None, commit_head=None, mesh=None, pad_id: int = 0,
-                 max_buffer: int | None = None):
+                 max_buffer: int | None = None, adaptive_table=None):
         self.options = options.validate()
+        # per-batch lossless layouts for options.adaptive (None: the platform's ADAPTIVE_TABLES)
+        self.adaptive_table = None if adaptive_table is None else check_adaptive_table(adaptive_table)
         cfg = model.cfg
         if options.mode in ("threshold", "lossless", "verify") and cfg.mask_token_id is None:
             raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token "
@@ -143,6 +162,18 @@ class Decoder:
         self.max_buffer = max_buffer or cfg.max_position_embeddings
         self._compiled: dict = {}
         self.trace_count = 0
+
+    def with_options(self, options: DecodeOptions) -> "Decoder":
+        """The same models and settings decoding with other options (its own compile cache)."""
+        other = copy.copy(self)
+        other.options = options.validate()
+        if options.mode in ("threshold", "lossless", "verify") and self.cfg.mask_token_id is None:
+            raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token")
+        if options.mode == "verify" and self.vgraphdef is None:
+            raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
+        other._compiled = {}
+        other.trace_count = 0
+        return other
 
     # ---- shapes -----------------------------------------------------------------------------
 
@@ -254,7 +285,7 @@ class Decoder:
         n = len(prompts)
         b = max(batch_size or n, n)
         b = _round_up(b, self._data_size())
-        options = adapt_for_batch(self.options, b)
+        options = adapt_for_batch(self.options, b, table=self.adaptive_table)
         p = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
         n_slots = self.buffer_len(p, max_new_tokens)
         arr = np.full((b, p), self.pad_id, np.int32)

@@ -1,0 +1,119 @@
+"""Calibrated adaptive lossless: the acceptance model, the choice, and the decoder using it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from prove_jax import assets
+from prove_jax.checkpoint import save_model
+from prove_jax.corpus import build_corpus, heldout_prompts
+from prove_jax.checkpoint import load_tokenizer
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding import calibrate as cal
+from prove_jax.decoding.engine import check_adaptive_table
+from prove_jax.decoding.loading import build_decoder
+from prove_jax.params import create_model
+from tests.test_decoding import CFG, _prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBS = np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])  # P(a), a = 0..7, measured with K=8
+
+
+def test_expected_tokens_per_forward_by_hand():
+    assert cal.expected_tokens_per_forward(PROBS, 2, 2) == pytest.approx(0.5 * 1 + 0.5 * 2)
+    # K=4 sees min(a, 3): 0.5*1 + 0.2*2 + 0.1*3 + 0.2*4
+    assert cal.expected_tokens_per_forward(PROBS, 4, 4) == pytest.approx(2.0)
+    # K=4 with 2 groups serves a in {0, 3}: a = 1, 2 fall back to 0
+    assert cal.expected_tokens_per_forward(PROBS, 4, 2) == pytest.approx(0.2 * 4 + 0.8 * 1)
+    assert cal.expected_tokens_per_forward(PROBS, 8, 8) == pytest.approx(float(PROBS @ (np.arange(8) + 1)))
+
+
+def test_choose_layout():
+    free = {1: 1.0, 4: 1.0, 9: 1.0, 10: 1.0, 16: 1.0, 29: 1.0, 22: 1.0, 64: 1.0}
+    best = cal.choose_layout(PROBS, free, 1)
+    assert (best.block_size, best.groups) == (8, 8)  # wide steps are free: the widest wins
+    assert best.expected_speedup == pytest.approx(cal.expected_tokens_per_forward(PROBS, 8, 8))
+    linear = {t: float(t) for t in free}
+    assert cal.choose_layout(PROBS, linear, 16).block_size == 1  # every width loses: AR
+    # K=2 at 1.5 tokens per forward against a 1.45x step is a 1.03x "win": inside the margin
+    assert cal.choose_layout(PROBS, {1: 1.0, 4: 1.45}, 1, candidates=[(2, 2)]).block_size == 1
+    assert cal.choose_layout(PROBS, {1: 1.0, 4: 1.2}, 1, candidates=[(2, 2)]).block_size == 2
+    with pytest.raises(ValueError, match="T=1"):
+        cal.choose_layout(PROBS, {4: 1.0}, 1)
+
+
+def test_acceptance_profile_predicts_narrower_layouts():
+    """MARS drafts are causal: the K=8 profile predicts what K=2 and K=4 really commit."""
+    tok = load_tokenizer(assets.DEMO_PROPOSER)
+    prompts = [tok.encode(p["prompt"])[-96:] for p in heldout_prompts(build_corpus().heldout, limit=8)]
+    dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
+    probs = cal.acceptance_profile(dec, prompts, 64, 8)
+    assert probs.shape == (8,) and probs.sum() == pytest.approx(1.0) and probs[1:].sum() > 0.2
+    for k, g in ((2, 2), (4, 2), (4, 4)):
+        res = dec.with_options(DecodeOptions("lossless", k, max_groups=g)).generate(prompts, 64)
+        measured = sum(map(len, res.output_ids)) / res.forwards.sum()
+        predicted = cal.expected_tokens_per_forward(probs, k, g)
+        assert predicted == pytest.approx(measured, rel=0.12), (k, g)
+
+
+def test_decoder_follows_its_table_and_stays_lossless():
+    model = create_model(CFG, seed=3)
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 16)
+    dec = Decoder(model, [1], DecodeOptions("lossless", 8, adaptive=True), adaptive_table=((1, 2, 2), (4, 1, 1)))
+    one = dec.generate(_prompts()[:1], 16)
+    assert (one.options.mode, one.options.block_size, one.options.max_groups) == ("lossless", 2, 2)
+    assert one.output_ids == ar.output_ids[:1]
+    four = dec.generate(_prompts(), 16)
+    assert four.options.mode == "ar" and four.output_ids == ar.output_ids  # K=1 row: plain AR
+    past = dec.generate(_prompts() * 2, 16)
+    assert past.options.mode == "ar"  # past the last row: AR
+    for bad in (((1, 2, 2), (1, 4, 4)), ((0, 2, 2),), ((1, 2),)):
+        with pytest.raises(DecodeError, match="adaptive table"):
+            check_adaptive_table(bad)
+
+
+def test_time_step_widths_is_positive_and_grows():
+    costs = cal.time_step_widths(create_model(CFG, seed=0), 2, (1, 64), slots=128, filled=32, repeats=2, steps=4)
+    assert set(costs) == {1, 64} and all(v > 0 for v in costs.values())
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "infer.generate", *args], cwd=ROOT,
+                          capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
+
+
+def test_cli_calibrate(tmp_path):
+    model = create_model(CFG, seed=3)
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, model)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(_prompts())))
+    out = tmp_path / "out.jsonl"
+    r = _cli("--model", ckpt, "--mode", "lossless", "--calibrate", "--block-size", "4", "--input", str(inp),
+             "--output", str(out), "--max-new-tokens", "12", "--batch-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert "calibrate: acceptance with K=4" in r.stderr and "calibrate: batch 2:" in r.stderr
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 12)
+    assert [json.loads(x)["output_ids"] for x in out.read_text().splitlines()] == ar.output_ids
+    r = _cli("--model", ckpt, "--mode", "ar", "--calibrate", "--input", str(inp), "--output", str(tmp_path / "x.jsonl"))
+    assert r.returncode == 2 and "--calibrate chooses lossless layouts" in r.stderr
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_benchmark_calibrated_setting(tmp_path):
+    from prove_jax import bench_lib
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, create_model(CFG, seed=3))
+    pair = bench_lib.load_pair(ckpt)
+    settings = [bench_lib.ar_setting(), bench_lib.calibrated_setting(4)]
+    assert settings[1].label == "calibrated,K<=4" and settings[1].options.adaptive
+    records, _ = bench_lib.run_settings(pair, settings, _prompts(), 12, [2], repeats=1, progress=lambda m: None)
+    ar, calibrated = records
+    assert calibrated["agreement_with_ar"] == 1.0 and calibrated["generated_tokens"] == ar["generated_tokens"]
+    eff = calibrated["effective_options"]  # what calibration chose for batch 2 is on record
+    assert eff["mode"] == "ar" or (eff["mode"] == "lossless" and 2 <= eff["block_size"] <= 4)
+    assert "| lossless | calibrated,K<=4 (" in bench_lib.markdown_table(records)
