@@ -28,7 +28,7 @@ FULL = {"proposer_ar": 600, "proposer_mars": 1200, "proposer_distill": 400, "ver
         "commit_head": 200}
 QUICK = {"proposer_ar": 6, "proposer_mars": 6, "proposer_distill": 6, "verifier": 6, "commit_head": 6}
 # self-distillation rounds (each: distill the current proposer, then 400 MARS steps on it)
-DISTILL_ROUNDS = 3
+DISTILL_ROUNDS = 4
 # self-distillation data: prompts sampled from the train split, prompt/new-token caps (rows fit 192)
 # plus real train-split text, which keeps the AR stream from sharpening onto its own outputs
 DISTILL = {"num_prompts": 3072, "max_prompt_tokens": 96, "max_new_tokens": 96, "batch_size": 64,
