@@ -71,8 +71,9 @@ class DecodeOptions:
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
 # - CPU: a decode step is compute bound from T=2 or so (2 cores, weights in a large L3; the
 #   Qwen2.5-0.5B shape too), so a width-T step costs 1.3-1.8x (T=4) to 2.5-2.8x (T=16) an AR
-#   step (benchmarks/step_cost.md); even the self-distilled demo proposer only breaks even
-#   (K=2: 1.6 tokens per forward against a 1.5x step), so adaptive decoding on CPU is plain AR.
+#   step (benchmarks/step_cost.md). Whether lossless pays there depends on the proposer (the
+#   self-distilled demo proposer reaches 1.27x; an ordinary MARS one loses), which a fixed table
+#   cannot know: on CPU the table is plain AR, and `calibrate.py` (--calibrate) measures.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
