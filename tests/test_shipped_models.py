@@ -42,9 +42,10 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
         dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("lossless", k, max_groups=groups))
         res = dec.generate(heldout_ids, 40)
         assert res.output_ids == ref.output_ids
-        # a trained proposer's drafts are accepted: more than one token per forward
+        # the self-distilled proposer's drafts are mostly accepted: more than 2 tokens per forward
+        # (it commits ~3.6 at K=4 here; an ordinary MARS proposer managed ~1.4)
         assert res.accept_hist[:, 1:].sum() > 0
-        assert sum(map(len, res.output_ids)) > res.forwards.sum()
+        assert sum(map(len, res.output_ids)) > 2 * res.forwards.sum()
 
 
 def test_shipped_verifier_top1_with_proposer_as_verifier_is_ar(heldout_ids):
