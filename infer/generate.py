@@ -13,8 +13,7 @@ import sys
 
 from prove_jax import assets
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError, DecodeOptions
-from prove_jax.decoding.calibrate import DEFAULT_CANDIDATES, calibrate
-from prove_jax.decoding.engine import check_adaptive_table
+from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.requests import encode_prompts, read_requests, run_requests, write_outputs
 
@@ -69,10 +68,8 @@ def main(argv=None) -> int:
         prompts = encode_prompts(records, tokenizer, chat=args.chat)
         if args.calibrate:
             decoder.check_prompts(prompts, args.max_new_tokens)
-            table = calibrate(decoder, prompts[:8], [args.batch_size], min(64, args.max_new_tokens),
-                              [c for c in DEFAULT_CANDIDATES if c[0] <= block],
+            calibrate_decoder(decoder, prompts, args.batch_size, args.max_new_tokens,
                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
-            decoder.adaptive_table = check_adaptive_table(table)
         outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size)
         write_outputs(args.output, records, outputs, stats, tokenizer)
     except (ValueError, OSError) as e:  # every project error is a ValueError

@@ -282,12 +282,8 @@ class OurRunner:
         self.decoder = pair.decoder(setting.options)
         self.m = Measurement(setting, batch_size)
         if setting.calibrate:  # measured before any timing; its own compiles are not counted
-            from prove_jax.decoding.calibrate import DEFAULT_CANDIDATES, calibrate
-            from prove_jax.decoding.engine import check_adaptive_table
-            k_max = setting.options.block_size
-            table = calibrate(self.decoder, prompts[:8], [batch_size], min(64, max_new_tokens),
-                              [c for c in DEFAULT_CANDIDATES if c[0] <= k_max], log=log)
-            self.decoder.adaptive_table = check_adaptive_table(table)
+            from prove_jax.decoding.calibrate import calibrate_decoder
+            calibrate_decoder(self.decoder, prompts, batch_size, max_new_tokens, log=log)
 
     def _generate(self, chunk):
         return self.decoder.generate(chunk, self.max_new, batch_size=self.batch, prompt_width=self.width)

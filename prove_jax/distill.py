@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Sequence
 
-from prove_jax.corpus import CorpusError, SourceFile, function_prompts
+from prove_jax.corpus import CorpusError, SourceFile, function_prompts, iter_texts
 
 
 def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> list[dict]:
@@ -55,9 +55,7 @@ def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> lis
 
 def corpus_text_sample(corpus_dir: str, max_chars: int, seed: int) -> list[dict]:
     """`{"text"}` records of whole train-split files, seeded order, until max_chars is passed."""
-    path = os.path.join(corpus_dir, "train.jsonl")
-    with open(path, encoding="utf-8") as f:
-        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    texts = list(iter_texts(os.path.join(corpus_dir, "train.jsonl")))
     random.Random(seed).shuffle(texts)
     out, total = [], 0
     for text in texts:

@@ -156,3 +156,18 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
                 f"{choice.tokens_per_forward:.2f} tokens per forward)")
         rows.append((b, choice.block_size, choice.groups))
     return tuple(rows)
+
+
+def calibrate_decoder(decoder, prompts: Sequence[Sequence[int]], batch_size: int,
+                      max_new_tokens: int, log=None) -> tuple[tuple[int, int, int], ...]:
+    """Calibrate `decoder` (adaptive lossless) for one batch size and install the table.
+
+    Uses up to 8 of the prompts and up to 64 new tokens for the acceptance profile, and the
+    candidates whose K fits the decoder's block size (its cap on K).
+    """
+    from prove_jax.decoding.engine import check_adaptive_table
+    k_max = decoder.options.block_size
+    table = calibrate(decoder, list(prompts)[:8], [batch_size], min(64, max_new_tokens),
+                      [c for c in DEFAULT_CANDIDATES if c[0] <= k_max], log=log)
+    decoder.adaptive_table = check_adaptive_table(table)
+    return decoder.adaptive_table

@@ -109,6 +109,22 @@ def check_adaptive_table(table) -> tuple[tuple[int, int, int], ...]:
     return rows
 
 
+def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, has_commit_head: bool) -> None:
+    """The models a Decoder holds can serve `options` (mask token, verifier, commit head)."""
+    if options.mode in ("threshold", "lossless", "verify") and cfg.mask_token_id is None:
+        raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token "
+                          f"(config mask_token_id is unset); use --mode ar or a trained proposer")
+    if options.mode == "verify":
+        if verifier_cfg is None:
+            raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
+        if verifier_cfg.vocab_size != cfg.vocab_size:
+            raise DecodeError(f"verifier vocabulary size {verifier_cfg.vocab_size} differs from "
+                              f"the proposer's {cfg.vocab_size}: they must share a tokenizer")
+        if options.commit_rule == "head" and not has_commit_head:
+            raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
+                              "checkpoint (train it with objective=commit_head)")
+
+
 @dataclasses.dataclass
 class BatchResult:
     output_ids: list[list[int]]
@@ -141,18 +157,8 @@ class Decoder:
         # per-batch lossless layouts for options.adaptive (None: the platform's ADAPTIVE_TABLES)
         self.adaptive_table = None if adaptive_table is None else check_adaptive_table(adaptive_table)
         cfg = model.cfg
-        if options.mode in ("threshold", "lossless", "verify") and cfg.mask_token_id is None:
-            raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token "
-                              f"(config mask_token_id is unset); use --mode ar or a trained proposer")
-        if options.mode == "verify":
-            if verifier is None:
-                raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
-            if verifier.cfg.vocab_size != cfg.vocab_size:
-                raise DecodeError(f"verifier vocabulary size {verifier.cfg.vocab_size} differs from "
-                                  f"the proposer's {cfg.vocab_size}: they must share a tokenizer")
-            if options.commit_rule == "head" and commit_head is None:
-                raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
-                                  "checkpoint (train it with objective=commit_head)")
+        self.vcfg = verifier.cfg if verifier is not None else None
+        _check_pairing(options, cfg, self.vcfg, commit_head is not None)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
         self.vgraphdef, self.vstate = nnx.split(verifier) if verifier is not None else (None, None)
@@ -166,12 +172,10 @@ class Decoder:
 
     def with_options(self, options: DecodeOptions) -> "Decoder":
         """The same models and settings decoding with other options (its own compile cache)."""
+        options = options.validate()
+        _check_pairing(options, self.cfg, self.vcfg, self.hgraphdef is not None)
         other = copy.copy(self)
-        other.options = options.validate()
-        if options.mode in ("threshold", "lossless", "verify") and self.cfg.mask_token_id is None:
-            raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token")
-        if options.mode == "verify" and self.vgraphdef is None:
-            raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
+        other.options = options
         other._compiled = {}
         other.trace_count = 0
         return other
