@@ -15,7 +15,8 @@ from prove_jax import assets
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.decoding.requests import encode_prompts, read_requests, run_requests, write_outputs
+from prove_jax.decoding.requests import (QUEUE_BATCHES, encode_prompts, read_requests, run_requests,
+                                         write_outputs)
 
 
 def parse_args(argv=None):
@@ -69,7 +70,8 @@ def main(argv=None) -> int:
         if args.calibrate:
             decoder.check_prompts(prompts, args.max_new_tokens)
             calibrate_decoder(decoder, prompts, args.batch_size, args.max_new_tokens,
-                              log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                              log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              num_requests=min(len(prompts), QUEUE_BATCHES * args.batch_size))
         outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size)
         write_outputs(args.output, records, outputs, stats, tokenizer)
     except (ValueError, OSError) as e:  # every project error is a ValueError

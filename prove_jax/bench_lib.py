@@ -11,6 +11,9 @@ sizes, peers, repeats). Conventions, so that every ratio in a table means the sa
   reported separately and never timed. Each setting is timed `repeats` times, interleaved with
   the other settings of the same batch size (rotated order), and the median is used, so slow
   phases of a shared machine hit every setting alike.
+- **Batching**: at batch size B our settings serve the whole prompt set as one queue with B
+  rows (continuous batching: a row that finishes takes the next prompt inside the compiled
+  loop); the transformers peers run static batches of B prompts, as `generate` does.
 - **Speedup** is against our `ar` measured in the same run at the same batch size.
 - **Agreement with AR**: token level = same token at the same output position (denominator:
   the longer of the two sequences), exact = whole sequence identical. Both against our `ar`
@@ -273,50 +276,43 @@ class Measurement:
 
 
 class OurRunner:
-    """Decodes the prompt set in fixed-size batches with one of our settings."""
+    """Decodes the prompt set with one of our settings: one queue served by `batch_size` rows
+    (continuous batching, one compiled program per batch size)."""
 
     def __init__(self, pair: ModelPair, setting: Setting, prompts, max_new_tokens: int, batch_size: int):
         self.pair, self.setting, self.prompts = pair, setting, prompts
         self.max_new, self.batch = max_new_tokens, batch_size
-        self.width = max(len(p) for p in prompts)  # one prompt width: one program per batch size
+        self.width = max(len(p) for p in prompts)  # one prompt width and queue size: one program
         self.decoder = pair.decoder(setting.options)
         self.m = Measurement(setting, batch_size)
         if setting.calibrate:  # measured before any timing; its own compiles are not counted
             from prove_jax.decoding.calibrate import calibrate_decoder
             calibrate_decoder(self.decoder, prompts, batch_size, max_new_tokens, log=log)
 
-    def _generate(self, chunk):
-        return self.decoder.generate(chunk, self.max_new, batch_size=self.batch, prompt_width=self.width)
+    def _generate(self, prompts):
+        return self.decoder.generate(prompts, self.max_new, batch_size=self.batch, prompt_width=self.width,
+                                     queue_size=len(self.prompts))
 
     def warmup(self) -> None:
         t0 = time.perf_counter()
-        res = self._generate(self.prompts[: self.batch])
+        res = self._generate(self.prompts[: self.batch])  # the same program, one batch of work
         self.m.compile_seconds = res.compile_seconds
         self.m.effective_options = res.options
         self.m.warmup_seconds = time.perf_counter() - t0 - res.compile_seconds
 
     def timed_pass(self) -> float:
-        first = not self.m.seconds
-        seconds, outputs, fwd, vfwd, hist, steps = 0.0, [], 0, 0, None, []
-        for start in range(0, len(self.prompts), self.batch):
-            chunk = list(self.prompts[start: start + self.batch])
-            t0 = time.perf_counter()
-            res = self._generate(chunk)
-            seconds += time.perf_counter() - t0
-            if res.compile_seconds:
-                raise BenchError(f"{self.setting.name}: compiled inside a timed pass (shape change)")
-            if first:
-                outputs += [our_sequence(o, self.pair.eos_ids) for o in res.output_ids]
-                fwd += int(res.forwards.sum())
-                vfwd += int(res.verifier_forwards.sum())
-                h = res.accept_hist.sum(0)
-                hist = h if hist is None else hist + h
-                steps += res.step_commits or []
+        t0 = time.perf_counter()
+        res = self._generate(self.prompts)
+        seconds = time.perf_counter() - t0
+        if res.compile_seconds:
+            raise BenchError(f"{self.setting.name}: compiled inside a timed pass (shape change)")
+        if not self.m.seconds:
+            self.m.outputs = [our_sequence(o, self.pair.eos_ids) for o in res.output_ids]
+            self.m.proposer_forwards = int(res.forwards.sum())
+            self.m.verifier_forwards = int(res.verifier_forwards.sum())
+            self.m.accept_hist = [int(x) for x in res.accept_hist.sum(0)]
+            self.m.step_commits = res.step_commits
         self.m.seconds.append(seconds)
-        if first:
-            self.m.outputs, self.m.proposer_forwards, self.m.verifier_forwards = outputs, fwd, vfwd
-            self.m.accept_hist = [int(x) for x in hist]
-            self.m.step_commits = steps or None
         return seconds
 
 

@@ -15,6 +15,7 @@ from prove_jax.checkpoint import load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding import calibrate as cal
 from prove_jax.decoding.engine import check_adaptive_table
+from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.params import create_model
 from tests.test_decoding import CFG, _prompts
@@ -32,18 +33,40 @@ def test_expected_tokens_per_forward_by_hand():
     assert cal.expected_tokens_per_forward(PROBS, 8, 8) == pytest.approx(float(PROBS @ (np.arange(8) + 1)))
 
 
+def test_batch_model_slowest_row_sets_the_pace():
+    # two requests: one commits 2 tokens per step, the other 4 (K=4, all groups)
+    rows = np.array([[0, 1, 0, 0], [0, 0, 0, 1]], float)
+    one = cal.expected_batch_tokens_per_forward(rows, 4, 4, 1)
+    assert one == pytest.approx(1 / (0.5 * (1 / 2 + 1 / 4)))  # total tokens / total steps
+    # batch of 2 (rows drawn with replacement): the slow row is in it with probability 3/4
+    assert cal.expected_batch_tokens_per_forward(rows, 4, 4, 2) == pytest.approx(1 / (0.25 / 4 + 0.75 / 2))
+    assert cal.expected_batch_tokens_per_forward(rows, 4, 4, 64) == pytest.approx(2.0, rel=1e-6)
+    assert cal.expected_batch_tokens_per_forward(PROBS, 4, 2, 16) == pytest.approx(
+        cal.expected_tokens_per_forward(PROBS, 4, 2))  # one profile row: no spread
+    # a queue of many requests on 2 rows (continuous batching): rows stay busy, so the rate
+    # approaches the batch-1 (harmonic) rate, far above the static batch's slowest-row rate
+    queued = cal.expected_batch_tokens_per_forward(rows, 4, 4, 2, num_requests=64)
+    assert cal.expected_batch_tokens_per_forward(rows, 4, 4, 2) < queued < one * 1.05
+    assert queued == pytest.approx(one, rel=0.1)
+
+
 def test_choose_layout():
-    free = {1: 1.0, 4: 1.0, 9: 1.0, 10: 1.0, 16: 1.0, 29: 1.0, 22: 1.0, 64: 1.0}
+    free = {cal.AR: 1.0} | {c: 1.0 for c in cal.DEFAULT_CANDIDATES}
     best = cal.choose_layout(PROBS, free, 1)
     assert (best.block_size, best.groups) == (8, 8)  # wide steps are free: the widest wins
     assert best.expected_speedup == pytest.approx(cal.expected_tokens_per_forward(PROBS, 8, 8))
-    linear = {t: float(t) for t in free}
+    linear = {cal.AR: 1.0} | {(k, g): float(LosslessLayout.build(k, g).width) for k, g in cal.DEFAULT_CANDIDATES}
     assert cal.choose_layout(PROBS, linear, 16).block_size == 1  # every width loses: AR
     # K=2 at 1.5 tokens per forward against a 1.45x step is a 1.03x "win": inside the margin
-    assert cal.choose_layout(PROBS, {1: 1.0, 4: 1.45}, 1, candidates=[(2, 2)]).block_size == 1
-    assert cal.choose_layout(PROBS, {1: 1.0, 4: 1.2}, 1, candidates=[(2, 2)]).block_size == 2
-    with pytest.raises(ValueError, match="T=1"):
-        cal.choose_layout(PROBS, {4: 1.0}, 1)
+    assert cal.choose_layout(PROBS, {cal.AR: 1.0, (2, 2): 1.45}, 1, candidates=[(2, 2)]).block_size == 1
+    assert cal.choose_layout(PROBS, {cal.AR: 1.0, (2, 2): 1.2}, 1, candidates=[(2, 2)]).block_size == 2
+    # a spread of requests: K=4 wins alone, but in a batch of 16 the slow request sets the pace
+    rows = np.array([[0.5, 0.5, 0, 0], [0, 0, 0, 1.0]])
+    cost = {cal.AR: 1.0, (2, 2): 1.3, (4, 4): 1.6}
+    assert cal.choose_layout(rows, cost, 1, candidates=[(2, 2), (4, 4)]).block_size == 4
+    assert cal.choose_layout(rows, cost, 16, candidates=[(2, 2), (4, 4)]).block_size == 2
+    with pytest.raises(ValueError, match="AR step"):
+        cal.choose_layout(PROBS, {(2, 2): 1.0}, 1)
 
 
 def test_acceptance_profile_predicts_narrower_layouts():
@@ -51,13 +74,18 @@ def test_acceptance_profile_predicts_narrower_layouts():
     tok = load_tokenizer(assets.DEMO_PROPOSER)
     prompts = [tok.encode(p["prompt"])[-96:] for p in heldout_prompts(build_corpus().heldout, limit=8)]
     dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
-    probs = cal.acceptance_profile(dec, prompts, 64, 8)
-    assert probs.shape == (8,) and probs.sum() == pytest.approx(1.0) and probs[1:].sum() > 0.2
+    rows = cal.acceptance_profile(dec, prompts, 64, 8)
+    assert rows.shape == (8, 8) and np.allclose(rows.sum(axis=1), 1.0) and rows[:, 1:].sum(axis=1).mean() > 0.2
     for k, g in ((2, 2), (4, 2), (4, 4)):
         res = dec.with_options(DecodeOptions("lossless", k, max_groups=g)).generate(prompts, 64)
         measured = sum(map(len, res.output_ids)) / res.forwards.sum()
-        predicted = cal.expected_tokens_per_forward(probs, k, g)
+        predicted = cal.expected_batch_tokens_per_forward(rows, k, g, 1)
         assert predicted == pytest.approx(measured, rel=0.12), (k, g)
+        # a batch of all 8 runs until its slowest row is done: per-row tokens per batch step
+        in_batch = np.mean([len(o) for o in res.output_ids]) / res.forwards.max()
+        in_batch_predicted = cal.expected_batch_tokens_per_forward(rows, k, g, 8)
+        assert in_batch_predicted <= predicted and in_batch <= measured
+        assert in_batch_predicted == pytest.approx(in_batch, rel=0.12), (k, g)
 
 
 def test_decoder_follows_its_table_and_stays_lossless():
@@ -76,9 +104,24 @@ def test_decoder_follows_its_table_and_stays_lossless():
             check_adaptive_table(bad)
 
 
-def test_time_step_widths_is_positive_and_grows():
+def test_time_step_widths_is_positive():
     costs = cal.time_step_widths(create_model(CFG, seed=0), 2, (1, 64), slots=128, filled=32, repeats=2, steps=4)
     assert set(costs) == {1, 64} and all(v > 0 for v in costs.values())
+
+
+def test_time_decode_steps_times_the_engine_step_of_each_layout(monkeypatch):
+    from prove_jax.decoding import engine
+    traced = []
+    real = engine.decode_step
+
+    def spy(options, *a, **kw):
+        traced.append((options.mode, options.block_size, options.max_groups))
+        return real(options, *a, **kw)
+    monkeypatch.setattr(engine, "decode_step", spy)
+    costs = cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
+                                  repeats=2, steps=4)
+    assert set(costs) == {cal.AR, (2, 2), (4, 2)} and all(v > 0 for v in costs.values())
+    assert set(traced) == {("ar", 1, None), ("lossless", 2, 2), ("lossless", 4, 2)}
 
 
 def _cli(*args):

@@ -46,6 +46,11 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
         # (it commits ~3.6 at K=4 here; an ordinary MARS proposer managed ~1.4)
         assert res.accept_hist[:, 1:].sum() > 0
         assert sum(map(len, res.output_ids)) > 2 * res.forwards.sum()
+    # rows accept at different rates and drift apart: served two at a time from a queue, each
+    # finished row takes the next prompt mid-loop, and the output is still AR token for token
+    queued = dec.generate(heldout_ids, 40, batch_size=2)
+    assert queued.output_ids == ref.output_ids
+    assert list(queued.forwards) == list(res.forwards)  # a request's steps do not depend on its row
 
 
 def test_shipped_verifier_top1_with_proposer_as_verifier_is_ar(heldout_ids):

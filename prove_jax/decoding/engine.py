@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prove_jax.decoding import steps
+from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, cache_attention_mask, propose_layout
-from prove_jax.decoding.state import LoopState
+from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.model import KVCache
 
 MODES = ("ar", "threshold", "lossless", "verify")
@@ -109,6 +109,28 @@ def check_adaptive_table(table) -> tuple[tuple[int, int, int], ...]:
     return rows
 
 
+def step_shape(options: DecodeOptions) -> tuple[int, int]:
+    """(tokens one step feeds the proposer, drafts carried between steps) for validated options."""
+    if options.mode == "lossless":
+        layout = LosslessLayout.build(options.block_size, options.max_groups)
+        return layout.width, layout.num_drafts
+    return propose_layout(options.block_size)[0], 1
+
+
+def decode_step(options: DecodeOptions, model, state: LoopState, eos_ids: jax.Array, *, mask_id: int,
+                verifier=None, head=None) -> LoopState:
+    """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
+    k = options.block_size
+    if options.mode == "lossless":
+        layout = LosslessLayout.build(k, options.max_groups)
+        return steps.lossless_step(model, state, eos_ids, layout=layout, mask_id=mask_id)
+    if options.mode == "verify":
+        return steps.verify_step(model, verifier, state, eos_ids, block_size=k, mask_id=mask_id,
+                                 rule=options.commit_rule, tau_v=options.tau_v, head=head)
+    return steps.threshold_step(model, state, eos_ids, block_size=k, mask_id=mask_id,
+                                tau=options.tau, conf_kind=options.confidence)
+
+
 def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, has_commit_head: bool) -> None:
     """The models a Decoder holds can serve `options` (mask token, verifier, commit head)."""
     if options.mode in ("threshold", "lossless", "verify") and cfg.mask_token_id is None:
@@ -127,16 +149,18 @@ def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, has_commit_head: b
 
 @dataclasses.dataclass
 class BatchResult:
+    """Per request (in prompt order) outputs and stats of one `Decoder.generate` call."""
     output_ids: list[list[int]]
-    forwards: np.ndarray  # [B]
-    verifier_forwards: np.ndarray  # [B]
-    accept_hist: np.ndarray  # [B, K+1]
+    forwards: np.ndarray  # [n] proposer forwards while the request was decoding
+    verifier_forwards: np.ndarray  # [n]
+    accept_hist: np.ndarray  # [n, K+1]
     seconds: float
     compile_seconds: float
     options: DecodeOptions
-    # With options.record_steps: per row, tokens committed by each proposer forward, in order
-    # (sums to the row's output length); lets a caller show the committed blocks.
+    # With options.record_steps: per request, tokens committed by each proposer forward, in
+    # order (sums to its output length); lets a caller show the committed blocks.
     step_commits: list[list[int]] | None = None
+    loop_steps: int = 0  # iterations of the decode loop (batch steps, all rows together)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -191,15 +215,17 @@ class Decoder:
 
     # ---- the compiled program ---------------------------------------------------------------
 
-    def _build(self, options: DecodeOptions, n_slots: int):
+    def _build(self, options: DecodeOptions, n_rows: int, n_slots: int):
+        """The jitted program: prefill rows, then one while_loop that decodes and refills them.
+
+        Takes the request queue (prompts [Q, P], prompt_len [Q], max_new [Q]) and serves it with
+        n_rows rows; Q == n_rows is a plain static batch. Requests past the last one with a
+        budget (padding) are never admitted.
+        """
         k = options.block_size
         mask_id = -1 if self.cfg.mask_token_id is None else int(self.cfg.mask_token_id)
         eos_ids = self.eos_ids
-        if options.mode == "lossless":
-            layout = LosslessLayout.build(k, options.max_groups)
-            width, n_drafts = layout.width, layout.num_drafts
-        else:
-            width, n_drafts = propose_layout(k)[0], 1
+        width, n_drafts = step_shape(options)
         pad_id = self.pad_id
         graphdef, vgraphdef, hgraphdef = self.graphdef, self.vgraphdef, self.hgraphdef
 
@@ -208,54 +234,61 @@ class Decoder:
             model = nnx.merge(graphdef, state)
             verifier = nnx.merge(vgraphdef, vstate) if vgraphdef is not None else None
             head = nnx.merge(hgraphdef, hstate) if hgraphdef is not None else None
-            b, p = prompts.shape
+            q, p = prompts.shape
+            b = n_rows
             eos = jnp.asarray(eos_ids)
-            tokens = jnp.full((b, n_slots), pad_id, jnp.int32).at[:, :p].set(prompts)
-            causal = jnp.tril(jnp.ones((p, p), bool))[None]
-            pos = jnp.broadcast_to(jnp.arange(p)[None], (b, p))
-            zeros = jnp.zeros((b,), jnp.int32)
 
-            def prefill(m, size):
-                cache = KVCache.zeros(m.cfg, b, size)
-                mask = cache_attention_mask(zeros, causal, size) & (jnp.arange(size)[None, None, :]
-                                                                    < prompt_len[:, None, None])
-                _, cache = m.hidden_states(prompts, pos, mask, cache, pos)
+            def prefill(m, toks, plen, size):
+                r = toks.shape[0]
+                pos = jnp.broadcast_to(jnp.arange(p)[None], (r, p))
+                causal = jnp.tril(jnp.ones((p, p), bool))[None]
+                mask = cache_attention_mask(jnp.zeros((r,), jnp.int32), causal, size) & (
+                    jnp.arange(size)[None, None, :] < plen[:, None, None])
+                _, cache = m.hidden_states(toks, pos, mask, KVCache.zeros(m.cfg, r, size), pos)
                 return cache
 
-            cache = prefill(model, n_slots + width)
-            vcache = prefill(verifier, n_slots + k) if verifier is not None else None
-            st = LoopState(
-                step=jnp.int32(0), tokens=tokens, length=prompt_len, prompt_len=prompt_len,
-                max_new=max_new, done=max_new <= 0, cache=cache, cache_len=prompt_len - 1,
-                drafts=jnp.full((b, n_drafts), pad_id, jnp.int32), vcache=vcache,
-                vcache_len=prompt_len, forwards=zeros, verifier_forwards=zeros,
-                accept_hist=jnp.zeros((b, k + 1), jnp.int32),
-                # every active step commits >= 1 token, so a row takes at most n_slots steps
-                step_commits=jnp.zeros((b, n_slots), jnp.int32) if options.record_steps else None)
+            def start_rows(toks, plen, mnew):
+                """Loop state of len(toks) rows right after their prefill."""
+                tokens = jnp.full((toks.shape[0], n_slots), pad_id, jnp.int32).at[:, :p].set(toks)
+                cache = prefill(model, toks, plen, n_slots + width)
+                vcache = prefill(verifier, toks, plen, n_slots + k) if verifier is not None else None
+                return initial_state(tokens, plen, mnew, cache, vcache, num_drafts=n_drafts,
+                                     block_size=k, pad_id=pad_id, record_steps=options.record_steps)
 
-            def body(st):
-                if options.mode == "lossless":
-                    st = steps.lossless_step(model, st, eos, layout=layout, mask_id=mask_id)
-                elif options.mode == "verify":
-                    st = steps.verify_step(model, verifier, st, eos, block_size=k, mask_id=mask_id,
-                                           rule=options.commit_rule, tau_v=options.tau_v, head=head)
-                else:
-                    st = steps.threshold_step(model, st, eos, block_size=k, mask_id=mask_id,
-                                              tau=options.tau, conf_kind=options.confidence)
-                return st.replace(step=st.step + 1)
+            def admit(r):
+                one = lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1, 0)  # noqa: E731
+                return start_rows(one(prompts), one(prompt_len), one(max_new))
 
-            max_steps = jnp.max(max_new)
-            st = jax.lax.while_loop(lambda s: (s.step < max_steps) & ~jnp.all(s.done), body, st)
-            return (st.tokens, st.length, st.forwards, st.verifier_forwards, st.accept_hist,
-                    st.step_commits)
+            st = start_rows(prompts[:b], prompt_len[:b], max_new[:b])
+            qs = queue.start(q, st)
+            # requests after the last one with a budget are padding: never admitted
+            n_live = jnp.max(jnp.where(max_new > 0, jnp.arange(q, dtype=jnp.int32) + 1, 0))
+
+            def body(carry):
+                st, qs = carry
+                if q > b:
+                    st, qs = queue.refill(st, qs, n_live, admit)
+                st = decode_step(options, model, st, eos, mask_id=mask_id, verifier=verifier, head=head)
+                return st.replace(step=st.step + 1), qs
+
+            def more(carry):
+                st, qs = carry
+                # every active step commits >= 1 token: a safety bound, never the reason to stop
+                bound = jnp.sum(max_new) + q
+                return (st.step < bound) & (~jnp.all(st.done) | (qs.next_req < n_live))
+
+            st, qs = jax.lax.while_loop(more, body, (st, qs))
+            qs = queue.finish(st, qs)
+            return (qs.tokens, qs.length, qs.forwards, qs.verifier_forwards, qs.accept_hist,
+                    qs.step_commits, st.step)
 
         return jax.jit(run)
 
-    def _compiled_for(self, options, b, p, n_slots, args):
-        key = (options, b, p, n_slots)
+    def _compiled_for(self, options, b, q, p, n_slots, args):
+        key = (options, b, q, p, n_slots)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            fn = self._build(options, n_slots)
+            fn = self._build(options, b, n_slots)
             compiled = fn.lower(*args).compile()
             self._compiled[key] = (compiled, time.perf_counter() - t0)
             return compiled, self._compiled[key][1]
@@ -279,23 +312,29 @@ class Decoder:
                                   f"longer than the buffer limit {self.max_buffer}")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 batch_size: int | None = None, prompt_width: int | None = None) -> BatchResult:
-        """Greedy-family decoding of one batch (padded to `batch_size` rows if given).
+                 batch_size: int | None = None, prompt_width: int | None = None,
+                 queue_size: int | None = None) -> BatchResult:
+        """Greedy-family decoding of `prompts` with `batch_size` rows (default: one row each).
 
-        `prompt_width` pads every batch of a run to one width, so all batches share a program.
+        More prompts than rows are queued and served by continuous batching inside the one
+        compiled loop: a row that finishes takes the next prompt at once. `prompt_width` pads
+        every call to one prompt width and `queue_size` pads the queue, so the calls of a run
+        share one program.
         """
         if max_new_tokens < 1:
             raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if batch_size is not None and batch_size < 1:
+            raise DecodeError(f"batch size must be >= 1, got {batch_size}")
         self.check_prompts(prompts, max_new_tokens)
         n = len(prompts)
-        b = max(batch_size or n, n)
-        b = _round_up(b, self._data_size())
+        b = _round_up(batch_size or n, self._data_size())
+        q = _round_up(max(n, queue_size or 0), b)  # a whole number of rows: shards like the batch
         options = adapt_for_batch(self.options, b, table=self.adaptive_table)
         p = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
         n_slots = self.buffer_len(p, max_new_tokens)
-        arr = np.full((b, p), self.pad_id, np.int32)
-        plen = np.ones((b,), np.int32)
-        max_new = np.zeros((b,), np.int32)  # padding rows get no budget: done from the start
+        arr = np.full((q, p), self.pad_id, np.int32)
+        plen = np.ones((q,), np.int32)
+        max_new = np.zeros((q,), np.int32)  # padding requests get no budget: never decoded
         for i, x in enumerate(prompts):
             arr[i, : len(x)] = x
             plen[i] = len(x)
@@ -307,7 +346,7 @@ class Decoder:
             args[3:] = [jax.device_put(x, batch_sharding) for x in args[3:]]
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
-            compiled, compile_s = self._compiled_for(options, b, p, n_slots, args)
+            compiled, compile_s = self._compiled_for(options, b, q, p, n_slots, args)
             t0 = time.perf_counter()
             out = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - t0
@@ -319,5 +358,5 @@ class Decoder:
             step_commits = [trace[i, : fwd[i]].tolist() for i in range(n)]
         return BatchResult(output_ids=outputs, forwards=fwd[:n], verifier_forwards=vfwd[:n],
                            accept_hist=hist[:n], seconds=seconds, compile_seconds=compile_s,
-                           options=options, step_commits=step_commits)
+                           options=options, step_commits=step_commits, loop_steps=int(out[6]))
 

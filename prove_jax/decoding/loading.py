@@ -7,7 +7,6 @@ import os
 import jax
 
 from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
-from prove_jax.config import ConfigError
 from prove_jax.decoding.engine import DecodeError, DecodeOptions, Decoder
 from prove_jax.sharding import make_mesh
 

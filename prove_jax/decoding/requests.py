@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from typing import Iterable, Sequence
-
-import numpy as np
+from typing import Sequence
 
 from prove_jax.checkpoint import atomic_write_text
 from prove_jax.decoding.engine import BatchResult, DecodeError, Decoder
@@ -73,24 +70,32 @@ def request_stats(result: BatchResult, i: int) -> dict:
     }
 
 
+QUEUE_BATCHES = 16  # requests per generate call = this many batches (progress + bounded buffers)
+
+
 def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  batch_size: int, progress: bool = True) -> tuple[list[list[int]], list[dict], dict]:
-    """Decode all prompts in fixed-size batches (one compiled shape; the tail batch is padded)."""
+    """Decode all prompts with `batch_size` rows and continuous batching (see queue.py).
+
+    Requests go to the device in chunks of QUEUE_BATCHES * batch_size, all padded to one prompt
+    width and queue size (one compiled program); progress is printed after each chunk.
+    """
     decoder.check_prompts(prompts, max_new_tokens)
     outputs, stats = [], []
     seconds = compile_s = 0.0
-    width = max(len(p) for p in prompts)  # one prompt width for every batch: one compilation
-    n_batches = (len(prompts) + batch_size - 1) // batch_size
-    for bi, start in enumerate(range(0, len(prompts), batch_size)):
-        chunk = list(prompts[start: start + batch_size])
-        result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width)
+    width = max(len(p) for p in prompts)
+    chunk_size = min(len(prompts), QUEUE_BATCHES * batch_size)
+    for start in range(0, len(prompts), chunk_size):
+        chunk = list(prompts[start: start + chunk_size])
+        result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width,
+                                  queue_size=chunk_size)
         seconds += result.seconds
         compile_s += result.compile_seconds
         outputs += result.output_ids
         stats += [request_stats(result, i) for i in range(len(chunk))]
         if progress:
             done = sum(len(o) for o in outputs)
-            print(f"[batch {bi + 1}/{n_batches}] {done} tokens, {seconds:.2f}s decode, "
+            print(f"[{len(outputs)}/{len(prompts)} requests] {done} tokens, {seconds:.2f}s decode, "
                   f"{compile_s:.1f}s compile", file=sys.stderr, flush=True)
     total = sum(len(o) for o in outputs)
     fwd = sum(s["proposer_forwards"] for s in stats)

@@ -36,6 +36,23 @@ class LoopState:
     step_commits: jax.Array | None = None
 
 
+def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, cache: KVCache,
+                  vcache: KVCache | None, *, num_drafts: int, block_size: int, pad_id: int,
+                  record_steps: bool = False) -> LoopState:
+    """The loop state right after prefill: tokens [B, N] hold the prompts, whose last token is
+    pending (its KV is written by the first step, which also predicts the first new token)."""
+    b, n_slots = tokens.shape
+    zeros = jnp.zeros((b,), jnp.int32)
+    return LoopState(
+        step=jnp.int32(0), tokens=tokens, length=prompt_len, prompt_len=prompt_len,
+        max_new=max_new, done=max_new <= 0, cache=cache, cache_len=prompt_len - 1,
+        drafts=jnp.full((b, num_drafts), pad_id, jnp.int32), vcache=vcache,
+        vcache_len=prompt_len, forwards=zeros, verifier_forwards=zeros,
+        accept_hist=jnp.zeros((b, block_size + 1), jnp.int32),
+        # every active step commits >= 1 token, so a row takes at most n_slots steps
+        step_commits=jnp.zeros((b, n_slots), jnp.int32) if record_steps else None)
+
+
 def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, eos_ids: jax.Array,
            hist_value: jax.Array) -> tuple[LoopState, jax.Array]:
     """Append the first n_commit[b] tokens of block[b] to each active row.
