@@ -64,7 +64,7 @@ def markdown(models: list[dict]) -> list[str]:
     dev = jax.devices()[0]
     layouts = [f"K={k},G={g}" for k, g in LAYOUTS]
     lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores, float32)", "",
-             "Medians over interleaved runs, 200 committed tokens in a 384-slot KV cache. "
+             "Fastest of interleaved runs, 200 committed tokens in a 384-slot KV cache. "
              "*Forward*: one model forward of T new tokens, relative to T=1. *Decode step*: the "
              "engine's whole step (forward, LM head on the rows it needs, acceptance, commit) of "
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "

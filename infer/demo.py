@@ -99,8 +99,9 @@ def main(argv=None) -> int:
           f"(compile time excluded)")
     print(summary_table(records))
     if jax.devices()[0].platform == "cpu":
-        print("(on a CPU a step of T tokens costs 1.3-1.8x (T=4) to 2.5-2.8x (T=16) an AR step, so "
-              "lossless needs more tokens per forward than that to win: benchmarks/step_cost.md)")
+        print("(on a 2-core CPU a lossless step costs 1.3-1.6x (K=2), 2.1-2.2x (K=4, 2 groups) and "
+              "2.5-2.7x (K=4, 4 groups) an AR step, so it needs more tokens per forward than that "
+              "to win: benchmarks/step_cost.md)")
     shown = ms[1]  # the lossless run
     ids, commits = shown.outputs[args.show], shown.step_commits[args.show]
     colour = sys.stdout.isatty()

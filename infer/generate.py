@@ -30,7 +30,9 @@ def parse_args(argv=None):
     ap.add_argument("--input", required=True, help="JSONL of {id, prompt} or {id, prompt_ids}")
     ap.add_argument("--output", required=True, help="JSONL to write (atomically) with output_ids, text, stats")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
-    ap.add_argument("--batch-size", type=int, default=1, help="rows decoded together (default 1)")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="rows decoded together; the requests queue for them and a finished row "
+                         "takes the next request at once (continuous batching; default 1)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="K, tokens proposed per proposer forward (default: 8, lossless 4)")
     ap.add_argument("--groups", type=int, default=None,

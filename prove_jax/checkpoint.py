@@ -20,7 +20,7 @@ from flax import nnx
 
 from prove_jax import sharding
 from prove_jax.config import ConfigError, ModelConfig
-from prove_jax.model import Qwen2, _dtype
+from prove_jax.model import Qwen2
 from prove_jax.params import abstract_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",

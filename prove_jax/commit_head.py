@@ -15,13 +15,11 @@ with a `commit_head/` folder, used by `infer.generate --mode verify --commit-rul
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx

@@ -67,6 +67,22 @@ def test_choose_layout():
     assert cal.choose_layout(rows, cost, 16, candidates=[(2, 2), (4, 4)]).block_size == 2
     with pytest.raises(ValueError, match="AR step"):
         cal.choose_layout(PROBS, {(2, 2): 1.0}, 1)
+    ranked = cal.rank_layouts(rows, cost, 1, candidates=[(2, 2), (4, 4), (8, 8)])
+    assert [c.layout for c in ranked] == [(4, 4), (2, 2)]  # (8, 8) has no measured cost
+    assert ranked[0].expected_speedup > ranked[1].expected_speedup
+
+
+def test_trials_measure_real_decodes_against_ar():
+    model = create_model(CFG, seed=3)
+    dec = Decoder(model, [1], DecodeOptions("lossless", 4, adaptive=True))
+    speedups = cal.trial_speedups(dec, _prompts(), [(2, 2), (4, 2)], 2, 8, repeats=1)
+    assert set(speedups) == {(2, 2), (4, 2)} and all(0 < v < 100 for v in speedups.values())
+    logs = []
+    table = cal.calibrate(dec, _prompts(), [2], 8, candidates=[(2, 2), (4, 2)], log=logs.append, trials=1)
+    assert len(table) == 1 and table[0][0] == 2
+    trial_line = next(m for m in logs if "trials" in m)
+    assert "K=2,G=2" in trial_line  # the narrowest layout is always tried
+    assert "measured" in logs[-1] or logs[-1].startswith("calibrate: batch 2: AR")
 
 
 def test_acceptance_profile_predicts_narrower_layouts():

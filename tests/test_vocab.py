@@ -1,6 +1,5 @@
 """The <|mask|> token: inside padded rows (no resize) or grown embeddings (rows copied exactly)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,8 +1,10 @@
-"""The decoding engine: one compiled `jax.lax.while_loop` per (batch, prompt width, buffer, mode).
+"""The decoding engine: one compiled `jax.lax.while_loop` per (rows, queue, prompt width, buffer, mode).
 
 Prefill and the whole generation run inside a single jitted function; the host only sees the
-final buffers. Model state is split once (`nnx.split`) and passed as a traced argument, so the
-compiled program is reused across batches of the same shape.
+final buffers. A call may queue more prompts than the batch has rows: finished rows take the
+next prompt inside the loop (continuous batching, see queue.py). Model state is split once
+(`nnx.split`) and passed as a traced argument, so the compiled program is reused across calls
+of the same shape.
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
     Requests go to the device in chunks of QUEUE_BATCHES * batch_size, all padded to one prompt
     width and queue size (one compiled program); progress is printed after each chunk.
     """
+    if batch_size < 1:
+        raise DecodeError(f"batch size must be >= 1, got {batch_size}")
     decoder.check_prompts(prompts, max_new_tokens)
     outputs, stats = [], []
     seconds = compile_s = 0.0
