@@ -40,9 +40,10 @@ def parse_args(argv=None):
     ap.add_argument("--adaptive", action="store_true",
                     help="lossless: shrink K and groups as the batch grows (never slower than AR)")
     ap.add_argument("--calibrate", action="store_true",
-                    help="lossless: adaptive with a layout measured here: acceptance on up to 8 of the "
-                         "prompts and step costs at --batch-size on this device pick K and groups "
-                         "(K up to --block-size, default 8), or AR when no layout wins")
+                    help="lossless: adaptive with a layout measured here: acceptance on the first "
+                         "prompts and step costs at --batch-size on this device rank K and groups "
+                         "(K up to --block-size, default 8), short real decodes of the best few "
+                         "against AR pick one, or AR when no layout wins")
     ap.add_argument("--tau", type=float, default=0.9, help="threshold: confidence to accept (default 0.9)")
     ap.add_argument("--confidence", default="prob", help=f"threshold: {', '.join(CONFIDENCE_KINDS)}")
     ap.add_argument("--commit-rule", default="top1", help=f"verify: {', '.join(COMMIT_RULES)}")

@@ -45,7 +45,7 @@ def flat_params(model_or_state) -> dict[str, jax.Array]:
     flat = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        flat[_dotted(path)] = leaf.value if isinstance(leaf, nnx.Variable) else leaf
+        flat[_dotted(path)] = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
     return flat
 
 
@@ -64,5 +64,5 @@ def set_flat_params(model, flat: Mapping[str, jax.Array]) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     for path, var in leaves:
         name = _dotted(path)
-        var.value = flat[name]
+        var.set_value(flat[name])
     nnx.update(model, state)

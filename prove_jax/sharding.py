@@ -97,7 +97,7 @@ def state_specs(state, mesh=None, rules: Mapping = DEFAULT_RULES):
         axes = getattr(v, "logical_axes", None)
         if axes is None:
             return P()
-        return logical_to_spec(axes, v.value.shape, mesh, rules)
+        return logical_to_spec(axes, v.get_value().shape, mesh, rules)
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
