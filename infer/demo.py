@@ -99,8 +99,8 @@ def main(argv=None) -> int:
           f"(compile time excluded)")
     print(summary_table(records))
     if jax.devices()[0].platform == "cpu":
-        print("(on a 2-core CPU a lossless step costs 1.3-1.6x (K=2), 2.1-2.2x (K=4, 2 groups) and "
-              "2.5-2.7x (K=4, 4 groups) an AR step, so it needs more tokens per forward than that "
+        print("(on a 2-core CPU a lossless step costs 1.4-1.6x (K=2), 2.3x (K=4, 2 groups) and "
+              "2.6-2.9x (K=4, 4 groups) an AR step, so it needs more tokens per forward than that "
               "to win: benchmarks/step_cost.md)")
     shown = ms[1]  # the lossless run
     ids, commits = shown.outputs[args.show], shown.step_commits[args.show]
