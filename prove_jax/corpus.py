@@ -214,8 +214,8 @@ def heldout_prompts(heldout: Iterable[SourceFile], limit: int | None = None, **k
 # ----------------------------------------------------------------------------------------------
 # Files on disk.
 
-def iter_texts(jsonl_path: str) -> Iterator[str]:
-    """The `text` field of every record of a corpus JSONL file."""
+def _iter_records(jsonl_path: str, fields: tuple[str, ...]) -> Iterator[dict]:
+    """Every record of a corpus JSONL file, each checked to have `fields`."""
     if not os.path.isfile(jsonl_path):
         raise CorpusError(f"corpus file not found: {jsonl_path}")
     with open(jsonl_path, encoding="utf-8") as f:
@@ -223,9 +223,24 @@ def iter_texts(jsonl_path: str) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)["text"]
+                record = json.loads(line)
+                if all(isinstance(record[k], str) for k in fields):
+                    yield record
+                    continue
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise CorpusError(f"{jsonl_path}:{n}: not a JSON record with a 'text' field") from None
+                pass
+            names = ", ".join(repr(k) for k in fields)
+            raise CorpusError(f"{jsonl_path}:{n}: not a JSON record with string field(s) {names}")
+
+
+def iter_texts(jsonl_path: str) -> Iterator[str]:
+    """The `text` field of every record of a corpus JSONL file."""
+    return (record["text"] for record in _iter_records(jsonl_path, ("text",)))
+
+
+def iter_source_files(jsonl_path: str) -> Iterator[SourceFile]:
+    """Every `{"path", "text"}` record of a corpus JSONL file, as a SourceFile."""
+    return (SourceFile(r["path"], r["text"]) for r in _iter_records(jsonl_path, ("path", "text")))
 
 
 def _write_jsonl(path: str, records: Iterable[dict]) -> str:

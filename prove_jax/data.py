@@ -199,23 +199,20 @@ def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int
             raise DataError(f"token id {bad[0]} in a prompt_ids/response_ids record is outside the "
                             f"tokenizer's vocabulary [0, {vocab})")
 
-    rows: list[tuple[list[int], list[bool]]] = []  # (tokens, trained) before padding
-    truncated = 0
+    prompt_responses: list[tuple[list[int], list[int]]] = []  # (prompt ids, trained response ids)
     if pairs:
         if chat:
             prompts = [_chat_prompt_ids(tokenizer, ex["prompt"]) for ex in pairs]
         else:
             prompts = _token_ids(tokenizer, [ex["prompt"] for ex in pairs])
         responses = _token_ids(tokenizer, [ex["response"] for ex in pairs])
-        for p, r in zip(prompts, responses):
-            tokens, trained = list(p) + list(r) + [eos], [False] * len(p) + [True] * (len(r) + 1)
-            if len(tokens) > max_length:
-                truncated += 1
-                tokens, trained = tokens[:max_length], trained[:max_length]
-            rows.append((tokens, trained))
-    for ex in id_pairs:
-        p, r = ex["prompt_ids"], ex["response_ids"]
-        tokens, trained = list(p) + list(r), [False] * len(p) + [True] * len(r)
+        prompt_responses += [(list(p), list(r) + [eos]) for p, r in zip(prompts, responses)]
+    prompt_responses += [(list(ex["prompt_ids"]), list(ex["response_ids"])) for ex in id_pairs]
+
+    rows: list[tuple[list[int], list[bool]]] = []  # (tokens, trained) before padding
+    truncated = 0
+    for p, r in prompt_responses:
+        tokens, trained = p + r, [False] * len(p) + [True] * len(r)
         if len(tokens) > max_length:
             truncated += 1
             tokens, trained = tokens[:max_length], trained[:max_length]

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Sequence
 
-from prove_jax.corpus import CorpusError, SourceFile, function_prompts, iter_texts
+from prove_jax.corpus import CorpusError, function_prompts, iter_source_files, iter_texts
 
 
 def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> list[dict]:
@@ -42,14 +42,8 @@ def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> lis
         raise CorpusError(f"{path} not found: --corpus must be a directory written by "
                           f"`python -m prove_jax.corpus`")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-                source = SourceFile(rec["path"], rec["text"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CorpusError(f"{path}:{n}: expected a {{\"path\", \"text\"}} record") from None
-            records += function_prompts(source, max_prompt_chars=max_prompt_chars)
+    for source in iter_source_files(path):
+        records += function_prompts(source, max_prompt_chars=max_prompt_chars)
     return [{"id": r["id"], "prompt": r["prompt"]} for r in records]
 
 

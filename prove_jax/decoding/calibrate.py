@@ -41,6 +41,28 @@ DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
     (2, 2), (3, 2), (3, 3), (4, 2), (4, 4), (6, 2), (6, 3), (8, 3), (8, 8))
 
 
+def _timed(fn, *args) -> float:
+    """Wall seconds of one call of a jitted `fn`, waiting for its results."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def _fastest_interleaved(runs: dict, repeats: int) -> dict:
+    """{key: seconds} from callables that each run once and return the seconds they took.
+
+    Every callable runs once first (compile, warm up), then `repeats` rounds call them in turn,
+    so a load change hits them alike; the fastest run counts (a shared machine only adds time).
+    """
+    for fn in runs.values():
+        fn()
+    best = {key: float("inf") for key in runs}
+    for _ in range(repeats):
+        for key, fn in runs.items():
+            best[key] = min(best[key], fn())
+    return best
+
+
 def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384, filled: int = 200,
                      repeats: int = 5, steps: int = 20) -> dict[int, float]:
     """Seconds per forward of T new tokens against a `slots`-slot KV cache, for each T.
@@ -64,20 +86,13 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
             return cache, acc + jnp.argmax(logits[:, -1], -1).sum().astype(jnp.int32) % 2
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))[1]
 
-    args = {}
+    runs = {}
     for t in widths:
         toks = jnp.zeros((batch, t), jnp.int32)
         pos = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
         mask = jnp.ones((batch, t, slots), bool)
-        args[t] = (toks, pos, mask)
-        jax.block_until_ready(run(state, cache, *args[t]))  # compile + warm up
-    times: dict[int, list[float]] = {t: [] for t in widths}
-    for _ in range(repeats):
-        for t in widths:
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(state, cache, *args[t]))
-            times[t].append((time.perf_counter() - t0) / steps)
-    return {t: float(np.min(v)) for t, v in times.items()}
+        runs[t] = functools.partial(_timed, run, state, cache, toks, pos, mask)
+    return {t: v / steps for t, v in _fastest_interleaved(runs, repeats).items()}
 
 
 AR = (1, 1)  # the (K, groups) key of a plain AR step in step-cost tables
@@ -100,7 +115,7 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
     cfg = model.cfg
     mask_id = 0 if cfg.mask_token_id is None else int(cfg.mask_token_id)
     keys = [AR] + [tuple(x) for x in layouts if tuple(x) != AR]
-    runs, inputs = {}, {}
+    runs = {}
     for key in keys:
         options = (DecodeOptions("ar") if key == AR
                    else DecodeOptions("lossless", key[0], max_groups=key[1])).validate()
@@ -110,17 +125,9 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
         state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32),
                               KVCache.zeros(cfg, batch, slots + width), None, num_drafts=n_drafts,
                               block_size=options.block_size, pad_id=0)
-
-        runs[key] = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id, steps))
-        inputs[key] = state
-        jax.block_until_ready(runs[key](params, state))  # compile + warm up
-    times: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
-    for _ in range(repeats):
-        for key in keys:
-            t0 = time.perf_counter()
-            jax.block_until_ready(runs[key](params, inputs[key]))
-            times[key].append((time.perf_counter() - t0) / steps)
-    return {key: float(np.min(v)) for key, v in times.items()}
+        fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id, steps))
+        runs[key] = functools.partial(_timed, fn, params, state)
+    return {key: v / steps for key, v in _fastest_interleaved(runs, repeats).items()}
 
 
 def _run_steps(graphdef, options, mask_id: int, steps: int, params, state):
@@ -245,14 +252,9 @@ def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[
     from prove_jax.decoding.engine import DecodeOptions
     settings = {AR: DecodeOptions("ar")} | {(k, g): DecodeOptions("lossless", k, max_groups=g) for k, g in layouts}
     decoders = {key: decoder.with_options(opts) for key, opts in settings.items()}
-    run = {key: functools.partial(d.generate, list(prompts), max_new_tokens, batch_size=batch_size)
-           for key, d in decoders.items()}
-    for fn in run.values():
-        fn()  # compile + warm up
-    best = {key: float("inf") for key in run}
-    for _ in range(repeats):
-        for key, fn in run.items():
-            best[key] = min(best[key], fn().seconds)
+    runs = {key: (lambda d=d: d.generate(list(prompts), max_new_tokens, batch_size=batch_size).seconds)
+            for key, d in decoders.items()}
+    best = _fastest_interleaved(runs, repeats)
     return {key: best[AR] / best[key] for key in layouts}
 
 
