@@ -4,16 +4,22 @@ The forward pass is deliberately explicit: callers pass token ids, position ids 
 attention mask, because MARS training (two streams sharing positions) and block decoding (mask
 groups that must not see each other) both need masks that are not the causal default.
 
-With a `KVCache`, the new tokens' keys/values are first written at per-row slots
-(`write_slots`, out-of-range writes are dropped), then the queries attend over the whole cache
-buffer under `attn_mask` [B, T, S]. Slots beyond a row's committed length hold garbage that the
-mask hides and the next write overwrites: nothing is ever copied or cropped.
+With a `KVCache` the mask is a `StepMask`: row b's committed keys/values are cache slots
+[0, cache_len[b]) and its T new tokens are written at slots cache_len[b] + i (out-of-range
+writes are dropped). The queries then attend to two blocks under one softmax: the committed
+cache slots, and the step's own keys under the step's `intra` mask (causal, MARS mask groups,
+prompt padding), so no [B, T, S] mask is ever gathered. Slots beyond a row's committed length
+hold garbage that the mask hides and the next write overwrites: nothing is ever copied or
+cropped. The cache layout and the write are chosen so that XLA updates the buffers in place
+inside the decode loop (see `KVCache` and `Attention`).
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, Dh head dim, F mlp width, V vocab.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,20 +47,35 @@ def _param(rngs, shape, axes, dtype, init="normal"):
 
 @struct.dataclass
 class KVCache:
-    """Static per-layer key/value buffers: k[i], v[i] are [B, S, K, Dh]."""
+    """Static per-layer key/value buffers: k[i], v[i] are [B, K, S, Dh].
+
+    Heads-major, so each (row, kv head) is one contiguous [S, Dh] matrix that attention reads as
+    it lies; with [B, S, K, Dh] XLA transposed every layer's whole buffer on every step.
+    """
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
         dtype = _dtype(config.dtype) if dtype is None else dtype
-        shape = (batch, length, config.num_kv_heads, config.head_dim)
+        shape = (batch, config.num_kv_heads, length, config.head_dim)
         mk = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(k=mk(), v=mk())
 
     @property
     def length(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
+
+
+@struct.dataclass
+class StepMask:
+    """What a step of T new tokens sees when it runs against a `KVCache`.
+
+    Every query of row b sees the committed slots [0, cache_len[b]); among the step's own tokens
+    (written at slots cache_len[b] + i after attention) it sees those `intra` allows.
+    """
+    cache_len: jax.Array  # [B] int32
+    intra: jax.Array  # bool [B or 1, T, T]: may step token q attend step token k
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
@@ -98,8 +119,8 @@ class Attention(nnx.Module):
         self.v_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
         self.o_kernel = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), pd)
 
-    def __call__(self, x, cos, sin, attn_mask, kv=None, write_slots=None):
-        """x [B,T,D]; attn_mask [B,T,T] without cache, [B,T,S] with; kv = (k [B,S,K,Dh], v)."""
+    def __call__(self, x, cos, sin, attn_mask, kv=None):
+        """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh]."""
         cfg = self.cfg
         dt = x.dtype
         q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
@@ -108,26 +129,53 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
 
-        if kv is not None:
-            cache_k, cache_v = kv
-            rows = jnp.arange(x.shape[0])[:, None]
-            # mode="drop": a slot past the buffer end is skipped, never clamped onto valid KV.
-            cache_k = cache_k.at[rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
-            keys, values, kv = cache_k.astype(dt), cache_v.astype(dt), (cache_k, cache_v)
-        else:
-            keys, values = k, v
-
         b, t = x.shape[:2]
         g = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys).astype(jnp.float32)
-        scores = scores * (cfg.head_dim ** -0.5)
-        scores = jnp.where(attn_mask[:, None, None, :, :], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        own = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # [B, K, T, Dh]
+        if kv is None:
+            out = _attend(q, [own + (attn_mask,)])
+        else:
+            cache_k, cache_v = kv
+            n_kv = cache_k.shape[1]
+            # Index arrays broadcast to [B, T, K], the leading dims of k and v. Indexing the
+            # heads explicitly (not with a slice) keeps this a scatter even for one row and one
+            # token: XLA turns a single-window scatter into a dynamic-update-slice that it then
+            # duplicates into the attention's reads, copying the whole buffer every step.
+            rows = jnp.arange(b)[:, None, None]
+            heads = jnp.arange(n_kv)[None, None, :]
+            slots = (attn_mask.cache_len[:, None] + jnp.arange(t)[None, :])[:, :, None]
+            # mode="drop": a slot past the buffer end is skipped, never clamped onto valid KV.
+            cache_k = cache_k.at[rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
+            kv = (cache_k, cache_v)
+            committed = jnp.arange(cache_k.shape[2])[None, :] < attn_mask.cache_len[:, None]  # [B, S]
+            out = _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
+                              own + (attn_mask.intra,)])
+        out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel[...].astype(dt))
         return out, kv
+
+
+def _attend(q: jax.Array, blocks) -> jax.Array:
+    """Softmax attention over several key/value blocks as if they were concatenated.
+
+    q [B, T, K, G, Dh]; blocks: (keys [B, K, S_i, Dh], values [B, K, S_i, Dh], mask bool
+    broadcastable to [B, T, S_i]). Returns [B, T, K, G, Dh]. One max and one normaliser over all
+    blocks, so the result is the softmax over their union; no block is ever concatenated.
+    """
+    dt = q.dtype
+    scale = q.shape[-1] ** -0.5
+    scores = []
+    for keys, _, mask in blocks:
+        s = jnp.einsum("btkgd,bksd->bkgts", q, keys).astype(jnp.float32) * scale
+        scores.append(jnp.where(mask[:, None, None, :, :], s, _NEG_INF))
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    probs = [jnp.exp(s - top) for s in scores]
+    inv_norm = 1.0 / sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+    out = sum(jnp.einsum("bkgts,bksd->bkgtd", (p * inv_norm).astype(dt), values)
+              for p, (_, values, _) in zip(probs, blocks))
+    return out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
 
 
 class MLP(nnx.Module):
@@ -154,8 +202,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, attn_mask, kv=None, write_slots=None):
-        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv, write_slots)
+    def __call__(self, x, cos, sin, attn_mask, kv=None):
+        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "sequence", "embed")), kv
@@ -174,9 +222,11 @@ class Qwen2(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
 
-    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None,
-                      write_slots=None):
-        """Final-norm hidden states [B, T, D] and the updated cache."""
+    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None):
+        """Final-norm hidden states [B, T, D] and the updated cache.
+
+        attn_mask: bool [B, T, T] without a cache; a `StepMask` with one.
+        """
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
@@ -188,7 +238,7 @@ class Qwen2(nnx.Module):
             if self.remat and cache is None:
                 x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, attn_mask)
             else:
-                x, kv = layer(x, cos, sin, attn_mask, kv, write_slots)
+                x, kv = layer(x, cos, sin, attn_mask, kv)
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -205,12 +255,12 @@ class Qwen2(nnx.Module):
             out = hidden @ self.lm_head[...].astype(dt)
         return out.astype(jnp.float32)
 
-    def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None, write_slots=None):
-        """tokens, positions [B, T] int32; attn_mask bool [B, T, T] (no cache) or [B, T, S].
+    def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None):
+        """tokens, positions [B, T] int32; attn_mask bool [B, T, T] (no cache) or a StepMask.
 
         Returns (logits [B, T, V] float32, updated cache or None).
         """
-        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, write_slots)
+        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache)
         return self.logits(hidden), cache
 
 

@@ -1,7 +1,7 @@
 """Incremental decoding with the static KVCache equals one full causal forward.
 
-Rows have different prompt lengths, so every step writes at a different slot per row
-(`write_slots`) and the per-row mask hides the slots a row has not committed. Prompt padding is
+Rows have different prompt lengths, so every step writes at a different slot per row (the
+`StepMask`'s cache_len) and sees only the slots that row has committed. Prompt padding is
 written into the cache too and must be overwritten, never seen.
 """
 
@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from prove_jax.config import ModelConfig
-from prove_jax.model import KVCache, causal_mask
+from prove_jax.model import KVCache, StepMask, causal_mask
 from prove_jax.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -20,14 +20,13 @@ PAD = 0
 
 
 @nnx.jit
-def forward(model, tokens, positions, mask, cache, slots):
-    return model(tokens, positions, mask, cache, slots)
+def forward(model, tokens, positions, mask, cache):
+    return model(tokens, positions, mask, cache)
 
 
-def cache_mask(lengths_before, t, slots_total):
-    """[B, T, S]: query j of row r (at slot lengths_before[r] + j) sees slots <= its own."""
-    own = lengths_before[:, None] + np.arange(t)[None, :]  # [B, T]
-    return jnp.asarray(np.arange(slots_total)[None, None, :] <= own[:, :, None])
+def step_mask(lengths_before, t):
+    """Row r's T new tokens follow its lengths_before[r] committed ones, causal among themselves."""
+    return StepMask(jnp.asarray(lengths_before, jnp.int32), jnp.tril(jnp.ones((t, t), bool))[None])
 
 
 def test_prefill_then_steps_and_chunk_match_full_forward():
@@ -45,10 +44,11 @@ def test_prefill_then_steps_and_chunk_match_full_forward():
     p = prompt_len.max()
     prompt = np.where(np.arange(p)[None] < prompt_len[:, None], tokens[:, :p], PAD).astype(np.int32)
     pos = np.broadcast_to(np.arange(p, dtype=np.int32), (b, p))
-    mask = cache_mask(np.zeros(b, int), p, slots_total) & jnp.asarray(
-        np.arange(slots_total)[None, None, :] < prompt_len[:, None, None])
+    prefill = step_mask(np.zeros(b, int), p)
+    mask = StepMask(prefill.cache_len, prefill.intra & jnp.asarray(
+        np.arange(p)[None, None, :] < prompt_len[:, None, None]))
     cache = KVCache.zeros(CFG, b, slots_total)
-    logits, cache = forward(model, jnp.asarray(prompt), jnp.asarray(pos), mask, cache, jnp.asarray(pos))
+    logits, cache = forward(model, jnp.asarray(prompt), jnp.asarray(pos), mask, cache)
     logits = np.asarray(logits)
     for r in range(b):
         np.testing.assert_allclose(logits[r, :prompt_len[r]], full[r, :prompt_len[r]], atol=TOL, rtol=0)
@@ -60,7 +60,7 @@ def test_prefill_then_steps_and_chunk_match_full_forward():
         idx = lengths[:, None] + np.arange(t)[None]  # [B, T] positions == slots
         chunk = np.take_along_axis(tokens, idx, axis=1)
         out, cache = forward(model, jnp.asarray(chunk), jnp.asarray(idx, jnp.int32),
-                             cache_mask(lengths, t, slots_total), cache, jnp.asarray(idx, jnp.int32))
+                             step_mask(lengths, t), cache)
         want = np.take_along_axis(full, idx[:, :, None], axis=1)
         np.testing.assert_allclose(np.asarray(out), want, atol=TOL, rtol=0)
         lengths = lengths + t
@@ -79,9 +79,8 @@ def test_write_past_buffer_end_is_dropped_not_clamped():
     tokens = jnp.asarray(np.arange(1, 7, dtype=np.int32)[None])
     pos = jnp.arange(6, dtype=jnp.int32)[None]
     cache = KVCache.zeros(CFG, b, s)
-    _, cache = forward(model, tokens, pos, causal_mask(b, 6), cache, pos)
+    _, cache = forward(model, tokens, pos, step_mask([0], 6), cache)
     before = [np.asarray(k) for k in cache.k]
-    _, cache = forward(model, tokens[:, :2], pos[:, :2], jnp.ones((1, 2, s), bool), cache,
-                       jnp.asarray([[6, 7]], jnp.int32))
+    _, cache = forward(model, tokens[:, :2], pos[:, :2], step_mask([6], 2), cache)  # slots 6, 7
     for k0, k1 in zip(before, cache.k):
         np.testing.assert_array_equal(k0, np.asarray(k1))

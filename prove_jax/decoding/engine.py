@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 
 from prove_jax.decoding import queue, steps
-from prove_jax.decoding.layouts import LosslessLayout, cache_attention_mask, propose_layout
+from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
-from prove_jax.model import KVCache
+from prove_jax.model import KVCache, StepMask
 
 MODES = ("ar", "threshold", "lossless", "verify")
 COMMIT_RULES = ("top1", "prob", "head")
@@ -245,9 +245,9 @@ class Decoder:
                 r = toks.shape[0]
                 pos = jnp.broadcast_to(jnp.arange(p)[None], (r, p))
                 causal = jnp.tril(jnp.ones((p, p), bool))[None]
-                mask = cache_attention_mask(jnp.zeros((r,), jnp.int32), causal, size) & (
-                    jnp.arange(size)[None, None, :] < plen[:, None, None])
-                _, cache = m.hidden_states(toks, pos, mask, KVCache.zeros(m.cfg, r, size), pos)
+                valid = jnp.arange(p)[None, None, :] < plen[:, None, None]  # prompt padding hidden
+                mask = StepMask(jnp.zeros((r,), jnp.int32), causal & valid)
+                _, cache = m.hidden_states(toks, pos, mask, KVCache.zeros(m.cfg, r, size))
                 return cache
 
             def start_rows(toks, plen, mnew):

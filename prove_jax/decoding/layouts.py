@@ -86,19 +86,3 @@ def propose_layout(block_size: int):
         return causal & used[:, None, :] & used[:, :, None] | (idx[:, None] == idx[None, :])[None]
 
     return width, intra_mask
-
-
-def cache_attention_mask(cache_len: jax.Array, intra: jax.Array, cache_size: int) -> jax.Array:
-    """bool [B, T, S]: committed slots [0, cache_len) plus the step's own slots per `intra`.
-
-    cache_len [B]; intra [B or 1, T, T]; the step's slot i lives at cache slot cache_len + i.
-    """
-    t = intra.shape[-1]
-    slots = jnp.arange(cache_size)
-    committed = slots[None, :] < cache_len[:, None]  # [B, S]
-    rel = slots[None, :] - cache_len[:, None]  # [B, S] step slot index or out of range
-    in_step = (rel >= 0) & (rel < t)
-    rel_c = jnp.clip(rel, 0, t - 1)
-    intra_b = jnp.broadcast_to(intra, (cache_len.shape[0], t, t))
-    step_vis = jnp.take_along_axis(intra_b, jnp.broadcast_to(rel_c[:, None, :], (rel.shape[0], t, cache_size)), axis=2)
-    return committed[:, None, :] | (in_step[:, None, :] & step_vis)

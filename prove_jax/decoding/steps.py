@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from prove_jax.decoding.layouts import LosslessLayout, cache_attention_mask, propose_layout
+from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, commit
+from prove_jax.model import StepMask
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -33,8 +34,8 @@ def propose_block(model, state: LoopState, block_size: int, mask_id: int):
     slots = state.cache_len[:, None] + idx
     pending = jnp.take_along_axis(state.tokens, jnp.clip(slots, 0, n_slots - 1), axis=1)
     toks = jnp.where(idx < n_pending[:, None], pending, mask_id).astype(jnp.int32)
-    mask = cache_attention_mask(state.cache_len, intra_fn(n_pending), state.cache.length)
-    hidden, cache = model.hidden_states(toks, slots, mask, state.cache, slots)
+    hidden, cache = model.hidden_states(toks, slots, StepMask(state.cache_len, intra_fn(n_pending)),
+                                        state.cache)
     sel = n_pending[:, None] - 1 + jnp.arange(block_size)[None, :]
     logits = _logits_at(model, hidden, sel)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
@@ -84,10 +85,8 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
     block, _, cache = propose_block(model, state, block_size, mask_id)
     k = block_size
     pos = state.length[:, None] + jnp.arange(k)[None, :]
-    slots = state.vcache_len[:, None] + jnp.arange(k)[None, :]
     causal = jnp.tril(jnp.ones((k, k), bool))[None]
-    vmask = cache_attention_mask(state.vcache_len, causal, state.vcache.length)
-    hidden, vcache = verifier.hidden_states(block, pos, vmask, state.vcache, slots)
+    hidden, vcache = verifier.hidden_states(block, pos, StepMask(state.vcache_len, causal), state.vcache)
     if k == 1:
         n = jnp.ones(block.shape[0], jnp.int32)
     else:
@@ -122,9 +121,7 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
     n_mask = t - 1 - m
     toks = jnp.concatenate([t0, state.drafts, jnp.full((b, n_mask), mask_id, jnp.int32)], axis=1)
     pos = (state.length - 1)[:, None] + offsets[None, :]
-    slots = state.cache_len[:, None] + jnp.arange(t)[None, :]
-    mask = cache_attention_mask(state.cache_len, intra, state.cache.length)
-    hidden, cache = model.hidden_states(toks, pos, mask, state.cache, slots)
+    hidden, cache = model.hidden_states(toks, pos, StepMask(state.cache_len, intra), state.cache)
 
     greedy = jnp.argmax(model.logits(hidden[:, : m + 1]), axis=-1).astype(jnp.int32)  # g_1..g_{M+1}
     a = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M

@@ -1,0 +1,100 @@
+"""The compiled decode loop updates the KV cache in place: no step copies a whole cache buffer.
+
+A decode step reads the cache and writes T slots of it. If XLA cannot do that in place it
+copies or transposes every layer's whole buffer on every step, a cost proportional to the
+buffer length that silently dominated small-model decode steps (the [B, S, K, Dh] layout
+transposed each buffer per step; a single-window write at batch 1 was duplicated into its
+readers and copied four times). This test reads the optimised HLO of the real engine program
+and counts copy/transpose instructions of cache-buffer shape inside its while loops: outside a
+loop (prefill, set-up) they run once and do not matter.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+from prove_jax.config import ModelConfig
+from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.params import create_model
+
+# head_dim 16 keeps cache buffers [B, K, S, 16] from sharing a shape with any score tensor
+# [B, K, G, T, S] of the layouts below (that would need G * T == 16).
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, mask_token_id=95, eos_token_ids=(1,))
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            cur = m.group(1)
+            comps[cur] = []
+        elif cur is not None:
+            comps[cur].append(line)
+    return comps
+
+
+def _loop_computations(comps: dict[str, list[str]]) -> set[str]:
+    """Every computation reachable from a while body (fusions, nested loops, branches)."""
+    todo = [m.group(1) for lines in comps.values() for line in lines
+            for m in [re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)] if m]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo += re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)", line)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                todo += [x.strip().lstrip("%") for x in group.split(",")]
+    return seen
+
+
+def cache_moves_in_loops(hlo: str, cache_shape: tuple[int, ...]) -> list[str]:
+    """copy/transpose instructions inside loops whose shape is the cache buffer's (any order,
+    size-1 dims ignored, as XLA bitcasts them away)."""
+    want = sorted(d for d in cache_shape if d != 1)
+    comps = _computations(hlo)
+    found = []
+    for name in _loop_computations(comps):
+        for line in comps[name]:
+            m = re.search(r"= f32\[([0-9,]*)\]\{[^}]*\} (copy|transpose)\(", line)
+            if m and sorted(int(d) for d in m.group(1).split(",") if d and int(d) != 1) == want:
+                found.append(line.strip()[:160])
+    return found
+
+
+@pytest.fixture(scope="module")
+def models():
+    return create_model(CFG, seed=0), create_model(CFG.replace(num_layers=1), seed=1)
+
+
+@pytest.mark.parametrize("rows,queue", [(1, 1), (2, 2), (2, 4)])
+@pytest.mark.parametrize("options", [
+    DecodeOptions("ar"),
+    DecodeOptions("lossless", 4, max_groups=2),
+    DecodeOptions("threshold", 3, tau=0.5),
+    DecodeOptions("verify", 3),
+], ids=["ar", "lossless", "threshold", "verify"])
+def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
+    proposer, verifier = models
+    decoder = Decoder(proposer, [1], options, verifier=verifier if options.mode == "verify" else None)
+    prompts = [list(range(2, 2 + n)) for n in np.resize([3, 5, 4, 6], queue)]
+    result = decoder.generate(prompts, 40, batch_size=rows)
+    assert all(len(out) > 0 for out in result.output_ids)
+    (compiled, _), = decoder._compiled.values()
+    hlo = compiled.as_text()
+    assert "while" in hlo
+    n_slots = decoder.buffer_len(16, 40)  # prompts pad to 16
+    width = {"ar": 1, "lossless": 10, "threshold": 5, "verify": 5}[options.mode]
+    shapes = [(rows, CFG.num_kv_heads, n_slots + width, CFG.head_dim)]
+    if options.mode == "verify":
+        shapes.append((rows, CFG.num_kv_heads, n_slots + options.block_size, CFG.head_dim))
+    # (a queue admits a request by prefilling one row inside the loop, once per request: those
+    # buffers have one row, so with rows > 1 they do not match the batch's and are allowed)
+    for shape in shapes:
+        moves = cache_moves_in_loops(hlo, shape)
+        assert not moves, f"{len(moves)} whole-cache copies per step, e.g. {moves[0]}"
