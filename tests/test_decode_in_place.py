@@ -18,10 +18,10 @@ from prove_jax.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.params import create_model
 
-# head_dim 16 keeps cache buffers [B, K, S, 16] from sharing a shape with any score tensor
-# [B, K, G, T, S] of the layouts below (that would need G * T == 16).
+# head_dim 24 keeps cache buffers [B, K, S, 24] from sharing a shape with any score tensor
+# [B, K, G, T, S] of the layouts below or of the 16-token prefill chunks.
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, mask_token_id=95, eos_token_ids=(1,))
+                  num_kv_heads=2, head_dim=24, mask_token_id=95, eos_token_ids=(1,))
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:

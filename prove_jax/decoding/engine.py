@@ -27,6 +27,9 @@ from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.model import KVCache, StepMask
 
 MODES = ("ar", "threshold", "lossless", "verify")
+# Prompts are prefilled in chunks of this many tokens inside the compiled program, as many as
+# the longest prompt of the rows needs (a queue prefills one admitted row at a time).
+PREFILL_CHUNK = 64
 COMMIT_RULES = ("top1", "prob", "head")
 CONFIDENCE_KINDS = ("prob", "entropy", "margin")
 
@@ -242,13 +245,27 @@ class Decoder:
             eos = jnp.asarray(eos_ids)
 
             def prefill(m, toks, plen, size):
+                """Cache of `size` slots holding the prompts' KV, written PREFILL_CHUNK tokens at a
+                time up to the longest prompt of these rows: prefill costs what the prompts
+                are long, not the padded prompt width of the whole run."""
                 r = toks.shape[0]
-                pos = jnp.broadcast_to(jnp.arange(p)[None], (r, p))
-                causal = jnp.tril(jnp.ones((p, p), bool))[None]
-                valid = jnp.arange(p)[None, None, :] < plen[:, None, None]  # prompt padding hidden
-                mask = StepMask(jnp.zeros((r,), jnp.int32), causal & valid)
-                _, cache = m.hidden_states(toks, pos, mask, KVCache.zeros(m.cfg, r, size))
-                return cache
+                c = min(p, PREFILL_CHUNK)
+                toks = jnp.pad(toks, ((0, 0), (0, -p % c)), constant_values=pad_id)
+                causal = jnp.tril(jnp.ones((c, c), bool))[None]
+
+                def chunk(i, cache):
+                    start = i * c
+                    ids = jax.lax.dynamic_slice_in_dim(toks, start, c, axis=1)
+                    pos = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (r, c))
+                    # Real tokens see the earlier chunks and the causal part of this one; keys
+                    # past a prompt's end are padding, hidden. (Padding queries see garbage: their
+                    # KV lies past the prompt and is overwritten by decoding.)
+                    valid = pos[:, None, :] < plen[:, None, None]
+                    mask = StepMask(jnp.full((r,), start, jnp.int32), causal & valid)
+                    return m.hidden_states(ids, pos, mask, cache)[1]
+
+                n_chunks = (jnp.max(plen) + c - 1) // c
+                return jax.lax.fori_loop(0, n_chunks, chunk, KVCache.zeros(m.cfg, r, size))
 
             def start_rows(toks, plen, mnew):
                 """Loop state of len(toks) rows right after their prefill."""
