@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import KVCache
+from prove_jax.model import KVCache, StepMask
 
 # (K, group cap) tried by default: the widths that have paid off somewhere (benchmarks/).
 DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
@@ -82,7 +82,7 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
 
         def body(i, carry):
             cache, acc = carry
-            logits, cache = m((toks + acc) % vocab, pos, mask, cache, pos)
+            logits, cache = m((toks + acc) % vocab, pos, mask, cache)
             return cache, acc + jnp.argmax(logits[:, -1], -1).sum().astype(jnp.int32) % 2
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))[1]
 
@@ -90,7 +90,8 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
     for t in widths:
         toks = jnp.zeros((batch, t), jnp.int32)
         pos = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
-        mask = jnp.ones((batch, t, slots), bool)
+        # `filled` committed slots, then the T new tokens (causal) written after them
+        mask = StepMask(jnp.full((batch,), filled, jnp.int32), jnp.tril(jnp.ones((t, t), bool))[None])
         runs[t] = functools.partial(_timed, run, state, cache, toks, pos, mask)
     return {t: v / steps for t, v in _fastest_interleaved(runs, repeats).items()}
 
