@@ -75,11 +75,11 @@ class DecodeOptions:
 #   weight reads), so wide proposals are nearly free; as the batch grows the step becomes
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
 # - CPU: a decode step is compute bound from T=2 or so (2 cores, weights in a large L3; the
-#   Qwen2.5-0.5B shape too), so a whole lossless step costs 1.4-1.6x (K=2) to 2.6-2.9x (K=4,
-#   4 groups) an AR step (benchmarks/step_cost.md). Whether lossless pays there depends on the
-#   proposer (the self-distilled demo proposer reaches 1.22x; an ordinary MARS one loses), which
-#   a fixed table cannot know: on CPU the table is plain AR, and `calibrate.py` (--calibrate)
-#   measures.
+#   Qwen2.5-0.5B shape too), so a whole lossless step costs 1.5-2.1x (K=2) to 2.3-3.1x (K=4,
+#   2 groups) an AR step, depending on the machine (benchmarks/step_cost.md). Whether lossless
+#   pays there depends on the machine and the proposer (the self-distilled demo proposer reached
+#   1.22x on one 2-core machine and loses on another), which a fixed table cannot know: on CPU
+#   the table is plain AR, and `calibrate.py` (--calibrate) measures.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
