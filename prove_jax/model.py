@@ -62,17 +62,13 @@ class KVCache:
         mk = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(k=mk(), v=mk())
 
-    @property
-    def length(self) -> int:
-        return self.k[0].shape[2]
-
 
 @struct.dataclass
 class StepMask:
     """What a step of T new tokens sees when it runs against a `KVCache`.
 
     Every query of row b sees the committed slots [0, cache_len[b]); among the step's own tokens
-    (written at slots cache_len[b] + i after attention) it sees those `intra` allows.
+    (written at slots cache_len[b] + i) it sees those `intra` allows.
     """
     cache_len: jax.Array  # [B] int32
     intra: jax.Array  # bool [B or 1, T, T]: may step token q attend step token k

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import KVCache, StepMask
+from prove_jax.model import KVCache, StepMask, causal_mask
 
 # (K, group cap) tried by default: the widths that have paid off somewhere (benchmarks/).
 DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
@@ -91,7 +91,7 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
         toks = jnp.zeros((batch, t), jnp.int32)
         pos = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
         # `filled` committed slots, then the T new tokens (causal) written after them
-        mask = StepMask(jnp.full((batch,), filled, jnp.int32), jnp.tril(jnp.ones((t, t), bool))[None])
+        mask = StepMask(jnp.full((batch,), filled, jnp.int32), causal_mask(1, t))
         runs[t] = functools.partial(_timed, run, state, cache, toks, pos, mask)
     return {t: v / steps for t, v in _fastest_interleaved(runs, repeats).items()}
 

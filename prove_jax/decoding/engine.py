@@ -24,7 +24,7 @@ from flax import nnx
 from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
-from prove_jax.model import KVCache, StepMask
+from prove_jax.model import KVCache, StepMask, causal_mask
 
 MODES = ("ar", "threshold", "lossless", "verify")
 # Prompts are prefilled in chunks of this many tokens inside the compiled program, as many as
@@ -251,7 +251,7 @@ class Decoder:
                 r = toks.shape[0]
                 c = min(p, PREFILL_CHUNK)
                 toks = jnp.pad(toks, ((0, 0), (0, -p % c)), constant_values=pad_id)
-                causal = jnp.tril(jnp.ones((c, c), bool))[None]
+                causal = causal_mask(1, c)
 
                 def chunk(i, cache):
                     start = i * c

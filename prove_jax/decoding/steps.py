@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, commit
-from prove_jax.model import StepMask
+from prove_jax.model import StepMask, causal_mask
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -85,8 +85,8 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
     block, _, cache = propose_block(model, state, block_size, mask_id)
     k = block_size
     pos = state.length[:, None] + jnp.arange(k)[None, :]
-    causal = jnp.tril(jnp.ones((k, k), bool))[None]
-    hidden, vcache = verifier.hidden_states(block, pos, StepMask(state.vcache_len, causal), state.vcache)
+    hidden, vcache = verifier.hidden_states(block, pos, StepMask(state.vcache_len, causal_mask(1, k)),
+                                            state.vcache)
     if k == 1:
         n = jnp.ones(block.shape[0], jnp.int32)
     else:
