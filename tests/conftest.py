@@ -1,8 +1,29 @@
-"""Test-session setup: 8 simulated CPU devices (set before jax is imported anywhere)."""
+"""Test-session setup, done before jax is imported anywhere (subprocesses inherit it too).
 
+- 8 simulated CPU devices, so sharding tests see a real mesh.
+- Compile time, not run time, dominates this suite: every test builds its own small programs
+  and each fusion is an LLVM kernel. Two settings that change no result cut it:
+  * `--xla_backend_optimization_level=0`: LLVM does not optimise the kernels (the HLO
+    passes, which decide fusion, layout and in-place updates, still run; the in-place test
+    reads their output). The tiny test models run no slower for it.
+  * a persistent compilation cache in a fresh folder for this session only: identical
+    programs (the same tiny model and shapes in several tests, the training step of the
+    reproduction script's stages) compile once. The folder is removed at exit.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="prove-jax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

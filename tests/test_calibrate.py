@@ -152,10 +152,10 @@ def test_cli_calibrate(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(_prompts())))
     out = tmp_path / "out.jsonl"
-    r = _cli("--model", ckpt, "--mode", "lossless", "--calibrate", "--block-size", "4", "--input", str(inp),
+    r = _cli("--model", ckpt, "--mode", "lossless", "--calibrate", "--block-size", "3", "--input", str(inp),
              "--output", str(out), "--max-new-tokens", "12", "--batch-size", "2")
     assert r.returncode == 0, r.stderr
-    assert "calibrate: acceptance with K=4" in r.stderr and "calibrate: batch 2:" in r.stderr
+    assert "calibrate: acceptance with K=3" in r.stderr and "calibrate: batch 2:" in r.stderr
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 12)
     assert [json.loads(x)["output_ids"] for x in out.read_text().splitlines()] == ar.output_ids
     r = _cli("--model", ckpt, "--mode", "ar", "--calibrate", "--input", str(inp), "--output", str(tmp_path / "x.jsonl"))
@@ -168,11 +168,11 @@ def test_benchmark_calibrated_setting(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, create_model(CFG, seed=3))
     pair = bench_lib.load_pair(ckpt)
-    settings = [bench_lib.ar_setting(), bench_lib.calibrated_setting(4)]
-    assert settings[1].label == "calibrated,K<=4" and settings[1].options.adaptive
+    settings = [bench_lib.ar_setting(), bench_lib.calibrated_setting(3)]
+    assert settings[1].label == "calibrated,K<=3" and settings[1].options.adaptive
     records, _ = bench_lib.run_settings(pair, settings, _prompts(), 12, [2], repeats=1, progress=lambda m: None)
     ar, calibrated = records
     assert calibrated["agreement_with_ar"] == 1.0 and calibrated["generated_tokens"] == ar["generated_tokens"]
     eff = calibrated["effective_options"]  # what calibration chose for batch 2 is on record
-    assert eff["mode"] == "ar" or (eff["mode"] == "lossless" and 2 <= eff["block_size"] <= 4)
-    assert "| lossless | calibrated,K<=4 (" in bench_lib.markdown_table(records)
+    assert eff["mode"] == "ar" or (eff["mode"] == "lossless" and 2 <= eff["block_size"] <= 3)
+    assert "| lossless | calibrated,K<=3 (" in bench_lib.markdown_table(records)

@@ -8,11 +8,10 @@ import os
 
 import jax
 import numpy as np
-import pytest
 
 from prove_jax import checkpoint
 from prove_jax.trainer import train
-from tests.train_helpers import tiny_config, use_compile_cache
+from tests.train_helpers import tiny_config
 
 
 def _losses(run_dir):
@@ -29,14 +28,7 @@ def _assert_same_params(a, b, atol=1e-6):
     assert max(diffs) <= atol, max(diffs)
 
 
-@pytest.fixture
-def compile_cache(tmp_path):
-    restore = use_compile_cache(tmp_path / "xla_cache")
-    yield
-    restore()
-
-
-def test_resume_is_exact_and_corrupt_latest_falls_back(tmp_path, compile_cache):
+def test_resume_is_exact_and_corrupt_latest_falls_back(tmp_path):
     full = train(tiny_config(tmp_path, "full"), show_bar=False)
     assert full.final_step == 8 and full.start_step == 0
 

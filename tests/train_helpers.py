@@ -45,19 +45,3 @@ def write_config(tmp_path, run_name: str = "run", **fields) -> str:
 def tiny_config(tmp_path, run_name: str = "run", overrides=(), **fields):
     return load_config(write_config(tmp_path, run_name, **fields), list(overrides))
 
-
-def use_compile_cache(tmp_dir: str):
-    """Persistent XLA compile cache for repeated launches of the same tiny run in one test
-    (the train step and init compile once instead of once per launch). Returns a restore fn."""
-    import jax
-    old = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-                                               "jax_persistent_cache_min_compile_time_secs",
-                                               "jax_persistent_cache_min_entry_size_bytes")}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-    def restore():
-        for k, v in old.items():
-            jax.config.update(k, v)
-    return restore
