@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--confidence", default="prob", help=f"threshold: {', '.join(CONFIDENCE_KINDS)}")
     ap.add_argument("--commit-rule", default="top1", help=f"verify: {', '.join(COMMIT_RULES)}")
     ap.add_argument("--tau-v", type=float, default=0.5, help="verify/prob: verifier probability to commit")
+    ap.add_argument("--head-threshold", type=float, default=None,
+                    help="verify/head: commit-head probability to commit (default: the head's own, "
+                         "0.5); lower commits more tokens per forward, less often equal to AR")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
     ap.add_argument("--dtype", default="float32", help="compute/param dtype (float32 on CPU; bfloat16 on TPU/GPU)")
     ap.add_argument("--mesh", default=None,
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
         options = DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                                 max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                                 confidence=args.confidence, commit_rule=args.commit_rule,
-                                tau_v=args.tau_v).validate()
+                                tau_v=args.tau_v, head_threshold=args.head_threshold).validate()
         records = read_requests(args.input)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,

@@ -49,8 +49,10 @@ class CommitHead(nnx.Module):
         h = jax.nn.gelu(self.in_proj(self.features(hidden, vlogits, nxt)))
         return self.out_proj(h)[..., 0]
 
-    def accept(self, hidden, vlogits, nxt) -> jax.Array:
-        return jax.nn.sigmoid(self(hidden, vlogits, nxt)) >= self.threshold
+    def accept(self, hidden, vlogits, nxt, threshold: float | None = None) -> jax.Array:
+        """Commit D_{i+1} while the head's probability >= threshold (default: its own)."""
+        t = self.threshold if threshold is None else threshold
+        return jax.nn.sigmoid(self(hidden, vlogits, nxt)) >= t
 
 
 # ---- labels ----------------------------------------------------------------------------------

@@ -104,12 +104,24 @@ class CorpusSplit:
     root: str
 
 
+def _first_by_hash(files: list[SourceFile], budget: int) -> list[SourceFile]:
+    """The files that fit `budget` UTF-8 bytes, taken in path-hash order, sorted by path."""
+    chosen, total = [], 0
+    for sf in sorted(files, key=lambda sf: path_hash_fraction(sf.path)):
+        size = len(sf.text.encode("utf-8"))
+        if total + size <= budget:
+            chosen.append(sf)
+            total += size
+    return sorted(chosen, key=lambda sf: sf.path)
+
+
 def build_corpus(root: str | None = None, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
                  max_bytes: int | None = None) -> CorpusSplit:
     """Read and split the corpus.
 
-    `max_bytes` caps the total UTF-8 size (train + held-out). Files are taken in the order of
-    their path hash (a fixed pseudo-random order), so a capped corpus is a representative
+    `max_bytes` caps the total UTF-8 size (train + held-out), each side getting its share
+    (`heldout_fraction` of the bytes for held-out). Within a side files are taken in the order
+    of their path hash (a fixed pseudo-random order), so a capped corpus is a representative
     sample of the library rather than its alphabetically first modules.
     """
     if not 0.0 < heldout_fraction < 1.0:
@@ -121,17 +133,14 @@ def build_corpus(root: str | None = None, heldout_fraction: float = DEFAULT_HELD
     if not rel_paths:
         raise CorpusError(f"no .py files found under {root}")
     files, skipped = read_source_files(rel_paths, root)
-    if max_bytes is not None:
-        chosen, total = [], 0
-        for sf in sorted(files, key=lambda sf: path_hash_fraction(sf.path)):
-            size = len(sf.text.encode("utf-8"))
-            if total + size > max_bytes:
-                continue
-            chosen.append(sf)
-            total += size
-        files = sorted(chosen, key=lambda sf: sf.path)
     train = [sf for sf in files if not is_heldout(sf.path, heldout_fraction)]
     heldout = [sf for sf in files if is_heldout(sf.path, heldout_fraction)]
+    if max_bytes is not None:
+        # Cap each side on its own: one hash order over both would fill the budget with
+        # held-out files first (their hashes are the lowest), starving training.
+        heldout_budget = int(max_bytes * heldout_fraction)
+        train = _first_by_hash(train, max_bytes - heldout_budget)
+        heldout = _first_by_hash(heldout, heldout_budget)
     if not train or not heldout:
         raise CorpusError(f"split is empty (train {len(train)} files, held-out {len(heldout)}); "
                           f"raise --max-bytes or change --heldout-fraction")

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     steps = QUICK if args.quick else FULL
     w = os.path.abspath(args.work)
     t0 = time.time()
-    corpus_args = ["--max-bytes", "2000000"] if args.quick else []
+    corpus_args = ["--max-bytes", "1500000"] if args.quick else []
     run([sys.executable, "-m", "prove_jax.corpus", "--out", f"{w}/corpus", *corpus_args])
     run([sys.executable, "scripts/train_tokenizer.py", "--corpus", f"{w}/corpus", "--out",
          f"{w}/tokenizer", "--vocab-size", "4096"])

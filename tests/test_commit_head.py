@@ -1,5 +1,6 @@
 """The learned commit head: labels, plumbing into verify mode, training from the train CLI."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from infer import generate
 from prove_jax.checkpoint import CheckpointError, save_model
 from prove_jax.commit_head import (CommitHead, load_commit_head, propose_and_label,
                                    save_commit_head)
@@ -48,21 +50,24 @@ def test_labels_match_greedy_ar(proposer):
         assert (lab == want).all()
 
 
-def _with_threshold(head, t):
-    head.threshold = t
-    return head
-
-
 def test_head_rule_drives_commit_length(proposer, verifier):
     head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
     ar = Decoder(proposer, [-1], DecodeOptions("ar")).generate(_prompts(), 12)
-    never = Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"),
-                    verifier=verifier, commit_head=_with_threshold(head, 1.1)).generate(_prompts(), 12)
+
+    def run(threshold):
+        options = DecodeOptions("verify", 4, commit_rule="head", head_threshold=threshold)
+        return Decoder(proposer, [-1], options, verifier=verifier, commit_head=head).generate(_prompts(), 12)
+    never = run(1.1)  # only the exact first token of each block: greedy AR, one per forward
     assert never.output_ids == ar.output_ids and (never.forwards == 12).all()
-    always = Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"),
-                     verifier=verifier, commit_head=_with_threshold(head, 0.0)).generate(_prompts(), 12)
+    always = run(0.0)  # every proposed token: the whole block, like threshold mode with tau 0
     blocks = Decoder(proposer, [-1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), 12)
     assert always.output_ids == blocks.output_ids and (always.forwards == 3).all()
+    # the default is the head's own threshold
+    head.threshold = 1.1
+    try:
+        assert run(None).output_ids == ar.output_ids
+    finally:
+        head.threshold = 0.5
 
 
 def test_save_load_roundtrip_and_missing_head(tmp_path, verifier):
@@ -79,7 +84,7 @@ def test_save_load_roundtrip_and_missing_head(tmp_path, verifier):
         load_commit_head(str(tmp_path / "plain"))
 
 
-def test_train_cli_commit_head_objective(tmp_path, proposer, verifier):
+def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
     tok = make_tokenizer(300)
     tok.save_pretrained(str(tmp_path / "tok"))
     save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
@@ -95,6 +100,18 @@ def test_train_cli_commit_head_objective(tmp_path, proposer, verifier):
     head = load_commit_head(str(tmp_path / "run" / "model"))
     assert head.hidden_size == verifier.cfg.hidden_size
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"loss"') == 2
+
+    # decode with it from the CLI: a threshold above 1 commits only exact greedy tokens
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(_prompts())))
+    common = ["--model", str(tmp_path / "p"), "--verifier", str(tmp_path / "run" / "model"), "--mode", "verify",
+              "--commit-rule", "head", "--block-size", "4", "--input", str(inp), "--max-new-tokens", "8"]
+    assert generate.main(common + ["--head-threshold", "1.5", "--output", str(out)]) == 0
+    ar = Decoder(proposer, [0], DecodeOptions("ar")).generate(_prompts(), 8).output_ids
+    assert [json.loads(line)["output_ids"] for line in out.read_text().splitlines()] == ar
+    assert generate.main(common + ["--head-threshold", "nan", "--output", str(tmp_path / "bad.jsonl")]) == 2
+    assert "head threshold must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "bad.jsonl").exists()
     r = subprocess.run(
         [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
          f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}", "steps=2"],

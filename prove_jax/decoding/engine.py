@@ -48,6 +48,9 @@ class DecodeOptions:
     confidence: str = "prob"  # threshold: prob | entropy | margin
     commit_rule: str = "top1"  # verify: top1 | prob | head
     tau_v: float = 0.5  # verify/prob: verifier probability needed to commit a token
+    # verify/head: head probability needed to commit a token (None: the head's own, 0.5 as
+    # trained); lower commits more per forward, above 1 commits only the exact first token
+    head_threshold: float | None = None
     record_steps: bool = False  # keep per-step commit lengths (BatchResult.step_commits)
 
     def validate(self) -> "DecodeOptions":
@@ -64,6 +67,8 @@ class DecodeOptions:
             raise DecodeError(f"unknown confidence {self.confidence!r}; choose from {CONFIDENCE_KINDS}")
         if self.commit_rule not in COMMIT_RULES:
             raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
+        if self.head_threshold is not None and not math.isfinite(self.head_threshold):
+            raise DecodeError(f"head threshold must be a finite number, got {self.head_threshold}")
         if self.max_groups is not None and self.max_groups < 1:
             raise DecodeError(f"max groups must be >= 1, got {self.max_groups}")
         return self
@@ -132,7 +137,8 @@ def decode_step(options: DecodeOptions, model, state: LoopState, eos_ids: jax.Ar
         return steps.lossless_step(model, state, eos_ids, layout=layout, mask_id=mask_id)
     if options.mode == "verify":
         return steps.verify_step(model, verifier, state, eos_ids, block_size=k, mask_id=mask_id,
-                                 rule=options.commit_rule, tau_v=options.tau_v, head=head)
+                                 rule=options.commit_rule, tau_v=options.tau_v, head=head,
+                                 head_threshold=options.head_threshold)
     return steps.threshold_step(model, state, eos_ids, block_size=k, mask_id=mask_id,
                                 tau=options.tau, conf_kind=options.confidence)
 
@@ -193,6 +199,9 @@ class Decoder:
         self.graphdef, self.state = nnx.split(model)
         self.vgraphdef, self.vstate = nnx.split(verifier) if verifier is not None else (None, None)
         self.hgraphdef, self.hstate = nnx.split(commit_head) if commit_head is not None else (None, None)
+        if mesh is not None and self.hstate is not None:
+            # the head is a few KB: replicated, so the program sees every input on the mesh
+            self.hstate = jax.device_put(self.hstate, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.eos_ids = np.asarray(list(eos_ids) or [-1], np.int32)
         self.mesh = mesh
         self.pad_id = pad_id

@@ -80,7 +80,8 @@ def _commit_proposal(state, cache, block, n, eos_ids, vcache=None, verified=Fals
     return state
 
 
-def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, tau_v, head=None):
+def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, tau_v, head=None,
+                head_threshold=None):
     """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K]."""
     block, _, cache = propose_block(model, state, block_size, mask_id)
     k = block_size
@@ -98,7 +99,7 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
             logp = jax.nn.log_softmax(vlogits, axis=-1)
             accept = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0] >= jnp.log(tau_v)
         elif rule == "head":
-            accept = head.accept(hidden[:, :-1], vlogits, nxt)
+            accept = head.accept(hidden[:, :-1], vlogits, nxt, threshold=head_threshold)
         else:
             raise ValueError(f"unknown commit rule {rule!r}")
         n = 1 + leading_true(accept)
