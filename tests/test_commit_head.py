@@ -62,12 +62,8 @@ def test_head_rule_drives_commit_length(proposer, verifier):
     always = run(0.0)  # every proposed token: the whole block, like threshold mode with tau 0
     blocks = Decoder(proposer, [-1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), 12)
     assert always.output_ids == blocks.output_ids and (always.forwards == 3).all()
-    # the default is the head's own threshold
-    head.threshold = 1.1
-    try:
-        assert run(None).output_ids == ar.output_ids
-    finally:
-        head.threshold = 0.5
+    head.threshold = 1.1  # the default is the head's own threshold
+    assert run(None).output_ids == ar.output_ids
 
 
 def test_save_load_roundtrip_and_missing_head(tmp_path, verifier):

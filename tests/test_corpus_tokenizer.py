@@ -54,7 +54,8 @@ def test_split_is_a_stable_hash_of_the_path():
     assert sum(len(sf.text.encode()) for sf in split.train) > 8_000_000   # ~11 MB in 3.11
 
     small = corpus.build_corpus(heldout_fraction=0.05, max_bytes=SMALL_BYTES)
-    train_bytes, heldout_bytes = (sum(len(sf.text.encode()) for sf in side) for side in (small.train, small.heldout))
+    train_bytes, heldout_bytes = (sum(len(sf.text.encode()) for sf in side)
+                                  for side in (small.train, small.heldout))
     assert train_bytes + heldout_bytes <= SMALL_BYTES
     # each side gets its share of the cap (the held-out files' low hashes must not crowd out training)
     assert 0.9 * 0.95 * SMALL_BYTES < train_bytes and 0 < heldout_bytes <= 0.05 * SMALL_BYTES

@@ -44,4 +44,3 @@ def write_config(tmp_path, run_name: str = "run", **fields) -> str:
 
 def tiny_config(tmp_path, run_name: str = "run", overrides=(), **fields):
     return load_config(write_config(tmp_path, run_name, **fields), list(overrides))
-

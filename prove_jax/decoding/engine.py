@@ -201,7 +201,8 @@ class Decoder:
         self.hgraphdef, self.hstate = nnx.split(commit_head) if commit_head is not None else (None, None)
         if mesh is not None and self.hstate is not None:
             # the head is a few KB: replicated, so the program sees every input on the mesh
-            self.hstate = jax.device_put(self.hstate, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.hstate = jax.device_put(self.hstate, replicated)
         self.eos_ids = np.asarray(list(eos_ids) or [-1], np.int32)
         self.mesh = mesh
         self.pad_id = pad_id
