@@ -33,7 +33,7 @@ def parse_args(argv=None):
                     help="K proposed per forward by threshold and verify (default 8, the MARS block)")
     ap.add_argument("--lossless-block-size", type=int, default=4,
                     help="K of ProVe-lossless (default 4; its step holds K*K tokens)")
-    ap.add_argument("--tau", type=float, default=0.9, help="threshold mode confidence (default 0.9)")
+    ap.add_argument("--tau", type=float, default=0.9, help="threshold mode: top-1 probability to accept a token (default 0.9)")
     ap.add_argument("--show", type=int, default=0, help="index of the prompt whose completion is shown")
     return ap.parse_args(argv)
 

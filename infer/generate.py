@@ -12,7 +12,7 @@ import json
 import sys
 
 from prove_jax import assets
-from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError, DecodeOptions
+from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.requests import (QUEUE_BATCHES, encode_prompts, read_requests, run_requests,
@@ -44,8 +44,12 @@ def parse_args(argv=None):
                          "prompts and step costs at --batch-size on this device rank K and groups "
                          "(K up to --block-size, default 8), short real decodes of the best few "
                          "against AR pick one, or AR when no layout wins")
-    ap.add_argument("--tau", type=float, default=0.9, help="threshold: confidence to accept (default 0.9)")
-    ap.add_argument("--confidence", default="prob", help=f"threshold: {', '.join(CONFIDENCE_KINDS)}")
+    ap.add_argument("--tau", type=float, default=None,
+                    help="threshold: accept a proposed token while its confidence is >= tau (prob: "
+                         "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
+                         "is <= tau nats (entropy); default " +
+                         ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
+    ap.add_argument("--confidence", default="prob", help=f"threshold: {', '.join(CONFIDENCE_KINDS)} (default prob)")
     ap.add_argument("--commit-rule", default="top1", help=f"verify: {', '.join(COMMIT_RULES)}")
     ap.add_argument("--tau-v", type=float, default=0.5, help="verify/prob: verifier probability to commit")
     ap.add_argument("--head-threshold", type=float, default=None,

@@ -411,10 +411,11 @@ def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompt
         "warmup_seconds": m.warmup_seconds,
     }
     if s.options is not None:
-        opts = dataclasses.asdict(s.options)
+        asked = s.options.validate()  # with its defaults filled in, as the decoder ran it
+        opts = dataclasses.asdict(asked)
         opts.pop("record_steps", None)
         rec["options"] = opts
-        if m.effective_options is not None and m.effective_options != s.options:
+        if m.effective_options is not None and m.effective_options != asked:
             rec["effective_options"] = {k: v for k, v in dataclasses.asdict(m.effective_options).items()
                                         if k != "record_steps"}
     else:

@@ -134,6 +134,51 @@ def test_threshold_tau_above_one_is_ar_and_lower_tau_commits_more(model, ar_out)
     assert (loose.forwards < strict.forwards).all()
 
 
+def _oracle_confidence(logits: np.ndarray, kind: str) -> np.ndarray:
+    """numpy: top-1 probability, top-1 minus top-2 probability, or entropy (nats) per row."""
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.sort(p, axis=-1)
+    return {"prob": top[..., -1], "margin": top[..., -1] - top[..., -2],
+            "entropy": -(p * np.log(p)).sum(-1)}[kind]
+
+
+def _tau_in_widest_middle_gap(values: np.ndarray) -> float:
+    """A threshold between two of `values` (away from both, so float noise cannot flip a
+    comparison), from the middle half so that some tokens pass and some do not."""
+    v = np.sort(values)
+    lo, hi = len(v) // 4, 3 * len(v) // 4
+    i = lo + int(np.argmax(np.diff(v)[lo:hi]))
+    return float((v[i] + v[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("kind", ["prob", "margin", "entropy"])
+def test_threshold_confidence_kinds_accept_as_transformers_logits_say(tmp_path, kind):
+    """First threshold step of each row against an oracle from HF logits over [prompt, masks]:
+    the block is their argmax and the commit length 1 + the passing prefix of D_1..D_{K-1}
+    (prob/margin >= tau, entropy <= tau)."""
+    k, mask = 4, 250
+    hf = make_hf_qwen2(tmp_path / "hf", seed=4, mask_token_id=mask, initializer_range=0.2)
+    hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    ours = load_model(str(tmp_path / "ours"))
+    prompts = _prompts(4, (5, 11, 2, 17, 8, 3))
+    blocks, confs = [], []
+    for p in prompts:
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + [mask] * (k - 1)])).logits[0, len(p) - 1:].double().numpy()
+        blocks.append(logits.argmax(-1).tolist())
+        confs.append(_oracle_confidence(logits[1:], kind))
+    tau = _tau_in_widest_middle_gap(np.concatenate(confs))
+    passes = [(c <= tau) if kind == "entropy" else (c >= tau) for c in confs]
+    expected = [1 + int(np.cumprod(ok).sum()) for ok in passes]
+    assert min(expected) < k and max(expected) > 1  # the threshold decides something here
+    res = Decoder(ours, [-1], DecodeOptions("threshold", k, tau=tau, confidence=kind, record_steps=True)
+                  ).generate(prompts, 8)
+    assert [c[0] for c in res.step_commits] == expected
+    for out, block, n in zip(res.output_ids, blocks, expected):
+        assert out[:n] == block[:n]
+
+
 def test_stats_are_consistent(model):
     for opts in (DecodeOptions("threshold", 4, tau=0.05), DecodeOptions("lossless", 4)):
         res = Decoder(model, [1], opts).generate(_prompts(), 24)
@@ -182,6 +227,12 @@ def test_bad_requests(model):
         dec.generate([[2, 3], []], 4)
     with pytest.raises(DecodeError, match="unknown mode"):
         Decoder(model, [1], DecodeOptions("beam"))
+    with pytest.raises(DecodeError, match="tau must be a finite number"):
+        Decoder(model, [1], DecodeOptions("threshold", 4, tau=float("nan")))
+    with pytest.raises(DecodeError, match="tau_v .* >= 0"):
+        Decoder(model, [1], DecodeOptions("verify", 4, commit_rule="prob", tau_v=-0.1), verifier=model)
+    assert [DecodeOptions("threshold", confidence=c).validate().tau for c in ("prob", "margin", "entropy")
+            ] == [0.9, 0.8, 0.5]
     other = create_model(CFG.replace(vocab_size=128), seed=1)
     with pytest.raises(DecodeError, match="vocabulary size 128"):
         Decoder(model, [1], DecodeOptions("verify", 4), verifier=other)

@@ -1,7 +1,7 @@
 """ProVe / MARS decoding: AR, threshold, lossless and verifier modes in one compiled loop."""
 
-from prove_jax.decoding.engine import (COMMIT_RULES, CONFIDENCE_KINDS, MODES, BatchResult,
+from prove_jax.decoding.engine import (COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, BatchResult,
                                        DecodeError, DecodeOptions, Decoder, adapt_for_batch)
 
-__all__ = ["COMMIT_RULES", "CONFIDENCE_KINDS", "MODES", "BatchResult", "DecodeError",
+__all__ = ["COMMIT_RULES", "CONFIDENCE_KINDS", "DEFAULT_TAU", "MODES", "BatchResult", "DecodeError",
            "DecodeOptions", "Decoder", "adapt_for_batch"]

@@ -32,6 +32,9 @@ MODES = ("ar", "threshold", "lossless", "verify")
 PREFILL_CHUNK = 64
 COMMIT_RULES = ("top1", "prob", "head")
 CONFIDENCE_KINDS = ("prob", "entropy", "margin")
+# threshold: tau when none is given, per confidence kind. prob: the top-1 probability; margin:
+# top-1 minus top-2 probability; entropy: the most entropy (nats) a proposed token may have.
+DEFAULT_TAU = {"prob": 0.9, "margin": 0.8, "entropy": 0.5}
 
 
 class DecodeError(ValueError):
@@ -44,7 +47,10 @@ class DecodeOptions:
     block_size: int = 8  # K: tokens proposed per proposer forward
     max_groups: int | None = None  # lossless: mask groups (acceptance lengths served); None = K
     adaptive: bool = False  # lossless: shrink K / groups as the batch grows (see adapt_for_batch)
-    tau: float = 0.9  # threshold: confidence needed to accept a proposed token
+    # threshold: accept a proposed token while its confidence is >= tau (prob, margin) or its
+    # entropy <= tau nats (entropy); None = DEFAULT_TAU of the kind. A tau no token can pass
+    # (prob above 1, entropy below 0) decodes exactly like ar.
+    tau: float | None = None
     confidence: str = "prob"  # threshold: prob | entropy | margin
     commit_rule: str = "top1"  # verify: top1 | prob | head
     tau_v: float = 0.5  # verify/prob: verifier probability needed to commit a token
@@ -65,6 +71,12 @@ class DecodeOptions:
             raise DecodeError("lossless mode needs --block-size >= 2")
         if self.confidence not in CONFIDENCE_KINDS:
             raise DecodeError(f"unknown confidence {self.confidence!r}; choose from {CONFIDENCE_KINDS}")
+        if self.tau is None:
+            return dataclasses.replace(self, tau=DEFAULT_TAU[self.confidence]).validate()
+        if not math.isfinite(self.tau):
+            raise DecodeError(f"tau must be a finite number, got {self.tau}")
+        if not (math.isfinite(self.tau_v) and self.tau_v >= 0):
+            raise DecodeError(f"tau_v is a verifier probability: it must be >= 0, got {self.tau_v}")
         if self.commit_rule not in COMMIT_RULES:
             raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
         if self.head_threshold is not None and not math.isfinite(self.head_threshold):

@@ -42,16 +42,24 @@ def propose_block(model, state: LoopState, block_size: int, mask_id: int):
 
 
 def confidence(logits: jax.Array, kind: str) -> jax.Array:
-    """Per-token confidence [B, K] with 'higher = surer' for every kind."""
+    """Per-token confidence statistic [B, K]: the top-1 probability (`prob`), top-1 minus top-2
+    probability (`margin`), or the entropy of the distribution in nats (`entropy`)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     if kind == "prob":
         return jnp.exp(jnp.max(logp, axis=-1))
-    if kind == "entropy":  # negated so that accepting means conf >= tau with tau <= 0
-        return jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    if kind == "entropy":
+        return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     if kind == "margin":
         top2 = jax.lax.top_k(logp, 2)[0]
         return jnp.exp(top2[..., 0]) - jnp.exp(top2[..., 1])
     raise ValueError(f"unknown confidence {kind!r}")
+
+
+def confident(logits: jax.Array, kind: str, tau: float) -> jax.Array:
+    """bool [B, K]: the token passes tau; `prob` and `margin` need at least tau, `entropy` (a
+    sure distribution has little) at most tau nats."""
+    conf = confidence(logits, kind)
+    return conf <= tau if kind == "entropy" else conf >= tau
 
 
 def leading_true(accept: jax.Array) -> jax.Array:
@@ -62,8 +70,7 @@ def leading_true(accept: jax.Array) -> jax.Array:
 def threshold_step(model, state, eos_ids, *, block_size, mask_id, tau, conf_kind):
     block, logits, cache = propose_block(model, state, block_size, mask_id)
     if block_size > 1:
-        conf = confidence(logits[:, 1:], conf_kind)
-        n = 1 + leading_true(conf >= tau)
+        n = 1 + leading_true(confident(logits[:, 1:], conf_kind, tau))
     else:
         n = jnp.ones(block.shape[0], jnp.int32)
     return _commit_proposal(state, cache, block, n, eos_ids)
