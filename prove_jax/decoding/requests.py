@@ -12,21 +12,36 @@ from prove_jax.decoding.engine import BatchResult, DecodeError, Decoder
 
 
 def read_requests(path: str) -> list[dict]:
-    """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line."""
+    """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line.
+
+    A record without an id gets its index among the records; ids must be unique (outputs are
+    matched to requests by id), strings or integers.
+    """
     if not os.path.exists(path):
         raise DecodeError(f"input file not found: {path}")
-    records = []
+    records, line_of_id = [], {}
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DecodeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise DecodeError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
-                raise DecodeError(f"{path}:{lineno}: a record needs 'prompt' (text) or 'prompt_ids'")
+                raise DecodeError(f"{where}: a record needs 'prompt' (text) or 'prompt_ids'")
+            if "prompt" in rec and "prompt_ids" in rec:
+                raise DecodeError(f"{where}: give 'prompt' or 'prompt_ids', not both")
+            if "prompt" in rec and not isinstance(rec["prompt"], str):
+                raise DecodeError(f"{where}: 'prompt' must be a string (token ids go in 'prompt_ids')")
             rec.setdefault("id", len(records))
+            rid = rec["id"]
+            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+                raise DecodeError(f"{where}: 'id' must be a string or an integer, got {rid!r}")
+            if rid in line_of_id:
+                raise DecodeError(f"{where}: duplicate id {rid!r} (first on line {line_of_id[rid]})")
+            line_of_id[rid] = lineno
             records.append(rec)
     if not records:
         raise DecodeError(f"input file {path} has no records")

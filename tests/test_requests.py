@@ -1,0 +1,44 @@
+"""Request files for `infer.generate`: what a record may hold, and one clear error per mistake."""
+
+import json
+
+import pytest
+
+from prove_jax.decoding import DecodeError
+from prove_jax.decoding.requests import read_requests
+
+
+def _write(tmp_path, lines):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+def test_records_keep_their_ids_and_missing_ids_get_their_index(tmp_path):
+    path = _write(tmp_path, [{"id": "a", "prompt": "def f():"}, "", {"prompt_ids": [4, 5]},
+                             {"id": 7, "prompt_ids": [6]}])
+    recs = read_requests(path)
+    assert [r["id"] for r in recs] == ["a", 1, 7]
+    assert recs[1]["prompt_ids"] == [4, 5]
+
+
+@pytest.mark.parametrize("lines,message", [
+    (["{nope"], r"in.jsonl:1: not valid JSON"),
+    ([{"id": "a"}], r"in.jsonl:1: a record needs 'prompt' \(text\) or 'prompt_ids'"),
+    ([[1, 2]], r"in.jsonl:1: a record needs"),
+    ([{"id": "a", "prompt": "x", "prompt_ids": [1]}], r"in.jsonl:1: give 'prompt' or 'prompt_ids', not both"),
+    ([{"id": "a", "prompt": [1, 2]}], r"in.jsonl:1: 'prompt' must be a string"),
+    ([{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}], r"in.jsonl:3: duplicate id 'a' \(first on line 1\)"),
+    ([{"prompt": "x"}, {"id": 0, "prompt": "y"}], r"in.jsonl:2: duplicate id 0"),  # 0 = index of the first
+    ([{"id": ["a"], "prompt": "x"}], r"in.jsonl:1: 'id' must be a string or an integer"),
+    ([{"id": True, "prompt": "x"}], r"'id' must be a string or an integer"),
+    ([], r"has no records"),
+])
+def test_bad_request_files_name_the_line_and_the_problem(tmp_path, lines, message):
+    with pytest.raises(DecodeError, match=message):
+        read_requests(_write(tmp_path, lines))
+
+
+def test_missing_request_file(tmp_path):
+    with pytest.raises(DecodeError, match="input file not found"):
+        read_requests(str(tmp_path / "absent.jsonl"))
