@@ -79,6 +79,7 @@ class TrainConfig:
     target_chip: str | None = None  # for --dry-run: v5p, v5e, v4, v6e, H100, H200
 
     def validate(self) -> "TrainConfig":
+        _check_types(self)
         if self.objective not in ("mars", "ar", "commit_head"):
             raise TrainConfigError(
                 f"objective must be 'mars', 'ar' or 'commit_head', got {self.objective!r}")
@@ -99,6 +100,25 @@ class TrainConfig:
                 f"set exactly one of model.hf_dir / model.checkpoint / model.preset / "
                 f"model.config (got {sources or 'none'})")
         return self
+
+
+_TYPE_NAMES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict,
+               "list": list, "None": type(None)}
+
+
+def _check_types(obj, prefix: str = "") -> None:
+    """Every leaf value has its field's annotated type (`steps=abc` is an error, not a crash
+    deep inside training); an int passes for a float, a bool never passes for an int."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if _nested_class(type(obj), f.name) is not None:
+            _check_types(value, prefix + f.name + ".")
+            continue
+        names = [t.strip() for t in f.type.split("|")]
+        allowed = tuple(_TYPE_NAMES[n] for n in names)
+        if isinstance(value, bool) and "bool" not in names or not isinstance(value, allowed):
+            want = " or ".join("null" if n == "None" else n for n in names)
+            raise TrainConfigError(f"{prefix}{f.name} must be {want}, got {value!r}")
 
 
 def _field_types(cls) -> dict[str, dataclasses.Field]:

@@ -53,6 +53,22 @@ def test_unknown_key_lists_valid_keys(tmp_path, capsys):
     assert "optimizer.grad_accum" in valid_keys()
 
 
+def test_values_of_the_wrong_type_are_named(tmp_path, capsys):
+    cfg_path = write_config(tmp_path)
+    assert main(["--config", cfg_path, "steps=abc"]) == 2
+    assert capsys.readouterr().err.strip() == "error: steps must be int, got 'abc'"
+    for override, message in [("optimizer.lr=fast", "optimizer.lr must be float, got 'fast'"),
+                              ("model.remat=3", "model.remat must be bool, got 3"),
+                              ("steps=true", "steps must be int, got True"),
+                              ("mesh=4", "mesh must be list, got 4"),
+                              ("optimizer.clip_norm=big", "optimizer.clip_norm must be float or null")]:
+        with pytest.raises(TrainConfigError, match=message.replace("(", r"\(")):
+            load_config(cfg_path, [override])
+    assert load_config(cfg_path, ["optimizer.clip_norm=null", "optimizer.lr=1"]).optimizer.lr == 1.0
+    with pytest.raises(TrainConfigError, match=r"global_batch_size must be int, got \[4\]"):
+        load_config(write_config(tmp_path, "typed", global_batch_size=[4]))
+
+
 def test_missing_and_empty_data(tmp_path, capsys):
     cfg_path = write_config(tmp_path)
     assert main(["--config", cfg_path, f"data={tmp_path}/nope.jsonl", "--no-progress"]) == 2
