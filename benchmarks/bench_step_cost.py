@@ -1,30 +1,34 @@
 """Why wide steps do not pay on this CPU: cost of one decode step vs its width.
 
 Times, inside a jitted `fori_loop` against a static KV cache (200 slots filled, 384-slot
-buffer): one forward of T new tokens, relative to T=1; and the engine's whole decode step of
-each lossless layout, relative to an AR step. For the demo proposer's shapes at batch 1/4/16
-and, with `--preset`, for real Qwen2.5 shapes (random weights: cost does not depend on the
-values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per step
+buffer): one forward of T new tokens, relative to T=1; the decoder layers' matmuls alone at
+each width (where the cost of a few extra tokens comes from on this device); and the engine's
+whole decode step of each lossless layout, relative to an AR step. For the demo proposer's
+shapes at batch 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost
+does not depend on the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per step
 needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
 step) would reach: the ceiling of ProVe-lossless on that hardware.
 Writes benchmarks/step_cost.{json,md}.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py [--preset qwen2.5-0.5b]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py [--preset qwen2.5-0.5b] [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 
 import jax
+import jax.numpy as jnp
 
 from prove_jax import assets
 from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
-from prove_jax.decoding.calibrate import AR, time_decode_steps, time_step_widths
+from prove_jax.decoding.calibrate import (AR, fastest_interleaved, time_decode_steps, time_step_widths,
+                                         timed)
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.params import create_model
 
@@ -43,19 +47,53 @@ def ceilings(step_relative: dict[str, float]) -> dict[str, dict]:
     return out
 
 
+def layer_kernels(model) -> list[jax.Array]:
+    """Every decoder-layer weight matrix as [in, out] (q, k, v, o, gate, up, down per layer)."""
+    out = []
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        out += [w[...].reshape(w.shape[0], -1) for w in (a.q_kernel, a.k_kernel, a.v_kernel)]
+        out += [a.o_kernel[...].reshape(-1, a.o_kernel.shape[-1])]
+        out += [m.gate_kernel[...], m.up_kernel[...], m.down_kernel[...]]
+    return out
+
+
+def time_dense_matmuls(model, batch: int, widths, repeats: int, steps: int) -> dict[int, float]:
+    """Seconds for the decoder layers' matmuls alone (x [B*T, in] @ W for every layer weight; no
+    attention, norms or LM head), per width T: isolates how XLA's dot kernels scale with T."""
+    kernels = layer_kernels(model)
+
+    @jax.jit
+    def run(kernels, x):
+        def body(_, acc):
+            xs = {d: v + acc for d, v in x.items()}  # inputs depend on the carry: nothing hoisted
+            return acc + sum((xs[w.shape[0]] @ w)[0, 0] for w in kernels) * 1e-9
+        return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
+
+    runs = {}
+    for t in widths:
+        x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[0] for w in kernels}}
+        runs[t] = functools.partial(timed, run, kernels, x)
+    return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
+
+
 def measure(name: str, cfg, batches, repeats: int, steps: int) -> dict:
     rows = []
     for batch in batches:
         model = create_model(cfg, seed=0)
         ms = time_step_widths(model, batch, WIDTHS, repeats=repeats, steps=steps)
+        dense = time_dense_matmuls(model, batch, WIDTHS, repeats=repeats, steps=steps)
         full = time_decode_steps(model, batch, LAYOUTS, repeats=repeats, steps=steps)
         step_ms = {("AR" if key == AR else f"K={key[0]},G={key[1]}"): v * 1e3 for key, v in full.items()}
         step_rel = {key: v / step_ms["AR"] for key, v in step_ms.items()}
         rows.append({"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
                      "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()},
+                     "dense_matmuls_ms": {str(t): v * 1e3 for t, v in dense.items()},
+                     "dense_matmuls_relative_to_T1": {str(t): v / dense[1] for t, v in dense.items()},
                      "decode_step_ms": step_ms, "decode_step_relative_to_ar": step_rel,
                      "lossless_ceiling": ceilings(step_rel)})
         print(name, batch, {t: round(v / ms[1], 2) for t, v in ms.items()},
+              {t: round(v / dense[1], 2) for t, v in dense.items()},
               {key: round(v, 2) for key, v in step_rel.items()}, flush=True)
     return {"name": name, "params": cfg.num_params, "rows": rows}
 
@@ -78,6 +116,15 @@ def markdown(models: list[dict]) -> list[str]:
             cells = [f"{r['forward_ms']['1']:.2f} ms"] + [
                 f"{r['forward_relative_to_T1'][str(t)]:.2f}x" for t in WIDTHS[1:]]
             lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+        if "dense_matmuls_ms" in m["rows"][0]:
+            lines += ["", "The decoder layers' matmuls alone (x @ W for every layer weight; no attention, "
+                      "norms or LM head), relative to T=1:", "",
+                      "| batch | " + " | ".join(f"T={t}" for t in WIDTHS) + " |",
+                      "|---|" + "---|" * len(WIDTHS)]
+            for r in m["rows"]:
+                cells = [f"{r['dense_matmuls_ms']['1']:.2f} ms"] + [
+                    f"{r['dense_matmuls_relative_to_T1'][str(t)]:.2f}x" for t in WIDTHS[1:]]
+                lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
         ceil0 = m["rows"][0]["lossless_ceiling"]
         lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
                   "speedup over AR with a perfect proposer (K tokens every step):", "",
@@ -89,7 +136,8 @@ def markdown(models: list[dict]) -> list[str]:
                 f"{c[l]['break_even_tokens_per_forward']:.2f} / {c[l]['perfect_proposer_speedup']:.2f}x"
                 for l in layouts) + " |")
         lines.append("")
-    lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b`"]
+    lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
+              " --repeats 15`"]
     return lines
 
 
@@ -97,12 +145,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", default=[], choices=sorted(PRESETS),
                     help="also time this real model shape at batch 1 (repeatable)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="interleaved timing rounds, the fastest counts (default 5; more on a noisy machine)")
     args = ap.parse_args(argv)
     demo = load_config(assets.DEMO_PROPOSER).replace(param_dtype="float32", dtype="float32")
-    models = [measure("demo proposer", demo, (1, 4, 16), repeats=5, steps=20)]
+    models = [measure("demo proposer", demo, (1, 4, 16), repeats=args.repeats, steps=20)]
     for name in args.preset:
         cfg = PRESETS[name].replace(param_dtype="float32", dtype="float32")
-        models.append(measure(name, cfg, (1,), repeats=3, steps=3))
+        models.append(measure(name, cfg, (1,), repeats=max(3, args.repeats // 2), steps=3))
     result = {"device": str(jax.devices()[0]), "machine": platform.machine(), "cpu_count": os.cpu_count(),
               "jax": jax.__version__, "models": models}
     atomic_write_text(os.path.join(HERE, "step_cost.json"), json.dumps(result, indent=1) + "\n")

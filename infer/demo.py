@@ -99,7 +99,7 @@ def main(argv=None) -> int:
           f"(compile time excluded)")
     print(summary_table(records))
     if jax.devices()[0].platform == "cpu":
-        print("(on a 2-core CPU a lossless step costs 1.5-2.1x (K=2) and 2.3-3.1x (K=4, 2 groups) "
+        print("(on a 2-core CPU a lossless step costs 1.6-2.4x (K=2) and 2.3-3.8x (K=4, 2 groups) "
               "an AR step, depending on the machine, so it needs more tokens per forward than that "
               "to win: benchmarks/step_cost.md; `--calibrate` measures the machine at hand)")
     shown = ms[1]  # the lossless run

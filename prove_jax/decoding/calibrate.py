@@ -41,14 +41,14 @@ DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
     (2, 2), (3, 2), (3, 3), (4, 2), (4, 4), (6, 2), (6, 3), (8, 3), (8, 8))
 
 
-def _timed(fn, *args) -> float:
+def timed(fn, *args) -> float:
     """Wall seconds of one call of a jitted `fn`, waiting for its results."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - t0
 
 
-def _fastest_interleaved(runs: dict, repeats: int) -> dict:
+def fastest_interleaved(runs: dict, repeats: int) -> dict:
     """{key: seconds} from callables that each run once and return the seconds they took.
 
     Every callable runs once first (compile, warm up), then `repeats` rounds call them in turn,
@@ -92,8 +92,8 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
         pos = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
         # `filled` committed slots, then the T new tokens (causal) written after them
         mask = StepMask(jnp.full((batch,), filled, jnp.int32), causal_mask(1, t))
-        runs[t] = functools.partial(_timed, run, state, cache, toks, pos, mask)
-    return {t: v / steps for t, v in _fastest_interleaved(runs, repeats).items()}
+        runs[t] = functools.partial(timed, run, state, cache, toks, pos, mask)
+    return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
 
 
 AR = (1, 1)  # the (K, groups) key of a plain AR step in step-cost tables
@@ -127,8 +127,8 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
                               KVCache.zeros(cfg, batch, slots + width), None, num_drafts=n_drafts,
                               block_size=options.block_size, pad_id=0)
         fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id, steps))
-        runs[key] = functools.partial(_timed, fn, params, state)
-    return {key: v / steps for key, v in _fastest_interleaved(runs, repeats).items()}
+        runs[key] = functools.partial(timed, fn, params, state)
+    return {key: v / steps for key, v in fastest_interleaved(runs, repeats).items()}
 
 
 def _run_steps(graphdef, options, mask_id: int, steps: int, params, state):
@@ -255,7 +255,7 @@ def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[
     decoders = {key: decoder.with_options(opts) for key, opts in settings.items()}
     runs = {key: (lambda d=d: d.generate(list(prompts), max_new_tokens, batch_size=batch_size).seconds)
             for key, d in decoders.items()}
-    best = _fastest_interleaved(runs, repeats)
+    best = fastest_interleaved(runs, repeats)
     return {key: best[AR] / best[key] for key in layouts}
 
 

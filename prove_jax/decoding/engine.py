@@ -92,7 +92,7 @@ class DecodeOptions:
 #   weight reads), so wide proposals are nearly free; as the batch grows the step becomes
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
 # - CPU: a decode step is compute bound from T=2 or so (2 cores, weights in a large L3; the
-#   Qwen2.5-0.5B shape too), so a whole lossless step costs 1.5-2.1x (K=2) to 2.3-3.1x (K=4,
+#   Qwen2.5-0.5B shape too), so a whole lossless step costs 1.6-2.4x (K=2) to 2.3-3.8x (K=4,
 #   2 groups) an AR step, depending on the machine (benchmarks/step_cost.md). Whether lossless
 #   pays there depends on the machine and the proposer (the self-distilled demo proposer reached
 #   1.22x on one 2-core machine and loses on another), which a fixed table cannot know: on CPU

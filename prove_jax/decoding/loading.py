@@ -11,7 +11,6 @@ from prove_jax.decoding.engine import DecodeError, DecodeOptions, Decoder
 from prove_jax.sharding import make_mesh
 
 
-
 def parse_mesh(spec: str | None):
     """'4,1,2' -> a (data, fsdp, tensor) mesh; None -> all devices on data (None for one device)."""
     if spec is None:
