@@ -240,6 +240,32 @@ def test_bad_requests(model):
         Decoder(create_model(CFG.replace(mask_token_id=None)), [1], DecodeOptions("lossless", 4))
 
 
+def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, model, monkeypatch, capsys):
+    from infer import generate
+    from prove_jax.decoding import memory
+    dec = Decoder(model, [1], DecodeOptions("lossless", 4))
+    compiled = []
+    real_check = memory.check_fits
+    monkeypatch.setattr(memory, "check_fits", lambda c, *a, **k: (compiled.append(c), real_check(c, *a, **k)))
+    dec.generate(_prompts(), 16)  # fits: the host has far more than this program needs
+    need = memory.program_memory(compiled[0])
+    assert need > 2 * 4 * 2 * 2 * 64 * 8 * 4  # at least the KV of 4 rows x 64 slots x 2 layers
+    monkeypatch.setattr(memory, "free_device_memory", lambda device: need)
+    dec.generate(_prompts(), 16)  # exactly enough
+    monkeypatch.setattr(memory, "free_device_memory", lambda device: need // 2)
+    with pytest.raises(DecodeError, match=r"decoding 4 rows x 64 cache slots needs 0\.\d+ GiB .* has "
+                                          r"0\.\d+ GiB free: lower --batch-size or --max-new-tokens"):
+        dec.generate(_prompts(), 16)
+    monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, model)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
+    assert generate.main(["--model", ckpt, "--mode", "ar", "--input", str(inp), "--output", str(out),
+                          "--max-new-tokens", "8"]) == 2
+    assert "needs" in capsys.readouterr().err and not out.exists()
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "infer.generate", *args], cwd=ROOT,
                           capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})

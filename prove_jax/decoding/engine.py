@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prove_jax.decoding import queue, steps
+from prove_jax.decoding import memory, queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.model import KVCache, StepMask, causal_mask
@@ -390,6 +390,8 @@ class Decoder:
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
             compiled, compile_s = self._compiled_for(options, b, q, p, n_slots, args)
+            memory.check_fits(compiled, memory.local_devices(self.mesh),
+                              f"decoding {b} rows x {n_slots} cache slots", error=DecodeError)
             t0 = time.perf_counter()
             out = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - t0

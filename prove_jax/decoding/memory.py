@@ -1,0 +1,65 @@
+"""Does a compiled decode program fit in device memory? Checked before it runs.
+
+A decode program's memory beyond the weights is its KV caches and loop state, which grow with
+rows x buffer slots. XLA reports it per device once the program is compiled, before anything
+is allocated, so a request that cannot fit (say batch 64 x 32k slots of a 7B model on one
+GPU) is refused with the sizes and what to lower, instead of failing inside the run with an
+allocator error (GPU/TPU) or being killed by the kernel (CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax
+
+
+def free_device_memory(device) -> int | None:
+    """Bytes free on `device`: its allocator's limit minus what is in use (GPU, TPU), or the
+    host's available memory (CPU, whose simulated devices all share it); None if unknown."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def program_memory(compiled) -> int:
+    """Bytes per device a compiled program allocates beyond its arguments (which are resident)."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return 0
+    return int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
+
+
+def check_fits(compiled, devices: Sequence, what: str, error=MemoryError) -> None:
+    """Raise `error` naming the sizes when `compiled` needs more memory than `devices` have free."""
+    need = program_memory(compiled)
+    device = devices[0]
+    free = free_device_memory(device)
+    if free is None or need == 0:
+        return
+    if device.platform == "cpu":  # simulated CPU devices share the host's memory
+        need *= len(devices)
+    if need > free:
+        where = "the host" if device.platform == "cpu" else f"each {device.device_kind}"
+        raise error(f"{what} needs {need / 2**30:.2f} GiB of memory beyond the weights (KV caches "
+                    f"and loop state), but {where} has {free / 2**30:.2f} GiB free: lower "
+                    f"--batch-size or --max-new-tokens, or shard the batch over more devices")
+
+
+def local_devices(mesh) -> list:
+    """The devices of this process a program runs on: its mesh's, or the default device."""
+    if mesh is None:
+        return [jax.devices()[0]]
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
