@@ -17,19 +17,20 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Callable
 
 import jax
 from flax import nnx
 
-from prove_jax import checkpoint, params as params_lib, sharding
+from prove_jax import checkpoint, memory, params as params_lib, sharding
 from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
 from prove_jax.run_checkpoint import RunCheckpointError, RunCheckpoints
 from prove_jax.train_config import TrainConfig, TrainConfigError, to_dict
-from prove_jax.train_step import (BATCH_SPEC, build_step_fn, init_state, jit_step, make_loss_fn,
-                                  state_layout)
+from prove_jax.train_step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state, jit_step,
+                                  make_loss_fn, state_layout)
 
 
 class TrainError(RuntimeError):
@@ -253,6 +254,22 @@ def check_batch_layout(cfg: TrainConfig, mesh) -> None:
 
 # ---- the loop -----------------------------------------------------------------------------
 
+def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], None]):
+    """The jitted train step compiled once for the run's shapes, before any weight is loaded;
+    refused with the sizes when the devices cannot hold it (state, gradients, activations)."""
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(layout.abstract,
+                                 abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)).compile()
+    log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+    memory.check_fits(compiled, memory.local_devices(mesh),
+                      f"a train step of {cfg.global_batch_size} x {cfg.max_length} tokens (model and "
+                      f"optimizer state, gradients, activations)", error=TrainError, with_arguments=True,
+                      advice="lower global_batch_size or max_length, raise optimizer.grad_accum, set "
+                             "model.remat=true, or use more devices")
+    return compiled
+
+
 def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bool = True,
           stop_after: int | None = None) -> TrainResult:
     """Run (or resume) the configured training. `stop_after` ends this launch early at that
@@ -273,17 +290,17 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
     if len(tokenizer) > train_cfg.vocab_size:
         raise TrainError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
                          f"{train_cfg.vocab_size} embedding rows; use the model's own tokenizer")
-    tok_dir = _save_run_tokenizer(tokenizer, run_dir)
-    if jax.process_index() == 0:
-        checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
-                                     json.dumps(to_dict(cfg), indent=2))
-
     tx = make_optimizer(cfg.optimizer, cfg.steps)
     layout = state_layout(params_lib.abstract_model(train_cfg, cfg.model.remat), tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
                            mask_token_id=train_cfg.mask_token_id, ar_weight=cfg.ar_weight)
-    step_fn = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
-                       layout, mesh)
+    step_fn = compile_step(jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
+                                    layout, mesh), layout, mesh, cfg, log)
+
+    tok_dir = _save_run_tokenizer(tokenizer, run_dir)  # the run dir is written from here on
+    if jax.process_index() == 0:
+        checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
+                                     json.dumps(to_dict(cfg), indent=2))
 
     data_iter = make_data_iterator(cfg, tokenizer, log)
     ckpts = RunCheckpoints(run_dir, keep=cfg.keep, async_save=cfg.async_save, log=log)

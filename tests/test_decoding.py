@@ -242,7 +242,7 @@ def test_bad_requests(model):
 
 def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, model, monkeypatch, capsys):
     from infer import generate
-    from prove_jax.decoding import memory
+    from prove_jax import memory
     dec = Decoder(model, [1], DecodeOptions("lossless", 4))
     compiled = []
     real_check = memory.check_fits
@@ -253,8 +253,8 @@ def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, 
     monkeypatch.setattr(memory, "free_device_memory", lambda device: need)
     dec.generate(_prompts(), 16)  # exactly enough
     monkeypatch.setattr(memory, "free_device_memory", lambda device: need // 2)
-    with pytest.raises(DecodeError, match=r"decoding 4 rows x 64 cache slots needs 0\.\d+ GiB .* has "
-                                          r"0\.\d+ GiB free: lower --batch-size or --max-new-tokens"):
+    with pytest.raises(DecodeError, match=r"decoding 4 rows x 64 cache slots \(KV .*\) needs 0\.\d+ GiB, "
+                                          r"but the host has 0\.\d+ GiB free: lower --batch-size"):
         dec.generate(_prompts(), 16)
     monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
     ckpt = str(tmp_path / "ckpt")

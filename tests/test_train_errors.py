@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -67,6 +68,19 @@ def test_values_of_the_wrong_type_are_named(tmp_path, capsys):
     assert load_config(cfg_path, ["optimizer.clip_norm=null", "optimizer.lr=1"]).optimizer.lr == 1.0
     with pytest.raises(TrainConfigError, match=r"global_batch_size must be int, got \[4\]"):
         load_config(write_config(tmp_path, "typed", global_batch_size=[4]))
+
+
+def test_a_train_step_that_cannot_fit_is_refused_before_the_run_dir_is_written(tmp_path, capsys, monkeypatch):
+    from prove_jax import memory
+    monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
+    cfg_path = write_config(tmp_path)
+    assert main(["--config", cfg_path]) == 2
+    err = capsys.readouterr().err
+    assert "compiled the train step" in err
+    assert re.search(r"error: a train step of 8 x 32 tokens \(model and optimizer state, gradients, "
+                     r"activations\) needs \d+\.\d\d GiB, but the host has 0\.00 GiB free: lower "
+                     r"global_batch_size or max_length", err), err
+    assert not os.path.exists(os.path.join(tmp_path, "run"))
 
 
 def test_missing_and_empty_data(tmp_path, capsys):

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prove_jax.decoding import memory, queue, steps
+from prove_jax import memory
+from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.model import KVCache, StepMask, causal_mask
@@ -391,7 +392,10 @@ class Decoder:
         with ctx:
             compiled, compile_s = self._compiled_for(options, b, q, p, n_slots, args)
             memory.check_fits(compiled, memory.local_devices(self.mesh),
-                              f"decoding {b} rows x {n_slots} cache slots", error=DecodeError)
+                              f"decoding {b} rows x {n_slots} cache slots (KV caches and loop state, "
+                              f"beyond the weights)", error=DecodeError,
+                              advice="lower --batch-size or --max-new-tokens, or shard the batch "
+                                     "over more devices")
             t0 = time.perf_counter()
             out = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - t0

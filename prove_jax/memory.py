@@ -1,10 +1,11 @@
-"""Does a compiled decode program fit in device memory? Checked before it runs.
+"""Does a compiled program fit in device memory? Checked before it runs.
 
-A decode program's memory beyond the weights is its KV caches and loop state, which grow with
-rows x buffer slots. XLA reports it per device once the program is compiled, before anything
-is allocated, so a request that cannot fit (say batch 64 x 32k slots of a 7B model on one
-GPU) is refused with the sizes and what to lower, instead of failing inside the run with an
-allocator error (GPU/TPU) or being killed by the kernel (CPU).
+XLA reports a compiled program's memory per device (arguments, temporaries, outputs) before
+anything is allocated. A decode program's memory beyond the weights is its KV caches and loop
+state, which grow with rows x buffer slots; a train step's is the state, gradients and
+activations. A program that cannot fit (say batch 64 x 32k slots of a 7B model on one GPU) is
+refused with the sizes and what to lower, instead of failing inside the run with an allocator
+error (GPU/TPU) or being killed by the kernel (CPU).
 """
 
 from __future__ import annotations
@@ -34,17 +35,21 @@ def free_device_memory(device) -> int | None:
         return None
 
 
-def program_memory(compiled) -> int:
-    """Bytes per device a compiled program allocates beyond its arguments (which are resident)."""
+def program_memory(compiled, with_arguments: bool = False) -> int:
+    """Bytes per device a compiled program allocates beyond its arguments (resident already), or
+    in all with `with_arguments` (for a program whose inputs are not yet allocated)."""
     ma = compiled.memory_analysis()
     if ma is None:
         return 0
-    return int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
+    extra = int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
+    return extra + (int(ma.argument_size_in_bytes) if with_arguments else 0)
 
 
-def check_fits(compiled, devices: Sequence, what: str, error=MemoryError) -> None:
-    """Raise `error` naming the sizes when `compiled` needs more memory than `devices` have free."""
-    need = program_memory(compiled)
+def check_fits(compiled, devices: Sequence, what: str, advice: str, error=MemoryError,
+               with_arguments: bool = False) -> None:
+    """Raise `error` ("{what} needs X GiB, but ... has Y GiB free: {advice}") when `compiled`
+    needs more memory than `devices` have free; nothing when the free memory is unknown."""
+    need = program_memory(compiled, with_arguments)
     device = devices[0]
     free = free_device_memory(device)
     if free is None or need == 0:
@@ -53,9 +58,8 @@ def check_fits(compiled, devices: Sequence, what: str, error=MemoryError) -> Non
         need *= len(devices)
     if need > free:
         where = "the host" if device.platform == "cpu" else f"each {device.device_kind}"
-        raise error(f"{what} needs {need / 2**30:.2f} GiB of memory beyond the weights (KV caches "
-                    f"and loop state), but {where} has {free / 2**30:.2f} GiB free: lower "
-                    f"--batch-size or --max-new-tokens, or shard the batch over more devices")
+        raise error(f"{what} needs {need / 2**30:.2f} GiB, but {where} has {free / 2**30:.2f} GiB "
+                    f"free: {advice}")
 
 
 def local_devices(mesh) -> list:
