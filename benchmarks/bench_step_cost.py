@@ -37,10 +37,10 @@ WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see Lo
 LAYOUTS = ((2, 2), (3, 3), (4, 2), (4, 4), (8, 3))  # (K, G) as benchmarked in decode.md
 
 
-def ceilings(step_relative: dict[str, float]) -> dict[str, dict]:
+def ceilings(step_relative: dict[str, float], layouts=LAYOUTS) -> dict[str, dict]:
     """Per lossless layout: break-even tokens per step and the speedup of a perfect proposer."""
     out = {}
-    for k, g in LAYOUTS:
+    for k, g in layouts:
         cost = step_relative[f"K={k},G={g}"]
         out[f"K={k},G={g}"] = {"width": LosslessLayout.build(k, g).width,
                                "break_even_tokens_per_forward": cost, "perfect_proposer_speedup": k / cost}
@@ -77,13 +77,13 @@ def time_dense_matmuls(model, batch: int, widths, repeats: int, steps: int) -> d
     return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
 
 
-def measure(name: str, cfg, batches, repeats: int, steps: int) -> dict:
+def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, layouts=LAYOUTS) -> dict:
     rows = []
     for batch in batches:
         model = create_model(cfg, seed=0)
-        ms = time_step_widths(model, batch, WIDTHS, repeats=repeats, steps=steps)
-        dense = time_dense_matmuls(model, batch, WIDTHS, repeats=repeats, steps=steps)
-        full = time_decode_steps(model, batch, LAYOUTS, repeats=repeats, steps=steps)
+        ms = time_step_widths(model, batch, widths, repeats=repeats, steps=steps)
+        dense = time_dense_matmuls(model, batch, widths, repeats=repeats, steps=steps)
+        full = time_decode_steps(model, batch, layouts, repeats=repeats, steps=steps)
         step_ms = {("AR" if key == AR else f"K={key[0]},G={key[1]}"): v * 1e3 for key, v in full.items()}
         step_rel = {key: v / step_ms["AR"] for key, v in step_ms.items()}
         rows.append({"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
@@ -91,16 +91,16 @@ def measure(name: str, cfg, batches, repeats: int, steps: int) -> dict:
                      "dense_matmuls_ms": {str(t): v * 1e3 for t, v in dense.items()},
                      "dense_matmuls_relative_to_T1": {str(t): v / dense[1] for t, v in dense.items()},
                      "decode_step_ms": step_ms, "decode_step_relative_to_ar": step_rel,
-                     "lossless_ceiling": ceilings(step_rel)})
+                     "lossless_ceiling": ceilings(step_rel, layouts)})
         print(name, batch, {t: round(v / ms[1], 2) for t, v in ms.items()},
               {t: round(v / dense[1], 2) for t, v in dense.items()},
               {key: round(v, 2) for key, v in step_rel.items()}, flush=True)
-    return {"name": name, "params": cfg.num_params, "rows": rows}
+    return {"name": name, "params": cfg.num_params, "widths": list(widths),
+            "layouts": [list(x) for x in layouts], "rows": rows}
 
 
 def markdown(models: list[dict]) -> list[str]:
     dev = jax.devices()[0]
-    layouts = [f"K={k},G={g}" for k, g in LAYOUTS]
     lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores, float32)", "",
              "Fastest of interleaved runs, 200 committed tokens in a 384-slot KV cache. "
              "*Forward*: one model forward of T new tokens, relative to T=1. *Decode step*: the "
@@ -108,22 +108,24 @@ def markdown(models: list[dict]) -> list[str]:
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "
              "A layout pays off only when it commits more tokens per step than its step costs.", ""]
     for m in models:
+        widths = m["widths"]
+        layouts = [f"K={k},G={g}" for k, g in m["layouts"]]
         lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "",
                   "Forward of T tokens:", "",
-                  "| batch | " + " | ".join(f"T={t}" for t in WIDTHS) + " |",
-                  "|---|" + "---|" * len(WIDTHS)]
+                  "| batch | " + " | ".join(f"T={t}" for t in widths) + " |",
+                  "|---|" + "---|" * len(widths)]
         for r in m["rows"]:
             cells = [f"{r['forward_ms']['1']:.2f} ms"] + [
-                f"{r['forward_relative_to_T1'][str(t)]:.2f}x" for t in WIDTHS[1:]]
+                f"{r['forward_relative_to_T1'][str(t)]:.2f}x" for t in widths[1:]]
             lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
         if "dense_matmuls_ms" in m["rows"][0]:
             lines += ["", "The decoder layers' matmuls alone (x @ W for every layer weight; no attention, "
                       "norms or LM head), relative to T=1:", "",
-                      "| batch | " + " | ".join(f"T={t}" for t in WIDTHS) + " |",
-                      "|---|" + "---|" * len(WIDTHS)]
+                      "| batch | " + " | ".join(f"T={t}" for t in widths) + " |",
+                      "|---|" + "---|" * len(widths)]
             for r in m["rows"]:
                 cells = [f"{r['dense_matmuls_ms']['1']:.2f} ms"] + [
-                    f"{r['dense_matmuls_relative_to_T1'][str(t)]:.2f}x" for t in WIDTHS[1:]]
+                    f"{r['dense_matmuls_relative_to_T1'][str(t)]:.2f}x" for t in widths[1:]]
                 lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
         ceil0 = m["rows"][0]["lossless_ceiling"]
         lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
@@ -147,16 +149,47 @@ def main(argv=None) -> None:
                     help="also time this real model shape at batch 1 (repeatable)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="interleaved timing rounds, the fastest counts (default 5; more on a noisy machine)")
+    ap.add_argument("--widths", type=_int_tuple, default=WIDTHS,
+                    help="forward widths T to time, 1 first (default %(default)s)")
+    ap.add_argument("--layouts", type=_layout_tuple, default=LAYOUTS,
+                    help="lossless layouts KxG to time, e.g. 4x2,8x3 (default: the decode benchmark's)")
+    ap.add_argument("--out-dir", default=HERE, help="where step_cost.{json,md} go (default benchmarks/)")
     args = ap.parse_args(argv)
+    if args.widths[0] != 1:
+        ap.error("--widths must start with 1 (the AR forward every ratio is relative to)")
+    os.makedirs(args.out_dir, exist_ok=True)
     demo = load_config(assets.DEMO_PROPOSER).replace(param_dtype="float32", dtype="float32")
-    models = [measure("demo proposer", demo, (1, 4, 16), repeats=args.repeats, steps=20)]
-    for name in args.preset:
-        cfg = PRESETS[name].replace(param_dtype="float32", dtype="float32")
-        models.append(measure(name, cfg, (1,), repeats=max(3, args.repeats // 2), steps=3))
-    result = {"device": str(jax.devices()[0]), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-              "jax": jax.__version__, "models": models}
-    atomic_write_text(os.path.join(HERE, "step_cost.json"), json.dumps(result, indent=1) + "\n")
-    atomic_write_text(os.path.join(HERE, "step_cost.md"), "\n".join(markdown(models)) + "\n")
+    runs = [("demo proposer", demo, (1, 4, 16), args.repeats, 20)]
+    runs += [(name, PRESETS[name].replace(param_dtype="float32", dtype="float32"), (1,),
+              max(3, args.repeats // 2), 3) for name in args.preset]
+    models = []
+    for name, cfg, batches, repeats, steps in runs:  # results written after each model
+        models.append(measure(name, cfg, batches, repeats=repeats, steps=steps, widths=args.widths,
+                              layouts=args.layouts))
+        result = {"device": str(jax.devices()[0]), "machine": platform.machine(),
+                  "cpu_count": os.cpu_count(), "jax": jax.__version__, "models": models}
+        atomic_write_text(os.path.join(args.out_dir, "step_cost.json"), json.dumps(result, indent=1) + "\n")
+        atomic_write_text(os.path.join(args.out_dir, "step_cost.md"), "\n".join(markdown(models)) + "\n")
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"widths must be >= 1, got {text!r}")
+    return values
+
+
+def _layout_tuple(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        layouts = tuple(tuple(int(v) for v in x.split("x")) for x in text.split(","))
+    except ValueError:
+        layouts = ()
+    if not layouts or any(len(x) != 2 or x[0] < 2 or x[1] < 1 for x in layouts):
+        raise argparse.ArgumentTypeError(f"expected layouts like 4x2,8x3 (K >= 2, G >= 1), got {text!r}")
+    return layouts
 
 
 if __name__ == "__main__":

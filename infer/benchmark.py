@@ -68,7 +68,9 @@ def parse_args(argv=None):
                          "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)")
     ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json)")
     ap.add_argument("--md", default=DEFAULT_OUT + ".md", help="markdown table (default benchmarks/decode.md)")
-    ap.add_argument("--png", default=DEFAULT_OUT + ".png", help="trade-off plot (default benchmarks/decode.png)")
+    ap.add_argument("--png", default=DEFAULT_OUT + ".png",
+                    help="trade-off plot (default benchmarks/decode.png; 'none' skips it, e.g. where "
+                         "matplotlib is not installed)")
     return ap.parse_args(argv)
 
 
@@ -192,9 +194,10 @@ def main(argv=None) -> int:
             bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,
                                       pair.eos_ids)
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
-        from prove_jax.plot import trade_off_figure  # figure first: the likeliest to fail
-        trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
-                                                  f"{prompts_desc}, {args.max_new_tokens} new tokens")
+        if args.png != "none":
+            from prove_jax.plot import trade_off_figure  # figure first: the likeliest to fail
+            trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
+                                                      f"{prompts_desc}, {args.max_new_tokens} new tokens")
         atomic_write_text(args.md, markdown_report(meta, records))
         atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
     except (ValueError, OSError) as e:  # every project error is a ValueError
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)
     print(bench_lib.markdown_table(records))
-    print(f"wrote {args.json}, {args.md}, {args.png}", file=sys.stderr)
+    print(f"wrote {args.json}, {args.md}" + (f", {args.png}" if args.png != "none" else ""), file=sys.stderr)
     return 0
 
 
