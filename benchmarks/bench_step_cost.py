@@ -99,6 +99,16 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
             "layouts": [list(x) for x in layouts], "rows": rows}
 
 
+def _width_table(rows: list[dict], widths, key: str) -> list[str]:
+    """Markdown rows: per batch, `key`_ms at T=1, then `key`_relative_to_T1 at each wider T."""
+    lines = ["| batch | " + " | ".join(f"T={t}" for t in widths) + " |", "|---|" + "---|" * len(widths)]
+    for r in rows:
+        cells = [f"{r[key + '_ms']['1']:.2f} ms"] + [f"{r[key + '_relative_to_T1'][str(t)]:.2f}x"
+                                                     for t in widths[1:]]
+        lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(models: list[dict]) -> list[str]:
     dev = jax.devices()[0]
     lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores, float32)", "",
@@ -110,23 +120,11 @@ def markdown(models: list[dict]) -> list[str]:
     for m in models:
         widths = m["widths"]
         layouts = [f"K={k},G={g}" for k, g in m["layouts"]]
-        lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "",
-                  "Forward of T tokens:", "",
-                  "| batch | " + " | ".join(f"T={t}" for t in widths) + " |",
-                  "|---|" + "---|" * len(widths)]
-        for r in m["rows"]:
-            cells = [f"{r['forward_ms']['1']:.2f} ms"] + [
-                f"{r['forward_relative_to_T1'][str(t)]:.2f}x" for t in widths[1:]]
-            lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
-        if "dense_matmuls_ms" in m["rows"][0]:
-            lines += ["", "The decoder layers' matmuls alone (x @ W for every layer weight; no attention, "
-                      "norms or LM head), relative to T=1:", "",
-                      "| batch | " + " | ".join(f"T={t}" for t in widths) + " |",
-                      "|---|" + "---|" * len(widths)]
-            for r in m["rows"]:
-                cells = [f"{r['dense_matmuls_ms']['1']:.2f} ms"] + [
-                    f"{r['dense_matmuls_relative_to_T1'][str(t)]:.2f}x" for t in widths[1:]]
-                lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+        lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "", "Forward of T tokens:", ""]
+        lines += _width_table(m["rows"], widths, "forward")
+        lines += ["", "The decoder layers' matmuls alone (x @ W for every layer weight; no attention, "
+                  "norms or LM head), relative to T=1:", ""]
+        lines += _width_table(m["rows"], widths, "dense_matmuls")
         ceil0 = m["rows"][0]["lossless_ceiling"]
         lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
                   "speedup over AR with a perfect proposer (K tokens every step):", "",

@@ -66,6 +66,10 @@ def parse_args(argv=None):
     ap.add_argument("--torch-threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
                     help="comma-separated torch intra-op thread counts; each peer runs once per count "
                          "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute and parameter dtype of our modes (default float32; with bfloat16 "
+                         "the agreement columns show how often rounding flips a near-tie between "
+                         "a wide step and an AR step; needs --no-peers)")
     ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json)")
     ap.add_argument("--md", default=DEFAULT_OUT + ".md", help="markdown table (default benchmarks/decode.md)")
     ap.add_argument("--png", default=DEFAULT_OUT + ".png",
@@ -121,7 +125,7 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
         "proposer_config": _config_summary(pair.proposer.cfg),
         "verifier_config": _config_summary(pair.verifier.cfg) if pair.verifier is not None else None,
         "prompts": prompts_desc, "num_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
-        "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": "float32",
+        "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": args.dtype,
         "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
         "cpu_count": os.cpu_count(), "machine": platform.machine(),
     }
@@ -140,7 +144,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         "# Decoding benchmark (`python -m infer.benchmark`)\n\n"
         f"Proposer `{meta['proposer']}`, verifier `{meta['verifier']}`; {meta['prompts']}, "
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
-        f"{meta['cpu_count']} cores), jax {meta['jax']}{peers}; float32; {meta['date']}.\n\n"
+        f"{meta['cpu_count']} cores), jax {meta['jax']}{peers}; {meta['compute_dtype']}; {meta['date']}.\n\n"
         "All ratios are side by side in one run: speedup and agreement are against our `ar` "
         "measured in the same run at the same batch size. Each setting was warmed up once "
         f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "
@@ -172,12 +176,15 @@ def main(argv=None) -> int:
             lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
             tau_vs=_float_list(args.tau_vs, "--tau-vs"))
         peers_on = any(s.is_peer for s in settings)
+        if peers_on and args.dtype != "float32":
+            raise bench_lib.BenchError("the transformers peers run float32: with --dtype "
+                                       f"{args.dtype} add --no-peers")
         need_verifier = any(s.mode in ("verify", "hf_assisted") for s in settings)
         records_in, prompts_desc = load_prompt_records(args)
 
         bench_lib.log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
         pair = bench_lib.load_pair(args.model, args.verifier if need_verifier else None,
-                                   with_head=have_head)
+                                   dtype=args.dtype, with_head=have_head)
         from prove_jax.decoding.requests import encode_prompts
         prompts = encode_prompts(records_in, pair.tokenizer)
         prompt_ids = [str(r["id"]) for r in records_in]

@@ -12,6 +12,7 @@ import json
 import sys
 
 from prove_jax import assets
+from prove_jax.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
@@ -56,7 +57,9 @@ def parse_args(argv=None):
                     help="verify/head: commit-head probability to commit (default: the head's own, "
                          "0.5); lower commits more tokens per forward, less often equal to AR")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
-    ap.add_argument("--dtype", default="float32", help="compute/param dtype (float32 on CPU; bfloat16 on TPU/GPU)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES,
+                    help="compute/param dtype (default float32; bfloat16 on TPU/GPU, where lossless "
+                         "can differ from AR at a near-tie)")
     ap.add_argument("--mesh", default=None,
                     help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: all devices on data)")
     return ap.parse_args(argv)
@@ -72,6 +75,10 @@ def main(argv=None) -> int:
                                 max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                                 confidence=args.confidence, commit_rule=args.commit_rule,
                                 tau_v=args.tau_v, head_threshold=args.head_threshold).validate()
+        if args.mode == "lossless" and args.dtype != "float32":
+            print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
+                  f"wide step rounds differently from a one-token step, so a near-tie can flip "
+                  f"(benchmarks/decode_bf16.md)", file=sys.stderr)
         records = read_requests(args.input)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,

@@ -10,6 +10,9 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what `dtype` / `param_dtype` may name
+
+
 class ConfigError(ValueError):
     """A configuration that this project cannot build a model from."""
 
@@ -46,6 +49,9 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id={self.mask_token_id} outside vocab_size={self.vocab_size}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ConfigError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
 
     @property
     def num_params(self) -> int:

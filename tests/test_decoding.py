@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prove_jax.checkpoint import load_model, save_model
-from prove_jax.config import ModelConfig
+from prove_jax.config import ConfigError, ModelConfig
 from prove_jax.convert import hf_to_flax
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.params import create_model
@@ -227,6 +227,8 @@ def test_bad_requests(model):
         dec.generate([[2, 3], []], 4)
     with pytest.raises(DecodeError, match="unknown mode"):
         Decoder(model, [1], DecodeOptions("beam"))
+    with pytest.raises(ConfigError, match="dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+        CFG.replace(dtype="fp8")
     with pytest.raises(DecodeError, match="tau must be a finite number"):
         Decoder(model, [1], DecodeOptions("threshold", 4, tau=float("nan")))
     with pytest.raises(DecodeError, match="tau_v .* >= 0"):
