@@ -268,6 +268,20 @@ def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, 
     assert "needs" in capsys.readouterr().err and not out.exists()
 
 
+def test_cli_lossless_in_bfloat16_says_it_is_exact_only_up_to_rounding(tmp_path, model, capsys):
+    from infer import generate
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, model)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
+    common = ["--model", ckpt, "--input", str(inp), "--output", str(out), "--max-new-tokens", "4"]
+    assert generate.main(common + ["--mode", "lossless", "--dtype", "bfloat16"]) == 0
+    assert "near-tie can flip" in capsys.readouterr().err
+    assert len(json.loads(out.read_text())["output_ids"]) == 4
+    assert generate.main(common + ["--mode", "lossless"]) == 0  # float32: exact, nothing to say
+    assert "near-tie" not in capsys.readouterr().err
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "infer.generate", *args], cwd=ROOT,
                           capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})

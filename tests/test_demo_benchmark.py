@@ -149,6 +149,7 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
     (["--modes", "ar,fast"], "unknown mode(s) ['fast']"),
     (["--lossless-blocks", "4y"], "lossless block spec '4y'"),
     (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),
+    (["--dtype", "bfloat16", "--modes", "ar,hf_greedy"], "the transformers peers run float32"),
 ])
 def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, argv, message):
     args = ["--model", pair[0], "--verifier", pair[1], "--humaneval", "1", "--json",
