@@ -21,6 +21,7 @@ import tempfile
 
 from prove_jax import assets, bench_lib, humaneval
 from prove_jax.checkpoint import atomic_write_text
+from prove_jax.config import DTYPES
 
 DEFAULT_OUT = "benchmarks/decode"
 
@@ -66,7 +67,7 @@ def parse_args(argv=None):
     ap.add_argument("--torch-threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
                     help="comma-separated torch intra-op thread counts; each peer runs once per count "
                          "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--dtype", default="float32", choices=DTYPES,
                     help="compute and parameter dtype of our modes (default float32; with bfloat16 "
                          "the agreement columns show how often rounding flips a near-tie between "
                          "a wide step and an AR step; needs --no-peers)")

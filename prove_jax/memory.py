@@ -18,9 +18,12 @@ import jax
 
 def free_device_memory(device) -> int | None:
     """Bytes free on `device`: its allocator's limit minus what is in use (GPU, TPU), or the
-    host's available memory (CPU, whose simulated devices all share it); None if unknown."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
+    host's available memory (CPU, whose simulated devices all share it); None if unknown (an
+    accelerator without allocator stats: host RAM says nothing about its memory)."""
+    if device.platform != "cpu":
+        stats = device.memory_stats()
+        if not stats or not stats.get("bytes_limit"):
+            return None
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     try:
         with open("/proc/meminfo") as f:

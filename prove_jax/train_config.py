@@ -116,7 +116,7 @@ def _check_types(obj, prefix: str = "") -> None:
             continue
         names = [t.strip() for t in f.type.split("|")]
         allowed = tuple(_TYPE_NAMES[n] for n in names)
-        if isinstance(value, bool) and "bool" not in names or not isinstance(value, allowed):
+        if (isinstance(value, bool) and "bool" not in names) or not isinstance(value, allowed):
             want = " or ".join("null" if n == "None" else n for n in names)
             raise TrainConfigError(f"{prefix}{f.name} must be {want}, got {value!r}")
 

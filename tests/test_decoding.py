@@ -242,6 +242,17 @@ def test_bad_requests(model):
         Decoder(create_model(CFG.replace(mask_token_id=None)), [1], DecodeOptions("lossless", 4))
 
 
+def test_free_device_memory_reads_the_allocator_or_the_host_never_host_ram_for_an_accelerator():
+    import types
+    from prove_jax import memory
+    gpu = lambda stats: types.SimpleNamespace(platform="gpu", memory_stats=lambda: stats)
+    assert memory.free_device_memory(gpu({"bytes_limit": 10 << 30, "bytes_in_use": 3 << 30})) == 7 << 30
+    assert memory.free_device_memory(gpu(None)) is None  # unknown: the check is skipped
+    assert memory.free_device_memory(gpu({"bytes_in_use": 1})) is None
+    host = memory.free_device_memory(types.SimpleNamespace(platform="cpu", memory_stats=lambda: None))
+    assert host is not None and host > 64 << 20
+
+
 def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, model, monkeypatch, capsys):
     from infer import generate
     from prove_jax import memory
