@@ -85,7 +85,7 @@ def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
 
 def params_pure_dict(model_or_state) -> dict:
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
-    return state.to_pure_dict()
+    return nnx.to_pure_dict(state)
 
 
 def save_model(path: str, model: Qwen2, cfg: ModelConfig | None = None,
@@ -99,7 +99,7 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
 
     The one writer of the checkpoint format: `save_model` and the HF converter both use it, so a
     converted checkpoint is exactly what `load_model` expects. `params` must have the structure
-    of `nnx.state(model, nnx.Param).to_pure_dict()` (layer indices as int keys).
+    of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (layer indices as int keys).
 
     Memory: a synchronous save without orbax's defensive deep copy of numpy leaves, and without
     OCDBT (which buffers every array until the final commit), so writing costs ~0.2x the params
@@ -146,6 +146,10 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     cfg = cfg.replace(**overrides)
     params_dir = os.path.join(os.path.abspath(path), "params")
     if not os.path.isdir(params_dir):
+        if any(name.endswith(".safetensors") for name in os.listdir(path)):
+            raise CheckpointError(f"{path} is a Hugging Face model directory, not a prove-jax checkpoint; "
+                                  f"convert it first: python -m prove_jax.convert hf-to-flax "
+                                  f"--hf-dir {path} --out CKPT")
         raise CheckpointError(f"checkpoint {path} has no params/ directory (incomplete or not a "
                               f"prove-jax checkpoint)")
     graphdef, abstract_state = nnx.split(abstract_model(cfg, remat))
@@ -154,9 +158,9 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
         shardings = sharding.state_shardings(params_state, mesh, rules)
     else:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: dev, params_state.to_pure_dict())
+        shardings = jax.tree.map(lambda _: dev, nnx.to_pure_dict(params_state))
     target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                          params_state.to_pure_dict(), _pure(shardings))
+                          nnx.to_pure_dict(params_state), _pure(shardings))
     try:
         restored = ocp.StandardCheckpointer().restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
@@ -170,7 +174,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
 
 
 def _pure(tree):
-    return tree.to_pure_dict() if isinstance(tree, nnx.State) else tree
+    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
 
 def load_tokenizer(path: str):

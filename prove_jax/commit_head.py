@@ -99,7 +99,7 @@ def save_commit_head(model_dir: str, head: CommitHead) -> str:
     path = os.path.join(model_dir, HEAD_DIR)
     with atomic_dir(path) as tmp:
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "params"), nnx.state(head, nnx.Param).to_pure_dict())
+        ckptr.save(os.path.join(tmp, "params"), nnx.to_pure_dict(nnx.state(head, nnx.Param)))
         ckptr.wait_until_finished()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({"hidden_size": head.hidden_size, "width": head.width,
@@ -113,11 +113,16 @@ def load_commit_head(model_dir: str) -> CommitHead:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{model_dir} has no trained commit head ({HEAD_DIR}/); train one with "
                               f"objective=commit_head")
-    with open(os.path.join(path, "config.json")) as f:
-        meta = json.load(f)
-    head = CommitHead(meta["hidden_size"], meta["width"], meta["threshold"], rngs=nnx.Rngs(0))
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            meta = json.load(f)
+        head = CommitHead(int(meta["hidden_size"]), int(meta["width"]), float(meta["threshold"]),
+                          rngs=nnx.Rngs(0))
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) else str(e).splitlines()[0][:200]
+        raise CheckpointError(f"bad commit head config {path}/config.json: {what}") from None
     state = nnx.state(head, nnx.Param)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.to_pure_dict())
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"), target)
     except Exception as e:  # orbax raises many types

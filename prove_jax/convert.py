@@ -59,7 +59,7 @@ def _check_out_dir(out: str, overwrite: bool) -> None:
 
 
 def nest(flat: dict[str, object]) -> dict:
-    """Dotted paths -> the nested pure dict of `nnx.state(model, nnx.Param).to_pure_dict()`.
+    """Dotted paths -> the nested pure dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))`.
 
     Digit segments become int keys, as nnx.List indices are ints in the pure dict.
     """
@@ -79,6 +79,9 @@ def read_hf_config(hf_dir: str) -> ModelConfig:
     """ModelConfig from an HF dir; eos ids from generation_config.json are added (Qwen2.5-Instruct
     lists <|im_end|> in config.json but both <|im_end|> and <|endoftext|> there)."""
     path = os.path.join(hf_dir, "config.json")
+    if os.path.isdir(os.path.join(hf_dir, "params")):
+        raise ConfigError(f"{hf_dir} is a prove-jax checkpoint (it has params/), not a Hugging Face "
+                          f"model directory; flax-to-hf converts in that direction")
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json in {hf_dir}")
     cfg = ModelConfig.from_hf_dict(_read_json(path))

@@ -31,10 +31,6 @@ from prove_jax.sharding import constrain
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
-
-
 def _param(rngs, shape, axes, dtype, init="normal"):
     if init == "normal":
         value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -57,7 +53,7 @@ class KVCache:
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
-        dtype = _dtype(config.dtype) if dtype is None else dtype
+        dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
         mk = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(k=mk(), v=mk())
@@ -104,7 +100,7 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        pd = _dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.param_dtype)
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
         self.q_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
@@ -176,7 +172,7 @@ def _attend(q: jax.Array, blocks) -> jax.Array:
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        pd = _dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.param_dtype)
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.up_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
@@ -192,7 +188,7 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        pd = _dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.attn = Attention(cfg, rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
@@ -209,7 +205,7 @@ class Qwen2(nnx.Module):
     """Qwen2ForCausalLM. Parameter names follow HF's module tree so conversion is a flat table."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: bool = False):
-        pd = _dtype(cfg.param_dtype)
+        pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.remat = remat
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
@@ -224,7 +220,7 @@ class Qwen2(nnx.Module):
         attn_mask: bool [B, T, T] without a cache; a `StepMask` with one.
         """
         cfg = self.cfg
-        dt = _dtype(cfg.dtype)
+        dt = jnp.dtype(cfg.dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "sequence", "embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)

@@ -60,8 +60,8 @@ def state_layout(abstract_model, tx: optax.GradientTransformation, mesh) -> Stat
     from prove_jax.optim import opt_state_shardings
     graphdef, abstract_state = nnx.split(abstract_model)
     param_sh = sharding.state_shardings(abstract_state, mesh)
-    param_sh = param_sh.to_pure_dict() if isinstance(param_sh, nnx.State) else param_sh
-    abs_params = abstract_state.to_pure_dict()
+    param_sh = nnx.to_pure_dict(param_sh) if isinstance(param_sh, nnx.State) else param_sh
+    abs_params = nnx.to_pure_dict(abstract_state)
     opt_sh, abs_opt = opt_state_shardings(tx, abs_params, param_sh, mesh)
     shardings = {"params": param_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
     abstract = {"params": abs_params, "opt_state": abs_opt,
@@ -73,7 +73,7 @@ def state_layout(abstract_model, tx: optax.GradientTransformation, mesh) -> Stat
 
 def init_state(model, tx: optax.GradientTransformation, layout: StateLayout) -> dict:
     """Concrete train state from a concrete model, every array placed in its sharding."""
-    params = nnx.state(model).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(model))
     params = jax.device_put(params, layout.shardings["params"])
     opt_state = jax.jit(tx.init, out_shardings=layout.shardings["opt_state"])(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), layout.shardings["step"])

@@ -172,7 +172,7 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
         _log_main(f"converting HF weights from {src.hf_dir}")
         tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=jax.process_index() == 0)
         graphdef, abstract_state = nnx.split(params_lib.abstract_model(model_cfg, src.remat))
-        shardings = sharding.state_shardings(abstract_state, mesh).to_pure_dict()
+        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh))
         return nnx.merge(graphdef, jax.device_put(tree, shardings))
     if src.checkpoint is not None:
         _log_main(f"loading model checkpoint {src.checkpoint}")

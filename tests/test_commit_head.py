@@ -15,7 +15,7 @@ from prove_jax.checkpoint import CheckpointError, save_model
 from prove_jax.commit_head import (CommitHead, load_commit_head, propose_and_label,
                                    save_commit_head)
 from prove_jax.config import ModelConfig
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.params import create_model
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 
@@ -78,6 +78,24 @@ def test_save_load_roundtrip_and_missing_head(tmp_path, verifier):
     save_model(str(tmp_path / "plain"), verifier)
     with pytest.raises(CheckpointError, match="no trained commit head"):
         load_commit_head(str(tmp_path / "plain"))
+    head_config = tmp_path / "v" / "commit_head" / "config.json"
+    assert head_config.is_file()
+    head_config.write_text('{"hidden_size": 16, "width": 64')  # cut short
+    with pytest.raises(CheckpointError, match="bad commit head config"):
+        load_commit_head(str(tmp_path / "v"))
+    head_config.write_text('{"width": 64, "threshold": 0.5}')
+    with pytest.raises(CheckpointError, match="missing key 'hidden_size'"):
+        load_commit_head(str(tmp_path / "v"))
+
+
+def test_head_for_another_verifier_is_refused(proposer, verifier):
+    wrong = CommitHead(verifier.cfg.hidden_size * 2, rngs=nnx.Rngs(0))
+    with pytest.raises(DecodeError, match="hidden states of width 32 but the verifier's hidden size is 16"):
+        Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"), verifier=verifier,
+                commit_head=wrong)
+    right = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
+    Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"), verifier=verifier,
+            commit_head=right)  # the same call with a matching head is accepted
 
 
 def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):

@@ -171,3 +171,13 @@ def test_cli_subprocess_exit_code_2(hf_dir, tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "truncated file" in r.stderr
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_directions_mixed_up_say_which_command_to_use(capsys, hf_dir, tmp_path):
+    """A prove-jax checkpoint given to hf-to-flax, or an HF directory given to flax-to-hf, is named
+    as what it is, with the command that converts it, instead of a missing-key complaint."""
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "ckpt"), "--quiet"]) == 0
+    fails(capsys, tmp_path / "again", "hf-to-flax", "--hf-dir", str(tmp_path / "ckpt"),
+          needles=("is a prove-jax checkpoint", "flax-to-hf"))
+    fails(capsys, tmp_path / "back", "flax-to-hf", "--ckpt", str(hf_dir),
+          needles=("is a Hugging Face model directory", "hf-to-flax --hf-dir"))

@@ -35,7 +35,7 @@ def _real_batch():
 @functools.lru_cache(maxsize=1)
 def _initial_params():
     """One random init (numpy), shared by every run so only the step is compared."""
-    return jax.tree.map(np.asarray, nnx.state(params_lib.create_model(CFG, seed=0)).to_pure_dict())
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(params_lib.create_model(CFG, seed=0))))
 
 
 @functools.lru_cache(maxsize=None)

@@ -156,8 +156,9 @@ def decode_step(options: DecodeOptions, model, state: LoopState, eos_ids: jax.Ar
                                 tau=options.tau, conf_kind=options.confidence)
 
 
-def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, has_commit_head: bool) -> None:
-    """The models a Decoder holds can serve `options` (mask token, verifier, commit head)."""
+def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, head_hidden_size: int | None) -> None:
+    """The models a Decoder holds can serve `options` (mask token, verifier, commit head; the
+    head's input width, `head_hidden_size`, None without a head)."""
     if options.mode in ("threshold", "lossless", "verify") and cfg.mask_token_id is None:
         raise DecodeError(f"mode {options.mode!r} needs a MARS proposer with a <|mask|> token "
                           f"(config mask_token_id is unset); use --mode ar or a trained proposer")
@@ -167,9 +168,13 @@ def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, has_commit_head: b
         if verifier_cfg.vocab_size != cfg.vocab_size:
             raise DecodeError(f"verifier vocabulary size {verifier_cfg.vocab_size} differs from "
                               f"the proposer's {cfg.vocab_size}: they must share a tokenizer")
-        if options.commit_rule == "head" and not has_commit_head:
+        if options.commit_rule == "head" and head_hidden_size is None:
             raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
                               "checkpoint (train it with objective=commit_head)")
+        if options.commit_rule == "head" and head_hidden_size != verifier_cfg.hidden_size:
+            raise DecodeError(f"the commit head reads hidden states of width {head_hidden_size} but "
+                              f"the verifier's hidden size is {verifier_cfg.hidden_size}: the head "
+                              f"was trained for another verifier")
 
 
 @dataclasses.dataclass
@@ -207,7 +212,8 @@ class Decoder:
         self.adaptive_table = None if adaptive_table is None else check_adaptive_table(adaptive_table)
         cfg = model.cfg
         self.vcfg = verifier.cfg if verifier is not None else None
-        _check_pairing(options, cfg, self.vcfg, commit_head is not None)
+        self.head_hidden_size = commit_head.hidden_size if commit_head is not None else None
+        _check_pairing(options, cfg, self.vcfg, self.head_hidden_size)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
         self.vgraphdef, self.vstate = nnx.split(verifier) if verifier is not None else (None, None)
@@ -226,7 +232,7 @@ class Decoder:
     def with_options(self, options: DecodeOptions) -> "Decoder":
         """The same models and settings decoding with other options (its own compile cache)."""
         options = options.validate()
-        _check_pairing(options, self.cfg, self.vcfg, self.hgraphdef is not None)
+        _check_pairing(options, self.cfg, self.vcfg, self.head_hidden_size)
         other = copy.copy(self)
         other.options = options
         other._compiled = {}
