@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     try:
         if args.calibrate and args.mode != "lossless":
             raise DecodeError("--calibrate chooses lossless layouts: use it with --mode lossless")
-        block = args.block_size or (4 if args.mode == "lossless" and not args.calibrate else 8)
+        block = args.block_size if args.block_size is not None else (
+            4 if args.mode == "lossless" and not args.calibrate else 8)  # 0 is an error, not "default"
         options = DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                                 max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                                 confidence=args.confidence, commit_rule=args.commit_rule,

@@ -320,6 +320,7 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
         (["--model", str(tmp_path / "missing")], "checkpoint not found"),
         (["--model", ckpt, "--mode", "nope"], "unknown mode"),
         (["--model", ckpt, "--batch-size", "0"], "batch size must be >= 1"),
+        (["--model", ckpt, "--mode", "lossless", "--block-size", "0"], "block size must be >= 1"),
     ]:
         r = _cli(*case, "--input", str(inp), "--output", str(bad))
         assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
