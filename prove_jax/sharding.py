@@ -17,6 +17,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
+
+class MeshError(ValueError):
+    """A mesh shape these devices cannot form."""
+
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
 DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
@@ -43,15 +47,15 @@ def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
     shape = list(shape)
     devices = jax.devices() if devices is None else devices
     if len(shape) != len(axis_names):
-        raise ValueError(f"mesh shape {shape} does not match axis names {tuple(axis_names)}")
+        raise MeshError(f"mesh shape {shape} does not match axis names {tuple(axis_names)}")
     if shape.count(-1) > 1:
-        raise ValueError(f"mesh shape {shape} has more than one -1")
+        raise MeshError(f"mesh shape {shape} has more than one -1")
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         shape[shape.index(-1)] = len(devices) // known
     n = math.prod(shape)
     if n > len(devices) or n <= 0:
-        raise ValueError(f"mesh shape {tuple(shape)} needs {n} devices, {len(devices)} available")
+        raise MeshError(f"mesh shape {tuple(shape)} needs {n} devices, {len(devices)} available")
     device_grid = np.asarray(devices[:n]).reshape(shape)
     return Mesh(device_grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_names))
 

@@ -93,6 +93,7 @@ class TrainConfig:
                 f"global_batch_size={self.global_batch_size}")
         if len(self.mesh) != 3:
             raise TrainConfigError(f"mesh must be [data, fsdp, tensor], got {self.mesh}")
+        _check_optimizer(self.optimizer)
         sources = [k for k in ("hf_dir", "checkpoint", "preset", "config")
                    if getattr(self.model, k) is not None]
         if len(sources) != 1:
@@ -100,6 +101,27 @@ class TrainConfig:
                 f"set exactly one of model.hf_dir / model.checkpoint / model.preset / "
                 f"model.config (got {sources or 'none'})")
         return self
+
+
+def _check_optimizer(opt: OptimizerConfig) -> None:
+    """Values optax would take and then train badly with (a negative lr ascends the loss)."""
+    def bad(name, rule):
+        return TrainConfigError(f"optimizer.{name} must be {rule}, got {getattr(opt, name)!r}")
+    finite = lambda x: x == x and abs(x) != float("inf")
+    if not (finite(opt.lr) and opt.lr > 0):
+        raise bad("lr", "a positive number")
+    for name in ("warmup_ratio", "min_lr_ratio"):
+        if not 0 <= getattr(opt, name) <= 1:
+            raise bad(name, "in [0, 1]")
+    for name in ("b1", "b2"):
+        if not 0 <= getattr(opt, name) < 1:
+            raise bad(name, "in [0, 1)")
+    if not (finite(opt.weight_decay) and opt.weight_decay >= 0):
+        raise bad("weight_decay", ">= 0")
+    if not (finite(opt.eps) and opt.eps > 0):
+        raise bad("eps", "a positive number")
+    if opt.clip_norm is not None and not (finite(opt.clip_norm) and opt.clip_norm > 0):
+        raise bad("clip_norm", "a positive number or null (no clipping)")
 
 
 _TYPE_NAMES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict,

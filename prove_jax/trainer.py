@@ -58,7 +58,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
                          ("prove_jax.tokenizer_build", "TokenizerBuildError"),
                          ("prove_jax.hf_weights", "WeightError"),
                          ("prove_jax.safetensors_io", "SafetensorsError"),
-                         ("prove_jax.dry_run", "DryRunError")):
+                         ("prove_jax.dry_run", "DryRunError"), ("prove_jax.sharding", "MeshError")):
         try:
             exc = getattr(importlib.import_module(module), name, None)
         except ImportError:
@@ -277,7 +277,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
-    mesh = sharding.make_mesh(cfg.mesh)
+    try:
+        mesh = sharding.make_mesh(cfg.mesh)
+    except sharding.MeshError as e:
+        raise sharding.MeshError(f"{e}: set mesh=[data,fsdp,tensor] to this machine's devices "
+                                 f"(--dry-run checks a pod's layout from here)") from None
     check_batch_layout(cfg, mesh)
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)")

@@ -105,3 +105,25 @@ def test_truncated_sequences_are_counted_in_the_log(tmp_path):
     messages = []
     make_data_iterator(cfg, tokenizer, messages.append)
     assert "warning: 2 sequence(s) longer than max_length=32 were truncated" in messages, messages
+
+
+def test_bad_optimizer_values_and_an_impossible_mesh_are_named(tmp_path, capsys):
+    """Values optax would accept and then train badly with, and a mesh wider than the machine,
+    are one error line each (the mesh one was a ValueError traceback), before anything is written."""
+    cfg_path = write_config(tmp_path)
+    for override, message in [
+        ("optimizer.lr=-1", "optimizer.lr must be a positive number, got -1"),
+        ("optimizer.lr=nan", "optimizer.lr must be a positive number, got nan"),
+        ("optimizer.warmup_ratio=1.5", "optimizer.warmup_ratio must be in [0, 1], got 1.5"),
+        ("optimizer.b2=1", "optimizer.b2 must be in [0, 1), got 1"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay must be >= 0"),
+        ("optimizer.eps=0", "optimizer.eps must be a positive number"),
+        ("optimizer.clip_norm=0", "optimizer.clip_norm must be a positive number or null"),
+        ("mesh=[64,1,1]", "mesh shape (64, 1, 1) needs 64 devices, 8 available: set mesh="),
+    ]:
+        run_dir = tmp_path / "run"
+        assert main(["--config", cfg_path, f"run_dir={run_dir}", override]) == 2, override
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, (override, err)
+        assert not run_dir.exists()
+    load_config(cfg_path, ["optimizer.clip_norm=null", "optimizer.lr=3e-4"])  # valid values pass
