@@ -16,8 +16,8 @@ from prove_jax.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.decoding.requests import (QUEUE_BATCHES, encode_prompts, read_requests, run_requests,
-                                         write_outputs)
+from prove_jax.decoding.requests import (QUEUE_BATCHES, check_output_path, encode_prompts, read_requests,
+                                         run_requests, write_outputs)
 
 
 def parse_args(argv=None):
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "
                   f"(benchmarks/decode_bf16.md)", file=sys.stderr)
+        check_output_path(args.output, args.input)
         records = read_requests(args.input)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,

@@ -42,3 +42,18 @@ def test_bad_request_files_name_the_line_and_the_problem(tmp_path, lines, messag
 def test_missing_request_file(tmp_path):
     with pytest.raises(DecodeError, match="input file not found"):
         read_requests(str(tmp_path / "absent.jsonl"))
+
+
+def test_an_output_that_is_a_directory_or_the_input_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """Both used to be found only after decoding: a directory failed at the rename, and the
+    request file itself was silently replaced by the outputs."""
+    from infer import generate
+    loaded = []
+    monkeypatch.setattr(generate, "build_decoder", lambda *a, **k: loaded.append(a))
+    path = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
+    before = open(path).read()
+    for output, message in [(str(tmp_path), "is a directory"),
+                            (str(tmp_path / "." / "in.jsonl"), "is the input file")]:
+        assert generate.main(["--input", path, "--output", output]) == 2
+        assert message in capsys.readouterr().err
+    assert open(path).read() == before and not loaded
