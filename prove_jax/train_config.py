@@ -94,6 +94,9 @@ class TrainConfig:
         if len(self.mesh) != 3:
             raise TrainConfigError(f"mesh must be [data, fsdp, tensor], got {self.mesh}")
         _check_optimizer(self.optimizer)
+        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise TrainConfigError(f"run_dir {self.run_dir} is a file; it must be a directory (new or a "
+                                   f"run to resume)")
         sources = [k for k in ("hf_dir", "checkpoint", "preset", "config")
                    if getattr(self.model, k) is not None]
         if len(sources) != 1:

@@ -107,7 +107,7 @@ def test_truncated_sequences_are_counted_in_the_log(tmp_path):
     assert "warning: 2 sequence(s) longer than max_length=32 were truncated" in messages, messages
 
 
-def test_bad_optimizer_values_and_an_impossible_mesh_are_named(tmp_path, capsys):
+def test_bad_optimizer_values_an_impossible_mesh_and_a_file_as_run_dir_are_named(tmp_path, capsys):
     """Values optax would accept and then train badly with, and a mesh wider than the machine,
     are one error line each (the mesh one was a ValueError traceback), before anything is written."""
     cfg_path = write_config(tmp_path)
@@ -127,3 +127,8 @@ def test_bad_optimizer_values_and_an_impossible_mesh_are_named(tmp_path, capsys)
         assert err.startswith("error: ") and message in err and "\n" not in err, (override, err)
         assert not run_dir.exists()
     load_config(cfg_path, ["optimizer.clip_norm=null", "optimizer.lr=3e-4"])  # valid values pass
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run")
+    assert main(["--config", cfg_path, f"run_dir={a_file}"]) == 2  # was a FileExistsError traceback
+    assert "is a file; it must be a directory" in capsys.readouterr().err
+    assert a_file.read_text() == "not a run"
