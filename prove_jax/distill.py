@@ -103,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     from prove_jax.decoding.requests import encode_prompts, read_requests
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     try:
-        if args.max_new_tokens < 1 or args.batch_size < 1:
-            raise DecodeError("--max-new-tokens and --batch-size must be >= 1")
+        for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                            ("--max-prompt-tokens", args.max_prompt_tokens), ("--num-prompts", args.num_prompts)):
+            if value is not None and value < 1:  # a negative --num-prompts was a slice bound
+                raise DecodeError(f"{flag} must be >= 1, got {value}")
+        if args.mix_corpus_chars < 0:
+            raise DecodeError(f"--mix-corpus-chars must be >= 0, got {args.mix_corpus_chars}")
+        if os.path.isdir(args.out):  # found before decoding, not at the final write
+            raise DecodeError(f"--out {args.out} is a directory; give a file path")
         if args.mix_corpus_chars and not args.corpus:
             raise DecodeError("--mix-corpus-chars takes its text from --corpus")
         records = read_requests(args.prompts) if args.prompts else train_function_prompts(args.corpus)
@@ -121,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             text = corpus_text_sample(args.corpus, args.mix_corpus_chars, args.seed)
             log(f"distill: + {len(text)} train-split files ({sum(len(t['text']) for t in text):,} chars) of real text")
             out += text
+        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in out))
     except (CorpusError, CheckpointError, DecodeError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in out))
     log(f"wrote {args.out}: {len(out)} records")
     return 0
 

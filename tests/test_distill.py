@@ -47,13 +47,18 @@ def test_errors_leave_no_output(tmp_path, ckpt, capsys):
     cases = [(["--model", str(tmp_path / "missing"), "--prompts", str(inp)], "checkpoint not found"),
              (["--model", ckpt, "--corpus", str(tmp_path)], "train.jsonl not found"),
              (["--model", ckpt, "--prompts", str(inp), "--max-prompt-tokens", "1"], "no prompt of 1..1 tokens"),
-             (["--model", ckpt, "--prompts", str(inp), "--batch-size", "0"], "must be >= 1"),
+             (["--model", ckpt, "--prompts", str(inp), "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+             # a negative count was a slice bound: all prompts but the last two
+             (["--model", ckpt, "--prompts", str(inp), "--num-prompts", "-2"], "--num-prompts must be >= 1, got -2"),
+             (["--model", ckpt, "--prompts", str(inp), "--mix-corpus-chars", "-5"], "must be >= 0"),
              (["--model", ckpt, "--prompts", str(inp), "--mix-corpus-chars", "10"], "takes its text from --corpus")]
     for args, expect in cases:
         assert distill.main([*args, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert expect in err and "Traceback" not in err, err
         assert not out.exists()
+    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err  # was a traceback after the whole decode
 
 
 def test_train_split_function_prompts(tmp_path):
