@@ -159,6 +159,16 @@ def test_cli_writes_corpus_files_and_manifest(tmp_path, capsys):
     assert corpus.main(["--out", str(out2), "--max-bytes", str(SMALL_BYTES)]) == 0
     assert _sha(out2 / "train.jsonl") == _sha(out / "train.jsonl")
     assert _sha(out2 / "heldout_prompts.jsonl") == _sha(out / "heldout_prompts.jsonl")
+    # An earlier corpus is replaced whole; any other non-empty directory is refused untouched.
+    assert corpus.main(["--out", str(out2), "--max-bytes", str(SMALL_BYTES), "--max-prompts", "1"]) == 0
+    assert len((out2 / "heldout_prompts.jsonl").read_text().splitlines()) == 1
+    precious = tmp_path / "src"
+    precious.mkdir()
+    (precious / "keep.py").write_text("x = 1\n")
+    capsys.readouterr()
+    assert corpus.main(["--out", str(precious), "--max-bytes", str(SMALL_BYTES)]) == 2
+    assert "is not a corpus written by this tool" in capsys.readouterr().err
+    assert os.listdir(precious) == ["keep.py"]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -166,6 +176,7 @@ def test_cli_writes_corpus_files_and_manifest(tmp_path, capsys):
     (["--max-bytes", "0"], "max_bytes"),
     (["--root", "/nonexistent/dir"], "not a directory"),
     (["--max-bytes", "100"], "split is empty"),
+    (["--max-prompts", "-1"], "max_prompts must be >= 0"),
 ])
 def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, argv, needle):
     out = tmp_path / "c"
