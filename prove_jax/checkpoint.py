@@ -32,6 +32,20 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or unreadable."""
 
 
+def replace_problem(path: str, marker: str, what: str) -> str | None:
+    """Why an output directory that is about to be replaced whole must not be (None: it may).
+
+    It may be new, empty, or an earlier output of the same kind (it holds `marker`); anything
+    else (a file, a source tree given as --out by mistake) is kept.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"output {path} is a file; give a directory"
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, marker)):
+        return (f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
+                f"choose a new directory")
+    return None
+
+
 def atomic_dir(final_path: str):
     """Context manager yielding a temp dir next to `final_path`, renamed onto it on success."""
     class _Atomic:

@@ -267,23 +267,14 @@ def _split_summary(files: list[SourceFile], sha: str) -> dict:
             "sha256": sha, "paths": [sf.path for sf in files]}
 
 
-def _check_replaceable(out_dir: str) -> None:
-    """The output is replaced whole, so it may only be new, empty, or an earlier corpus (one
-    with a manifest): `--out ~/src` must not delete a source tree."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CorpusError(f"output {out_dir} is a file; give a directory")
-    if (os.path.isdir(out_dir) and os.listdir(out_dir)
-            and not os.path.isfile(os.path.join(out_dir, "manifest.json"))):
-        raise CorpusError(f"output {out_dir} exists and is not a corpus written by this tool (no "
-                          f"manifest.json); refusing to replace it: choose a new directory")
-
-
 def write_corpus(out_dir: str, root: str | None = None,
                  heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, max_bytes: int | None = None,
                  max_prompts: int | None = 256) -> dict:
     """Build the corpus and write it to `out_dir` atomically; returns the manifest."""
-    from prove_jax.checkpoint import atomic_dir  # imported here: it pulls in jax and orbax
-    _check_replaceable(out_dir)
+    from prove_jax.checkpoint import atomic_dir, replace_problem  # imported here: they pull in jax
+    problem = replace_problem(out_dir, "manifest.json", "a corpus written by this tool")
+    if problem:
+        raise CorpusError(problem)
     if max_prompts is not None and max_prompts < 0:
         raise CorpusError(f"max_prompts must be >= 0, got {max_prompts}")
     split = build_corpus(root, heldout_fraction, max_bytes)

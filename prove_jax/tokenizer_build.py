@@ -116,9 +116,17 @@ def to_transformers(tok, model_max_length: int = 32768):
     return hf
 
 
+def _check_replaceable(out_dir: str) -> None:
+    from prove_jax.checkpoint import replace_problem
+    problem = replace_problem(out_dir, "tokenizer.json", "a tokenizer folder")
+    if problem:
+        raise TokenizerBuildError(problem)
+
+
 def save_tokenizer(tok, out_dir: str, model_max_length: int = 32768) -> None:
     """Write the HF tokenizer folder atomically (tokenizer.json, tokenizer_config.json, ...)."""
     from prove_jax.checkpoint import atomic_dir
+    _check_replaceable(out_dir)
     hf = to_transformers(tok, model_max_length)
     with atomic_dir(out_dir) as tmp:
         hf.save_pretrained(tmp)
@@ -150,6 +158,7 @@ def verify_tokenizer_dir(out_dir: str, tok, sample_texts: Iterable[str] = ()) ->
 def build_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE,
                     sample_texts: Iterable[str] = (), show_progress: bool = False) -> TokenizerInfo:
     """Train, save, reload and verify; the one call the CLI and the reproduction script use."""
+    _check_replaceable(out_dir)  # before training, not after
     t0 = time.perf_counter()
     tok, n_texts, n_bytes = train_bpe(texts, vocab_size, show_progress=show_progress)
     seconds = time.perf_counter() - t0

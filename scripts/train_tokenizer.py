@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", required=True,
                         help="corpus directory with train.jsonl (and heldout.jsonl, used to check "
                              "the saved tokenizer)")
-    parser.add_argument("--out", required=True, help="output tokenizer directory (replaced atomically)")
+    parser.add_argument("--out", required=True,
+                        help="output tokenizer directory: new, empty, or an earlier tokenizer "
+                             "(replaced atomically)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                         help="total vocabulary size including the 4 special tokens")
     parser.add_argument("--verify-texts", type=int, default=20,

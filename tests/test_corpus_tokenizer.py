@@ -276,3 +276,10 @@ def test_tokenizer_errors(small_corpus, tmp_path, capsys):
     assert script["main"](["--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error:") and "train.jsonl" in err
+    # --out is replaced whole: a directory that is not a tokenizer folder is refused before training
+    precious = tmp_path / "src"
+    precious.mkdir()
+    (precious / "keep.py").write_text("x = 1\n")
+    with pytest.raises(TokenizerBuildError, match="is not a tokenizer folder"):
+        build_tokenizer(["tiny text"], str(precious), vocab_size=1000)  # not "corpus too small"
+    assert os.listdir(precious) == ["keep.py"]
