@@ -155,6 +155,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.widths[0] != 1:
         ap.error("--widths must start with 1 (the AR forward every ratio is relative to)")
+    if args.repeats < 1:  # zero rounds would time nothing and print inf ratios
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     os.makedirs(args.out_dir, exist_ok=True)
     demo = load_config(assets.DEMO_PROPOSER).replace(param_dtype="float32", dtype="float32")
     runs = [("demo proposer", demo, (1, 4, 16), args.repeats, 20)]

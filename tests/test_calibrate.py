@@ -176,3 +176,20 @@ def test_benchmark_calibrated_setting(tmp_path):
     eff = calibrated["effective_options"]  # what calibration chose for batch 2 is on record
     assert eff["mode"] == "ar" or (eff["mode"] == "lossless" and 2 <= eff["block_size"] <= 3)
     assert "| lossless | calibrated,K<=3 (" in bench_lib.markdown_table(records)
+
+
+def test_fastest_interleaved_warms_up_interleaves_and_keeps_the_fastest():
+    calls = []
+    times = {"a": iter([9.0, 3.0, 5.0]), "b": iter([9.0, 4.0, 2.0])}  # warm-up, round 1, round 2
+
+    def timed(key):
+        def run():
+            calls.append(key)
+            return next(times[key])
+        return run
+
+    best = cal.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2)
+    assert best == {"a": 3.0, "b": 2.0}  # the warm-up never counts
+    assert calls == ["a", "b", "a", "b", "a", "b"]  # rounds alternate, so load hits both alike
+    with pytest.raises(ValueError, match="repeats must be >= 1"):  # zero rounds timed nothing: inf
+        cal.fastest_interleaved({"a": timed("a")}, repeats=0)

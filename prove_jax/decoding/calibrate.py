@@ -54,6 +54,8 @@ def fastest_interleaved(runs: dict, repeats: int) -> dict:
     Every callable runs once first (compile, warm up), then `repeats` rounds call them in turn,
     so a load change hits them alike; the fastest run counts (a shared machine only adds time).
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     for fn in runs.values():
         fn()
     best = {key: float("inf") for key in runs}
