@@ -67,6 +67,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=9, help="timed forward runs per framework after one warm-up")
     p.add_argument("--workdir", default=None, help="scratch dir for the checkpoints (default: a temp dir)")
     args = p.parse_args()
+    for name in ("tokens", "runs"):
+        if getattr(args, name) < 1:  # --runs 0 was a StatisticsError after both conversions
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
 
     import numpy as np
     import torch

@@ -38,7 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
     p.add_argument("--out", default=HERE, help="folder for train.json / train.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch", "length", "block_size", "hidden", "layers", "vocab"):
+        if getattr(args, name) < 1:  # --steps 0 was a StatisticsError after the whole set-up
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def main(argv=None) -> int:
