@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-texts", type=int, default=20,
                         help="held-out texts re-encoded with transformers to check the saved folder")
     args = parser.parse_args(argv)
+    if args.verify_texts < 0:  # islice would raise a bare ValueError
+        parser.error(f"--verify-texts must be >= 0, got {args.verify_texts}")
     train_path = os.path.join(args.corpus, "train.jsonl")
     heldout_path = os.path.join(args.corpus, "heldout.jsonl")
     try:
