@@ -40,7 +40,7 @@ def replace_problem(path: str, marker: str, what: str) -> str | None:
     """
     if os.path.exists(path) and not os.path.isdir(path):
         return f"output {path} is a file; give a directory"
-    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, marker)):
+    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, marker)):
         return (f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
                 f"choose a new directory")
     return None
@@ -105,12 +105,13 @@ def params_pure_dict(model_or_state) -> dict:
 
 
 def save_model(path: str, model: Qwen2, cfg: ModelConfig | None = None,
-               tokenizer_dir: str | None = None) -> str:
+               tokenizer_dir: str | None = None, replace_any: bool = False) -> str:
     """Save params + config (+ tokenizer files copied from `tokenizer_dir`) atomically."""
-    return save_params(path, params_pure_dict(model), cfg or model.cfg, tokenizer_dir)
+    return save_params(path, params_pure_dict(model), cfg or model.cfg, tokenizer_dir, replace_any)
 
 
-def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | None = None) -> str:
+def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | None = None,
+                replace_any: bool = False) -> str:
     """Write a checkpoint from a pure-dict param tree (jax or numpy leaves) atomically.
 
     The one writer of the checkpoint format: `save_model` and the HF converter both use it, so a
@@ -120,7 +121,13 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     Memory: a synchronous save without orbax's defensive deep copy of numpy leaves, and without
     OCDBT (which buffers every array until the final commit), so writing costs ~0.2x the params
     on top of the params themselves instead of ~1.9x. `load_model` reads either layout.
+
+    `path` is replaced whole: it must be new, empty or an earlier checkpoint, unless
+    `replace_any` (the converter's --overwrite).
     """
+    problem = None if replace_any else replace_problem(path, "params", "a prove-jax checkpoint")
+    if problem:
+        raise CheckpointError(problem)
     with atomic_dir(path) as tmp:
         ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
             use_ocdbt=False, type_handler_registry=_streaming_handlers()))

@@ -170,7 +170,7 @@ def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: s
     params = convert_hf_to_ours(hf_dir, cfg, progress)
     if progress:
         print(f"hf-to-flax: writing orbax checkpoint to {out}", file=sys.stderr, flush=True)
-    save_params(out, params, cfg, tokenizer_dir=hf_dir)
+    save_params(out, params, cfg, tokenizer_dir=hf_dir, replace_any=overwrite)
     return cfg
 
 

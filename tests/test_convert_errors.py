@@ -181,3 +181,21 @@ def test_directions_mixed_up_say_which_command_to_use(capsys, hf_dir, tmp_path):
           needles=("is a prove-jax checkpoint", "flax-to-hf"))
     fails(capsys, tmp_path / "back", "flax-to-hf", "--ckpt", str(hf_dir),
           needles=("is a Hugging Face model directory", "hf-to-flax --hf-dir"))
+
+
+def test_a_checkpoint_replaces_only_an_earlier_checkpoint(hf_dir, tmp_path):
+    """save_params replaces its target whole: a new, empty or earlier checkpoint directory, or
+    any directory with the converter's --overwrite; never another directory by mistake."""
+    from prove_jax.checkpoint import CheckpointError, load_model, save_model
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "ckpt"), "--quiet"]) == 0
+    model = load_model(str(tmp_path / "ckpt"))
+    save_model(str(tmp_path / "ckpt"), model)  # an earlier checkpoint: replaced
+    precious = tmp_path / "src"
+    precious.mkdir()
+    (precious / "keep.py").write_text("x = 1\n")
+    with pytest.raises(CheckpointError, match="is not a prove-jax checkpoint"):
+        save_model(str(precious), model)
+    assert os.listdir(precious) == ["keep.py"]
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf_dir), "--out", str(precious),
+                         "--overwrite", "--quiet"]) == 0  # asked for: replaced
+    assert sorted(os.listdir(precious)) != ["keep.py"] and load_model(str(precious)).cfg == model.cfg
