@@ -32,18 +32,17 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or unreadable."""
 
 
-def replace_problem(path: str, marker: str, what: str) -> str | None:
-    """Why an output directory that is about to be replaced whole must not be (None: it may).
+def check_replaceable(path: str, marker: str, what: str, error: type[Exception]) -> None:
+    """Raise `error` unless the output directory `path`, about to be replaced whole, may be.
 
     It may be new, empty, or an earlier output of the same kind (it holds `marker`); anything
     else (a file, a source tree given as --out by mistake) is kept.
     """
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"output {path} is a file; give a directory"
+        raise error(f"output {path} is a file; give a directory")
     if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, marker)):
-        return (f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
-                f"choose a new directory")
-    return None
+        raise error(f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
+                    f"choose a new directory")
 
 
 def atomic_dir(final_path: str):
@@ -125,9 +124,8 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     `path` is replaced whole: it must be new, empty or an earlier checkpoint, unless
     `replace_any` (the converter's --overwrite).
     """
-    problem = None if replace_any else replace_problem(path, "params", "a prove-jax checkpoint")
-    if problem:
-        raise CheckpointError(problem)
+    if not replace_any:
+        check_replaceable(path, "params", "a prove-jax checkpoint", CheckpointError)
     with atomic_dir(path) as tmp:
         ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
             use_ocdbt=False, type_handler_registry=_streaming_handlers()))

@@ -271,10 +271,8 @@ def write_corpus(out_dir: str, root: str | None = None,
                  heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, max_bytes: int | None = None,
                  max_prompts: int | None = 256) -> dict:
     """Build the corpus and write it to `out_dir` atomically; returns the manifest."""
-    from prove_jax.checkpoint import atomic_dir, replace_problem  # imported here: they pull in jax
-    problem = replace_problem(out_dir, "manifest.json", "a corpus written by this tool")
-    if problem:
-        raise CorpusError(problem)
+    from prove_jax.checkpoint import atomic_dir, check_replaceable  # imported here: they pull in jax
+    check_replaceable(out_dir, "manifest.json", "a corpus written by this tool", CorpusError)
     if max_prompts is not None and max_prompts < 0:
         raise CorpusError(f"max_prompts must be >= 0, got {max_prompts}")
     split = build_corpus(root, heldout_fraction, max_bytes)

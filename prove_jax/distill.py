@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from prove_jax.checkpoint import CheckpointError, atomic_write_text
     from prove_jax.decoding.engine import DecodeError, DecodeOptions
     from prove_jax.decoding.loading import build_decoder
-    from prove_jax.decoding.requests import encode_prompts, read_requests
+    from prove_jax.decoding.requests import check_output_path, encode_prompts, read_requests
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     try:
         for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise DecodeError(f"{flag} must be >= 1, got {value}")
         if args.mix_corpus_chars < 0:
             raise DecodeError(f"--mix-corpus-chars must be >= 0, got {args.mix_corpus_chars}")
-        if os.path.isdir(args.out):  # found before decoding, not at the final write
-            raise DecodeError(f"--out {args.out} is a directory; give a file path")
+        check_output_path(args.out, args.prompts, flag="--out")  # before decoding, not at the write
         if args.mix_corpus_chars and not args.corpus:
             raise DecodeError("--mix-corpus-chars takes its text from --corpus")
         records = read_requests(args.prompts) if args.prompts else train_function_prompts(args.corpus)

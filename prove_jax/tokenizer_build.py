@@ -117,10 +117,8 @@ def to_transformers(tok, model_max_length: int = 32768):
 
 
 def _check_replaceable(out_dir: str) -> None:
-    from prove_jax.checkpoint import replace_problem
-    problem = replace_problem(out_dir, "tokenizer.json", "a tokenizer folder")
-    if problem:
-        raise TokenizerBuildError(problem)
+    from prove_jax.checkpoint import check_replaceable
+    check_replaceable(out_dir, "tokenizer.json", "a tokenizer folder", TokenizerBuildError)
 
 
 def save_tokenizer(tok, out_dir: str, model_max_length: int = 32768) -> None:

@@ -9,6 +9,7 @@ trains with a default. `${stdlib}` in a path expands to this Python's standard-l
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sysconfig
 from typing import Any
@@ -110,8 +111,7 @@ def _check_optimizer(opt: OptimizerConfig) -> None:
     """Values optax would take and then train badly with (a negative lr ascends the loss)."""
     def bad(name, rule):
         return TrainConfigError(f"optimizer.{name} must be {rule}, got {getattr(opt, name)!r}")
-    finite = lambda x: x == x and abs(x) != float("inf")
-    if not (finite(opt.lr) and opt.lr > 0):
+    if not (math.isfinite(opt.lr) and opt.lr > 0):
         raise bad("lr", "a positive number")
     for name in ("warmup_ratio", "min_lr_ratio"):
         if not 0 <= getattr(opt, name) <= 1:
@@ -119,11 +119,11 @@ def _check_optimizer(opt: OptimizerConfig) -> None:
     for name in ("b1", "b2"):
         if not 0 <= getattr(opt, name) < 1:
             raise bad(name, "in [0, 1)")
-    if not (finite(opt.weight_decay) and opt.weight_decay >= 0):
+    if not (math.isfinite(opt.weight_decay) and opt.weight_decay >= 0):
         raise bad("weight_decay", ">= 0")
-    if not (finite(opt.eps) and opt.eps > 0):
+    if not (math.isfinite(opt.eps) and opt.eps > 0):
         raise bad("eps", "a positive number")
-    if opt.clip_norm is not None and not (finite(opt.clip_norm) and opt.clip_norm > 0):
+    if opt.clip_norm is not None and not (math.isfinite(opt.clip_norm) and opt.clip_norm > 0):
         raise bad("clip_norm", "a positive number or null (no clipping)")
 
 

@@ -59,6 +59,9 @@ def test_errors_leave_no_output(tmp_path, ckpt, capsys):
         assert not out.exists()
     assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err  # was a traceback after the whole decode
+    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(inp)]) == 2
+    assert "--out" in (err := capsys.readouterr().err) and "is the input file" in err
+    assert json.loads(inp.read_text()) == {"id": 0, "prompt_ids": [3, 4]}  # the prompts are intact
 
 
 def test_train_split_function_prompts(tmp_path):

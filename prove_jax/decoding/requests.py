@@ -127,13 +127,14 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
     return outputs, stats, summary
 
 
-def check_output_path(path: str, input_path: str) -> None:
+def check_output_path(path: str, input_path: str | None, flag: str = "--output") -> None:
     """Refuse, before any model is loaded, an output that cannot or must not be written: a
     directory, or the request file itself (its requests would be replaced by the outputs)."""
     if os.path.isdir(path):
-        raise DecodeError(f"--output {path} is a directory; give a file path such as {path}/out.jsonl")
-    if os.path.exists(path) and os.path.exists(input_path) and os.path.samefile(path, input_path):
-        raise DecodeError(f"--output {path} is the input file; write the outputs elsewhere")
+        raise DecodeError(f"{flag} {path} is a directory; give a file path such as {path}/out.jsonl")
+    if (input_path is not None and os.path.exists(path) and os.path.exists(input_path)
+            and os.path.samefile(path, input_path)):
+        raise DecodeError(f"{flag} {path} is the input file; write the outputs elsewhere")
 
 
 def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer) -> None:
