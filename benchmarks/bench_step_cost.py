@@ -1,9 +1,11 @@
-"""Why wide steps do not pay on this CPU: cost of one decode step vs its width.
+"""What a wide decode step costs on this device: one decode step vs its width, in both matmul forms.
 
 Times, inside a jitted `fori_loop` against a static KV cache (200 slots filled, 384-slot
 buffer): one forward of T new tokens, relative to T=1; the decoder layers' matmuls alone at
 each width (where the cost of a few extra tokens comes from on this device); and the engine's
-whole decode step of each lossless layout, relative to an AR step. For the demo proposer's
+whole decode step of each lossless layout, relative to an AR step. The matmuls and the steps
+are timed side by side in both forms `model.dense` can take (weight-major, its CPU default for
+decode steps, and plain). For the demo proposer's
 shapes at batch 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost
 does not depend on the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per step
 needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
@@ -27,9 +29,9 @@ import jax.numpy as jnp
 from prove_jax import assets
 from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
-from prove_jax.decoding.calibrate import (AR, fastest_interleaved, time_decode_steps, time_step_widths,
-                                         timed)
+from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.model import WEIGHT_MAJOR_MAX_ROWS, dense, weight_major_rows
 from prove_jax.params import create_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,33 +50,49 @@ def ceilings(step_relative: dict[str, float], layouts=LAYOUTS) -> dict[str, dict
 
 
 def layer_kernels(model) -> list[jax.Array]:
-    """Every decoder-layer weight matrix as [in, out] (q, k, v, o, gate, up, down per layer)."""
+    """Every decoder-layer weight matrix as [out, in] (q, k, v, o, gate, up, down per layer)."""
     out = []
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
-        out += [w[...].reshape(w.shape[0], -1) for w in (a.q_kernel, a.k_kernel, a.v_kernel)]
-        out += [a.o_kernel[...].reshape(-1, a.o_kernel.shape[-1])]
+        out += [w[...].reshape(-1, w.shape[-1]) for w in (a.q_kernel, a.k_kernel, a.v_kernel)]
+        out += [a.o_kernel[...].reshape(a.o_kernel.shape[0], -1)]
         out += [m.gate_kernel[...], m.up_kernel[...], m.down_kernel[...]]
     return out
 
 
-def time_dense_matmuls(model, batch: int, widths, repeats: int, steps: int) -> dict[int, float]:
-    """Seconds for the decoder layers' matmuls alone (x [B*T, in] @ W for every layer weight; no
-    attention, norms or LM head), per width T: isolates how XLA's dot kernels scale with T."""
+def under_form(run, weight_major: bool):
+    """`run`, traced and called with `model.dense` forced to one matmul form."""
+    def call():
+        with weight_major_rows(WEIGHT_MAJOR_MAX_ROWS if weight_major else 0):
+            return run()
+    return call
+
+
+FORMS = {"weight_major": True, "plain": False}
+
+
+def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
+    """{(form, T): run} timing the decoder layers' matmuls alone (`model.dense` of x [B*T, in]
+    with every layer weight; no attention, norms or LM head) in both matmul forms: isolates how
+    XLA's dot kernels scale with T."""
     kernels = layer_kernels(model)
 
-    @jax.jit
-    def run(kernels, x):
-        def body(_, acc):
-            xs = {d: v + acc for d, v in x.items()}  # inputs depend on the carry: nothing hoisted
-            return acc + sum((xs[w.shape[0]] @ w)[0, 0] for w in kernels) * 1e-9
-        return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
+    def make():
+        @jax.jit
+        def run(kernels, x):
+            def body(_, acc):
+                xs = {d: v + acc for d, v in x.items()}  # inputs depend on the carry: nothing hoisted
+                return acc + sum(dense(xs[w.shape[1]], w)[0, 0] for w in kernels) * 1e-9
+            return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
+        return run
 
     runs = {}
-    for t in widths:
-        x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[0] for w in kernels}}
-        runs[t] = functools.partial(timed, run, kernels, x)
-    return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
+    for form, weight_major in FORMS.items():
+        run = make()  # one jitted function per form: each keeps the form it was traced with
+        for t in widths:
+            x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in kernels}}
+            runs[(form, t)] = under_form(functools.partial(timed, run, kernels, x), weight_major)
+    return runs
 
 
 def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, layouts=LAYOUTS) -> dict:
@@ -82,21 +100,32 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
     for batch in batches:
         model = create_model(cfg, seed=0)
         ms = time_step_widths(model, batch, widths, repeats=repeats, steps=steps)
-        dense = time_dense_matmuls(model, batch, widths, repeats=repeats, steps=steps)
-        full = time_decode_steps(model, batch, layouts, repeats=repeats, steps=steps)
-        step_ms = {("AR" if key == AR else f"K={key[0]},G={key[1]}"): v * 1e3 for key, v in full.items()}
-        step_rel = {key: v / step_ms["AR"] for key, v in step_ms.items()}
-        rows.append({"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
-                     "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()},
-                     "dense_matmuls_ms": {str(t): v * 1e3 for t, v in dense.items()},
-                     "dense_matmuls_relative_to_T1": {str(t): v / dense[1] for t, v in dense.items()},
-                     "decode_step_ms": step_ms, "decode_step_relative_to_ar": step_rel,
-                     "lossless_ceiling": ceilings(step_rel, layouts)})
+        dense_s = {k: v / steps for k, v in fastest_interleaved(
+            dense_matmul_runs(model, batch, widths, steps), repeats).items()}
+        step_runs = {}
+        for form, weight_major in FORMS.items():  # both forms interleaved: ratios side by side
+            for key, run in decode_step_runs(model, batch, layouts, steps=steps).items():
+                step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, weight_major)
+        step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
+        row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
+               "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()}}
+        for form in FORMS:
+            suffix = "" if form == "weight_major" else "_plain"
+            dense_f = {t: dense_s[(form, t)] for t in widths}
+            step_ms = {key: v * 1e3 for (f, key), v in step_s.items() if f == form}
+            step_rel = {key: v / step_ms["AR"] for key, v in step_ms.items()}
+            row.update({f"dense_matmuls{suffix}_ms": {str(t): v * 1e3 for t, v in dense_f.items()},
+                        f"dense_matmuls{suffix}_relative_to_T1": {str(t): v / dense_f[1] for t, v in dense_f.items()},
+                        f"decode_step{suffix}_ms": step_ms, f"decode_step{suffix}_relative_to_ar": step_rel,
+                        f"lossless_ceiling{suffix}": ceilings(step_rel, layouts)})
+        rows.append(row)
         print(name, batch, {t: round(v / ms[1], 2) for t, v in ms.items()},
-              {t: round(v / dense[1], 2) for t, v in dense.items()},
-              {key: round(v, 2) for key, v in step_rel.items()}, flush=True)
+              {key: round(v, 2) for key, v in row["decode_step_relative_to_ar"].items()},
+              "plain:", {key: round(v, 2) for key, v in row["decode_step_plain_relative_to_ar"].items()},
+              flush=True)
     return {"name": name, "params": cfg.num_params, "widths": list(widths),
-            "layouts": [list(x) for x in layouts], "rows": rows}
+            "layouts": [list(x) for x in layouts], "weight_major_max_rows": WEIGHT_MAJOR_MAX_ROWS,
+            "rows": rows}
 
 
 def _width_table(rows: list[dict], widths, key: str) -> list[str]:
@@ -109,6 +138,18 @@ def _width_table(rows: list[dict], widths, key: str) -> list[str]:
     return lines
 
 
+def _ceiling_table(rows: list[dict], layouts, suffix: str) -> list[str]:
+    ceil0 = rows[0]["lossless_ceiling" + suffix]
+    lines = ["| batch | AR step | " + " | ".join(f"{l} (T={ceil0[l]['width']})" for l in layouts) + " |",
+             "|---|---|" + "---|" * len(layouts)]
+    for r in rows:
+        c = r["lossless_ceiling" + suffix]
+        lines.append(f"| {r['batch_size']} | {r['decode_step' + suffix + '_ms']['AR']:.2f} ms | " + " | ".join(
+            f"{c[l]['break_even_tokens_per_forward']:.2f} / {c[l]['perfect_proposer_speedup']:.2f}x"
+            for l in layouts) + " |")
+    return lines
+
+
 def markdown(models: list[dict]) -> list[str]:
     dev = jax.devices()[0]
     lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores, float32)", "",
@@ -116,25 +157,37 @@ def markdown(models: list[dict]) -> list[str]:
              "*Forward*: one model forward of T new tokens, relative to T=1. *Decode step*: the "
              "engine's whole step (forward, LM head on the rows it needs, acceptance, commit) of "
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "
-             "A layout pays off only when it commits more tokens per step than its step costs.", ""]
+             "A layout pays off only when it commits more tokens per step than its step costs.", "",
+             "*Weight-major* is what `model.dense` runs on CPU for at most "
+             f"{models[0].get('weight_major_max_rows', WEIGHT_MAJOR_MAX_ROWS)} token rows: W @ x^T, "
+             "the weight as the dot's left operand; *plain* is x @ W^T, the contraction as written (what runs "
+             "for more rows, and on accelerators). Both "
+             "forms are timed in the same run, interleaved, on the same weights.", ""]
     for m in models:
         widths = m["widths"]
         layouts = [f"K={k},G={g}" for k, g in m["layouts"]]
         lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "", "Forward of T tokens:", ""]
         lines += _width_table(m["rows"], widths, "forward")
-        lines += ["", "The decoder layers' matmuls alone (x @ W for every layer weight; no attention, "
-                  "norms or LM head), relative to T=1:", ""]
-        lines += _width_table(m["rows"], widths, "dense_matmuls")
-        ceil0 = m["rows"][0]["lossless_ceiling"]
-        lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
-                  "speedup over AR with a perfect proposer (K tokens every step):", "",
-                  "| batch | AR step | " + " | ".join(f"{l} (T={ceil0[l]['width']})" for l in layouts) + " |",
-                  "|---|---|" + "---|" * len(layouts)]
+        lines += ["", "The decoder layers' matmuls alone (every layer weight times x [B*T, D]; no "
+                  "attention, norms or LM head), ms per step, in both forms:", "",
+                  "| batch | form | " + " | ".join(f"T={t}" for t in widths) + " |",
+                  "|---|---|" + "---|" * len(widths)]
         for r in m["rows"]:
-            c = r["lossless_ceiling"]
-            lines.append(f"| {r['batch_size']} | {r['decode_step_ms']['AR']:.2f} ms | " + " | ".join(
-                f"{c[l]['break_even_tokens_per_forward']:.2f} / {c[l]['perfect_proposer_speedup']:.2f}x"
-                for l in layouts) + " |")
+            for form, suffix in (("weight-major", ""), ("plain", "_plain")):
+                lines.append(f"| {r['batch_size']} | {form} | " + " | ".join(
+                    f"{r['dense_matmuls' + suffix + '_ms'][str(t)]:.2f}" for t in widths) + " |")
+        lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
+                  "speedup over AR with a perfect proposer (K tokens every step), weight-major (the "
+                  "engine's form on CPU):", ""]
+        lines += _ceiling_table(m["rows"], layouts, "")
+        lines += ["", "The same with plain matmuls:", ""]
+        lines += _ceiling_table(m["rows"], layouts, "_plain")
+        lines += ["", "Step time plain / weight-major (above 1: weight-major is faster):", "",
+                  "| batch | AR | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
+        for r in m["rows"]:
+            w, p = r["decode_step_ms"], r["decode_step_plain_ms"]
+            lines.append(f"| {r['batch_size']} | " + " | ".join(
+                f"{p[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
         lines.append("")
     lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
               " --repeats 15`"]

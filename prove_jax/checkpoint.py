@@ -182,6 +182,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
         shardings = jax.tree.map(lambda _: dev, nnx.to_pure_dict(params_state))
     target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
                           nnx.to_pure_dict(params_state), _pure(shardings))
+    _check_stored_shapes(params_dir, target)
     try:
         restored = ocp.StandardCheckpointer().restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
@@ -192,6 +193,32 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(model, state)
     return model
+
+
+def _dotted_leaves(tree) -> dict[str, object]:
+    return {".".join(str(getattr(k, "key", k)) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_stored_shapes(params_dir: str, target) -> None:
+    """Name the parameter whose stored shape differs from the model's, before orbax's restore
+    fails with a message that names neither. An unreadable metadata file is left to the restore."""
+    try:
+        stored = _dotted_leaves(ocp.StandardCheckpointer().metadata(params_dir).item_metadata)
+    except Exception:
+        return
+    for name, want in _dotted_leaves(target).items():
+        if name not in stored:
+            raise CheckpointError(f"checkpoint {params_dir} has no parameter {name}")
+        have = tuple(getattr(stored[name], "shape", ()) or ())
+        if have != tuple(want.shape):
+            hint = ""
+            if sorted(have) == sorted(want.shape) and name.endswith(("kernel", "lm_head")):
+                hint = ("; it holds the [in, out] kernels of prove-jax before kernels followed HF's "
+                        "[out, in] order: convert it again (flax-to-hf with the old version, then "
+                        "hf-to-flax)")
+            raise CheckpointError(f"checkpoint {params_dir}: parameter {name} has shape {have}, "
+                                  f"the config implies {tuple(want.shape)}{hint}")
 
 
 def _pure(tree):

@@ -32,24 +32,22 @@ def _ident(x, c):
     return x
 
 
-def _t(x, c):
-    return np.ascontiguousarray(x.T)
+# Our kernels keep HF's (torch's) [out, in] order, so every transform is a reshape: HF flattens
+# the head axes that we keep apart (q/k/v [N*Dh, D] <-> [N, Dh, D], o [D, H*Dh] <-> [D, H, Dh]).
+def _split_out(heads_of):  # HF [N*Dh, ...] -> ours [N, Dh, ...]
+    return lambda x, c: x.reshape(heads_of(c), c.head_dim, *x.shape[1:])
 
 
-def _proj_in(heads_of):  # HF [N*Dh, D] -> ours [D, N, Dh]
-    return lambda x, c: np.ascontiguousarray(x.T).reshape(c.hidden_size, heads_of(c), c.head_dim)
+def _merge_out(x, c):  # ours [N, Dh, ...] -> HF [N*Dh, ...]
+    return x.reshape(-1, *x.shape[2:])
 
 
-def _proj_out(x, c):  # ours [D, N, Dh] -> HF [N*Dh, D]
-    return np.ascontiguousarray(x.reshape(x.shape[0], -1).T)
+def _o_in(x, c):  # HF [D, H*Dh] -> ours [D, H, Dh]
+    return x.reshape(c.hidden_size, c.num_heads, c.head_dim)
 
 
-def _bias_in(heads_of):
-    return lambda x, c: x.reshape(heads_of(c), c.head_dim)
-
-
-def _bias_out(x, c):
-    return x.reshape(-1)
+def _o_out(x, c):  # ours [D, H, Dh] -> HF [D, H*Dh]
+    return x.reshape(x.shape[0], -1)
 
 
 _H = lambda c: c.num_heads
@@ -59,32 +57,30 @@ _L = r"model\.layers\.(?P<i>\d+)\."
 RULES: tuple[_Rule, ...] = (
     _Rule(r"model\.embed_tokens\.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _ident, _ident),
     _Rule(r"model\.norm\.weight", "final_norm.weight", lambda c: (c.hidden_size,), _ident, _ident),
-    _Rule(r"lm_head\.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _t, _t),
+    _Rule(r"lm_head\.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _ident, _ident),
     _Rule(_L + r"input_layernorm\.weight", "layers.{i}.input_norm.weight", lambda c: (c.hidden_size,), _ident, _ident),
     _Rule(_L + r"post_attention_layernorm\.weight", "layers.{i}.post_attn_norm.weight",
           lambda c: (c.hidden_size,), _ident, _ident),
     _Rule(_L + r"self_attn\.q_proj\.weight", "layers.{i}.attn.q_kernel",
-          lambda c: (c.num_heads * c.head_dim, c.hidden_size), _proj_in(_H), _proj_out),
+          lambda c: (c.num_heads * c.head_dim, c.hidden_size), _split_out(_H), _merge_out),
     _Rule(_L + r"self_attn\.k_proj\.weight", "layers.{i}.attn.k_kernel",
-          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _proj_in(_K), _proj_out),
+          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _split_out(_K), _merge_out),
     _Rule(_L + r"self_attn\.v_proj\.weight", "layers.{i}.attn.v_kernel",
-          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _proj_in(_K), _proj_out),
+          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _split_out(_K), _merge_out),
     _Rule(_L + r"self_attn\.q_proj\.bias", "layers.{i}.attn.q_bias",
-          lambda c: (c.num_heads * c.head_dim,), _bias_in(_H), _bias_out),
+          lambda c: (c.num_heads * c.head_dim,), _split_out(_H), _merge_out),
     _Rule(_L + r"self_attn\.k_proj\.bias", "layers.{i}.attn.k_bias",
-          lambda c: (c.num_kv_heads * c.head_dim,), _bias_in(_K), _bias_out),
+          lambda c: (c.num_kv_heads * c.head_dim,), _split_out(_K), _merge_out),
     _Rule(_L + r"self_attn\.v_proj\.bias", "layers.{i}.attn.v_bias",
-          lambda c: (c.num_kv_heads * c.head_dim,), _bias_in(_K), _bias_out),
+          lambda c: (c.num_kv_heads * c.head_dim,), _split_out(_K), _merge_out),
     _Rule(_L + r"self_attn\.o_proj\.weight", "layers.{i}.attn.o_kernel",
-          lambda c: (c.hidden_size, c.num_heads * c.head_dim),
-          lambda x, c: np.ascontiguousarray(x.T).reshape(c.num_heads, c.head_dim, c.hidden_size),
-          lambda x, c: np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T)),
+          lambda c: (c.hidden_size, c.num_heads * c.head_dim), _o_in, _o_out),
     _Rule(_L + r"mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_kernel",
-          lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+          lambda c: (c.intermediate_size, c.hidden_size), _ident, _ident),
     _Rule(_L + r"mlp\.up_proj\.weight", "layers.{i}.mlp.up_kernel",
-          lambda c: (c.intermediate_size, c.hidden_size), _t, _t),
+          lambda c: (c.intermediate_size, c.hidden_size), _ident, _ident),
     _Rule(_L + r"mlp\.down_proj\.weight", "layers.{i}.mlp.down_kernel",
-          lambda c: (c.hidden_size, c.intermediate_size), _t, _t),
+          lambda c: (c.hidden_size, c.intermediate_size), _ident, _ident),
 )
 _COMPILED = [(re.compile(r.hf + r"\Z"), r) for r in RULES]
 # HF checkpoints may carry buffers that are not weights.

@@ -13,13 +13,19 @@ hold garbage that the mask hides and the next write overwrites: nothing is ever 
 cropped. The cache layout and the write are chosen so that XLA updates the buffers in place
 inside the decode loop (see `KVCache` and `Attention`).
 
+Weights keep HF's (torch's) [out, in] order, heads split out: q [H, Dh, D], k/v [K, Dh, D],
+o [D, H, Dh], gate/up [F, D], down [D, F], lm_head [V, D]. Conversion is then a reshape, and
+`dense` can put the weight on the left where that is faster (decode steps on CPU).
+
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, Dh head dim, F mlp width, V vocab.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +35,43 @@ from prove_jax.config import ModelConfig
 from prove_jax.sharding import constrain
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+# On CPU, a projection of at most this many token rows (a decode step: batch x step width) runs
+# weight-major (see `dense`); more rows (prefill, training) run as the plain contraction, which
+# is as fast there. Crossover measured at 64-96 rows for Qwen2.5-0.5B shapes (2-core EPYC).
+WEIGHT_MAJOR_MAX_ROWS = 64
+
+
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """x [..., *in] times w [*out, *in] -> [..., *out]; w stores output features major, as HF does.
+
+    For the few rows of a decode step, XLA:CPU's dot kernels (YNNPACK) are several times faster
+    with the weight as the left operand, w @ x^T, than as x @ w^T: at Qwen2.5-0.5B shapes a
+    16-row step costs 1.9x a one-row step instead of 4x (benchmarks/step_cost.md). The barrier
+    keeps XLA from folding the transpose back into the dot. Elsewhere the plain contraction,
+    whose layout XLA chooses itself.
+    """
+    x_in = tuple(range(x.ndim - n_in, x.ndim))
+    w_in = tuple(range(w.ndim - n_in, w.ndim))
+    rows = math.prod(x.shape[:x.ndim - n_in])
+    if jax.default_backend() == "cpu" and rows <= WEIGHT_MAJOR_MAX_ROWS:
+        y = jax.lax.optimization_barrier(jnp.tensordot(w, x, axes=(w_in, x_in)))  # [*out, *lead]
+        n_out = w.ndim - n_in
+        return jnp.moveaxis(y, tuple(range(n_out)), tuple(range(y.ndim - n_out, y.ndim)))
+    return jnp.tensordot(x, w, axes=(x_in, w_in))
+
+
+@contextlib.contextmanager
+def weight_major_rows(limit: int):
+    """Trace-time override of WEIGHT_MAJOR_MAX_ROWS (0: always the plain contraction), for
+    side-by-side benchmarks and tests. A function jitted inside keeps the form it was traced with."""
+    global WEIGHT_MAJOR_MAX_ROWS
+    old, WEIGHT_MAJOR_MAX_ROWS = WEIGHT_MAJOR_MAX_ROWS, limit
+    try:
+        yield
+    finally:
+        WEIGHT_MAJOR_MAX_ROWS = old
 
 
 def _param(rngs, shape, axes, dtype, init="normal"):
@@ -103,21 +146,21 @@ class Attention(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.q_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
+        self.q_kernel = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), pd)
         self.q_bias = _param(rngs, (h, dh), ("heads", "head_dim"), pd, init="zeros")
-        self.k_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.k_kernel = _param(rngs, (k, dh, d), ("kv_heads", "head_dim", "embed"), pd)
         self.k_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
-        self.v_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_kernel = _param(rngs, (k, dh, d), ("kv_heads", "head_dim", "embed"), pd)
         self.v_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
-        self.o_kernel = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), pd)
+        self.o_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
 
     def __call__(self, x, cos, sin, attn_mask, kv=None):
         """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh]."""
         cfg = self.cfg
         dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
-        k = jnp.einsum("btd,dnk->btnk", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
-        v = jnp.einsum("btd,dnk->btnk", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+        q = dense(x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
+        k = dense(x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
+        v = dense(x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
 
@@ -145,7 +188,7 @@ class Attention(nnx.Module):
             out = _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
                               own + (attn_mask.intra,)])
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel[...].astype(dt))
+        out = dense(out, self.o_kernel[...].astype(dt), n_in=2)
         return out, kv
 
 
@@ -174,16 +217,16 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
-        self.up_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
-        self.down_kernel = _param(rngs, (f, d), ("mlp", "embed"), pd)
+        self.gate_kernel = _param(rngs, (f, d), ("mlp", "embed"), pd)
+        self.up_kernel = _param(rngs, (f, d), ("mlp", "embed"), pd)
+        self.down_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
 
     def __call__(self, x):
         dt = x.dtype
-        gate = x @ self.gate_kernel[...].astype(dt)
-        up = x @ self.up_kernel[...].astype(dt)
+        gate = dense(x, self.gate_kernel[...].astype(dt))
+        up = dense(x, self.up_kernel[...].astype(dt))
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        return h @ self.down_kernel[...].astype(dt)
+        return dense(h, self.down_kernel[...].astype(dt))
 
 
 class DecoderLayer(nnx.Module):
@@ -212,7 +255,7 @@ class Qwen2(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+            self.lm_head = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
 
     def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None):
         """Final-norm hidden states [B, T, D] and the updated cache.
@@ -240,11 +283,8 @@ class Qwen2(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head, float32 logits [..., V]."""
         dt = hidden.dtype
-        if self.cfg.tie_word_embeddings:
-            w = self.embed[...].astype(dt)
-            out = jnp.einsum("...d,vd->...v", hidden, w)
-        else:
-            out = hidden @ self.lm_head[...].astype(dt)
+        w = self.embed if self.cfg.tie_word_embeddings else self.lm_head
+        out = dense(hidden, w[...].astype(dt))
         return out.astype(jnp.float32)
 
     def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None):

@@ -86,7 +86,7 @@ def grow_embeddings(model: Qwen2, new_cfg: ModelConfig) -> Qwen2:
     flat = dict(flat_params(model))
     flat["embed"] = _grow(flat["embed"], new_v, 0, ("vocab", "embed"))
     if not new_cfg.tie_word_embeddings:
-        flat["lm_head"] = _grow(flat["lm_head"], new_v, 1, ("embed", "vocab"))
+        flat["lm_head"] = _grow(flat["lm_head"], new_v, 0, ("vocab", "embed"))
     graphdef, state = nnx.split(abstract_model(new_cfg, model.remat))
     grown = nnx.merge(graphdef, state)
     set_flat_params(grown, flat)

@@ -20,17 +20,17 @@ B, T = 4, 16
 # Hand-written from DEFAULT_RULES (embed->fsdp, heads/kv_heads/mlp/vocab->tensor) for 2x2x2.
 EXPECTED_2x2x2 = {
     "embed": P("tensor", "fsdp"),
-    "lm_head": P("fsdp", "tensor"),
+    "lm_head": P("tensor", "fsdp"),
     "final_norm.weight": P("fsdp"),
     "layers.0.input_norm.weight": P("fsdp"),
-    "layers.0.attn.q_kernel": P("fsdp", "tensor"),
+    "layers.0.attn.q_kernel": P("tensor", None, "fsdp"),
     "layers.0.attn.q_bias": P("tensor"),
-    "layers.1.attn.k_kernel": P("fsdp", "tensor"),
+    "layers.1.attn.k_kernel": P("tensor", None, "fsdp"),
     "layers.1.attn.v_bias": P("tensor"),
-    "layers.0.attn.o_kernel": P("tensor", None, "fsdp"),
-    "layers.1.mlp.gate_kernel": P("fsdp", "tensor"),
-    "layers.1.mlp.up_kernel": P("fsdp", "tensor"),
-    "layers.0.mlp.down_kernel": P("tensor", "fsdp"),
+    "layers.0.attn.o_kernel": P("fsdp", "tensor"),
+    "layers.1.mlp.gate_kernel": P("tensor", "fsdp"),
+    "layers.1.mlp.up_kernel": P("tensor", "fsdp"),
+    "layers.0.mlp.down_kernel": P("fsdp", "tensor"),
 }
 
 
@@ -88,12 +88,12 @@ def test_load_onto_mesh_restores_sharded_and_forward_matches(reference, shape):
         specs = {k: v.sharding.spec for k, v in restored.items()}
         for name, spec in EXPECTED_2x2x2.items():
             assert specs[name] == spec, (name, specs[name], spec)
-        assert restored["layers.0.attn.q_kernel"].addressable_shards[0].data.shape == (32, 2, 16)
+        assert restored["layers.0.attn.q_kernel"].addressable_shards[0].data.shape == (2, 16, 32)
         assert len(out.sharding.device_set) == 8
     if shape == (1, 1, 8):  # mlp and vocab split 8 ways; 4 heads cannot be, so they replicate
-        assert restored["layers.0.mlp.gate_kernel"].addressable_shards[0].data.shape == (64, 16)
-        assert restored["lm_head"].addressable_shards[0].data.shape == (64, 32)
-        assert restored["layers.0.attn.q_kernel"].addressable_shards[0].data.shape == (64, 4, 16)
+        assert restored["layers.0.mlp.gate_kernel"].addressable_shards[0].data.shape == (16, 64)
+        assert restored["lm_head"].addressable_shards[0].data.shape == (32, 64)
+        assert restored["layers.0.attn.q_kernel"].addressable_shards[0].data.shape == (4, 16, 64)
 
 
 def test_create_model_on_mesh_is_sharded_and_matches(reference, tmp_path):

@@ -111,6 +111,14 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
     buffer; each step is reset there, so every step does the same work. Timings are
     interleaved across layouts; the fastest run is returned.
     """
+    runs = decode_step_runs(model, batch, layouts, slots, filled, steps)
+    return {key: v / steps for key, v in fastest_interleaved(runs, repeats).items()}
+
+
+def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
+                     filled: int = 200, steps: int = 20) -> dict:
+    """{(K, groups) or AR: callable running `steps` decode steps, returning their seconds}, for
+    `time_decode_steps` or for timing alongside other runs (benchmarks)."""
     from prove_jax.decoding.engine import DecodeOptions, step_shape
     from prove_jax.decoding.state import initial_state
 
@@ -130,7 +138,7 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
                               block_size=options.block_size, pad_id=0)
         fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id, steps))
         runs[key] = functools.partial(timed, fn, params, state)
-    return {key: v / steps for key, v in fastest_interleaved(runs, repeats).items()}
+    return runs
 
 
 def _run_steps(graphdef, options, mask_id: int, steps: int, params, state):

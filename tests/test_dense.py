@@ -1,0 +1,79 @@
+"""`model.dense`: both matmul forms compute the same thing, and each is used where it should be;
+checkpoints of the old [in, out] kernel layout are refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prove_jax import model as model_lib
+from prove_jax.checkpoint import CheckpointError, load_model, params_pure_dict, save_params
+from prove_jax.config import ModelConfig
+from prove_jax.model import causal_mask, dense, weight_major_rows
+from prove_jax.params import create_model
+
+CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+
+
+def _has_barrier(fn, *args) -> bool:
+    return "optimization_barrier" in str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,n_in", [
+    ((3, 5, 16), (4, 6, 16), 1),  # q/k/v: [B, T, D] x [N, Dh, D]
+    ((2, 7, 4, 6), (16, 4, 6), 2),  # o: [B, T, H, Dh] x [D, H, Dh]
+    ((1, 1, 16), (40, 16), 1),  # one AR row, mlp
+])
+def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_in):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+    axes = (tuple(range(len(x_shape) - n_in, len(x_shape))), tuple(range(len(w_shape) - n_in, len(w_shape))))
+    want = np.tensordot(np.asarray(x, np.float64), np.asarray(w, np.float64), axes=axes)
+    loss = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in)))
+    results = {}
+    for limit in (0, 10_000):
+        with weight_major_rows(limit):
+            assert _has_barrier(lambda x, w: dense(x, w, n_in), x, w) == (limit > 0)
+            out = dense(x, w, n_in)
+            grads = jax.grad(loss, argnums=(0, 1))(x, w)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+        results[limit] = grads
+    for a, b in zip(results[0], results[10_000]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_default_is_weight_major_for_decode_rows_only():
+    assert jax.default_backend() == "cpu"
+    w = jnp.ones((8, 16))
+    limit = model_lib.WEIGHT_MAJOR_MAX_ROWS
+    assert _has_barrier(dense, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
+    assert not _has_barrier(dense, jnp.ones((2, limit, 16)), w)  # prefill / training rows
+
+
+def test_model_logits_equal_in_both_forms():
+    model = create_model(CFG, seed=1)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    logits = {}
+    for limit in (0, 64):
+        with weight_major_rows(limit):
+            logits[limit] = np.asarray(model(tokens, positions, causal_mask(2, 9))[0])
+    np.testing.assert_allclose(logits[64], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_with_old_in_out_kernels_is_refused_by_name(tmp_path):
+    params = jax.tree.map(np.asarray, params_pure_dict(create_model(CFG, seed=0)))
+    old = dict(params, layers={i: dict(layer) for i, layer in params["layers"].items()})
+    attn = dict(old["layers"][0]["attn"])
+    attn["q_kernel"] = np.transpose(attn["q_kernel"], (2, 0, 1))  # [D, H, Dh], as before
+    old["layers"][0] = dict(old["layers"][0], attn=attn)
+    save_params(str(tmp_path / "old"), old, CFG)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.q_kernel has shape \(32, 4, 8\).*"
+                                              r"\(4, 8, 32\).*\[in, out\]"):
+        load_model(str(tmp_path / "old"))
+    save_params(str(tmp_path / "new"), params, CFG)
+    restored = load_model(str(tmp_path / "new"))
+    np.testing.assert_array_equal(np.asarray(restored.layers[0].attn.q_kernel[...]),
+                                  params["layers"][0]["attn"]["q_kernel"])
