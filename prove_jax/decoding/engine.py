@@ -92,12 +92,12 @@ class DecodeOptions:
 # - GPU/TPU: a batch-1 step of up to ~64 tokens costs about one token (decode is bound by
 #   weight reads), so wide proposals are nearly free; as the batch grows the step becomes
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
-# - CPU: a decode step is compute bound from T=2 or so (2 cores, weights in a large L3; the
-#   Qwen2.5-0.5B shape too), so a whole lossless step costs 1.6-2.4x (K=2) to 2.3-3.8x (K=4,
-#   2 groups) an AR step, depending on the machine (benchmarks/step_cost.md). Whether lossless
-#   pays there depends on the machine and the proposer (the self-distilled demo proposer reached
-#   1.22x on one 2-core machine and loses on another), which a fixed table cannot know: on CPU
-#   the table is plain AR, and `calibrate.py` (--calibrate) measures.
+# - CPU: even with weight-major matmuls (`model.dense`) a whole lossless step at batch 1 costs
+#   2.0x (K=2) to 5.4x (K=8, 3 groups) an AR step for the demo proposer and 1.8x to 4.2x at the
+#   Qwen2.5-0.5B shape, on 2 cores (benchmarks/step_cost.md). Whether lossless pays there
+#   depends on the machine and the proposer (the self-distilled demo proposer reached 1.22x on
+#   one 2-core machine and ties AR on another), which a fixed table cannot know: on CPU the
+#   table is plain AR, and `calibrate.py` (--calibrate) measures.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
