@@ -31,7 +31,7 @@ from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import WEIGHT_MAJOR_MAX_ROWS, dense, weight_major_rows
+from prove_jax.model import CPU_WEIGHT_MAJOR_MAX_ROWS, dense, weight_major_rows
 from prove_jax.params import create_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +63,7 @@ def layer_kernels(model) -> list[jax.Array]:
 def under_form(run, weight_major: bool):
     """`run`, traced and called with `model.dense` forced to one matmul form."""
     def call():
-        with weight_major_rows(WEIGHT_MAJOR_MAX_ROWS if weight_major else 0):
+        with weight_major_rows(CPU_WEIGHT_MAJOR_MAX_ROWS if weight_major else 0):
             return run()
     return call
 
@@ -124,7 +124,7 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
               "plain:", {key: round(v, 2) for key, v in row["decode_step_plain_relative_to_ar"].items()},
               flush=True)
     return {"name": name, "params": cfg.num_params, "widths": list(widths),
-            "layouts": [list(x) for x in layouts], "weight_major_max_rows": WEIGHT_MAJOR_MAX_ROWS,
+            "layouts": [list(x) for x in layouts], "weight_major_max_rows": CPU_WEIGHT_MAJOR_MAX_ROWS,
             "rows": rows}
 
 
@@ -159,7 +159,7 @@ def markdown(models: list[dict]) -> list[str]:
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "
              "A layout pays off only when it commits more tokens per step than its step costs.", "",
              "*Weight-major* is what `model.dense` runs on CPU for at most "
-             f"{models[0].get('weight_major_max_rows', WEIGHT_MAJOR_MAX_ROWS)} token rows: W @ x^T, "
+             f"{models[0].get('weight_major_max_rows', CPU_WEIGHT_MAJOR_MAX_ROWS)} token rows: W @ x^T, "
              "the weight as the dot's left operand; *plain* is x @ W^T, the contraction as written (what runs "
              "for more rows, and on accelerators). Both "
              "forms are timed in the same run, interleaved, on the same weights.", ""]

@@ -38,14 +38,14 @@ if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     DECODE=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1,2 --repeats 1 --lossless-blocks 2x2)
     BF16=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1 --repeats 1 --lossless-blocks 2x2)
 else
-    STEP=(--preset qwen2.5-1.5b --widths 1,4,10,29,64 --layouts 4x2,8x3,8x8 --repeats 5)
+    STEP=(--preset qwen2.5-1.5b --widths 1,4,10,29,64 --layouts 4x2,8x3,8x8 --repeats 3)
     DECODE=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,4,16 --repeats 3
             --lossless-blocks 4x2,8x3,8x8)
     BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,16 --repeats 1 --lossless-blocks 4x2,8x3,8x8)
 fi
 
 stage env 60 $PY -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
-stage step_cost 200 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$OUT"
+stage step_cost 240 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$OUT"
 stage decode 210 $PY -m infer.benchmark "${DECODE[@]}" --modes ar,threshold,lossless,verify --taus 0.8 \
     --tau-vs 0.3 --no-adaptive --no-peers --json "$OUT/decode.json" --md "$OUT/decode.md" --png none
 # bfloat16, as a user would run on the accelerator: how often rounding flips lossless vs AR

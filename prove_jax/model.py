@@ -40,7 +40,15 @@ _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 # On CPU, a projection of at most this many token rows (a decode step: batch x step width) runs
 # weight-major (see `dense`); more rows (prefill, training) run as the plain contraction, which
 # is as fast there. Crossover measured at 64-96 rows for Qwen2.5-0.5B shapes (2-core EPYC).
-WEIGHT_MAJOR_MAX_ROWS = 64
+CPU_WEIGHT_MAJOR_MAX_ROWS = 64
+_weight_major_override: int | None = None  # set by `weight_major_rows`
+
+
+def weight_major_max_rows() -> int:
+    """Most token rows `dense` runs weight-major: the override, else the platform's default."""
+    if _weight_major_override is not None:
+        return _weight_major_override
+    return CPU_WEIGHT_MAJOR_MAX_ROWS if jax.default_backend() == "cpu" else 0
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
@@ -48,14 +56,14 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
 
     For the few rows of a decode step, XLA:CPU's dot kernels (YNNPACK) are several times faster
     with the weight as the left operand, w @ x^T, than as x @ w^T: at Qwen2.5-0.5B shapes a
-    16-row step costs 1.9x a one-row step instead of 4x (benchmarks/step_cost.md). The barrier
-    keeps XLA from folding the transpose back into the dot. Elsewhere the plain contraction,
-    whose layout XLA chooses itself.
+    16-row step costs 1.8x a one-row step instead of 3.2x (benchmarks/step_cost.md). The
+    barrier keeps XLA from folding the transpose back into the dot. Elsewhere the plain
+    contraction, whose layout XLA chooses itself.
     """
     x_in = tuple(range(x.ndim - n_in, x.ndim))
     w_in = tuple(range(w.ndim - n_in, w.ndim))
     rows = math.prod(x.shape[:x.ndim - n_in])
-    if jax.default_backend() == "cpu" and rows <= WEIGHT_MAJOR_MAX_ROWS:
+    if rows <= weight_major_max_rows():
         y = jax.lax.optimization_barrier(jnp.tensordot(w, x, axes=(w_in, x_in)))  # [*out, *lead]
         n_out = w.ndim - n_in
         return jnp.moveaxis(y, tuple(range(n_out)), tuple(range(y.ndim - n_out, y.ndim)))
@@ -64,14 +72,15 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
 
 @contextlib.contextmanager
 def weight_major_rows(limit: int):
-    """Trace-time override of WEIGHT_MAJOR_MAX_ROWS (0: always the plain contraction), for
-    side-by-side benchmarks and tests. A function jitted inside keeps the form it was traced with."""
-    global WEIGHT_MAJOR_MAX_ROWS
-    old, WEIGHT_MAJOR_MAX_ROWS = WEIGHT_MAJOR_MAX_ROWS, limit
+    """Run `dense` weight-major for at most `limit` rows on any platform (0: always plain), for
+    side-by-side benchmarks and tests. Read at trace time: a function jitted inside keeps the
+    form it was traced with."""
+    global _weight_major_override
+    old, _weight_major_override = _weight_major_override, limit
     try:
         yield
     finally:
-        WEIGHT_MAJOR_MAX_ROWS = old
+        _weight_major_override = old
 
 
 def _param(rngs, shape, axes, dtype, init="normal"):

@@ -47,7 +47,8 @@ def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_i
 def test_cpu_default_is_weight_major_for_decode_rows_only():
     assert jax.default_backend() == "cpu"
     w = jnp.ones((8, 16))
-    limit = model_lib.WEIGHT_MAJOR_MAX_ROWS
+    limit = model_lib.weight_major_max_rows()
+    assert limit == model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS
     assert _has_barrier(dense, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
     assert not _has_barrier(dense, jnp.ones((2, limit, 16)), w)  # prefill / training rows
 
