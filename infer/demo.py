@@ -99,9 +99,10 @@ def main(argv=None) -> int:
           f"(compile time excluded)")
     print(summary_table(records))
     if jax.devices()[0].platform == "cpu":
-        print("(on a 2-core CPU a lossless step costs 1.6-2.4x (K=2) and 2.3-3.8x (K=4, 2 groups) "
-              "an AR step, depending on the machine, so it needs more tokens per forward than that "
-              "to win: benchmarks/step_cost.md; `--calibrate` measures the machine at hand)")
+        print("(on a 2-core CPU a lossless step of this small proposer costs about 2x (K=2) to 3.5x "
+              "(K=4) an AR step, and the timings swing by ~20% from run to run, so it needs more "
+              "tokens per forward than that to win: benchmarks/step_cost.md; `--calibrate` measures "
+              "the machine at hand)")
     shown = ms[1]  # the lossless run
     ids, commits = shown.outputs[args.show], shown.step_commits[args.show]
     colour = sys.stdout.isatty()

@@ -1,5 +1,5 @@
 """`model.dense`: both matmul forms compute the same thing, and each is used where it should be;
-checkpoints of the old [in, out] kernel layout are refused by name."""
+checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,7 @@ def test_model_logits_equal_in_both_forms():
     np.testing.assert_allclose(logits[64], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_checkpoint_with_old_in_out_kernels_is_refused_by_name(tmp_path):
+def test_checkpoint_with_old_kernels_or_a_missing_weight_is_refused_by_name(tmp_path):
     params = jax.tree.map(np.asarray, params_pure_dict(create_model(CFG, seed=0)))
     old = dict(params, layers={i: dict(layer) for i, layer in params["layers"].items()})
     attn = dict(old["layers"][0]["attn"])
@@ -74,6 +74,11 @@ def test_checkpoint_with_old_in_out_kernels_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.q_kernel has shape \(32, 4, 8\).*"
                                               r"\(4, 8, 32\).*\[in, out\]"):
         load_model(str(tmp_path / "old"))
+    missing = dict(params, layers={i: dict(layer) for i, layer in params["layers"].items()})
+    missing["layers"][1] = {k: v for k, v in missing["layers"][1].items() if k != "mlp"}
+    save_params(str(tmp_path / "missing"), missing, CFG)
+    with pytest.raises(CheckpointError, match=r"has no parameter layers\.1\.mlp\."):
+        load_model(str(tmp_path / "missing"))
     save_params(str(tmp_path / "new"), params, CFG)
     restored = load_model(str(tmp_path / "new"))
     np.testing.assert_array_equal(np.asarray(restored.layers[0].attn.q_kernel[...]),
