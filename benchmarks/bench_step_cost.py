@@ -60,15 +60,15 @@ def layer_kernels(model) -> list[jax.Array]:
     return out
 
 
-def under_form(run, weight_major: bool):
-    """`run`, traced and called with `model.dense` forced to one matmul form."""
+def under_form(run, weight_major_limit: int):
+    """`run`, traced and called with `model.dense` weight-major up to `weight_major_limit` rows."""
     def call():
-        with weight_major_rows(CPU_WEIGHT_MAJOR_MAX_ROWS if weight_major else 0):
+        with weight_major_rows(weight_major_limit):
             return run()
     return call
 
 
-FORMS = {"weight_major": True, "plain": False}
+FORMS = {"weight_major": CPU_WEIGHT_MAJOR_MAX_ROWS, "plain": 0}  # form -> weight-major row limit
 
 
 def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
@@ -87,11 +87,11 @@ def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
         return run
 
     runs = {}
-    for form, weight_major in FORMS.items():
+    for form, limit in FORMS.items():
         run = make()  # one jitted function per form: each keeps the form it was traced with
         for t in widths:
             x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in kernels}}
-            runs[(form, t)] = under_form(functools.partial(timed, run, kernels, x), weight_major)
+            runs[(form, t)] = under_form(functools.partial(timed, run, kernels, x), limit)
     return runs
 
 
@@ -103,9 +103,9 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
         dense_s = {k: v / steps for k, v in fastest_interleaved(
             dense_matmul_runs(model, batch, widths, steps), repeats).items()}
         step_runs = {}
-        for form, weight_major in FORMS.items():  # both forms interleaved: ratios side by side
+        for form, limit in FORMS.items():  # both forms interleaved: ratios side by side
             for key, run in decode_step_runs(model, batch, layouts, steps=steps).items():
-                step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, weight_major)
+                step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, limit)
         step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
         row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
                "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()}}

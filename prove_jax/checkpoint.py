@@ -21,7 +21,7 @@ from flax import nnx
 from prove_jax import sharding
 from prove_jax.config import ConfigError, ModelConfig
 from prove_jax.model import Qwen2
-from prove_jax.params import abstract_model
+from prove_jax.params import abstract_model, dotted_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
@@ -196,8 +196,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
 
 
 def _dotted_leaves(tree) -> dict[str, object]:
-    return {".".join(str(getattr(k, "key", k)) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {dotted_path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _check_stored_shapes(params_dir: str, target) -> None:

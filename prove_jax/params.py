@@ -35,7 +35,8 @@ def create_model(cfg: ModelConfig, seed: int = 0, mesh=None,
     return nnx.merge(graphdef, state)
 
 
-def _dotted(path) -> str:
+def dotted_path(path) -> str:
+    """'layers.0.attn.q_kernel' for a jax tree path (dict keys, nnx keys or sequence indices)."""
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
@@ -45,7 +46,7 @@ def flat_params(model_or_state) -> dict[str, jax.Array]:
     flat = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        flat[_dotted(path)] = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        flat[dotted_path(path)] = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
     return flat
 
 
@@ -54,7 +55,7 @@ def param_logical_axes(model) -> dict[str, tuple]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        out[_dotted(path)] = getattr(leaf, "logical_axes", None)
+        out[dotted_path(path)] = getattr(leaf, "logical_axes", None)
     return out
 
 
@@ -63,6 +64,6 @@ def set_flat_params(model, flat: Mapping[str, jax.Array]) -> None:
     state = nnx.state(model, nnx.Param)
     leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     for path, var in leaves:
-        name = _dotted(path)
+        name = dotted_path(path)
         var.set_value(flat[name])
     nnx.update(model, state)

@@ -1,6 +1,8 @@
 """`model.dense`: both matmul forms compute the same thing, and each is used where it should be;
 checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,16 +68,15 @@ def test_model_logits_equal_in_both_forms():
 
 def test_checkpoint_with_old_kernels_or_a_missing_weight_is_refused_by_name(tmp_path):
     params = jax.tree.map(np.asarray, params_pure_dict(create_model(CFG, seed=0)))
-    old = dict(params, layers={i: dict(layer) for i, layer in params["layers"].items()})
-    attn = dict(old["layers"][0]["attn"])
+    old = copy.deepcopy(params)
+    attn = old["layers"][0]["attn"]
     attn["q_kernel"] = np.transpose(attn["q_kernel"], (2, 0, 1))  # [D, H, Dh], as before
-    old["layers"][0] = dict(old["layers"][0], attn=attn)
     save_params(str(tmp_path / "old"), old, CFG)
     with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.q_kernel has shape \(32, 4, 8\).*"
                                               r"\(4, 8, 32\).*\[in, out\]"):
         load_model(str(tmp_path / "old"))
-    missing = dict(params, layers={i: dict(layer) for i, layer in params["layers"].items()})
-    missing["layers"][1] = {k: v for k, v in missing["layers"][1].items() if k != "mlp"}
+    missing = copy.deepcopy(params)
+    del missing["layers"][1]["mlp"]
     save_params(str(tmp_path / "missing"), missing, CFG)
     with pytest.raises(CheckpointError, match=r"has no parameter layers\.1\.mlp\."):
         load_model(str(tmp_path / "missing"))
