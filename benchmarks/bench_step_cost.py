@@ -36,7 +36,7 @@ from prove_jax.params import create_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see LosslessLayout.width)
-LAYOUTS = ((2, 2), (3, 3), (4, 2), (4, 4), (8, 3))  # (K, G) as benchmarked in decode.md
+LAYOUTS = ((2, 2), (3, 3), (4, 2), (4, 4), (6, 2), (8, 2), (8, 3))  # (K, G) as benchmarked in decode.md
 
 
 def ceilings(step_relative: dict[str, float], layouts=LAYOUTS) -> dict[str, dict]:

@@ -38,10 +38,10 @@ if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     DECODE=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1,2 --repeats 1 --lossless-blocks 2x2)
     BF16=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1 --repeats 1 --lossless-blocks 2x2)
 else
-    STEP=(--preset qwen2.5-1.5b --widths 1,4,10,29,64 --layouts 4x2,8x3,8x8 --repeats 3)
+    STEP=(--preset qwen2.5-1.5b --widths 1,4,10,29,64 --layouts 4x2,8x2,8x8 --repeats 3)
     DECODE=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,4,16 --repeats 3
-            --lossless-blocks 4x2,8x3,8x8)
-    BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,16 --repeats 1 --lossless-blocks 4x2,8x3,8x8)
+            --lossless-blocks 4x2,8x2,8x8)
+    BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,16 --repeats 1 --lossless-blocks 4x2,8x2,8x8)
 fi
 
 stage env 60 $PY -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"

@@ -98,7 +98,7 @@ def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5) -> Setting:
 
 DEFAULT_TAUS = (0.95, 0.8, 0.5)
 DEFAULT_TAU_VS = (0.3, 0.1)
-DEFAULT_LOSSLESS = ((2, None), (3, None), (4, None), (4, 2), (6, 3), (6, None), (8, 3))
+DEFAULT_LOSSLESS = ((2, None), (3, None), (4, None), (4, 2), (6, 2), (6, 3), (6, None), (8, 2), (8, 3))
 
 
 def parse_lossless_blocks(text: str) -> tuple[tuple[int, int | None], ...]:

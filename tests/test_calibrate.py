@@ -28,8 +28,12 @@ def test_expected_tokens_per_forward_by_hand():
     assert cal.expected_tokens_per_forward(PROBS, 2, 2) == pytest.approx(0.5 * 1 + 0.5 * 2)
     # K=4 sees min(a, 3): 0.5*1 + 0.2*2 + 0.1*3 + 0.2*4
     assert cal.expected_tokens_per_forward(PROBS, 4, 4) == pytest.approx(2.0)
-    # K=4 with 2 groups serves a in {0, 3}: a = 1, 2 fall back to 0
-    assert cal.expected_tokens_per_forward(PROBS, 4, 2) == pytest.approx(0.2 * 4 + 0.8 * 1)
+    # K=4 with 2 groups serves a in {0, v}, v = real drafts (3 after a step served exactly).
+    # With v = 3 a step commits 2.0 on average and a = 1, 2 (group 0, shifted) leave v = 2, 1;
+    # with v = 2: a in {0, 1, >=2} w.p. .5/.2/.3 commits 1.8 and only a = 1 keeps v = 2; with
+    # v = 1 it commits 1.5 and v returns to 3. Stationary shares 20/27, 5/27, 2/27 of v = 3, 2, 1.
+    assert cal.expected_tokens_per_forward(PROBS, 4, 2) == pytest.approx((20 * 2.0 + 5 * 1.8 + 2 * 1.5) / 27)
+    # every group served: a row always has M fresh drafts, and the chain is the plain expectation
     assert cal.expected_tokens_per_forward(PROBS, 8, 8) == pytest.approx(float(PROBS @ (np.arange(8) + 1)))
 
 

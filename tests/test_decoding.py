@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -16,6 +17,7 @@ from prove_jax.checkpoint import load_model, save_model
 from prove_jax.config import ConfigError, ModelConfig
 from prove_jax.convert import hf_to_flax
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.params import create_model
 from prove_jax.sharding import make_mesh
 from tests.hf_models import make_hf_qwen2
@@ -84,6 +86,26 @@ def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
     res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)
     assert res.output_ids == ar_out.output_ids
     assert (res.accept_hist.sum(1) == res.forwards).all()
+
+
+def test_lossless_layout_serves_at_most_the_real_drafts():
+    """K=3, groups serving 0 and full acceptance: row 0 has both drafts real, row 1 only one
+    (its previous step committed a shifted block), so its top group serves 1 and sits one
+    position earlier, seeing t0 and d_1 only."""
+    layout = LosslessLayout.build(3, 2)  # [t0, d1, d2, g0 m0, g0 m1, g1 m0, g1 m1]
+    served = layout.served(jnp.asarray([2, 1]))
+    assert served.tolist() == [[0, 2], [0, 1]]
+    assert layout.offsets(served).tolist() == [[0, 1, 2, 1, 2, 3, 4], [0, 1, 2, 1, 2, 2, 3]]
+    intra = np.asarray(layout.intra_mask(served)).astype(int)
+    causal = np.tril(np.ones((2, 2), int))
+    for row, j in enumerate((2, 1)):
+        want = np.zeros((7, 7), int)
+        want[:3, :3] = np.tril(np.ones((3, 3), int))
+        want[3:5, :1] = 1  # group 0: t0
+        want[3:5, 3:5] = causal
+        want[5:7, : j + 1] = 1  # top group: t0, d_1..d_j
+        want[5:7, 5:7] = causal
+        assert (intra[row] == want).all(), row
 
 
 def _eos_inside_output(ar_out):

@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from prove_jax import assets
+from prove_jax import assets, humaneval
 from prove_jax.checkpoint import load_config, load_tokenizer
 from prove_jax.corpus import build_corpus, heldout_prompts
 from prove_jax.decoding import DecodeOptions
@@ -37,7 +38,7 @@ def test_shipped_pair_is_small_and_consistent():
 def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     ar, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
     ref = ar.generate(heldout_ids, 40)
-    for k, groups in ((4, None), (8, 3)):
+    for k, groups in ((4, None), (6, 2), (8, 3)):
         dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("lossless", k, max_groups=groups))
         res = dec.generate(heldout_ids, 40)
         assert res.output_ids == ref.output_ids
@@ -50,6 +51,29 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     queued = dec.generate(heldout_ids, 40, batch_size=2)
     assert queued.output_ids == ref.output_ids
     assert list(queued.forwards) == list(res.forwards)  # a request's steps do not depend on its row
+
+
+def test_capped_layout_commits_every_verified_token():
+    """K=4 with 2 groups serves acceptance 0 and full acceptance only. A step that accepts 1 or
+    2 drafts still commits all of them plus the bonus token (its drafts then come from group 0,
+    shifted), so some steps commit 2 or 3 tokens: the unshifted rule could only commit 1 or 4."""
+    ar, tok = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
+    # HumanEval prompts: on them the proposer also accepts part of a block (on the held-out
+    # stdlib prompts it mostly accepts all or nothing)
+    prompts = [tok.encode(p["prompt"])[-96:] for p in humaneval.load_problems(limit=6)]
+    ref = ar.generate(prompts, 48)
+    dec = ar.with_options(DecodeOptions("lossless", 4, max_groups=2, record_steps=True))
+    res = dec.generate(prompts, 48)
+    assert res.output_ids == ref.output_ids
+    partial = 0
+    for row, commits in enumerate(res.step_commits):
+        hist = res.accept_hist[row]
+        assert sum(commits) == len(res.output_ids[row]) and len(commits) == hist.sum()
+        # every step but the last (cut by EOS or the budget) commits its accepted prefix a plus one
+        accepted = np.bincount(np.asarray(commits[:-1]) - 1, minlength=len(hist))
+        assert np.all(accepted <= hist) and (hist - accepted).sum() == 1, (commits, hist)
+        partial += sum(1 for n in commits[:-1] if n in (2, 3))
+    assert partial > 0
 
 
 def test_shipped_verifier_top1_with_proposer_as_verifier_is_ar(heldout_ids):

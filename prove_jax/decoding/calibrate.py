@@ -10,8 +10,8 @@ AR-step time, confirms the best few with short real decodes against AR, and keep
 Acceptance is measured once, with the widest candidate and every group served: its histogram
 of accepted prefix lengths `a` gives every narrower layout too, because MARS drafts are causal
 (the first j masks of a group predict the same tokens whatever masks follow), so a layout with
-K' tokens accepts min(a, K'-1), and one whose groups serve only some lengths commits the largest
-served length <= a, plus the bonus token (see `steps.lossless_step`). Acceptance is kept per
+K' tokens accepts min(a, K'-1); one whose groups serve only some lengths commits as much but
+offers fewer fresh drafts next (see `expected_tokens_per_forward`). Acceptance is kept per
 prompt: a static batch steps until its slowest row is done, so at larger batches the prompts
 that accept least decide what a layout gains.
 
@@ -38,7 +38,7 @@ from prove_jax.model import KVCache, StepMask, causal_mask
 
 # (K, group cap) tried by default: the widths that have paid off somewhere (benchmarks/).
 DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
-    (2, 2), (3, 2), (3, 3), (4, 2), (4, 4), (6, 2), (6, 3), (8, 3), (8, 8))
+    (2, 2), (3, 2), (3, 3), (4, 2), (4, 4), (6, 2), (6, 3), (8, 2), (8, 3), (8, 8))
 
 
 def timed(fn, *args) -> float:
@@ -154,18 +154,39 @@ def _run_steps(graphdef, options, mask_id: int, steps: int, params, state):
 
 
 def expected_tokens_per_forward(accept_probs: np.ndarray, k: int, groups: int | None) -> float:
-    """Expected tokens one lossless step of layout (k, groups) commits.
+    """Expected tokens one lossless step of layout (k, groups) commits, in the long run.
 
-    `accept_probs[a]` = P(the first a drafts match greedy) measured with a wider block; a
-    K-token layout sees min(a, K-1), commits the largest served length <= that, plus one.
+    `accept_probs[a]` = P(the first a drafts match greedy) measured with a wider block and every
+    group served. A step commits its accepted prefix plus one; how many real drafts the next
+    step gets depends on the layout (`steps.lossless_step`): M when a group serves exactly the
+    accepted length a, else M - (a - j) for the largest served j <= a. That makes a Markov
+    chain over the number of real drafts v, in which a row accepts min(a, v) drafts (filler
+    never matches, and the shifted drafts are taken to match as often as fresh ones: optimistic
+    for capped layouts); this returns the tokens per step of its stationary distribution.
+    With every group served (G = K) v is always M and this is E[min(a, K-1)] + 1.
     """
     layout = LosslessLayout.build(k, groups)
-    served = np.asarray(layout.accept_of_group)
-    total = 0.0
-    for a, p in enumerate(np.asarray(accept_probs, np.float64)):
-        a_k = min(a, layout.num_drafts)
-        total += p * (served[served <= a_k].max() + 1)
-    return float(total)
+    m = layout.num_drafts
+    p = np.asarray(accept_probs, np.float64)
+    p_capped = np.zeros(m + 1)
+    np.add.at(p_capped, np.minimum(np.arange(len(p)), m), p)  # a K-token layout sees min(a, K-1)
+    at_least = np.cumsum(p_capped[::-1])[::-1]  # at_least[i] = P(a >= i)
+    static = np.asarray(layout.accept_of_group)
+    move = np.zeros((m + 1, m + 1))  # move[v, v'] = P(next step has v' real drafts | v now)
+    tokens = np.zeros(m + 1)  # expected tokens committed by a step with v real drafts
+    for v in range(m + 1):
+        served = np.minimum(static, v)
+        for a in range(v + 1):
+            p_a = at_least[a] - (at_least[a + 1] if a < v else 0.0)
+            move[v, m - (a - served[served <= a].max())] += p_a
+            tokens[v] += p_a * (a + 1)
+    share = np.full(m + 1, 1.0 / (m + 1))
+    for _ in range(1000):  # power iteration; the chain is small and mixes fast
+        share_next = share @ move
+        if np.abs(share_next - share).max() < 1e-12:
+            break
+        share = share_next
+    return float(share_next @ tokens)
 
 
 def expected_batch_tokens_per_forward(row_probs: np.ndarray, k: int, groups: int | None,

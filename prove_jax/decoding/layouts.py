@@ -23,10 +23,14 @@ import numpy as np
 class LosslessLayout:
     """ProVe-lossless row: [t0, d_1..d_M, group_0 masks, ..., group_{G-1} masks].
 
-    Group g serves acceptance length `accept_of_group[g]` = j: its M masks see t0, d_1..d_j
-    (never d_{j+1}.. nor other groups) and sit at positions p0 + j + 1 .. p0 + j + M, so the mask
-    at p0+j+1+r stands for the unknown token after d_j and predicts the one after it: exactly
-    what MARS trains (a mask at p predicts p+1, seeing clean tokens before the block).
+    Group g serves acceptance length j = min(`accept_of_group[g]`, the row's real drafts): its M
+    masks see t0, d_1..d_j (never d_{j+1}.. nor other groups) and sit at positions p0 + j + 1 ..
+    p0 + j + M, so the mask at p0+j+1+r stands for the unknown token after d_j and predicts the
+    one after it: exactly what MARS trains (a mask at p predicts p+1, seeing clean tokens before
+    the block). Capping at the real drafts (a step after a shifted commit has fewer, see
+    `steps.lossless_step`) keeps the top group on full acceptance, so the row gets a full block
+    of fresh drafts again as soon as it accepts everything it was offered. The served lengths
+    are per row, so positions and the intra-step mask are built per row ([B, T] and [B, T, T]).
     """
     num_drafts: int  # M = K - 1
     accept_of_group: tuple[int, ...]  # sorted, starts at 0
@@ -47,27 +51,42 @@ class LosslessLayout:
     def width(self) -> int:
         return 1 + self.num_drafts * (1 + len(self.accept_of_group))
 
-    def group_start(self, g: int) -> int:
+    def group_start(self, g):
+        """Row slot of group g's first mask (g an int or an int array)."""
         return 1 + self.num_drafts * (1 + g)
 
-    def offsets(self) -> np.ndarray:
-        """Position of each slot relative to t0's position, [T]."""
-        m = self.num_drafts
-        off = list(range(m + 1))
-        for j in self.accept_of_group:
-            off += [j + 1 + r for r in range(m)]
-        return np.asarray(off, np.int32)
+    def served(self, num_valid: jax.Array) -> jax.Array:
+        """Acceptance length each group serves per row, [B, G]: its static length, capped at the
+        row's number of real drafts (a row can accept at most those, so the top group always
+        serves full acceptance)."""
+        return jnp.minimum(jnp.asarray(self.accept_of_group, jnp.int32)[None, :], num_valid[:, None])
 
-    def intra_mask(self) -> np.ndarray:
-        """bool [T, T]: may slot q attend slot k within the step."""
+    def offsets(self, served: jax.Array) -> jax.Array:
+        """Position of each slot relative to t0's position, [B, T], for served lengths [B, G]."""
+        m = self.num_drafts
+        b = served.shape[0]
+        groups = served[:, :, None] + 1 + jnp.arange(m, dtype=jnp.int32)[None, None, :]  # [B, G, M]
+        verify = jnp.broadcast_to(jnp.arange(m + 1, dtype=jnp.int32)[None], (b, m + 1))
+        return jnp.concatenate([verify, groups.reshape(b, -1)], axis=1)
+
+    def intra_mask(self, served: jax.Array) -> jax.Array:
+        """bool [B, T, T]: may slot q attend slot k within the step. The verify slots are causal;
+        group g's masks see t0, d_1..d_j (j = served[:, g]) and the earlier masks of their group."""
         m, t = self.num_drafts, self.width
-        mask = np.zeros((t, t), bool)
-        mask[: m + 1, : m + 1] = np.tril(np.ones((m + 1, m + 1), bool))
-        for g, j in enumerate(self.accept_of_group):
+        group_of = np.full(t, -1)
+        rank = np.zeros(t, np.int32)
+        for g in range(len(self.accept_of_group)):
             s = self.group_start(g)
-            mask[s: s + m, : j + 1] = True  # t0, d_1..d_j
-            mask[s: s + m, s: s + m] = np.tril(np.ones((m, m), bool))
-        return mask
+            group_of[s: s + m] = g
+            rank[s: s + m] = np.arange(m)
+        idx = np.arange(t)
+        verify = group_of < 0
+        static = (verify[:, None] & verify[None, :] & (idx[None, :] <= idx[:, None])) | (
+            (group_of[:, None] == group_of[None, :]) & ~verify[:, None] & (rank[None, :] <= rank[:, None]))
+        j_of_slot = jnp.take(served, np.maximum(group_of, 0), axis=1)  # [B, T]
+        sees_context = (~verify)[None, :, None] & verify[None, None, :] & (
+            jnp.asarray(idx)[None, None, :] <= j_of_slot[:, :, None])
+        return jnp.asarray(static)[None] | sees_context
 
 
 def propose_layout(block_size: int):

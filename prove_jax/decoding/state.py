@@ -26,6 +26,7 @@ class LoopState:
     cache: KVCache
     cache_len: jax.Array  # [B]
     drafts: jax.Array  # [B, M] lossless drafts for the next step (M >= 1; unused otherwise)
+    draft_len: jax.Array  # [B] how many of them are real predictions (the rest is filler)
     vcache: KVCache | None
     vcache_len: jax.Array  # [B]
     forwards: jax.Array  # [B] proposer forwards while the row was active
@@ -46,7 +47,7 @@ def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, 
     return LoopState(
         step=jnp.int32(0), tokens=tokens, length=prompt_len, prompt_len=prompt_len,
         max_new=max_new, done=max_new <= 0, cache=cache, cache_len=prompt_len - 1,
-        drafts=jnp.full((b, num_drafts), pad_id, jnp.int32), vcache=vcache,
+        drafts=jnp.full((b, num_drafts), pad_id, jnp.int32), draft_len=zeros, vcache=vcache,
         vcache_len=prompt_len, forwards=zeros, verifier_forwards=zeros,
         accept_hist=jnp.zeros((b, block_size + 1), jnp.int32),
         # every active step commits >= 1 token, so a row takes at most n_slots steps

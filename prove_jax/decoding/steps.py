@@ -116,31 +116,39 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
 def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, mask_id: int):
     """ProVe-lossless: verify last step's drafts and propose the next ones in one forward.
 
-    Row = [t0, d_1..d_M, groups]; g_i = argmax at slot i-1 are exact greedy AR as long as
-    d_1..d_{i-1} were accepted. Commit g_1..g_{a'+1} where a' is the largest group acceptance
-    <= the accepted prefix a; the next drafts are group a''s predictions.
+    Row = [t0, d_1..d_M, groups]; g_i = argmax at slot i-1 is exact greedy AR as long as
+    d_1..d_{i-1} were accepted, so with a = the accepted prefix all of g_1..g_{a+1} are
+    committed. The next drafts come from the group serving j = the largest length <= a: its
+    masks saw t0, d_1..d_j, and mask r predicts the token at p0 + j + 2 + r. When j < a the
+    first a - j of those are already committed, so the drafts are the group's predictions
+    shifted by a - j; the vacated draft slots at the end repeat the last prediction (filler,
+    which verification rejects or, when it is right, accepts), and `draft_len` records how
+    many drafts are real so that the next step's top group serves exactly that many.
+    (Committing only g_1..g_{j+1} would keep a full block of drafts, but loses the verified
+    tokens; measured on the demo proposer it commits fewer tokens per forward everywhere.)
     """
     m = layout.num_drafts
     t = layout.width
     b = state.tokens.shape[0]
-    offsets = jnp.asarray(layout.offsets())
-    intra = jnp.asarray(layout.intra_mask())[None]
+    served = layout.served(state.draft_len)  # [B, G]
     t0 = jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)
     n_mask = t - 1 - m
     toks = jnp.concatenate([t0, state.drafts, jnp.full((b, n_mask), mask_id, jnp.int32)], axis=1)
-    pos = (state.length - 1)[:, None] + offsets[None, :]
-    hidden, cache = model.hidden_states(toks, pos, StepMask(state.cache_len, intra), state.cache)
+    pos = (state.length - 1)[:, None] + layout.offsets(served)
+    hidden, cache = model.hidden_states(toks, pos, StepMask(state.cache_len, layout.intra_mask(served)),
+                                        state.cache)
 
     greedy = jnp.argmax(model.logits(hidden[:, : m + 1]), axis=-1).astype(jnp.int32)  # g_1..g_{M+1}
     a = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M
-    groups = jnp.asarray(layout.accept_of_group)
-    g_idx = jnp.sum(groups[None, :] <= a[:, None], axis=1) - 1  # largest group with j <= a
-    a_eff = groups[g_idx]
-    group_slots = 1 + m * (1 + g_idx)[:, None] + jnp.arange(m)[None, :]
-    drafts = jnp.argmax(_logits_at(model, hidden, group_slots), axis=-1).astype(jnp.int32)
+    g_idx = jnp.sum(served <= a[:, None], axis=1) - 1  # largest served length <= a (group 0 serves 0)
+    shift = a - jnp.take_along_axis(served, g_idx[:, None], axis=1)[:, 0]
+    pred = jnp.minimum(shift[:, None] + jnp.arange(m)[None, :], m - 1)
+    drafts = jnp.argmax(_logits_at(model, hidden, layout.group_start(g_idx)[:, None] + pred),
+                        axis=-1).astype(jnp.int32)
 
     active = ~state.done
-    state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts))
-    state, n_done = commit(state, greedy, a_eff + 1, eos_ids, hist_value=a)
+    state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts),
+                          draft_len=jnp.where(active, m - shift, state.draft_len))
+    state, n_done = commit(state, greedy, a + 1, eos_ids, hist_value=a)
     # t0 and d_1..d_{n-1} now have valid KV; the last committed token is the new pending t0.
     return state.replace(cache_len=state.length - 1)
