@@ -88,7 +88,7 @@ def test_demo_end_to_end(pair, capsys):
     head = next(i for i, line in enumerate(lines) if line.startswith("mode"))
     assert "tokens/forward" in lines[head] and "agreement with ar" in lines[head]
     rows = [line.split() for line in lines[head + 2: head + 7]]
-    assert [r[:2] for r in rows] == [["ar", "-"], ["lossless", "K=3,G=3"], ["lossless", "K=4,G=2"],
+    assert [r[:2] for r in rows] == [["ar", "-"], ["lossless", "K=3,G=3"], ["lossless", "K=6,G=2"],
                                      ["threshold", "K=4,tau=0.9"], ["verify", "K=4,top1"]]
     assert rows[0][-2:] == ["1.00x", "100.0%"] and rows[1][-1] == rows[2][-1] == "100.0%"  # lossless == AR
     assert "[" in lines[-1]  # not a TTY: brackets per committed block
