@@ -33,6 +33,12 @@ def test_expected_tokens_per_forward_by_hand():
     # with v = 2: a in {0, 1, >=2} w.p. .5/.2/.3 commits 1.8 and only a = 1 keeps v = 2; with
     # v = 1 it commits 1.5 and v returns to 3. Stationary shares 20/27, 5/27, 2/27 of v = 3, 2, 1.
     assert cal.expected_tokens_per_forward(PROBS, 4, 2) == pytest.approx((20 * 2.0 + 5 * 1.8 + 2 * 1.5) / 27)
+    # one group (serving 0): a full acceptance commits 4 but leaves no real drafts, and the next
+    # step commits 1 and restores them, so the chain alternates: 2.5 tokens per step
+    assert cal.expected_tokens_per_forward(np.array([0, 0, 0, 1.0]), 4, 1) == pytest.approx(2.5)
+    # half the time 2 accepted: 3 committed, 1 real draft left, then 1 accepted, 2 committed, 2
+    # real drafts left, then 2 accepted again...: a row ends up alternating 3 and 2 tokens
+    assert cal.expected_tokens_per_forward(np.array([0, 0, 0.5, 0.5]), 4, 1) == pytest.approx(2.5)
     # every group served: a row always has M fresh drafts, and the chain is the plain expectation
     assert cal.expected_tokens_per_forward(PROBS, 8, 8) == pytest.approx(float(PROBS @ (np.arange(8) + 1)))
 

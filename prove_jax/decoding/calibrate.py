@@ -180,10 +180,15 @@ def expected_tokens_per_forward(accept_probs: np.ndarray, k: int, groups: int | 
             p_a = at_least[a] - (at_least[a + 1] if a < v else 0.0)
             move[v, m - (a - served[served <= a].max())] += p_a
             tokens[v] += p_a * (a + 1)
-    share = np.full(m + 1, 1.0 / (m + 1))
-    for _ in range(1000):  # power iteration; the chain is small and mixes fast
-        share_next = share @ move
-        if np.abs(share_next - share).max() < 1e-12:
+    # Power iteration from a row's real start (its first step has no drafts and leaves M) on the
+    # lazy chain (stay put with probability 1/2): same stationary distribution, but aperiodic,
+    # so it converges even where the chain alternates (one group: a full acceptance leaves no
+    # real drafts, and the next step restores them).
+    lazy = 0.5 * (move + np.eye(m + 1))
+    share = np.eye(m + 1)[m]
+    for _ in range(10_000):
+        share_next = share @ lazy
+        if np.abs(share_next - share).max() < 1e-13:
             break
         share = share_next
     return float(share_next @ tokens)
