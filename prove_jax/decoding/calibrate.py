@@ -171,11 +171,10 @@ def expected_tokens_per_forward(accept_probs: np.ndarray, k: int, groups: int | 
     p_capped = np.zeros(m + 1)
     np.add.at(p_capped, np.minimum(np.arange(len(p)), m), p)  # a K-token layout sees min(a, K-1)
     at_least = np.cumsum(p_capped[::-1])[::-1]  # at_least[i] = P(a >= i)
-    static = np.asarray(layout.accept_of_group)
+    served_by_v = np.asarray(layout.served(np.arange(m + 1)))  # [v, group]: the engine's own rule
     move = np.zeros((m + 1, m + 1))  # move[v, v'] = P(next step has v' real drafts | v now)
     tokens = np.zeros(m + 1)  # expected tokens committed by a step with v real drafts
-    for v in range(m + 1):
-        served = np.minimum(static, v)
+    for v, served in enumerate(served_by_v):
         for a in range(v + 1):
             p_a = at_least[a] - (at_least[a + 1] if a < v else 0.0)
             move[v, m - (a - served[served <= a].max())] += p_a
