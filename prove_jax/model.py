@@ -42,6 +42,13 @@ _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 # is as fast there. Crossover measured at 64-96 rows for Qwen2.5-0.5B shapes (2-core EPYC).
 CPU_WEIGHT_MAJOR_MAX_ROWS = 64
 _weight_major_override: int | None = None  # set by `weight_major_rows`
+# XLA:CPU's dot kernels cover the weight-major product's columns (the token rows) in tiles of 8;
+# a ragged last tile past 4 rows costs about as much as a whole extra tile or more (at both the
+# demo's and Qwen2.5-0.5B's shapes, 2-core EPYC: 10 rows cost 1.3x 16, 29 rows 1.2x 32). So
+# weight-major products of more than this many rows are padded with zero rows to a multiple of
+# DOT_ROW_TILE. Up to 4 rows (AR steps at small batch) run as they are: 1 row costs half of 8.
+DOT_ROW_TILE = 8
+DOT_UNPADDED_MAX_ROWS = 4
 
 
 def weight_major_max_rows() -> int:
@@ -57,17 +64,31 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     For the few rows of a decode step, XLA:CPU's dot kernels (YNNPACK) are several times faster
     with the weight as the left operand, w @ x^T, than as x @ w^T: at Qwen2.5-0.5B shapes a
     16-row step costs 1.8x a one-row step instead of 3.2x (benchmarks/step_cost.md). The
-    barrier keeps XLA from folding the transpose back into the dot. Elsewhere the plain
-    contraction, whose layout XLA chooses itself.
+    barrier keeps XLA from folding the transpose back into the dot. The rows are padded to
+    whole kernel tiles (`padded_dot_rows`). Elsewhere the plain contraction, whose layout XLA
+    chooses itself.
     """
     x_in = tuple(range(x.ndim - n_in, x.ndim))
     w_in = tuple(range(w.ndim - n_in, w.ndim))
-    rows = math.prod(x.shape[:x.ndim - n_in])
+    lead = x.shape[:x.ndim - n_in]
+    rows = math.prod(lead)
     if rows <= weight_major_max_rows():
-        y = jax.lax.optimization_barrier(jnp.tensordot(w, x, axes=(w_in, x_in)))  # [*out, *lead]
-        n_out = w.ndim - n_in
-        return jnp.moveaxis(y, tuple(range(n_out)), tuple(range(y.ndim - n_out, y.ndim)))
+        x_rows = x.reshape(rows, *x.shape[x.ndim - n_in:])  # [R, *in]
+        padded = padded_dot_rows(rows)
+        if padded != rows:
+            x_rows = jnp.pad(x_rows, ((0, padded - rows),) + ((0, 0),) * n_in)
+        y = jax.lax.optimization_barrier(  # [*out, R']
+            jnp.tensordot(w, x_rows, axes=(w_in, tuple(range(1, n_in + 1)))))
+        y = jnp.moveaxis(y[..., :rows], -1, 0)  # [R, *out]
+        return y.reshape(*lead, *y.shape[1:])
     return jnp.tensordot(x, w, axes=(x_in, w_in))
+
+
+def padded_dot_rows(rows: int) -> int:
+    """Token rows a weight-major product of `rows` rows runs with (see DOT_ROW_TILE)."""
+    if rows <= DOT_UNPADDED_MAX_ROWS:
+        return rows
+    return -(-rows // DOT_ROW_TILE) * DOT_ROW_TILE
 
 
 @contextlib.contextmanager

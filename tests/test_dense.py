@@ -4,6 +4,7 @@ checkpoints of the old [in, out] kernel layout, or missing a weight, are refused
 import copy
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,14 @@ CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_laye
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (jnp functions are jitted) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
+
+
 def _has_barrier(fn, *args) -> bool:
     return "optimization_barrier" in str(jax.make_jaxpr(fn)(*args))
 
@@ -26,6 +35,7 @@ def _has_barrier(fn, *args) -> bool:
     ((3, 5, 16), (4, 6, 16), 1),  # q/k/v: [B, T, D] x [N, Dh, D]
     ((2, 7, 4, 6), (16, 4, 6), 2),  # o: [B, T, H, Dh] x [D, H, Dh]
     ((1, 1, 16), (40, 16), 1),  # one AR row, mlp
+    ((2, 3, 16), (40, 16), 1),  # 6 rows: padded to 8 in the weight-major form
 ])
 def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_in):
     rng = np.random.default_rng(0)
@@ -44,6 +54,21 @@ def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_i
         results[limit] = grads
     for a, b in zip(results[0], results[10_000]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,want", [(1, 1), (4, 4), (5, 8), (8, 8), (10, 16), (16, 16), (29, 32)])
+def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
+    assert model_lib.padded_dot_rows(rows) == want
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((1, rows, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+    with weight_major_rows(64):
+        jaxpr = jax.make_jaxpr(dense)(x, w).jaxpr
+        out = dense(x, w)
+    pads = [e.outvars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "pad"]
+    assert pads == ([] if want == rows else [(want, 16)])
+    assert out.shape == (1, rows, 40)  # the zero rows are cut off again
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_default_is_weight_major_for_decode_rows_only():
