@@ -1,11 +1,12 @@
-"""What a wide decode step costs on this device: one decode step vs its width, in both matmul forms.
+"""What a wide decode step costs on this device: one decode step vs its width, in each matmul form.
 
 Times, inside a jitted `fori_loop` against a static KV cache (200 slots filled, 384-slot
 buffer): one forward of T new tokens, relative to T=1; the decoder layers' matmuls alone at
 each width (where the cost of a few extra tokens comes from on this device); and the engine's
 whole decode step of each lossless layout, relative to an AR step. The matmuls and the steps
-are timed side by side in both forms `model.dense` can take (weight-major, its CPU default for
-decode steps, and plain). For the demo proposer's
+are timed side by side in the forms `model.dense` can take (weight-major, its CPU default for
+decode steps, with its rows padded to whole kernel tiles; the same unpadded; and plain). For
+the demo proposer's
 shapes at batch 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost
 does not depend on the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per step
 needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
@@ -31,7 +32,7 @@ from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import CPU_WEIGHT_MAJOR_MAX_ROWS, dense, weight_major_rows
+from prove_jax.model import CPU_WEIGHT_MAJOR_MAX_ROWS, dense, dot_row_padding, weight_major_rows
 from prove_jax.params import create_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,15 +61,21 @@ def layer_kernels(model) -> list[jax.Array]:
     return out
 
 
-def under_form(run, weight_major_limit: int):
-    """`run`, traced and called with `model.dense` weight-major up to `weight_major_limit` rows."""
+def under_form(run, form: str):
+    """`run`, traced and called with `model.dense` in `form` (see FORMS)."""
+    weight_major_limit, pad = FORMS[form]
+
     def call():
-        with weight_major_rows(weight_major_limit):
+        with weight_major_rows(weight_major_limit), dot_row_padding(pad):
             return run()
     return call
 
 
-FORMS = {"weight_major": CPU_WEIGHT_MAJOR_MAX_ROWS, "plain": 0}  # form -> weight-major row limit
+# form -> (weight-major row limit, tile padding of the rows); "weight_major" is the CPU default
+FORMS = {"weight_major": (CPU_WEIGHT_MAJOR_MAX_ROWS, True), "unpadded": (CPU_WEIGHT_MAJOR_MAX_ROWS, False),
+         "plain": (0, False)}
+SUFFIX = {"weight_major": "", "unpadded": "_unpadded", "plain": "_plain"}  # of the JSON keys
+FORM_NAMES = {"weight_major": "weight-major", "unpadded": "weight-major, rows unpadded", "plain": "plain"}
 
 
 def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
@@ -87,11 +94,11 @@ def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
         return run
 
     runs = {}
-    for form, limit in FORMS.items():
+    for form in FORMS:
         run = make()  # one jitted function per form: each keeps the form it was traced with
         for t in widths:
             x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in kernels}}
-            runs[(form, t)] = under_form(functools.partial(timed, run, kernels, x), limit)
+            runs[(form, t)] = under_form(functools.partial(timed, run, kernels, x), form)
     return runs
 
 
@@ -103,14 +110,14 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
         dense_s = {k: v / steps for k, v in fastest_interleaved(
             dense_matmul_runs(model, batch, widths, steps), repeats).items()}
         step_runs = {}
-        for form, limit in FORMS.items():  # both forms interleaved: ratios side by side
+        for form in FORMS:  # all forms interleaved: ratios side by side
             for key, run in decode_step_runs(model, batch, layouts, steps=steps).items():
-                step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, limit)
+                step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, form)
         step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
         row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
                "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()}}
         for form in FORMS:
-            suffix = "" if form == "weight_major" else "_plain"
+            suffix = SUFFIX[form]
             dense_f = {t: dense_s[(form, t)] for t in widths}
             step_ms = {key: v * 1e3 for (f, key), v in step_s.items() if f == form}
             step_rel = {key: v / step_ms["AR"] for key, v in step_ms.items()}
@@ -121,10 +128,12 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
         rows.append(row)
         print(name, batch, {t: round(v / ms[1], 2) for t, v in ms.items()},
               {key: round(v, 2) for key, v in row["decode_step_relative_to_ar"].items()},
+              "unpadded:", {key: round(v, 2) for key, v in row["decode_step_unpadded_relative_to_ar"].items()},
               "plain:", {key: round(v, 2) for key, v in row["decode_step_plain_relative_to_ar"].items()},
               flush=True)
     return {"name": name, "params": cfg.num_params, "widths": list(widths),
             "layouts": [list(x) for x in layouts], "weight_major_max_rows": CPU_WEIGHT_MAJOR_MAX_ROWS,
+            "forms": list(FORMS),
             "rows": rows}
 
 
@@ -161,7 +170,9 @@ def markdown(models: list[dict]) -> list[str]:
              "*Weight-major* is what `model.dense` runs on CPU for at most "
              f"{models[0].get('weight_major_max_rows', CPU_WEIGHT_MAJOR_MAX_ROWS)} token rows: W @ x^T, "
              "the weight as the dot's left operand; *plain* is x @ W^T, the contraction as written (what runs "
-             "for more rows, and on accelerators). Both "
+             "for more rows, and on accelerators). Weight-major rows are padded with zero rows to "
+             "whole 8-row kernel tiles past 4 rows (`model.padded_dot_rows`); *unpadded* is the "
+             "weight-major form without that. All "
              "forms are timed in the same run, interleaved, on the same weights.", ""]
     for m in models:
         widths = m["widths"]
@@ -169,25 +180,26 @@ def markdown(models: list[dict]) -> list[str]:
         lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "", "Forward of T tokens:", ""]
         lines += _width_table(m["rows"], widths, "forward")
         lines += ["", "The decoder layers' matmuls alone (every layer weight times x [B*T, D]; no "
-                  "attention, norms or LM head), ms per step, in both forms:", "",
+                  "attention, norms or LM head), ms per step, in each form:", "",
                   "| batch | form | " + " | ".join(f"T={t}" for t in widths) + " |",
                   "|---|---|" + "---|" * len(widths)]
         for r in m["rows"]:
-            for form, suffix in (("weight-major", ""), ("plain", "_plain")):
-                lines.append(f"| {r['batch_size']} | {form} | " + " | ".join(
-                    f"{r['dense_matmuls' + suffix + '_ms'][str(t)]:.2f}" for t in widths) + " |")
+            for form in m.get("forms", ("weight_major", "plain")):
+                lines.append(f"| {r['batch_size']} | {FORM_NAMES[form]} | " + " | ".join(
+                    f"{r['dense_matmuls' + SUFFIX[form] + '_ms'][str(t)]:.2f}" for t in widths) + " |")
         lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
                   "speedup over AR with a perfect proposer (K tokens every step), weight-major (the "
                   "engine's form on CPU):", ""]
         lines += _ceiling_table(m["rows"], layouts, "")
         lines += ["", "The same with plain matmuls:", ""]
         lines += _ceiling_table(m["rows"], layouts, "_plain")
-        lines += ["", "Step time plain / weight-major (above 1: weight-major is faster):", "",
-                  "| batch | AR | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
-        for r in m["rows"]:
-            w, p = r["decode_step_ms"], r["decode_step_plain_ms"]
-            lines.append(f"| {r['batch_size']} | " + " | ".join(
-                f"{p[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
+        for form in [f for f in m.get("forms", ("weight_major", "plain")) if f != "weight_major"]:
+            lines += ["", f"Step time {FORM_NAMES[form]} / weight-major (above 1: weight-major is faster):", "",
+                      "| batch | AR | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
+            for r in m["rows"]:
+                w, other = r["decode_step_ms"], r["decode_step" + SUFFIX[form] + "_ms"]
+                lines.append(f"| {r['batch_size']} | " + " | ".join(
+                    f"{other[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
         lines.append("")
     lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
               " --repeats 15`"]

@@ -49,6 +49,7 @@ _weight_major_override: int | None = None  # set by `weight_major_rows`
 # DOT_ROW_TILE. Up to 4 rows (AR steps at small batch) run as they are: 1 row costs half of 8.
 DOT_ROW_TILE = 8
 DOT_UNPADDED_MAX_ROWS = 4
+_pad_dot_rows = True  # set by `dot_row_padding`
 
 
 def weight_major_max_rows() -> int:
@@ -86,9 +87,21 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
 
 def padded_dot_rows(rows: int) -> int:
     """Token rows a weight-major product of `rows` rows runs with (see DOT_ROW_TILE)."""
-    if rows <= DOT_UNPADDED_MAX_ROWS:
+    if not _pad_dot_rows or rows <= DOT_UNPADDED_MAX_ROWS:
         return rows
     return -(-rows // DOT_ROW_TILE) * DOT_ROW_TILE
+
+
+@contextlib.contextmanager
+def dot_row_padding(enabled: bool):
+    """Turn the tile padding of weight-major rows on or off, for side-by-side benchmarks. Read
+    at trace time, like `weight_major_rows`."""
+    global _pad_dot_rows
+    old, _pad_dot_rows = _pad_dot_rows, enabled
+    try:
+        yield
+    finally:
+        _pad_dot_rows = old
 
 
 @contextlib.contextmanager

@@ -59,6 +59,8 @@ def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_i
 @pytest.mark.parametrize("rows,want", [(1, 1), (4, 4), (5, 8), (8, 8), (10, 16), (16, 16), (29, 32)])
 def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
     assert model_lib.padded_dot_rows(rows) == want
+    with model_lib.dot_row_padding(False):  # the benchmarks' side-by-side switch
+        assert model_lib.padded_dot_rows(rows) == rows
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((1, rows, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)

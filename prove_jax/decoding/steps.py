@@ -149,6 +149,6 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
     active = ~state.done
     state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts),
                           draft_len=jnp.where(active, m - shift, state.draft_len))
-    state, n_done = commit(state, greedy, a + 1, eos_ids, hist_value=a)
+    state, _ = commit(state, greedy, a + 1, eos_ids, hist_value=a)
     # t0 and d_1..d_{n-1} now have valid KV; the last committed token is the new pending t0.
     return state.replace(cache_len=state.length - 1)
