@@ -44,8 +44,9 @@ CPU_WEIGHT_MAJOR_MAX_ROWS = 64
 _weight_major_override: int | None = None  # set by `weight_major_rows`
 # XLA:CPU's dot kernels time as if they covered the weight-major product's columns (the token
 # rows) in tiles of 8 (measured, not documented): a ragged last tile past 4 rows costs about as
-# much as a whole extra tile or more (2-core EPYC, dense-only timings at the demo's and
-# Qwen2.5-0.5B's shapes: 10 rows cost 1.3-1.5x what 16 do, 29 rows 1.1x what 32 do). So
+# much as a whole extra tile or more (2-core EPYC, benchmarks/step_cost.md: the demo's layer
+# matmuls at 7-10 rows take 1.5x longer unpadded than padded, at 29 rows 1.3x; Qwen2.5-0.5B's
+# at 9 rows 1.3x). So
 # weight-major products of more than this many rows are padded with zero rows to a multiple of
 # DOT_ROW_TILE. Up to 4 rows (AR steps at small batch) run as they are: 1 row costs half of 8.
 DOT_ROW_TILE = 8
