@@ -46,9 +46,9 @@ _weight_major_override: int | None = None  # set by `weight_major_rows`
 # rows) in tiles of 8 (measured, not documented): a ragged last tile past 4 rows costs about as
 # much as a whole extra tile or more (2-core EPYC, benchmarks/step_cost.md: the demo's layer
 # matmuls at 7-10 rows take 1.5x longer unpadded than padded, at 29 rows 1.3x; Qwen2.5-0.5B's
-# at 9 rows 1.3x). So
-# weight-major products of more than this many rows are padded with zero rows to a multiple of
-# DOT_ROW_TILE. Up to 4 rows (AR steps at small batch) run as they are: 1 row costs half of 8.
+# at 9 rows 1.3x). So weight-major products of more than DOT_UNPADDED_MAX_ROWS rows are padded
+# with zero rows to a multiple of DOT_ROW_TILE. Up to 4 rows (AR steps at small batch) run as
+# they are: 1 row costs half of 8.
 DOT_ROW_TILE = 8
 DOT_UNPADDED_MAX_ROWS = 4
 _pad_dot_rows = True  # set by `dot_row_padding`
