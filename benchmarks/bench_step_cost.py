@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import platform
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,21 +62,28 @@ def layer_kernels(model) -> list[jax.Array]:
     return out
 
 
+class Form(NamedTuple):
+    """A form `model.dense` can take: at most `weight_major_limit` rows weight-major, the rows
+    padded to whole tiles or not; `suffix` tags its JSON keys, `title` its markdown rows."""
+    weight_major_limit: int
+    pad: bool
+    suffix: str
+    title: str
+
+
+FORMS = {"weight_major": Form(CPU_WEIGHT_MAJOR_MAX_ROWS, True, "", "weight-major"),  # the CPU default
+         "unpadded": Form(CPU_WEIGHT_MAJOR_MAX_ROWS, False, "_unpadded", "weight-major, rows unpadded"),
+         "plain": Form(0, False, "_plain", "plain")}
+
+
 def under_form(run, form: str):
     """`run`, traced and called with `model.dense` in `form` (see FORMS)."""
-    weight_major_limit, pad = FORMS[form]
+    f = FORMS[form]
 
     def call():
-        with weight_major_rows(weight_major_limit), dot_row_padding(pad):
+        with weight_major_rows(f.weight_major_limit), dot_row_padding(f.pad):
             return run()
     return call
-
-
-# form -> (weight-major row limit, tile padding of the rows); "weight_major" is the CPU default
-FORMS = {"weight_major": (CPU_WEIGHT_MAJOR_MAX_ROWS, True), "unpadded": (CPU_WEIGHT_MAJOR_MAX_ROWS, False),
-         "plain": (0, False)}
-SUFFIX = {"weight_major": "", "unpadded": "_unpadded", "plain": "_plain"}  # of the JSON keys
-FORM_NAMES = {"weight_major": "weight-major", "unpadded": "weight-major, rows unpadded", "plain": "plain"}
 
 
 def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
@@ -117,7 +125,7 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
         row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
                "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()}}
         for form in FORMS:
-            suffix = SUFFIX[form]
+            suffix = FORMS[form].suffix
             dense_f = {t: dense_s[(form, t)] for t in widths}
             step_ms = {key: v * 1e3 for (f, key), v in step_s.items() if f == form}
             step_rel = {key: v / step_ms["AR"] for key, v in step_ms.items()}
@@ -184,20 +192,20 @@ def markdown(models: list[dict]) -> list[str]:
                   "| batch | form | " + " | ".join(f"T={t}" for t in widths) + " |",
                   "|---|---|" + "---|" * len(widths)]
         for r in m["rows"]:
-            for form in m.get("forms", ("weight_major", "plain")):
-                lines.append(f"| {r['batch_size']} | {FORM_NAMES[form]} | " + " | ".join(
-                    f"{r['dense_matmuls' + SUFFIX[form] + '_ms'][str(t)]:.2f}" for t in widths) + " |")
+            for form in m["forms"]:
+                lines.append(f"| {r['batch_size']} | {FORMS[form].title} | " + " | ".join(
+                    f"{r['dense_matmuls' + FORMS[form].suffix + '_ms'][str(t)]:.2f}" for t in widths) + " |")
         lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
                   "speedup over AR with a perfect proposer (K tokens every step), weight-major (the "
                   "engine's form on CPU):", ""]
         lines += _ceiling_table(m["rows"], layouts, "")
         lines += ["", "The same with plain matmuls:", ""]
         lines += _ceiling_table(m["rows"], layouts, "_plain")
-        for form in [f for f in m.get("forms", ("weight_major", "plain")) if f != "weight_major"]:
-            lines += ["", f"Step time {FORM_NAMES[form]} / weight-major (above 1: weight-major is faster):", "",
+        for form in [f for f in m["forms"] if f != "weight_major"]:
+            lines += ["", f"Step time {FORMS[form].title} / weight-major (above 1: weight-major is faster):", "",
                       "| batch | AR | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
             for r in m["rows"]:
-                w, other = r["decode_step_ms"], r["decode_step" + SUFFIX[form] + "_ms"]
+                w, other = r["decode_step_ms"], r["decode_step" + FORMS[form].suffix + "_ms"]
                 lines.append(f"| {r['batch_size']} | " + " | ".join(
                     f"{other[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
         lines.append("")
