@@ -4,10 +4,9 @@ Times, inside a jitted `fori_loop` against a static KV cache (200 slots filled, 
 buffer): one forward of T new tokens, relative to T=1; the decoder layers' matmuls alone at
 each width (where the cost of a few extra tokens comes from on this device); and the engine's
 whole decode step of each lossless layout, relative to an AR step. The matmuls and the steps
-are timed side by side in the forms `model.dense` can take (weight-major, its CPU default for
-decode steps, with its rows padded to whole kernel tiles; the same unpadded; and plain). For
-the demo proposer's
-shapes at batch 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost
+are timed side by side in the forms `model.dense` can take for decode steps (weight-major, its
+rows padded to whole kernel tiles; the same unpadded; input-major; plain); ratios are against
+this CPU's default form (`model.default_cpu_form`). For the demo proposer's shapes at batch 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost
 does not depend on the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per step
 needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
 step) would reach: the ceiling of ProVe-lossless on that hardware.
@@ -29,11 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from prove_jax import assets
+from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import CPU_WEIGHT_MAJOR_MAX_ROWS, dense, dot_row_padding, weight_major_rows
+from prove_jax.model import CPU_DECODE_MAX_ROWS, decode_matmul, default_cpu_form, dense, dot_row_padding
 from prove_jax.params import create_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,17 +63,19 @@ def layer_kernels(model) -> list[jax.Array]:
 
 
 class Form(NamedTuple):
-    """A form `model.dense` can take: at most `weight_major_limit` rows weight-major, the rows
-    padded to whole tiles or not; `suffix` tags its JSON keys, `title` its markdown rows."""
-    weight_major_limit: int
+    """A form `model.dense` can take for up to CPU_DECODE_MAX_ROWS rows (`matmul`, one of
+    model.MATMUL_FORMS), weight-major rows padded to whole tiles or not; `suffix` tags its JSON
+    keys, `title` its markdown rows."""
+    matmul: str
     pad: bool
     suffix: str
     title: str
 
 
-FORMS = {"weight_major": Form(CPU_WEIGHT_MAJOR_MAX_ROWS, True, "", "weight-major"),  # the CPU default
-         "unpadded": Form(CPU_WEIGHT_MAJOR_MAX_ROWS, False, "_unpadded", "weight-major, rows unpadded"),
-         "plain": Form(0, False, "_plain", "plain")}
+FORMS = {"weight_major": Form("weight_major", True, "_weight_major", "weight-major"),
+         "unpadded": Form("weight_major", False, "_unpadded", "weight-major, rows unpadded"),
+         "input_major": Form("input_major", True, "_input_major", "input-major"),
+         "plain": Form("plain", False, "_plain", "plain")}
 
 
 def under_form(run, form: str):
@@ -81,14 +83,14 @@ def under_form(run, form: str):
     f = FORMS[form]
 
     def call():
-        with weight_major_rows(f.weight_major_limit), dot_row_padding(f.pad):
+        with decode_matmul(f.matmul, CPU_DECODE_MAX_ROWS), dot_row_padding(f.pad):
             return run()
     return call
 
 
 def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
     """{(form, T): run} timing the decoder layers' matmuls alone (`model.dense` of x [B*T, in]
-    with every layer weight; no attention, norms or LM head) in both matmul forms: isolates how
+    with every layer weight; no attention, norms or LM head) in every matmul form: isolates how
     XLA's dot kernels scale with T."""
     kernels = layer_kernels(model)
 
@@ -134,15 +136,13 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
                         f"decode_step{suffix}_ms": step_ms, f"decode_step{suffix}_relative_to_ar": step_rel,
                         f"lossless_ceiling{suffix}": ceilings(step_rel, layouts)})
         rows.append(row)
-        print(name, batch, {t: round(v / ms[1], 2) for t, v in ms.items()},
-              {key: round(v, 2) for key, v in row["decode_step_relative_to_ar"].items()},
-              "unpadded:", {key: round(v, 2) for key, v in row["decode_step_unpadded_relative_to_ar"].items()},
-              "plain:", {key: round(v, 2) for key, v in row["decode_step_plain_relative_to_ar"].items()},
-              flush=True)
+        print(name, batch, "forward vs T=1:", {t: round(v / ms[1], 2) for t, v in ms.items()}, flush=True)
+        for form, f in FORMS.items():
+            print(f"  step vs AR, {f.title}:", {key: round(v, 2) for key, v in
+                                                 row[f"decode_step{f.suffix}_relative_to_ar"].items()}, flush=True)
     return {"name": name, "params": cfg.num_params, "widths": list(widths),
-            "layouts": [list(x) for x in layouts], "weight_major_max_rows": CPU_WEIGHT_MAJOR_MAX_ROWS,
-            "forms": list(FORMS),
-            "rows": rows}
+            "layouts": [list(x) for x in layouts], "decode_max_rows": CPU_DECODE_MAX_ROWS,
+            "forms": list(FORMS), "default_form": default_cpu_form(), "rows": rows}
 
 
 def _width_table(rows: list[dict], widths, key: str) -> list[str]:
@@ -169,19 +169,22 @@ def _ceiling_table(rows: list[dict], layouts, suffix: str) -> list[str]:
 
 def markdown(models: list[dict]) -> list[str]:
     dev = jax.devices()[0]
-    lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores, float32)", "",
+    cpu = cpu_description()
+    lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores{', ' + cpu if cpu else ''}, "
+             "float32)", "",
              "Fastest of interleaved runs, 200 committed tokens in a 384-slot KV cache. "
              "*Forward*: one model forward of T new tokens, relative to T=1. *Decode step*: the "
              "engine's whole step (forward, LM head on the rows it needs, acceptance, commit) of "
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "
              "A layout pays off only when it commits more tokens per step than its step costs.", "",
-             "*Weight-major* is what `model.dense` runs on CPU for at most "
-             f"{models[0].get('weight_major_max_rows', CPU_WEIGHT_MAJOR_MAX_ROWS)} token rows: W @ x^T, "
-             "the weight as the dot's left operand; *plain* is x @ W^T, the contraction as written (what runs "
-             "for more rows, and on accelerators). Weight-major rows are padded with zero rows to "
-             "whole 8-row kernel tiles past 4 rows (`model.padded_dot_rows`); *unpadded* is the "
-             "weight-major form without that. All "
-             "forms are timed in the same run, interleaved, on the same weights.", ""]
+             "The forms `model.dense` can run a decode step's at most "
+             f"{models[0]['decode_max_rows']} token rows in: *weight-major*, W @ x^T, the weight as "
+             "the dot's left operand, its rows padded with zero rows to whole 8-row kernel tiles "
+             "past 4 rows (`model.padded_dot_rows`; *unpadded*: without that); *input-major*, "
+             "x @ t(W) with the weight transposed to [in, out] once, outside the loop; *plain*, "
+             "x @ W^T as written (what runs for more rows, and on accelerators). This CPU's "
+             f"default (`model.default_cpu_form`) is **{FORMS[models[0]['default_form']].title}**. "
+             "All forms are timed in the same run, interleaved, on the same weights.", ""]
     for m in models:
         widths = m["widths"]
         layouts = [f"K={k},G={g}" for k, g in m["layouts"]]
@@ -195,17 +198,19 @@ def markdown(models: list[dict]) -> list[str]:
             for form in m["forms"]:
                 lines.append(f"| {r['batch_size']} | {FORMS[form].title} | " + " | ".join(
                     f"{r['dense_matmuls' + FORMS[form].suffix + '_ms'][str(t)]:.2f}" for t in widths) + " |")
+        default = FORMS[m["default_form"]]
         lines += ["", "Decode step, and the lossless ceiling: tokens per step needed to break even / "
-                  "speedup over AR with a perfect proposer (K tokens every step), weight-major (the "
-                  "engine's form on CPU):", ""]
-        lines += _ceiling_table(m["rows"], layouts, "")
-        lines += ["", "The same with plain matmuls:", ""]
-        lines += _ceiling_table(m["rows"], layouts, "_plain")
-        for form in [f for f in m["forms"] if f != "weight_major"]:
-            lines += ["", f"Step time {FORMS[form].title} / weight-major (above 1: weight-major is faster):", "",
+                  "speedup over AR with a perfect proposer (K tokens every step), in each form, AR "
+                  "in the same form:"]
+        for form in m["forms"]:
+            lines += ["", f"{FORMS[form].title}{' (the default)' if FORMS[form] == default else ''}:", ""]
+            lines += _ceiling_table(m["rows"], layouts, FORMS[form].suffix)
+        for form in [f for f in m["forms"] if FORMS[f] != default]:
+            lines += ["", f"Step time {FORMS[form].title} / {default.title} (above 1: {default.title} "
+                      "is faster):", "",
                       "| batch | AR | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
             for r in m["rows"]:
-                w, other = r["decode_step_ms"], r["decode_step" + FORMS[form].suffix + "_ms"]
+                w, other = r["decode_step" + default.suffix + "_ms"], r["decode_step" + FORMS[form].suffix + "_ms"]
                 lines.append(f"| {r['batch_size']} | " + " | ".join(
                     f"{other[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
         lines.append("")
@@ -239,7 +244,7 @@ def main(argv=None) -> None:
     for name, cfg, batches, repeats, steps in runs:  # results written after each model
         models.append(measure(name, cfg, batches, repeats=repeats, steps=steps, widths=args.widths,
                               layouts=args.layouts))
-        result = {"device": str(jax.devices()[0]), "machine": platform.machine(),
+        result = {"device": str(jax.devices()[0]), "machine": platform.machine(), "cpu": cpu_description(),
                   "cpu_count": os.cpu_count(), "jax": jax.__version__, "models": models}
         atomic_write_text(os.path.join(args.out_dir, "step_cost.json"), json.dumps(result, indent=1) + "\n")
         atomic_write_text(os.path.join(args.out_dir, "step_cost.md"), "\n".join(markdown(models)) + "\n")

@@ -129,6 +129,7 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
         "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": args.dtype,
         "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
         "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "cpu": bench_lib.cpu_description(),
     }
     if peers_on:
         import torch
@@ -145,7 +146,8 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         "# Decoding benchmark (`python -m infer.benchmark`)\n\n"
         f"Proposer `{meta['proposer']}`, verifier `{meta['verifier']}`; {meta['prompts']}, "
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
-        f"{meta['cpu_count']} cores), jax {meta['jax']}{peers}; {meta['compute_dtype']}; {meta['date']}.\n\n"
+        f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
+        f"{meta['compute_dtype']}; {meta['date']}.\n\n"
         "All ratios are side by side in one run: speedup and agreement are against our `ar` "
         "measured in the same run at the same batch size. Each setting was warmed up once "
         f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "

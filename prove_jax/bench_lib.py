@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import statistics
 import sys
 import time
 from typing import Callable, Sequence
+
+import jax
 
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
@@ -40,6 +43,21 @@ BATCH1_ONLY = ("hf_assisted", "hf_prompt_lookup")  # transformers supports batch
 
 class BenchError(ValueError):
     """Bad benchmark options (unknown mode, empty prompt set, bad batch size...)."""
+
+
+def cpu_description() -> str:
+    """The CPU model (Linux), its AVX-512 support and the matmul form decode steps use on it;
+    "" off CPU. Benchmark machines differ between runs, and so does what is fastest on them."""
+    if jax.default_backend() != "cpu":
+        return ""
+    from prove_jax.model import cpu_has_avx512, default_cpu_form
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {'AVX-512' if cpu_has_avx512() else 'no AVX-512'}, {default_cpu_form()} matmuls"
 
 
 def log(msg: str) -> None:

@@ -15,7 +15,7 @@ inside the decode loop (see `KVCache` and `Attention`).
 
 Weights keep HF's (torch's) [out, in] order, heads split out: q [H, Dh, D], k/v [K, Dh, D],
 o [D, H, Dh], gate/up [F, D], down [D, F], lm_head [V, D]. Conversion is then a reshape, and
-`dense` can put the weight on the left where that is faster (decode steps on CPU).
+`dense` can run a decode step's few rows in the form that is fastest on the CPU at hand.
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, Dh head dim, F mlp width, V vocab.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,18 @@ _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 # On CPU, a projection of at most this many token rows (a decode step: batch x step width) runs
-# weight-major (see `dense`); more rows (prefill, training) run as the plain contraction, which
-# is as fast there. Crossover measured at 64-96 rows for Qwen2.5-0.5B shapes (2-core EPYC).
-CPU_WEIGHT_MAJOR_MAX_ROWS = 64
-_weight_major_override: int | None = None  # set by `weight_major_rows`
+# in the CPU's decode form (see `dense`); more rows (prefill, training) run as the plain
+# contraction, which is as fast there. Crossover measured at 64-96 rows for Qwen2.5-0.5B shapes
+# (2-core AVX2 EPYC, weight-major form).
+CPU_DECODE_MAX_ROWS = 64
+# The forms `dense` can give those rows. weight_major: w @ x^T, the weight as the dot's left
+# operand. input_major: x @ w^T with w transposed to [*in, *out] once (the transpose is
+# loop-invariant, so XLA hoists it out of the decode loop). plain: x @ w^T as written.
+MATMUL_FORMS = ("weight_major", "input_major", "plain")
+# Environment override of the CPU decode form (one of MATMUL_FORMS), for a CPU the default
+# below was not measured on.
+MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"
+_form_override: tuple[str, int] | None = None  # set by `decode_matmul`
 # XLA:CPU's dot kernels time as if they covered the weight-major product's columns (the token
 # rows) in tiles of 8 (measured, not documented): a ragged last tile past 4 rows costs about as
 # much as a whole extra tile or more (2-core EPYC, benchmarks/step_cost.md: the demo's layer
@@ -54,37 +63,74 @@ DOT_UNPADDED_MAX_ROWS = 4
 _pad_dot_rows = True  # set by `dot_row_padding`
 
 
-def weight_major_max_rows() -> int:
-    """Most token rows `dense` runs weight-major: the override, else the platform's default."""
-    if _weight_major_override is not None:
-        return _weight_major_override
-    return CPU_WEIGHT_MAJOR_MAX_ROWS if jax.default_backend() == "cpu" else 0
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether this (Linux) CPU reports AVX-512F; False where /proc/cpuinfo is unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+def default_cpu_form() -> str:
+    """The CPU decode form: `PROVE_JAX_CPU_MATMUL` if set, else by instruction set.
+
+    Measured on two 2-core EPYCs (benchmarks/step_cost.md): on an AVX2-only one, weight-major
+    made a 16-row step of the demo model's layer matmuls 2x cheaper than plain; on an AVX-512
+    one (Zen 5) it was no better than plain and input-major was 1.3-1.6x cheaper than both. Two
+    machines are all this rule rests on; the step-cost benchmark measures the forms side by side.
+    """
+    form = os.environ.get(MATMUL_FORM_ENV)
+    if form:
+        if form not in MATMUL_FORMS:
+            raise ValueError(f"{MATMUL_FORM_ENV}={form!r}: choose one of {', '.join(MATMUL_FORMS)}")
+        return form
+    return "input_major" if cpu_has_avx512() else "weight_major"
+
+
+def decode_matmul_form() -> tuple[str, int]:
+    """(form, most token rows it is used for) that `dense` applies now: the `decode_matmul`
+    override, else the CPU default for up to CPU_DECODE_MAX_ROWS rows; accelerators: plain."""
+    if _form_override is not None:
+        return _form_override
+    if jax.default_backend() == "cpu":
+        return default_cpu_form(), CPU_DECODE_MAX_ROWS
+    return "plain", 0
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., *in] times w [*out, *in] -> [..., *out]; w stores output features major, as HF does.
 
-    For the few rows of a decode step, XLA:CPU's dot kernels (YNNPACK) are several times faster
-    with the weight as the left operand, w @ x^T, than as x @ w^T: at Qwen2.5-0.5B shapes a
-    16-row step costs 1.8x a one-row step instead of 3.2x (benchmarks/step_cost.md). The
-    barrier keeps XLA from folding the transpose back into the dot. The rows are padded to
-    whole kernel tiles (`padded_dot_rows`). Elsewhere the plain contraction, whose layout XLA
-    chooses itself.
+    For the few rows of a decode step, XLA:CPU's dot kernels run much faster in another form
+    than x @ w^T as written; which one depends on the CPU (`default_cpu_form`):
+    - weight_major, w @ x^T: at Qwen2.5-0.5B shapes on an AVX2 EPYC a 16-row step cost 1.8x a
+      one-row step instead of 3.2x. The rows are padded to whole kernel tiles
+      (`padded_dot_rows`).
+    - input_major, x @ t(w) with t(w) [*in, *out]: the standard row-major product. The
+      transposed weight is loop-invariant, so in the decode loop XLA computes it once, before
+      the loop (tests/test_dense.py checks the compiled loop).
+    An optimization barrier keeps XLA from folding the transpose back into the dot. Elsewhere
+    the plain contraction, whose layout XLA chooses itself.
     """
     x_in = tuple(range(x.ndim - n_in, x.ndim))
     w_in = tuple(range(w.ndim - n_in, w.ndim))
     lead = x.shape[:x.ndim - n_in]
     rows = math.prod(lead)
-    if rows <= weight_major_max_rows():
-        x_rows = x.reshape(rows, *x.shape[x.ndim - n_in:])  # [R, *in]
-        padded = padded_dot_rows(rows)
-        if padded != rows:
-            x_rows = jnp.pad(x_rows, ((0, padded - rows),) + ((0, 0),) * n_in)
-        y = jax.lax.optimization_barrier(  # [*out, R']
-            jnp.tensordot(w, x_rows, axes=(w_in, tuple(range(1, n_in + 1)))))
-        y = jnp.moveaxis(y[..., :rows], -1, 0)  # [R, *out]
-        return y.reshape(*lead, *y.shape[1:])
-    return jnp.tensordot(x, w, axes=(x_in, w_in))
+    form, max_rows = decode_matmul_form()
+    if rows > max_rows or form == "plain":
+        return jnp.tensordot(x, w, axes=(x_in, w_in))
+    if form == "input_major":
+        w_t = jax.lax.optimization_barrier(jnp.transpose(w, w_in + tuple(range(w.ndim - n_in))))
+        return jnp.tensordot(x, w_t, axes=(x_in, tuple(range(n_in))))
+    x_rows = x.reshape(rows, *x.shape[x.ndim - n_in:])  # [R, *in]
+    padded = padded_dot_rows(rows)
+    if padded != rows:
+        x_rows = jnp.pad(x_rows, ((0, padded - rows),) + ((0, 0),) * n_in)
+    y = jax.lax.optimization_barrier(  # [*out, R']
+        jnp.tensordot(w, x_rows, axes=(w_in, tuple(range(1, n_in + 1)))))
+    y = jnp.moveaxis(y[..., :rows], -1, 0)  # [R, *out]
+    return y.reshape(*lead, *y.shape[1:])
 
 
 def padded_dot_rows(rows: int) -> int:
@@ -97,7 +143,7 @@ def padded_dot_rows(rows: int) -> int:
 @contextlib.contextmanager
 def dot_row_padding(enabled: bool):
     """Turn the tile padding of weight-major rows on or off, for side-by-side benchmarks. Read
-    at trace time, like `weight_major_rows`."""
+    at trace time, like `decode_matmul`."""
     global _pad_dot_rows
     old, _pad_dot_rows = _pad_dot_rows, enabled
     try:
@@ -107,16 +153,18 @@ def dot_row_padding(enabled: bool):
 
 
 @contextlib.contextmanager
-def weight_major_rows(limit: int):
-    """Run `dense` weight-major for at most `limit` rows on any platform (0: always plain), for
-    side-by-side benchmarks and tests. Read at trace time: a function jitted inside keeps the
-    form it was traced with."""
-    global _weight_major_override
-    old, _weight_major_override = _weight_major_override, limit
+def decode_matmul(form: str, max_rows: int = CPU_DECODE_MAX_ROWS):
+    """Run `dense` in `form` (one of MATMUL_FORMS) for at most `max_rows` rows on any platform,
+    for side-by-side benchmarks and tests. Read at trace time: a function jitted inside keeps
+    the form it was traced with."""
+    global _form_override
+    if form not in MATMUL_FORMS:
+        raise ValueError(f"unknown matmul form {form!r}; choose one of {', '.join(MATMUL_FORMS)}")
+    old, _form_override = _form_override, (form, max_rows)
     try:
         yield
     finally:
-        _weight_major_override = old
+        _form_override = old
 
 
 def _param(rngs, shape, axes, dtype, init="normal"):

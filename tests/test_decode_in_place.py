@@ -1,4 +1,5 @@
-"""The compiled decode loop updates the KV cache in place: no step copies a whole cache buffer.
+"""The compiled decode loop updates the KV cache in place and reads the weights as they lie: no
+step copies a whole cache buffer or a whole weight.
 
 A decode step reads the cache and writes T slots of it. If XLA cannot do that in place it
 copies or transposes every layer's whole buffer on every step, a cost proportional to the
@@ -6,16 +7,21 @@ buffer length that silently dominated small-model decode steps (the [B, S, K, Dh
 transposed each buffer per step; a single-window write at batch 1 was duplicated into its
 readers and copied four times). This test reads the optimised HLO of the real engine program
 and counts copy/transpose instructions of cache-buffer shape inside its while loops: outside a
-loop (prefill, set-up) they run once and do not matter.
+loop (prefill, set-up) they run once and do not matter. The same holds for the weights: the
+input-major matmul form transposes each weight once, before the loop, never per step.
 """
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from prove_jax.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.model import MATMUL_FORMS, decode_matmul
 from prove_jax.params import create_model
 
 # head_dim 24 keeps cache buffers [B, K, S, 24] from sharing a shape with any score tensor
@@ -53,13 +59,13 @@ def _loop_computations(comps: dict[str, list[str]]) -> set[str]:
     return seen
 
 
-def cache_moves_in_loops(hlo: str, cache_shape: tuple[int, ...]) -> list[str]:
-    """copy/transpose instructions inside loops whose shape is the cache buffer's (any order,
-    size-1 dims ignored, as XLA bitcasts them away)."""
-    want = sorted(d for d in cache_shape if d != 1)
+def moves_of_shape(hlo: str, shape: tuple[int, ...], in_loops: bool = True) -> list[str]:
+    """copy/transpose instructions (inside loops, or anywhere) of `shape` (any order, size-1
+    dims ignored, as XLA bitcasts them away)."""
+    want = sorted(d for d in shape if d != 1)
     comps = _computations(hlo)
     found = []
-    for name in _loop_computations(comps):
+    for name in (_loop_computations(comps) if in_loops else comps):
         for line in comps[name]:
             m = re.search(r"= f32\[([0-9,]*)\]\{[^}]*\} (copy|transpose)\(", line)
             if m and sorted(int(d) for d in m.group(1).split(",") if d and int(d) != 1) == want:
@@ -96,5 +102,26 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
     # (a queue admits a request by prefilling one row inside the loop, once per request: those
     # buffers have one row, so with rows > 1 they do not match the batch's and are allowed)
     for shape in shapes:
-        moves = cache_moves_in_loops(hlo, shape)
+        moves = moves_of_shape(hlo, shape)
         assert not moves, f"{len(moves)} whole-cache copies per step, e.g. {moves[0]}"
+
+
+@pytest.mark.parametrize("form", [f for f in MATMUL_FORMS if f != "plain"])
+def test_decode_loop_never_moves_a_weight(models, form):
+    """One row (so no activation in the loop has a weight's shape), in both CPU decode forms.
+    (The plain form is not among them: XLA:CPU transposes the k/v kernels on every step.)"""
+    proposer, _ = models
+    with decode_matmul(form):
+        decoder = Decoder(proposer, [1], DecodeOptions("lossless", 4, max_groups=2))
+        result = decoder.generate([[2, 3, 4]], 40, batch_size=1)
+    assert len(result.output_ids[0]) > 0
+    (compiled, _), = decoder._compiled.values()
+    hlo = compiled.as_text()
+    weights = {tuple(x.shape) for x in jax.tree.leaves(nnx.state(proposer, nnx.Param)) if x.ndim > 1}
+    assert (CFG.intermediate_size, CFG.hidden_size) in weights  # gate/up kernels [F, D]
+    for shape in weights:
+        moves = moves_of_shape(hlo, shape)
+        assert not moves, f"{form}: weight {shape} moved on every step, e.g. {moves[0]}"
+    # not vacuous: the input-major form does transpose the weights, once, before the loop
+    moved_once = [s for s in weights if moves_of_shape(hlo, s, in_loops=False)]
+    assert bool(moved_once) == (form == "input_major"), moved_once

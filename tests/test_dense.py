@@ -1,5 +1,5 @@
-"""`model.dense`: both matmul forms compute the same thing, and each is used where it should be;
-checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name."""
+"""`model.dense`: every matmul form computes the same thing, and each is used where it should be
+(the input-major weight transpose happens once, outside the decode loop); checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name."""
 
 import copy
 
@@ -12,7 +12,7 @@ import pytest
 from prove_jax import model as model_lib
 from prove_jax.checkpoint import CheckpointError, load_model, params_pure_dict, save_params
 from prove_jax.config import ModelConfig
-from prove_jax.model import causal_mask, dense, weight_major_rows
+from prove_jax.model import MATMUL_FORMS, causal_mask, decode_matmul, dense
 from prove_jax.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -37,7 +37,7 @@ def _has_barrier(fn, *args) -> bool:
     ((1, 1, 16), (40, 16), 1),  # one AR row, mlp
     ((2, 3, 16), (40, 16), 1),  # 6 rows: padded to 8 in the weight-major form
 ])
-def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_in):
+def test_matmul_forms_agree_values_and_gradients(x_shape, w_shape, n_in):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
@@ -45,15 +45,16 @@ def test_weight_major_and_plain_agree_values_and_gradients(x_shape, w_shape, n_i
     want = np.tensordot(np.asarray(x, np.float64), np.asarray(w, np.float64), axes=axes)
     loss = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in)))
     results = {}
-    for limit in (0, 10_000):
-        with weight_major_rows(limit):
-            assert _has_barrier(lambda x, w: dense(x, w, n_in), x, w) == (limit > 0)
+    for form in MATMUL_FORMS:
+        with decode_matmul(form, 10_000):
+            assert _has_barrier(lambda x, w: dense(x, w, n_in), x, w) == (form != "plain")
             out = dense(x, w, n_in)
             grads = jax.grad(loss, argnums=(0, 1))(x, w)
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-        results[limit] = grads
-    for a, b in zip(results[0], results[10_000]):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        results[form] = grads
+    for form in MATMUL_FORMS:
+        for a, b in zip(results[form], results["plain"]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows,want", [(1, 1), (4, 4), (5, 8), (8, 8), (10, 16), (16, 16), (29, 32)])
@@ -64,7 +65,7 @@ def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((1, rows, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
-    with weight_major_rows(64):
+    with decode_matmul("weight_major"):
         jaxpr = jax.make_jaxpr(dense)(x, w).jaxpr
         out = dense(x, w)
     pads = [e.outvars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "pad"]
@@ -73,24 +74,36 @@ def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_default_is_weight_major_for_decode_rows_only():
+def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert jax.default_backend() == "cpu"
+    monkeypatch.delenv(model_lib.MATMUL_FORM_ENV, raising=False)
+    form, limit = model_lib.decode_matmul_form()
+    assert form == ("input_major" if model_lib.cpu_has_avx512() else "weight_major")
+    assert limit == model_lib.CPU_DECODE_MAX_ROWS
     w = jnp.ones((8, 16))
-    limit = model_lib.weight_major_max_rows()
-    assert limit == model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS
     assert _has_barrier(dense, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
     assert not _has_barrier(dense, jnp.ones((2, limit, 16)), w)  # prefill / training rows
+    monkeypatch.setenv(model_lib.MATMUL_FORM_ENV, "plain")  # the override for other CPUs
+    assert model_lib.decode_matmul_form() == ("plain", limit)
+    assert not _has_barrier(dense, jnp.ones((2, 3, 16)), w)
+    monkeypatch.setenv(model_lib.MATMUL_FORM_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major, input_major, plain"):
+        model_lib.decode_matmul_form()
+    with pytest.raises(ValueError, match="unknown matmul form 'transposed'"):
+        with decode_matmul("transposed"):
+            pass
 
 
-def test_model_logits_equal_in_both_forms():
+def test_model_logits_equal_in_every_form():
     model = create_model(CFG, seed=1)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 9)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
     logits = {}
-    for limit in (0, 64):
-        with weight_major_rows(limit):
-            logits[limit] = np.asarray(model(tokens, positions, causal_mask(2, 9))[0])
-    np.testing.assert_allclose(logits[64], logits[0], rtol=1e-5, atol=1e-5)
+    for form in MATMUL_FORMS:
+        with decode_matmul(form):
+            logits[form] = np.asarray(model(tokens, positions, causal_mask(2, 9))[0])
+    for form in MATMUL_FORMS:
+        np.testing.assert_allclose(logits[form], logits["plain"], rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_with_old_kernels_or_a_missing_weight_is_refused_by_name(tmp_path):
