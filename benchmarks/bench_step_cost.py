@@ -172,7 +172,10 @@ def markdown(models: list[dict]) -> list[str]:
     cpu = cpu_description()
     lines = [f"# Decode step cost vs width ({dev.platform}, {os.cpu_count()} cores{', ' + cpu if cpu else ''}, "
              "float32)", "",
-             "Fastest of interleaved runs, 200 committed tokens in a 384-slot KV cache. "
+             "Fastest of interleaved runs, 200 committed tokens in a 384-slot KV cache. Times are "
+             "per step of a loop of 20 steps (3 at the preset shapes), all of one call: the "
+             "input-major form's once-per-call weight transposes are spread over those steps, "
+             "so at the preset shapes its rows mostly show what transposing the weights costs. "
              "*Forward*: one model forward of T new tokens, relative to T=1. *Decode step*: the "
              "engine's whole step (forward, LM head on the rows it needs, acceptance, commit) of "
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "
@@ -215,7 +218,7 @@ def markdown(models: list[dict]) -> list[str]:
                     f"{other[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
         lines.append("")
     lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
-              " --repeats 15`"]
+              " --repeats 9`"]
     return lines
 
 

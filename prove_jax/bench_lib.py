@@ -50,14 +50,16 @@ def cpu_description() -> str:
     "" off CPU. Benchmark machines differ between runs, and so does what is fastest on them."""
     if jax.default_backend() != "cpu":
         return ""
-    from prove_jax.model import cpu_has_avx512, default_cpu_form
-    name = platform.processor() or platform.machine()
+    from prove_jax.model import default_cpu_form
+    name, avx512 = platform.processor() or platform.machine(), False
     try:
         with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+            lines = f.read().splitlines()
+        name = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), name)
+        avx512 = any(l.startswith("flags") and " avx512f" in l for l in lines)
     except OSError:
         pass
-    return f"{name}, {'AVX-512' if cpu_has_avx512() else 'no AVX-512'}, {default_cpu_form()} matmuls"
+    return f"{name}, {'AVX-512' if avx512 else 'no AVX-512'}, {default_cpu_form()} matmuls"
 
 
 def log(msg: str) -> None:

@@ -41,52 +41,45 @@ _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 # On CPU, a projection of at most this many token rows (a decode step: batch x step width) runs
 # in the CPU's decode form (see `dense`); more rows (prefill, training) run as the plain
 # contraction, which is as fast there. Crossover measured at 64-96 rows for Qwen2.5-0.5B shapes
-# (2-core AVX2 EPYC, weight-major form).
+# (2-core AVX2 EPYC, weight-major form; not remeasured for input-major).
 CPU_DECODE_MAX_ROWS = 64
 # The forms `dense` can give those rows. weight_major: w @ x^T, the weight as the dot's left
 # operand. input_major: x @ w^T with w transposed to [*in, *out] once (the transpose is
 # loop-invariant, so XLA hoists it out of the decode loop). plain: x @ w^T as written.
 MATMUL_FORMS = ("weight_major", "input_major", "plain")
-# Environment override of the CPU decode form (one of MATMUL_FORMS), for a CPU the default
-# below was not measured on.
+# Environment override of the CPU decode form (one of MATMUL_FORMS): input_major for small
+# models on CPUs where it measures faster (see `default_cpu_form`), or a CPU not measured here.
 MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"
 _form_override: tuple[str, int] | None = None  # set by `decode_matmul`
 # XLA:CPU's dot kernels time as if they covered the weight-major product's columns (the token
 # rows) in tiles of 8 (measured, not documented): a ragged last tile past 4 rows costs about as
-# much as a whole extra tile or more (2-core EPYC, benchmarks/step_cost.md: the demo's layer
-# matmuls at 7-10 rows take 1.5x longer unpadded than padded, at 29 rows 1.3x; Qwen2.5-0.5B's
-# at 9 rows 1.3x). So weight-major products of more than DOT_UNPADDED_MAX_ROWS rows are padded
-# with zero rows to a multiple of DOT_ROW_TILE. Up to 4 rows (AR steps at small batch) run as
-# they are: 1 row costs half of 8.
+# much as a whole extra tile or more (2-core AVX2 EPYC, benchmarks/step_cost.md as of 399fbc0:
+# the demo's layer matmuls at 7-10 rows take 1.5x longer unpadded than padded, at 29 rows
+# 1.3x; Qwen2.5-0.5B's at 9 rows 1.3x). So weight-major products of more than
+# DOT_UNPADDED_MAX_ROWS rows are padded with zero rows to a multiple of DOT_ROW_TILE. Up to 4
+# rows (AR steps at small batch) run as they are: 1 row costs half of 8.
 DOT_ROW_TILE = 8
 DOT_UNPADDED_MAX_ROWS = 4
 _pad_dot_rows = True  # set by `dot_row_padding`
 
 
-@functools.cache
-def cpu_has_avx512() -> bool:
-    """Whether this (Linux) CPU reports AVX-512F; False where /proc/cpuinfo is unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:
-        return False
-
-
 def default_cpu_form() -> str:
-    """The CPU decode form: `PROVE_JAX_CPU_MATMUL` if set, else by instruction set.
+    """The CPU decode form: `PROVE_JAX_CPU_MATMUL` if set, else weight-major.
 
-    Measured on two 2-core EPYCs (benchmarks/step_cost.md): on an AVX2-only one, weight-major
-    made a 16-row step of the demo model's layer matmuls 2x cheaper than plain; on an AVX-512
-    one (Zen 5) it was no better than plain and input-major was 1.3-1.6x cheaper than both. Two
-    machines are all this rule rests on; the step-cost benchmark measures the forms side by side.
+    Weight-major is the form that holds up at real model sizes on both CPUs measured (2-core
+    EPYCs, AVX2 and AVX-512; benchmarks/step_cost.md): at the Qwen2.5-0.5B shape its AR step
+    is 1.5-2.2x faster than plain and its 16-row lossless step costs 2.0-2.2x its AR step.
+    Input-major is opt-in. On the AVX-512 EPYC (Zen 5) it made the demo model's lossless
+    steps up to 20% cheaper in quick decodes, within noise in the step-cost benchmark. It
+    keeps a transposed copy of every weight for each decode call: twice the weight memory,
+    and about a second of transposes per call at the 0.5B shape.
     """
     form = os.environ.get(MATMUL_FORM_ENV)
     if form:
         if form not in MATMUL_FORMS:
             raise ValueError(f"{MATMUL_FORM_ENV}={form!r}: choose one of {', '.join(MATMUL_FORMS)}")
         return form
-    return "input_major" if cpu_has_avx512() else "weight_major"
+    return "weight_major"
 
 
 def decode_matmul_form() -> tuple[str, int]:
@@ -103,13 +96,14 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., *in] times w [*out, *in] -> [..., *out]; w stores output features major, as HF does.
 
     For the few rows of a decode step, XLA:CPU's dot kernels run much faster in another form
-    than x @ w^T as written; which one depends on the CPU (`default_cpu_form`):
+    than x @ w^T as written (`default_cpu_form` picks; weight-major unless overridden):
     - weight_major, w @ x^T: at Qwen2.5-0.5B shapes on an AVX2 EPYC a 16-row step cost 1.8x a
       one-row step instead of 3.2x. The rows are padded to whole kernel tiles
       (`padded_dot_rows`).
     - input_major, x @ t(w) with t(w) [*in, *out]: the standard row-major product. The
-      transposed weight is loop-invariant, so in the decode loop XLA computes it once, before
-      the loop (tests/test_dense.py checks the compiled loop).
+      transposed weight is loop-invariant, so in the decode loop XLA computes it once per
+      call, before the loop (tests/test_decode_in_place.py checks the compiled loop); the
+      copy doubles the weight memory of the call.
     An optimization barrier keeps XLA from folding the transpose back into the dot. Elsewhere
     the plain contraction, whose layout XLA chooses itself.
     """

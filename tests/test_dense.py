@@ -78,7 +78,7 @@ def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(model_lib.MATMUL_FORM_ENV, raising=False)
     form, limit = model_lib.decode_matmul_form()
-    assert form == ("input_major" if model_lib.cpu_has_avx512() else "weight_major")
+    assert form == "weight_major"
     assert limit == model_lib.CPU_DECODE_MAX_ROWS
     w = jnp.ones((8, 16))
     assert _has_barrier(dense, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows

@@ -93,12 +93,13 @@ class DecodeOptions:
 #   weight reads), so wide proposals are nearly free; as the batch grows the step becomes
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
 # - CPU: even with weight-major matmuls (`model.dense`) a whole lossless step at batch 1 costs
-#   1.8x (K=2) to 4.7x (K=8, 3 groups) an AR step for the demo proposer and 1.8x to 3.3x at the
-#   Qwen2.5-0.5B shape, on 2 cores (benchmarks/step_cost.md). Whether lossless pays there
-#   depends on the machine and above all on the proposer (the self-distilled demo proposer
-#   commits 4.4 tokens per forward at K=6 with 2 groups and ran 1.7-1.9x AR at batch 1; an
-#   untrained one commits about 1 and would run 3x slower), which a fixed table cannot know:
-#   on CPU the table is plain AR, and `calibrate.py` (--calibrate) measures.
+#   1.8x (K=2) to 6.5x (K=8, 3 groups) an AR step for the demo proposer and 1.4x to 2.6x at the
+#   Qwen2.5-0.5B shape, on 2 cores (benchmarks/step_cost.md, an AVX-512 EPYC). Whether lossless
+#   pays there depends on the machine and above all on the proposer (the self-distilled demo
+#   proposer commits 4.4 tokens per forward at K=6 with 2 groups: 1.7x AR at batch 1 on an
+#   AVX2 EPYC, about break-even on the faster AVX-512 one; an untrained one commits about 1
+#   and would run 3x slower), which a fixed table cannot know: on CPU the table is plain AR,
+#   and `calibrate.py` (--calibrate) measures.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
