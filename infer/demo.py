@@ -100,10 +100,10 @@ def main(argv=None) -> int:
           f"(compile time excluded)")
     print(summary_table(records))
     if jax.devices()[0].platform == "cpu":
-        print("(on a 2-core CPU a lossless step of this small proposer costs about 1.8x (K=2) to 3.2x "
-              "(16 tokens: K=4, or K=6 with 2 groups) an AR step, and the timings swing by ~15% from "
-              "run to run, so it needs more tokens per forward than that to win: "
-              "benchmarks/step_cost.md; `--calibrate` measures the machine at hand)")
+        print("(on a 2-core CPU a lossless step of this small proposer costs about 1.8x (K=2) to "
+              "3-4.5x (16 tokens: K=4, or K=6 with 2 groups) an AR step, depending on the CPU, and "
+              "the timings swing by ~15% from run to run, so it needs more tokens per forward than "
+              "that to win: benchmarks/step_cost.md; `--calibrate` measures the machine at hand)")
     shown = ms[1]  # the lossless run
     ids, commits = shown.outputs[args.show], shown.step_commits[args.show]
     colour = sys.stdout.isatty()
