@@ -6,9 +6,10 @@ each width (where the cost of a few extra tokens comes from on this device); and
 whole decode step of each lossless layout, relative to an AR step. The matmuls and the steps
 are timed side by side in the forms `model.dense` can take for decode steps (weight-major, its
 rows padded to whole kernel tiles; the same unpadded; input-major; plain); ratios are against
-this CPU's default form (`model.default_cpu_form`). For the demo proposer's shapes at batch 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost
-does not depend on the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per step
-needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
+this CPU's default form (`model.default_cpu_form`). For the demo proposer's shapes at batch
+1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost does not depend on
+the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per
+step needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
 step) would reach: the ceiling of ProVe-lossless on that hardware.
 Writes benchmarks/step_cost.{json,md}.
 

@@ -34,6 +34,7 @@ import jax
 
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.model import default_cpu_form
 
 OUR_MODES = ("ar", "threshold", "lossless", "verify")
 PEER_MODES = ("hf_greedy", "hf_assisted", "hf_prompt_lookup")
@@ -50,7 +51,6 @@ def cpu_description() -> str:
     "" off CPU. Benchmark machines differ between runs, and so does what is fastest on them."""
     if jax.default_backend() != "cpu":
         return ""
-    from prove_jax.model import default_cpu_form
     name, avx512 = platform.processor() or platform.machine(), False
     try:
         with open("/proc/cpuinfo") as f:

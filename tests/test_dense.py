@@ -1,5 +1,6 @@
-"""`model.dense`: every matmul form computes the same thing, and each is used where it should be
-(the input-major weight transpose happens once, outside the decode loop); checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name."""
+"""`model.dense`: every matmul form computes the same thing, and each is used where it should be;
+checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name. (That
+the input-major weight transpose stays out of the decode loop is tests/test_decode_in_place.py.)"""
 
 import copy
 
