@@ -6,6 +6,10 @@ assisted generation with our verifier as the draft, prompt lookup; torch CPU), o
 prompts by default, at batch sizes 1, 4 and 16. Every ratio is against our `ar` measured in
 the same run at the same batch size; repeats are interleaved and the median is reported;
 compile time is excluded from throughput and reported separately. See prove_jax/bench_lib.py.
+
+`--inflate PRESET` runs the proposer embedded in a real Qwen2.5 shape (prove_jax/inflate.py):
+the trained proposer's acceptance at that model's cost per step. `--prefill-baseline` adds each
+mode's speedup with the prompts' prefill (the same work in every mode) taken out.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import tempfile
 
 from prove_jax import assets, bench_lib, humaneval
 from prove_jax.checkpoint import atomic_write_text
-from prove_jax.config import DTYPES
+from prove_jax.config import DTYPES, PRESETS
 
 DEFAULT_OUT = "benchmarks/decode"
 
@@ -71,6 +75,13 @@ def parse_args(argv=None):
                     help="compute and parameter dtype of our modes (default float32; with bfloat16 "
                          "the agreement columns show how often rounding flips a near-tie between "
                          "a wide step and an AR step; needs --no-peers)")
+    ap.add_argument("--inflate", default=None, choices=sorted(PRESETS), metavar="PRESET",
+                    help="run the proposer embedded in a larger preset shape with zero weights "
+                         "(same outputs and tokens per forward, that shape's step cost; see "
+                         "prove_jax/inflate.py): one of " + ", ".join(sorted(PRESETS)))
+    ap.add_argument("--prefill-baseline", action="store_true",
+                    help="also time ar with 1 new token per prompt (the prompts' prefill), "
+                         "interleaved, and add a column: each mode's speedup without prefill")
     ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json)")
     ap.add_argument("--md", default=DEFAULT_OUT + ".md", help="markdown table (default benchmarks/decode.md)")
     ap.add_argument("--png", default=DEFAULT_OUT + ".png",
@@ -115,7 +126,7 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
 
 def _config_summary(cfg) -> dict:
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
-    return {k: getattr(cfg, k) for k in keys}
+    return {k: getattr(cfg, k) for k in keys} | {"num_params": cfg.num_params}
 
 
 def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_threads) -> dict:
@@ -130,6 +141,7 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
         "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
         "cpu_count": os.cpu_count(), "machine": platform.machine(),
         "cpu": bench_lib.cpu_description(),
+        "inflated_to": args.inflate,
     }
     if peers_on:
         import torch
@@ -137,6 +149,32 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
         meta.update(torch=torch.__version__, transformers=transformers.__version__,
                     torch_threads=torch_threads)
     return meta
+
+
+def inflation_note(meta: dict) -> str:
+    """The markdown sentence saying the proposer ran inflated, or ''."""
+    if not meta.get("inflated_to"):
+        return ""
+    c = meta["proposer_config"]
+    return (f"The proposer ran **inflated to the {meta['inflated_to']} shape** "
+            f"({c['num_params'] / 1e6:.0f}M parameters: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, {c['num_layers']} layers, "
+            f"{c['num_heads']}/{c['num_kv_heads']} heads, its own vocabulary of {c['vocab_size']}): "
+            "the trained weights embedded in that shape with every extra weight zero "
+            "(`prove_jax/inflate.py`). It computes the trained proposer's logits up to float "
+            "rounding, so it accepts what that proposer accepts, at the cost per step of that shape "
+            "(bound by weight reads on a CPU, where the demo proposer fits in cache).\n\n")
+
+
+def prefill_note(records: list[dict]) -> str:
+    """The markdown sentence on the prefill baseline (`--prefill-baseline`), or ''."""
+    seen = {r["batch_size"]: r["prefill_seconds"] for r in records if r.get("prefill_seconds")}
+    if not seen:
+        return ""
+    times = ", ".join(f"{s:.2f} s at batch {b}" for b, s in sorted(seen.items()))
+    return ("Prefill baseline: our `ar` with 1 new token per prompt (the prompts' prefill and "
+            f"one step), timed interleaved with the settings, took {times}. Every row's time "
+            "includes that prefill; *speedup without prefill* is each row's generated tokens per "
+            "second of the rest, against AR's.\n\n")
 
 
 def markdown_report(meta: dict, records: list[dict]) -> str:
@@ -148,6 +186,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
         f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
         f"{meta['compute_dtype']}; {meta['date']}.\n\n"
+        + inflation_note(meta) + prefill_note(records) +
         "All ratios are side by side in one run: speedup and agreement are against our `ar` "
         "measured in the same run at the same batch size. Each setting was warmed up once "
         f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "
@@ -187,7 +226,7 @@ def main(argv=None) -> int:
 
         bench_lib.log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
         pair = bench_lib.load_pair(args.model, args.verifier if need_verifier else None,
-                                   dtype=args.dtype, with_head=have_head)
+                                   dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
         from prove_jax.decoding.requests import encode_prompts
         prompts = encode_prompts(records_in, pair.tokenizer)
         prompt_ids = [str(r["id"]) for r in records_in]
@@ -198,7 +237,8 @@ def main(argv=None) -> int:
         bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
                       f"{args.repeats} timed passes each")
         records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
-                                                       batch_sizes, args.repeats, hf_models)
+                                                       batch_sizes, args.repeats, hf_models,
+                                                       prefill_baseline=args.prefill_baseline)
         if pair.tokenizer is not None:
             problems = humaneval.load_problems()
             bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,

@@ -199,12 +199,17 @@ def has_commit_head(verifier_path: str | None) -> bool:
 
 
 def load_pair(model_path: str, verifier_path: str | None = None, dtype: str = "float32",
-              with_head: bool = False) -> ModelPair:
-    """Load checkpoints once (bfloat16 storage is restored as `dtype`)."""
+              with_head: bool = False, inflate_to: str | None = None) -> ModelPair:
+    """Load checkpoints once (bfloat16 storage is restored as `dtype`). `inflate_to`, a preset
+    name: run the proposer embedded in that shape (`prove_jax.inflate`), same outputs."""
     from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
     if not os.path.isdir(model_path):
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     proposer = load_model(model_path, dtype=dtype, param_dtype=dtype)
+    if inflate_to is not None:
+        from prove_jax.config import preset
+        from prove_jax.inflate import inflate
+        proposer = inflate(proposer, preset(inflate_to))
     verifier = head = None
     if verifier_path is not None:
         if not os.path.isdir(verifier_path):
@@ -493,9 +498,14 @@ def convert_for_peers(pair: ModelPair, out_dir: str, need_draft: bool,
 
 def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence[Sequence[int]],
                  max_new_tokens: int, batch_sizes: Sequence[int], repeats: int,
-                 hf_models: dict | None = None, progress: Callable[[str], None] = log
-                 ) -> tuple[list[dict], list[Measurement]]:
-    """Measure every setting at every batch size it supports; records in (batch, setting) order."""
+                 hf_models: dict | None = None, progress: Callable[[str], None] = log,
+                 prefill_baseline: bool = False) -> tuple[list[dict], list[Measurement]]:
+    """Measure every setting at every batch size it supports; records in (batch, setting) order.
+
+    `prefill_baseline`: also time our AR with one new token per prompt, interleaved with the
+    rest (the prompts' prefill and little else), and give each of our records the decode-loop
+    throughput without it (`add_decode_only`).
+    """
     if not prompts:
         raise BenchError("no prompts to decode")
     if max_new_tokens < 1:
@@ -517,11 +527,34 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
                 runners.append(PeerRunner(hf_models, s, prompts, max_new_tokens, b, pair.eos_ids, pair.pad_id))
             else:
                 runners.append(OurRunner(pair, s, prompts, max_new_tokens, b))
+        if prefill_baseline:
+            runners.append(OurRunner(pair, Setting("ar", PREFILL_LABEL, ar_setting().options), prompts, 1, b))
         ms = measure_batch(runners, repeats, progress)
-        for m in ms:
-            records.append(make_record(m, ms[0], max_new_tokens, len(prompts)))
+        prefill = ms.pop() if prefill_baseline else None
+        batch_records = [make_record(m, ms[0], max_new_tokens, len(prompts)) for m in ms]
+        if prefill is not None:
+            add_decode_only(batch_records, prefill.median_seconds)
+        records += batch_records
         measurements += ms
     return records, measurements
+
+
+PREFILL_LABEL = "1 new token (prefill baseline)"
+
+
+def add_decode_only(records: list[dict], prefill_seconds: float) -> None:
+    """Add to our records (same batch size, AR first) the decode loop's share: seconds minus
+    the prefill baseline, and tokens per second over that against AR's. Prefill (the same work
+    in every mode, and compute-bound) is part of every wall-clock ratio; this shows what the
+    decoding mode itself gains. Peers prefill differently: None for them, and for all where
+    the baseline is not shorter than the row's run or AR's (too few new tokens to tell)."""
+    ar_decode = records[0]["seconds_median"] - prefill_seconds
+    for r in records:
+        r["prefill_seconds"] = None if r["peer"] else prefill_seconds
+        decode = r["seconds_median"] - prefill_seconds
+        r["decode_speedup_vs_ar"] = (None if r["peer"] or decode <= 0 or ar_decode <= 0 else
+                                     r["generated_tokens"] / decode
+                                     / (records[0]["generated_tokens"] / ar_decode))
 
 
 # ---- tables ---------------------------------------------------------------------------------------
@@ -531,9 +564,13 @@ def _fmt(x, spec: str) -> str:
 
 
 def markdown_table(records: Sequence[dict]) -> str:
-    """One row per record, in record order."""
-    head = ("| mode | setting | batch | tokens/forward | tok/s | speedup vs ar | agreement (token) "
-            "| exact match | pass@1 | compile s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    """One row per record, in record order; with a prefill baseline (`add_decode_only`), a
+    column of the decode loop's speedup without prefill."""
+    decode_only = any(r.get("decode_speedup_vs_ar") is not None for r in records)
+    extra = " speedup without prefill |" if decode_only else ""
+    head = ("| mode | setting | batch | tokens/forward | tok/s | speedup vs ar |" + extra
+            + " agreement (token) | exact match | pass@1 | compile s |\n"
+            + "|---" * (10 + decode_only) + "|\n")
     rows = []
     for r in records:
         setting = r["setting"]
@@ -543,6 +580,7 @@ def markdown_table(records: Sequence[dict]) -> str:
                         if eff["mode"] == "lossless" else f" ({eff['mode']})")
         rows.append(f"| {r['mode']} | {setting} | {r['batch_size']} | {r['tokens_per_forward']:.2f} "
                     f"| {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_ar'], '.2f')}x "
-                    f"| {100 * r['agreement_with_ar']:.1f}% | {100 * r['exact_match_with_ar']:.0f}% "
+                    + (f"| {_fmt(r.get('decode_speedup_vs_ar'), '.2f')}x " if decode_only else "")
+                    + f"| {100 * r['agreement_with_ar']:.1f}% | {100 * r['exact_match_with_ar']:.0f}% "
                     f"| {_fmt(r['pass_at_1'], '.3f')} | {r['compile_seconds']:.1f} |")
     return head + "\n".join(rows) + "\n"

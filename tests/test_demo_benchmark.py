@@ -111,8 +111,8 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
     rc = benchmark.main(["--model", pair[0], "--verifier", pair[1], "--humaneval", "2",
                          "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "2",
                          "--modes", "ar,lossless,hf_greedy", "--lossless-blocks", "3",
-                         "--no-adaptive", "--torch-threads", "1", "--json", f"{out}.json",
-                         "--md", f"{out}.md", "--png", f"{out}.png"])
+                         "--no-adaptive", "--torch-threads", "1", "--prefill-baseline",
+                         "--json", f"{out}.json", "--md", f"{out}.md", "--png", f"{out}.png"])
     assert rc == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["meta"]["num_prompts"] == 2 and doc["meta"]["torch_threads"] == [1]
@@ -136,12 +136,36 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
         assert sum(ll["ar_match_hist"]) == ll["proposer_forwards"] and len(ll["ar_match_hist"]) == 4
         assert ll["speedup_vs_ar"] == pytest.approx(ll["tokens_per_second"] / ar["tokens_per_second"])
         assert ll["compile_seconds"] > 0
+        # the prefill baseline: timed and taken out of both sides (8 new tokens of a tiny model
+        # cost about what the prefill does, so only the arithmetic is checked here)
+        p = ar["prefill_seconds"]
+        assert p > 0 and ll["prefill_seconds"] == p
+        if ar["seconds_median"] > p and ll["seconds_median"] > p:
+            assert ar["decode_speedup_vs_ar"] == pytest.approx(1.0)
+            assert ll["decode_speedup_vs_ar"] == pytest.approx(
+                (ar["seconds_median"] - p) / (ll["seconds_median"] - p))
+        assert by[("hf_greedy", b)]["decode_speedup_vs_ar"] is None
     # transformers greedy on the HF copy of the same weights is the outside AR oracle
     assert by[("hf_greedy", 1)]["agreement_with_ar"] == 1.0
     assert by[("hf_greedy", 1)]["setting"] == "threads=1"
     md = (tmp_path / "bench.md").read_text()
     assert "side by side in one run" in md and md.count("\n| lossless | K=3,G=3 |") == 2
+    assert "| speedup without prefill |" in md and "Prefill baseline" in md
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
+    recs = [{"peer": False, "generated_tokens": 100, "seconds_median": 12.0},  # ar
+            {"peer": False, "generated_tokens": 100, "seconds_median": 7.0},
+            {"peer": False, "generated_tokens": 90, "seconds_median": 5.0},
+            {"peer": True, "generated_tokens": 100, "seconds_median": 30.0}]
+    bench_lib.add_decode_only(recs, 2.0)
+    assert [r["decode_speedup_vs_ar"] for r in recs[:3]] == pytest.approx([1.0, 2.0, 0.9 * 10 / 3])
+    assert recs[3]["decode_speedup_vs_ar"] is None
+    assert [r["prefill_seconds"] for r in recs] == [2.0, 2.0, 2.0, None]
+    assert "speedup without prefill" not in bench_lib.markdown_table([])
+    bench_lib.add_decode_only(recs, 12.0)  # a baseline as long as AR's run: nothing to tell
+    assert [r["decode_speedup_vs_ar"] for r in recs] == [None] * 4
 
 
 @pytest.mark.parametrize("argv, message", [

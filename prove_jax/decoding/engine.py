@@ -99,7 +99,9 @@ class DecodeOptions:
 #   proposer commits 4.4 tokens per forward at K=6 with 2 groups: 1.7x AR at batch 1 on an
 #   AVX2 EPYC, about break-even on the faster AVX-512 one; an untrained one commits about 1
 #   and would run 3x slower), which a fixed table cannot know: on CPU the table is plain AR,
-#   and `calibrate.py` (--calibrate) measures.
+#   and `calibrate.py` (--calibrate) measures. Measured so on the AVX-512 EPYC with the demo
+#   proposer inflated to the 0.5B shape (benchmarks/decode_0.5b_shape.md): calibrated chose
+#   K=6/2 groups at batch 1 (1.85x AR), K=2/2 at batch 4 (1.18x) and AR at batch 16.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
