@@ -90,10 +90,8 @@ def inflate(model: Qwen2, shape: ModelConfig) -> Qwen2:
         new["lm_head"] = _embed(old["lm_head"], (cfg.vocab_size, d))
     dtype = old["embed"].dtype
     h, kv = cfg.num_heads, cfg.num_kv_heads
-    for i in range(cfg.num_layers):
+    for i in range(src.num_layers):  # the layers past these are identity layers, filled in below
         p = f"layers.{i}."
-        if i >= src.num_layers:
-            continue  # an identity layer: filled in below
         for norm in ("input_norm", "post_attn_norm"):
             new[p + norm + ".weight"] = _embed(old[p + norm + ".weight"] * norm_scale, (d,))
         a = p + "attn."
