@@ -31,8 +31,6 @@ The vocabulary and special tokens stay the source's: the tokenizer must keep wor
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,8 +53,8 @@ def inflated_config(src: ModelConfig, shape: ModelConfig) -> ModelConfig:
         problems.append(f"query heads per kv head {group} < {src_group}")
     if problems:
         raise ConfigError("cannot inflate the model into this shape: " + "; ".join(problems))
-    return dataclasses.replace(
-        src, **{f: getattr(shape, f) for f in SHAPE_FIELDS},
+    return src.replace(
+        **{f: getattr(shape, f) for f in SHAPE_FIELDS},
         rms_norm_eps=src.rms_norm_eps * src.hidden_size / shape.hidden_size,
         rope_theta=src.rope_theta ** (shape.head_dim / src.head_dim))
 

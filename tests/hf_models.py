@@ -25,3 +25,15 @@ def make_hf_qwen2(out_dir, seed: int = 0, bias_std: float = 0.1, **overrides) ->
                 p.normal_(0.0, bias_std)
     model.save_pretrained(str(out_dir))
     return model
+
+
+def hf_greedy(model: transformers.Qwen2ForCausalLM, prompts, max_new_tokens: int, eos_id: int) -> list[list[int]]:
+    """transformers' greedy `generate` of each prompt alone, new tokens only, cut after the
+    first EOS (HF pads after it; our decoder stops there)."""
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos_id, pad_token_id=0)[0, len(p):].tolist()
+        refs.append(out[: out.index(eos_id) + 1] if eos_id in out else out)
+    return refs

@@ -20,7 +20,7 @@ from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.params import create_model
 from prove_jax.sharding import make_mesh
-from tests.hf_models import make_hf_qwen2
+from tests.hf_models import hf_greedy, make_hf_qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -48,13 +48,7 @@ def test_ar_matches_transformers_generate(tmp_path):
     ours = load_model(str(tmp_path / "ours"))
     prompts = _prompts(1, (5, 11, 2, 17))
     res = Decoder(ours, [5], DecodeOptions("ar")).generate(prompts, 20)
-    for p, out in zip(prompts, res.output_ids):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20,
-                              eos_token_id=5, pad_token_id=0)[0, len(p):].tolist()
-        if 5 in ref:  # HF pads after EOS; we stop there
-            ref = ref[: ref.index(5) + 1]
-        assert out == ref
+    assert res.output_ids == hf_greedy(hf, prompts, 20, eos_id=5)
 
 
 def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
@@ -65,12 +59,7 @@ def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
     prompts = _prompts(2, (5, 23, 8, 40))
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12,
-                              eos_token_id=5, pad_token_id=0)[0, len(p):].tolist()
-        refs.append(ref[: ref.index(5) + 1] if 5 in ref else ref)
+    refs = hf_greedy(hf, prompts, 12, eos_id=5)
     for rows in (4, 2):  # a static batch, and a queue whose admitted rows prefill alone
         assert Decoder(ours, [5], DecodeOptions("ar")).generate(prompts, 12, batch_size=rows).output_ids == refs
     # lossless over multi-chunk prompts still equals our AR (the HF model has no <|mask|>)

@@ -7,14 +7,13 @@ reproduce transformers' greedy `generate` of the source model.
 
 import numpy as np
 import pytest
-import torch
 
 from prove_jax import assets, bench_lib, convert
 from prove_jax.checkpoint import load_model, save_model
 from prove_jax.config import ConfigError, ModelConfig, preset
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.inflate import inflate, inflated_config
-from tests.hf_models import make_hf_qwen2
+from tests.hf_models import hf_greedy, make_hf_qwen2
 from tests.test_parity import our_logits, reload_hf, torch_logits
 
 # Source: TINY (hidden 64, 4 heads over 2 kv heads, head_dim 16, 2 layers, MLP 128).
@@ -45,12 +44,7 @@ def test_inflated_weights_give_torch_the_source_logits(tmp_path, tied, head_dim)
     # Our decoder on the inflated model reproduces transformers' greedy decode of the source,
     # in AR and lossless.
     prompts = [[7, 30, 2, 99, 14], [200, 3]]
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12,
-                              eos_token_id=5, pad_token_id=0)[0, len(p):].tolist()
-        refs.append(out[: out.index(5) + 1] if 5 in out else out)
+    refs = hf_greedy(hf, prompts, 12, eos_id=5)
     for options in (DecodeOptions("ar"), DecodeOptions("lossless", 4, max_groups=2)):
         assert Decoder(big, [5], options).generate(prompts, 12).output_ids == refs
 
