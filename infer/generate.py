@@ -56,6 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--head-threshold", type=float, default=None,
                     help="verify/head: commit-head probability to commit (default: the head's own, "
                          "0.5); lower commits more tokens per forward, less often equal to AR")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
     ap.add_argument("--dtype", default="float32", choices=DTYPES,
                     help="compute/param dtype (default float32; bfloat16 on TPU/GPU, where lossless "
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
         options = DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                                 max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                                 confidence=args.confidence, commit_rule=args.commit_rule,
-                                tau_v=args.tau_v, head_threshold=args.head_threshold).validate()
+                                tau_v=args.tau_v, head_threshold=args.head_threshold,
+                                prefill_chunk=args.prefill_chunk).validate()
         if args.mode == "lossless" and args.dtype != "float32":
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "

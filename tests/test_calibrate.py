@@ -150,6 +150,40 @@ def test_time_decode_steps_times_the_engine_step_of_each_layout(monkeypatch):
     assert set(traced) == {("ar", 1, None), ("lossless", 2, 2), ("lossless", 4, 2)}
 
 
+def test_time_decode_steps_sizes_its_timings_and_drops_what_keep_rejects(monkeypatch):
+    counts = []  # (step count of a call), in call order
+    real = cal.timed
+
+    def spy(fn, params, state, n):
+        counts.append(int(n))
+        return real(fn, params, state, n)
+    monkeypatch.setattr(cal, "timed", spy)
+    asked = []
+
+    def keep(cost):
+        asked.append(dict(cost))
+        return {cal.AR}  # drop both lossless layouts after the first round
+    costs = cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
+                                  repeats=3, steps=6, seconds_per_timing=1e-9, keep=keep)
+    assert set(costs) == {cal.AR, (2, 2), (4, 2)} and all(v > 0 for v in costs.values())
+    # per layout: compile run and probe (1 step each); then, a tiny time budget: 1-step timings
+    assert counts[:6] == [1] * 6 and counts[6:] == [1, 1, 1, 1, 1]  # round 1: all; rounds 2-3: AR only
+    assert len(asked) == 1 and set(asked[0]) == set(costs)
+    counts.clear()
+    cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2)], slots=128, filled=32, repeats=1,
+                          steps=6, seconds_per_timing=1e9)
+    assert counts == [1, 1, 1, 1, 6, 6]  # a generous budget: capped at `steps`
+
+
+def test_promising_layouts_drops_layouts_that_cannot_pay():
+    probs = np.array([[0.1, 0.1, 0.1, 0.7]])  # P(a) for a = 0..3: mostly every draft accepted
+    keep = cal.PromisingLayouts(probs, 1, [(2, 2), (4, 2)])
+    kept = keep({cal.AR: 1.0, (2, 2): 1.2, (4, 2): 40.0})  # (4, 2) costs 40 AR steps
+    assert kept == {cal.AR, (2, 2)} and keep.dropped == [(4, 2)]
+    speedups = cal.expected_speedups(probs, {cal.AR: 1.0, (2, 2): 1.2, (4, 2): 40.0}, 1, [(2, 2), (4, 2)])
+    assert speedups[(2, 2)] > cal.PRUNE_BELOW > speedups[(4, 2)]
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "infer.generate", *args], cwd=ROOT,
                           capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
@@ -203,3 +237,8 @@ def test_fastest_interleaved_warms_up_interleaves_and_keeps_the_fastest():
     assert calls == ["a", "b", "a", "b", "a", "b"]  # rounds alternate, so load hits both alike
     with pytest.raises(ValueError, match="repeats must be >= 1"):  # zero rounds timed nothing: inf
         cal.fastest_interleaved({"a": timed("a")}, repeats=0)
+    calls.clear()
+    times.update(a=iter([3.0, 2.0]), b=iter([4.0]))
+    best = cal.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2, warm_up=False,
+                                   keep=lambda best: [k for k, v in best.items() if v < 3.5])
+    assert calls == ["a", "b", "a"] and best == {"a": 2.0, "b": 4.0}  # b, dropped, keeps its one timing

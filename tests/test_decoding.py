@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,7 +55,8 @@ def test_ar_matches_transformers_generate(tmp_path):
 def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     """Prompts spanning several prefill chunks (and rows needing different chunk counts)."""
     from prove_jax.decoding import engine
-    monkeypatch.setattr(engine, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", {jax.default_backend(): 8})
+    assert engine.default_prefill_chunk() == 8
     hf = make_hf_qwen2(tmp_path / "hf", seed=2, eos_token_id=5)
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
@@ -68,6 +70,21 @@ def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(long_prompts, 20)
     lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2)).generate(long_prompts, 20, batch_size=2)
     assert lossless.output_ids == ar.output_ids
+    # an explicit chunk (DecodeOptions.prefill_chunk) overrides the default: same outputs, and
+    # the prefill forwards (traced) take that many tokens
+    from prove_jax.model import Qwen2
+    widths, real = [], Qwen2.hidden_states
+
+    def spy(self, tokens, *a, **kw):
+        widths.append(tokens.shape[1])
+        return real(self, tokens, *a, **kw)
+    monkeypatch.setattr(Qwen2, "hidden_states", spy)
+    for chunk in (3, 16):
+        widths.clear()
+        assert Decoder(ours, [5], DecodeOptions("ar", prefill_chunk=chunk)).generate(prompts, 12).output_ids == refs
+        assert widths[0] == chunk and 8 not in widths
+    with pytest.raises(DecodeError, match="prefill chunk must be >= 1"):
+        DecodeOptions("ar", prefill_chunk=0).validate()
 
 
 @pytest.mark.parametrize("k,groups", [(4, None), (5, 2), (3, 1), (6, 3)])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from typing import Sequence
 
@@ -48,20 +49,27 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def fastest_interleaved(runs: dict, repeats: int) -> dict:
+def fastest_interleaved(runs: dict, repeats: int, keep=None, warm_up: bool = True) -> dict:
     """{key: seconds} from callables that each run once and return the seconds they took.
 
-    Every callable runs once first (compile, warm up), then `repeats` rounds call them in turn,
-    so a load change hits them alike; the fastest run counts (a shared machine only adds time).
+    Every callable runs once first (compile, warm up; `warm_up=False` when the caller did),
+    then `repeats` rounds call them in turn, so a load change hits them alike; the fastest run
+    counts (a shared machine only adds time). `keep({key: seconds})`, when given, is asked after
+    the first round which keys are worth the other rounds; the rest keep their one timing.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for fn in runs.values():
-        fn()
+    if warm_up:
+        for fn in runs.values():
+            fn()
     best = {key: float("inf") for key in runs}
-    for _ in range(repeats):
-        for key, fn in runs.items():
-            best[key] = min(best[key], fn())
+    timing = list(runs)
+    for i in range(repeats):
+        for key in timing:
+            best[key] = min(best[key], runs[key]())
+        if i == 0 and keep is not None:
+            kept = set(keep(dict(best)))
+            timing = [key for key in timing if key in kept]
     return best
 
 
@@ -102,7 +110,8 @@ AR = (1, 1)  # the (K, groups) key of a plain AR step in step-cost tables
 
 
 def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
-                      filled: int = 200, repeats: int = 5, steps: int = 20) -> dict[tuple[int, int], float]:
+                      filled: int = 200, repeats: int = 5, steps: int = 20, seconds_per_timing: float = 0.5,
+                      keep=None) -> dict[tuple[int, int], float]:
     """Seconds per decode-loop step of each lossless layout (K, groups), and of AR under key AR.
 
     Times the engine's own step (`engine.decode_step`: forward, LM head on the rows it needs,
@@ -110,15 +119,30 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
     part of its cost on small models. Rows sit at `filled` committed tokens of a `slots`-slot
     buffer; each step is reset there, so every step does the same work. Timings are
     interleaved across layouts; the fastest run is returned.
+
+    Each layout is compiled, run for one step, and then timed over as many steps (up to
+    `steps`) as fill about `seconds_per_timing`: a wide layout at a large batch can take
+    seconds a step on a CPU, and 20 steps of each of the widest layouts made calibrating a
+    0.5B model at batch 16 take 15 minutes. `keep({layout: seconds per step})` is asked after
+    the first timed round which layouts to time `repeats` times (see `fastest_interleaved`).
     """
     runs = decode_step_runs(model, batch, layouts, slots, filled, steps)
-    return {key: v / steps for key, v in fastest_interleaved(runs, repeats).items()}
+    n_steps = {}
+    for key, run in runs.items():
+        run(1)  # compile and warm up
+        n_steps[key] = int(min(steps, max(1, math.ceil(seconds_per_timing / run(1)))))
+    sized = {key: functools.partial(run, n_steps[key]) for key, run in runs.items()}
+    per_step = None if keep is None else (
+        lambda best: keep({key: v / n_steps[key] for key, v in best.items()}))
+    best = fastest_interleaved(sized, repeats, keep=per_step, warm_up=False)
+    return {key: v / n_steps[key] for key, v in best.items()}
 
 
 def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
                      filled: int = 200, steps: int = 20) -> dict:
-    """{(K, groups) or AR: callable running `steps` decode steps, returning their seconds}, for
-    `time_decode_steps` or for timing alongside other runs (benchmarks)."""
+    """{(K, groups) or AR: callable running decode steps (`steps` unless it is given a count)
+    and returning their seconds}, for `time_decode_steps` or for timing alongside other runs
+    (benchmarks). The step count is an argument of one compiled loop per layout."""
     from prove_jax.decoding.engine import DecodeOptions, step_shape
     from prove_jax.decoding.state import initial_state
 
@@ -136,13 +160,16 @@ def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slot
         state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32),
                               KVCache.zeros(cfg, batch, slots + width), None, num_drafts=n_drafts,
                               block_size=options.block_size, pad_id=0)
-        fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id, steps))
-        runs[key] = functools.partial(timed, fn, params, state)
+        fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id))
+
+        def run(n=steps, fn=fn, state=state):
+            return timed(fn, params, state, jnp.int32(n))
+        runs[key] = run
     return runs
 
 
-def _run_steps(graphdef, options, mask_id: int, steps: int, params, state):
-    """`steps` decode steps from `state`, each reset to the same row lengths (for timing)."""
+def _run_steps(graphdef, options, mask_id: int, params, state, steps):
+    """`steps` (traced) decode steps from `state`, each reset to the same row lengths (for timing)."""
     from prove_jax.decoding.engine import decode_step
     model = nnx.merge(graphdef, params)
     eos = jnp.asarray([-1], jnp.int32)  # no EOS: rows never finish
@@ -252,17 +279,53 @@ def rank_layouts(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float],
     and `step_cost[AR]` that of an AR step (see `time_decode_steps`). `num_requests` is how
     many requests the rows serve at once (default: a static batch).
     """
+    ranked = []
+    for (k, g), (speedup, tpf) in _expected(row_probs, step_cost, batch_size, candidates, num_requests).items():
+        ranked.append(Choice(batch_size, k, len(LosslessLayout.build(k, g).accept_of_group), speedup, tpf))
+    return sorted(ranked, key=lambda c: -c.expected_speedup)
+
+
+def expected_speedups(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float], batch_size: int,
+                      candidates: Sequence[tuple[int, int]] = DEFAULT_CANDIDATES,
+                      num_requests: int | None = None) -> dict[tuple[int, int], float]:
+    """{candidate (K, G): expected speedup over AR}, as `rank_layouts` ranks them."""
+    return {key: v[0] for key, v in _expected(row_probs, step_cost, batch_size, candidates, num_requests).items()}
+
+
+def _expected(row_probs, step_cost, batch_size, candidates, num_requests):
+    """{(K, G): (expected speedup, tokens per forward)} of the candidates with a cost."""
     if AR not in step_cost:
         raise ValueError(f"step_cost needs the AR step under key {AR}")
     k_measured = np.atleast_2d(row_probs).shape[1]
-    ranked = []
+    out = {}
     for k, g in candidates:
         if (k, g) not in step_cost or k > k_measured:
             continue
         tpf = expected_batch_tokens_per_forward(row_probs, k, g, batch_size, num_requests)
-        speedup = tpf / (step_cost[(k, g)] / step_cost[AR])
-        ranked.append(Choice(batch_size, k, len(LosslessLayout.build(k, g).accept_of_group), speedup, tpf))
-    return sorted(ranked, key=lambda c: -c.expected_speedup)
+        out[(k, g)] = (tpf / (step_cost[(k, g)] / step_cost[AR]), tpf)
+    return out
+
+
+# A layout whose expected speedup over AR, from its first step timing, is below this is not
+# timed again: the model is optimistic for wide layouts, so one that loses by a quarter on
+# paper loses for real, and re-timing it is most of a calibration's time at large batch.
+PRUNE_BELOW = 0.75
+
+
+class PromisingLayouts:
+    """The `keep` rule of `time_decode_steps` in `calibrate`: given {layout: seconds per step}
+    from one timed round, the layouts worth timing again (AR always); `dropped` lists the rest."""
+
+    def __init__(self, row_probs: np.ndarray, batch_size: int, candidates: Sequence[tuple[int, int]],
+                 num_requests: int | None = None, floor: float = PRUNE_BELOW):
+        self.row_probs, self.batch_size, self.candidates = row_probs, batch_size, candidates
+        self.num_requests, self.floor = num_requests, floor
+        self.dropped: list[tuple[int, int]] = []
+
+    def __call__(self, cost: dict) -> set:
+        speedups = expected_speedups(self.row_probs, cost, self.batch_size, self.candidates, self.num_requests)
+        self.dropped = [key for key, s in speedups.items() if s < self.floor]
+        return set(cost) - set(self.dropped)
 
 
 def choose_layout(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float], batch_size: int,
@@ -330,8 +393,15 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
     model = nnx.merge(decoder.graphdef, decoder.state)
     table = []
     for b in sorted(set(batch_sizes)):
+        keep = PromisingLayouts(rows, b, candidates, num_requests)
         with jax.set_mesh(decoder.mesh) if decoder.mesh is not None else contextlib.nullcontext():
-            cost = time_decode_steps(model, b, candidates)
+            cost = time_decode_steps(model, b, candidates, keep=keep)
+        if log:
+            log(f"calibrate: batch {b}: AR step {cost[AR] * 1e3:.1f} ms; layout steps in AR steps: "
+                + ", ".join(f"K={k},G={g} {cost[(k, g)] / cost[AR]:.2f}" for k, g in candidates if (k, g) in cost))
+            if keep.dropped:
+                log(f"calibrate: batch {b}: timed once, expected below {PRUNE_BELOW:.2f}x AR: "
+                    + ", ".join(f"K={k},G={g}" for k, g in keep.dropped))
         ranked = rank_layouts(rows, cost, b, candidates, num_requests)
         shortlist = [c for c in ranked[:trials] if c.expected_speedup >= 1.0]
         narrowest = min(ranked, key=lambda c: (c.block_size, c.groups), default=None)

@@ -29,8 +29,17 @@ from prove_jax.model import KVCache, StepMask, causal_mask
 
 MODES = ("ar", "threshold", "lossless", "verify")
 # Prompts are prefilled in chunks of this many tokens inside the compiled program, as many as
-# the longest prompt of the rows needs (a queue prefills one admitted row at a time).
-PREFILL_CHUNK = 64
+# the longest prompt of the rows needs (a queue prefills one admitted row at a time), unless
+# DecodeOptions.prefill_chunk says otherwise. A prompt's last chunk is padded, so the chunk
+# trades padding against the rows per forward:
+# - CPU: prefill is compute-bound at a few dozen rows; 32-token chunks prefilled the first 16
+#   HumanEval prompts (63-195 tokens) at the 0.5B shape in 12.5 s at batch 1, 64 in 14.7 s (29% of those
+#   tokens were padding), 16 in 13.1 s (benchmarks/prefill.md, AVX2 EPYC).
+# - GPU/TPU: a forward of fewer than a few hundred tokens is bound by weight reads, so small
+#   chunks only multiply them; 256 is about where bf16 weight reads and compute balance on
+#   current accelerators (a roofline estimate, not measured here).
+PREFILL_CHUNK = {"cpu": 32}
+PREFILL_CHUNK_ACCELERATOR = 256
 COMMIT_RULES = ("top1", "prob", "head")
 CONFIDENCE_KINDS = ("prob", "entropy", "margin")
 # threshold: tau when none is given, per confidence kind. prob: the top-1 probability; margin:
@@ -59,6 +68,7 @@ class DecodeOptions:
     # trained); lower commits more per forward, above 1 commits only the exact first token
     head_threshold: float | None = None
     record_steps: bool = False  # keep per-step commit lengths (BatchResult.step_commits)
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: default_prefill_chunk()
 
     def validate(self) -> "DecodeOptions":
         """Checked copy; `ar` is normalised to K=1 (one token per forward, no masks)."""
@@ -84,7 +94,14 @@ class DecodeOptions:
             raise DecodeError(f"head threshold must be a finite number, got {self.head_threshold}")
         if self.max_groups is not None and self.max_groups < 1:
             raise DecodeError(f"max groups must be >= 1, got {self.max_groups}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise DecodeError(f"prefill chunk must be >= 1 tokens, got {self.prefill_chunk}")
         return self
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens per prefill forward on the default backend (see PREFILL_CHUNK)."""
+    return PREFILL_CHUNK.get(jax.default_backend(), PREFILL_CHUNK_ACCELERATOR)
 
 
 # (max batch, K, groups) for the adaptive lossless setting, per platform; past the last row the
@@ -267,6 +284,7 @@ class Decoder:
         width, n_drafts = step_shape(options)
         pad_id = self.pad_id
         graphdef, vgraphdef, hgraphdef = self.graphdef, self.vgraphdef, self.hgraphdef
+        chunk_size = options.prefill_chunk or default_prefill_chunk()
 
         def run(state, vstate, hstate, prompts, prompt_len, max_new):
             self.trace_count += 1  # runs only while tracing: counts compilations
@@ -278,11 +296,11 @@ class Decoder:
             eos = jnp.asarray(eos_ids)
 
             def prefill(m, toks, plen, size):
-                """Cache of `size` slots holding the prompts' KV, written PREFILL_CHUNK tokens at a
+                """Cache of `size` slots holding the prompts' KV, written `chunk_size` tokens at a
                 time up to the longest prompt of these rows: prefill costs what the prompts
                 are long, not the padded prompt width of the whole run."""
                 r = toks.shape[0]
-                c = min(p, PREFILL_CHUNK)
+                c = min(p, chunk_size)
                 toks = jnp.pad(toks, ((0, 0), (0, -p % c)), constant_values=pad_id)
                 causal = causal_mask(1, c)
 

@@ -1,0 +1,101 @@
+"""Prefill time by prefill chunk size: the engine's own program, side by side in one run.
+
+    PYTHONPATH=. nice .venv/bin/python benchmarks/bench_prefill.py [--inflate qwen2.5-0.5b] [--chunks 16,32,64]
+
+Each chunk size gets its own compiled `ar` decode of one new token per prompt (prefill and a
+single step, nothing else) over the first N HumanEval prompts with the shipped proposer,
+optionally inflated to a preset's shape (`prove_jax/inflate.py`), at batch 1 (a queue: each
+admitted row prefills alone) and at batch N (one static batch). After a warm-up the sizes are
+timed in interleaved rounds; the fastest round counts (a shared machine only adds time). A
+prompt's last chunk is padded, so the table also gives the share of padded prompt tokens.
+
+Writes benchmarks/prefill.json and benchmarks/prefill.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv=None):
+    from prove_jax.config import PRESETS
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", type=_ints, default=[16, 32, 64], help="prefill chunk sizes (default 16,32,64)")
+    p.add_argument("--inflate", default="qwen2.5-0.5b", choices=sorted(PRESETS) + ["none"],
+                   help="preset shape to run the shipped proposer in (default qwen2.5-0.5b; none: its own)")
+    p.add_argument("--humaneval", type=int, default=16, help="number of HumanEval prompts (default 16)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 16], help="rows (default 1,16)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
+    p.add_argument("--out", default=HERE, help="folder for prefill.json / prefill.md")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.humaneval < 1:
+        p.error("--repeats and --humaneval must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import numpy as np
+
+    from prove_jax import assets, bench_lib, humaneval
+    from prove_jax.checkpoint import atomic_write_text
+    from prove_jax.decoding.calibrate import fastest_interleaved
+    from prove_jax.decoding.engine import DecodeOptions, default_prefill_chunk
+
+    inflate = None if args.inflate == "none" else args.inflate
+    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
+    records = humaneval.prompt_records(humaneval.load_problems())[:args.humaneval]
+    prompts = [pair.tokenizer(r["prompt"])["input_ids"] for r in records]
+    lengths = np.array([len(p) for p in prompts])
+    rows = []
+    for b in args.batch_sizes:
+        runs = {}
+        for c in args.chunks:
+            decoder = pair.decoder(DecodeOptions("ar", prefill_chunk=c))
+            runs[c] = lambda d=decoder: d.generate(prompts, 1, batch_size=b).seconds
+        bench_lib.log(f"batch {b}: compiling and timing chunks {args.chunks} ...")
+        best = fastest_interleaved(runs, args.repeats)
+        for c in args.chunks:
+            padded = int((-(-lengths // c) * c).sum())
+            rows.append({"batch_size": b, "chunk": c, "seconds": best[c],
+                         "relative_to_fastest": best[c] / min(best.values()),
+                         "padded_token_share": 1 - lengths.sum() / padded})
+            bench_lib.log(f"  chunk {c}: {best[c]:.2f} s")
+    meta = {"proposer": assets.DEMO_PROPOSER, "inflated_to": inflate, "prompts": len(prompts),
+            "prompt_tokens": int(lengths.sum()), "prompt_lengths": [int(x) for x in lengths],
+            "repeats": args.repeats, "device": bench_lib.cpu_description() if jax.default_backend() == "cpu"
+            else jax.devices()[0].device_kind, "jax": jax.__version__,
+            "default_chunk": default_prefill_chunk()}
+    atomic_write_text(os.path.join(args.out, "prefill.json"), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    shape = f"inflated to the {inflate} shape" if inflate else "at its own shape"
+    md = [f"# Prefill by chunk size (`benchmarks/bench_prefill.py`)", "",
+          f"The shipped proposer {shape}; the first {len(prompts)} HumanEval prompts "
+          f"({lengths.min()}-{lengths.max()} tokens, {lengths.sum()} in all); `ar` with one new token "
+          f"per prompt; {meta['device']}, jax {jax.__version__}. Fastest of {args.repeats} interleaved "
+          f"rounds after a warm-up. The default chunk here is {meta['default_chunk']}.", "",
+          "| batch | chunk | seconds | vs fastest | padded prompt tokens |", "|---|---|---|---|---|"]
+    md += [f"| {r['batch_size']} | {r['chunk']} | {r['seconds']:.2f} | {r['relative_to_fastest']:.2f}x | "
+           f"{r['padded_token_share']:.0%} |" for r in rows]
+    atomic_write_text(os.path.join(args.out, "prefill.md"), "\n".join(md) + "\n")
+    print(f"wrote {os.path.join(args.out, 'prefill.json')}, {os.path.join(args.out, 'prefill.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
