@@ -57,11 +57,12 @@ def main(argv=None) -> int:
     from prove_jax.checkpoint import atomic_write_text
     from prove_jax.decoding.calibrate import fastest_interleaved
     from prove_jax.decoding.engine import DecodeOptions, default_prefill_chunk
+    from prove_jax.decoding.requests import encode_prompts
 
     inflate = None if args.inflate == "none" else args.inflate
     pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
-    records = humaneval.prompt_records(humaneval.load_problems())[:args.humaneval]
-    prompts = [pair.tokenizer(r["prompt"])["input_ids"] for r in records]
+    records = humaneval.prompt_records(humaneval.load_problems(limit=args.humaneval))
+    prompts = encode_prompts(records, pair.tokenizer)  # as infer.benchmark and infer.generate do
     lengths = np.array([len(p) for p in prompts])
     rows = []
     for b in args.batch_sizes:
