@@ -285,19 +285,27 @@ def _attend(q: jax.Array, blocks) -> jax.Array:
     q [B, T, K, G, Dh]; blocks: (keys [B, K, S_i, Dh], values [B, K, S_i, Dh], mask bool
     broadcastable to [B, T, S_i]). Returns [B, T, K, G, Dh]. One max and one normaliser over all
     blocks, so the result is the softmax over their union; no block is ever concatenated.
+
+    The G query heads of a kv head and the T tokens form one [G*T] query axis, so each block is
+    one batched [G*T, Dh] x [Dh, S_i] product and the softmax runs along its last axis as the
+    product leaves it (on XLA:CPU 10-25% faster than contracting [B, T, K, G, Dh] directly,
+    which transposed the scores for the softmax).
     """
     dt = q.dtype
-    scale = q.shape[-1] ** -0.5
+    b, t, k, g, dh = q.shape
+    q = q.transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)  # [B, K, G*T, Dh]
+    scale = dh ** -0.5
     scores = []
     for keys, _, mask in blocks:
-        s = jnp.einsum("btkgd,bksd->bkgts", q, keys).astype(jnp.float32) * scale
-        scores.append(jnp.where(mask[:, None, None, :, :], s, _NEG_INF))
+        s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * scale  # [B, K, G*T, S_i]
+        mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
+        scores.append(jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF))
     top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
     probs = [jnp.exp(s - top) for s in scores]
     inv_norm = 1.0 / sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
-    out = sum(jnp.einsum("bkgts,bksd->bkgtd", (p * inv_norm).astype(dt), values)
+    out = sum(jnp.einsum("bkqs,bksd->bkqd", (p * inv_norm).astype(dt), values)
               for p, (_, values, _) in zip(probs, blocks))
-    return out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
+    return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
 
 
 class MLP(nnx.Module):
@@ -353,7 +361,9 @@ class Qwen2(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "sequence", "embed"))
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        # Materialised once per forward: left to fusion, XLA:CPU recomputed cos/sin inside
+        # every layer's rotary fusion, per element of q and k.
+        cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta))
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
