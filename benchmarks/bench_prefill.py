@@ -25,21 +25,19 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
+def _ints(what: str):
+    from prove_jax import bench_lib
+    return bench_lib.arg_type(lambda text: bench_lib.positive_ints(text, what))
 
 
 def parse_args(argv=None):
     from prove_jax.config import PRESETS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunks", type=_ints, default=[16, 32, 64], help="prefill chunk sizes (default 16,32,64)")
+    p.add_argument("--chunks", type=_ints("--chunks"), default=[16, 32, 64], help="prefill chunk sizes (default 16,32,64)")
     p.add_argument("--inflate", default="qwen2.5-0.5b", choices=sorted(PRESETS) + ["none"],
                    help="preset shape to run the shipped proposer in (default qwen2.5-0.5b; none: its own)")
     p.add_argument("--humaneval", type=int, default=16, help="number of HumanEval prompts (default 16)")
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 16], help="rows (default 1,16)")
+    p.add_argument("--batch-sizes", type=_ints("--batch-sizes"), default=[1, 16], help="rows (default 1,16)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
     p.add_argument("--out", default=HERE, help="folder for prefill.json / prefill.md")
     args = p.parse_args(argv)

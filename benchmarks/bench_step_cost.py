@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from prove_jax import assets
+from prove_jax import assets, bench_lib
 from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
@@ -229,9 +229,9 @@ def main(argv=None) -> None:
                     help="also time this real model shape at batch 1 (repeatable)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="interleaved timing rounds, the fastest counts (default 5; more on a noisy machine)")
-    ap.add_argument("--widths", type=_int_tuple, default=WIDTHS,
+    ap.add_argument("--widths", type=bench_lib.arg_type(_widths), default=WIDTHS,
                     help="forward widths T to time, 1 first (default %(default)s)")
-    ap.add_argument("--layouts", type=_layout_tuple, default=LAYOUTS,
+    ap.add_argument("--layouts", type=bench_lib.arg_type(_layouts), default=LAYOUTS,
                     help="lossless layouts KxG to time, e.g. 4x2,8x3 (default: the decode benchmark's)")
     ap.add_argument("--out-dir", default=HERE, help="where step_cost.{json,md} go (default benchmarks/)")
     args = ap.parse_args(argv)
@@ -254,23 +254,14 @@ def main(argv=None) -> None:
         atomic_write_text(os.path.join(args.out_dir, "step_cost.md"), "\n".join(markdown(models)) + "\n")
 
 
-def _int_tuple(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"widths must be >= 1, got {text!r}")
-    return values
+def _widths(text: str) -> tuple[int, ...]:
+    return tuple(bench_lib.positive_ints(text, "--widths"))
 
 
-def _layout_tuple(text: str) -> tuple[tuple[int, int], ...]:
-    try:
-        layouts = tuple(tuple(int(v) for v in x.split("x")) for x in text.split(","))
-    except ValueError:
-        layouts = ()
-    if not layouts or any(len(x) != 2 or x[0] < 2 or x[1] < 1 for x in layouts):
-        raise argparse.ArgumentTypeError(f"expected layouts like 4x2,8x3 (K >= 2, G >= 1), got {text!r}")
+def _layouts(text: str) -> tuple[tuple[int, int], ...]:
+    layouts = bench_lib.parse_lossless_blocks(text)
+    if not layouts or any(g is None for _, g in layouts):
+        raise bench_lib.BenchError(f"--layouts: give K x G for each layout, e.g. 4x2,8x3; got {text!r}")
     return layouts
 
 

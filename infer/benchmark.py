@@ -90,16 +90,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise bench_lib.BenchError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise bench_lib.BenchError(f"{what} must be positive integers, got {text!r}")
-    return values
-
-
 def _float_list(text: str, what: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -205,10 +195,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     hf_tmp = None
     try:
-        batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+        batch_sizes = bench_lib.positive_ints(args.batch_sizes, "--batch-sizes")
         if args.max_new_tokens < 1:
             raise bench_lib.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        torch_threads = _int_list(args.torch_threads, "--torch-threads")
+        torch_threads = bench_lib.positive_ints(args.torch_threads, "--torch-threads")
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not args.peers:
             modes = [m for m in modes if m not in bench_lib.PEER_MODES]

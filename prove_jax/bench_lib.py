@@ -22,6 +22,7 @@ sizes, peers, repeats). Conventions, so that every ratio in a table means the sa
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import platform
@@ -119,6 +120,27 @@ def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5) -> Setting:
 DEFAULT_TAUS = (0.95, 0.8, 0.5)
 DEFAULT_TAU_VS = (0.3, 0.1)
 DEFAULT_LOSSLESS = ((2, None), (3, None), (4, None), (4, 2), (6, 2), (6, 3), (6, None), (8, 2), (8, 3))
+
+
+def positive_ints(text: str, what: str = "value") -> list[int]:
+    """'1,4,16' -> [1, 4, 16]: comma-separated integers >= 1, else a BenchError naming `what`."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise BenchError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse `type=` from a parser that raises BenchError, so argparse reports its message."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except BenchError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
 
 
 def parse_lossless_blocks(text: str) -> tuple[tuple[int, int | None], ...]:

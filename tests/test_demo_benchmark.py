@@ -7,6 +7,7 @@ blocks of the demo must spell the completion), the per-step trace against the en
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -187,3 +188,16 @@ def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, arg
 def test_demo_bad_input(pair, capsys):
     assert demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "0"]) == 2
     assert "error: --num-prompts must be >= 1" in capsys.readouterr().err
+
+
+def test_positive_ints_as_an_argparse_type_names_the_option():
+    assert bench_lib.positive_ints("1, 4,16") == [1, 4, 16]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--chunks")))
+    assert ap.parse_args(["--chunks", "16,32"]).chunks == [16, 32]
+    for bad, message in [("8,x", "--chunks must be comma-separated integers"),
+                         ("0,8", "--chunks must be positive integers"), ("", "must be positive")]:
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--chunks", bad])
+        with pytest.raises(bench_lib.BenchError, match=message):
+            bench_lib.positive_ints(bad, "--chunks")

@@ -21,6 +21,7 @@ from prove_jax import checkpoint
 from prove_jax.train_config import load_config
 from prove_jax.trainer import train
 from tests.train_helpers import write_config
+from tests.xla_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +56,7 @@ def test_two_processes_match_single_process(tmp_path):
     multi_cfg = write_config(tmp_path, "multi", **fields)
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER.format(repo=REPO))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4),
                JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     port, out = _free_port(), str(tmp_path / "result")
     procs = [subprocess.Popen(["timeout", "300", sys.executable, str(worker), str(port), str(i),
