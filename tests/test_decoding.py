@@ -19,6 +19,8 @@ from prove_jax.config import ConfigError, ModelConfig
 from prove_jax.convert import hf_to_flax
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.decoding.steps import head_in_one_pass
+from prove_jax.model import Qwen2
 from prove_jax.params import create_model
 from prove_jax.sharding import make_mesh
 from tests.hf_models import hf_greedy, make_hf_qwen2
@@ -72,7 +74,6 @@ def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     assert lossless.output_ids == ar.output_ids
     # an explicit chunk (DecodeOptions.prefill_chunk) overrides the default: same outputs, and
     # the prefill forwards (traced) take that many tokens
-    from prove_jax.model import Qwen2
     widths, real = [], Qwen2.hidden_states
 
     def spy(self, tokens, *a, **kw):
@@ -92,6 +93,24 @@ def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
     res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)
     assert res.output_ids == ar_out.output_ids
     assert (res.accept_hist.sum(1) == res.forwards).all()
+
+
+def test_lossless_reads_the_lm_head_once_where_the_step_is_narrow(model, ar_out, monkeypatch):
+    """K=5, G=2 needs the head at 9 of its 13 slots: one pass over all 13. K=4 with every group
+    needs 7 of 16: the verify slots, then the chosen group's drafts. Both are AR."""
+    widths = []
+    real = Qwen2.logits
+
+    def spy(self, hidden):
+        widths.append(hidden.shape[1])
+        return real(self, hidden)
+    monkeypatch.setattr(Qwen2, "logits", spy)
+    for k, groups, head_widths in [(5, 2, [13]), (4, None, [4, 3])]:
+        assert head_in_one_pass(LosslessLayout.build(k, groups)) == (len(head_widths) == 1)
+        widths.clear()
+        res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)
+        assert res.output_ids == ar_out.output_ids
+        assert widths == head_widths
 
 
 def test_lossless_layout_serves_at_most_the_real_drafts():
