@@ -34,6 +34,7 @@ from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.decoding.steps import head_in_one_pass, lm_head_one_pass
 from prove_jax.model import CPU_DECODE_MAX_ROWS, decode_matmul, default_cpu_form, dense, dot_row_padding
 from prove_jax.params import create_model
 
@@ -89,6 +90,14 @@ def under_form(run, form: str):
     return call
 
 
+def two_head_passes(run):
+    """`run`, traced with the lossless step's LM head in two passes (`steps.lm_head_one_pass`)."""
+    def call():
+        with lm_head_one_pass(False):
+            return run()
+    return call
+
+
 def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
     """{(form, T): run} timing the decoder layers' matmuls alone (`model.dense` of x [B*T, in]
     with every layer weight; no attention, norms or LM head) in every matmul form: isolates how
@@ -124,6 +133,11 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
         for form in FORMS:  # all forms interleaved: ratios side by side
             for key, run in decode_step_runs(model, batch, layouts, steps=steps).items():
                 step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, form)
+        one_pass = [key for key in layouts if head_in_one_pass(LosslessLayout.build(*key), batch)]
+        for key, run in decode_step_runs(model, batch, one_pass, steps=steps).items():
+            if key != AR:  # the default form with the LM head forced to two passes
+                step_runs[("head_two_pass", f"K={key[0]},G={key[1]}")] = two_head_passes(
+                    under_form(run, default_cpu_form()))
         step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
         row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
                "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()}}
@@ -136,6 +150,8 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
                         f"dense_matmuls{suffix}_relative_to_T1": {str(t): v / dense_f[1] for t, v in dense_f.items()},
                         f"decode_step{suffix}_ms": step_ms, f"decode_step{suffix}_relative_to_ar": step_rel,
                         f"lossless_ceiling{suffix}": ceilings(step_rel, layouts)})
+        row["decode_step_head_two_pass_ms"] = {key: v * 1e3 for (f, key), v in step_s.items()
+                                               if f == "head_two_pass"}
         rows.append(row)
         print(name, batch, "forward vs T=1:", {t: round(v / ms[1], 2) for t, v in ms.items()}, flush=True)
         for form, f in FORMS.items():
@@ -217,6 +233,17 @@ def markdown(models: list[dict]) -> list[str]:
                 w, other = r["decode_step" + default.suffix + "_ms"], r["decode_step" + FORMS[form].suffix + "_ms"]
                 lines.append(f"| {r['batch_size']} | " + " | ".join(
                     f"{other[k] / w[k]:.2f}x" for k in ["AR"] + layouts) + " |")
+        names = [k for k in layouts if any(k in r.get("decode_step_head_two_pass_ms", {}) for r in m["rows"])]
+        if names:
+            lines += ["", "LM head in one pass over the step's slots (the engine's choice where "
+                      "`steps.head_in_one_pass` allows it; - where it does not) / in two passes "
+                      f"over only the slots it needs, {default.title} step time (below 1: one pass "
+                      "is faster):", "",
+                      "| batch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+            for r in m["rows"]:
+                w, other = r["decode_step" + default.suffix + "_ms"], r.get("decode_step_head_two_pass_ms", {})
+                lines.append(f"| {r['batch_size']} | " + " | ".join(
+                    f"{w[k] / other[k]:.2f}x" if k in other else "-" for k in names) + " |")
         lines.append("")
     lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
               " --repeats 9`"]

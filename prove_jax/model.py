@@ -68,9 +68,9 @@ def default_cpu_form() -> str:
 
     Weight-major is the form that holds up at real model sizes on both CPUs measured (2-core
     EPYCs, AVX2 and AVX-512; benchmarks/step_cost.md): at the Qwen2.5-0.5B shape its AR step
-    is 1.5-2.2x faster than plain and its 16-row lossless step costs 2.0-2.2x its AR step.
+    is 1.5-2.8x faster than plain and its 16-row lossless step costs about 2-2.6x its AR step.
     Input-major is opt-in. On the AVX-512 EPYC (Zen 5) it made the demo model's lossless
-    steps up to 20% cheaper in quick decodes, within noise in the step-cost benchmark. It
+    steps up to 22% cheaper in the step-cost benchmark, its AR step dearer at batch 1. It
     keeps a transposed copy of every weight for each decode call: twice the weight memory,
     and about a second of transposes per call at the 0.5B shape.
     """

@@ -95,9 +95,10 @@ def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
     assert (res.accept_hist.sum(1) == res.forwards).all()
 
 
-def test_lossless_reads_the_lm_head_once_where_the_step_is_narrow(model, ar_out, monkeypatch):
-    """K=5, G=2 needs the head at 9 of its 13 slots: one pass over all 13. K=4 with every group
-    needs 7 of 16: the verify slots, then the chosen group's drafts. Both are AR."""
+def test_lossless_reads_the_lm_head_once_where_few_extra_rows(model, ar_out, monkeypatch):
+    """K=5, G=2 needs the head at 9 of its 13 slots: one pass over all 13 for one row (4 extra
+    rows), two passes (the 5 verify slots, then the chosen group's 4) for four rows (16 extra).
+    With one group every slot is needed: one pass. All of them are AR."""
     widths = []
     real = Qwen2.logits
 
@@ -105,11 +106,11 @@ def test_lossless_reads_the_lm_head_once_where_the_step_is_narrow(model, ar_out,
         widths.append(hidden.shape[1])
         return real(self, hidden)
     monkeypatch.setattr(Qwen2, "logits", spy)
-    for k, groups, head_widths in [(5, 2, [13]), (4, None, [4, 3])]:
-        assert head_in_one_pass(LosslessLayout.build(k, groups)) == (len(head_widths) == 1)
+    for k, groups, rows, head_widths in [(5, 2, 1, [13]), (5, 2, 4, [5, 4]), (3, 1, 4, [5])]:
+        assert head_in_one_pass(LosslessLayout.build(k, groups), rows) == (len(head_widths) == 1)
         widths.clear()
-        res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)
-        assert res.output_ids == ar_out.output_ids
+        dec = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups))
+        assert dec.generate(_prompts(), 24, batch_size=rows).output_ids == ar_out.output_ids
         assert widths == head_widths
 
 

@@ -13,7 +13,9 @@ from prove_jax import assets, humaneval
 from prove_jax.checkpoint import load_config, load_tokenizer
 from prove_jax.corpus import build_corpus, heldout_prompts
 from prove_jax.decoding import DecodeOptions
+from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
+from prove_jax.decoding.steps import head_in_one_pass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,6 +53,13 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     queued = dec.generate(heldout_ids, 40, batch_size=2)
     assert queued.output_ids == ref.output_ids
     assert list(queued.forwards) == list(res.forwards)  # a request's steps do not depend on its row
+    # one row at a time, K=6 with 2 groups reads the LM head in one pass (steps.head_in_one_pass):
+    # its drafts are then taken from that pass, and they are accepted as often as before
+    assert head_in_one_pass(LosslessLayout.build(6, 2), 1) and not head_in_one_pass(LosslessLayout.build(6, 2), 6)
+    six, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("lossless", 6, max_groups=2))
+    one_row, all_rows = six.generate(heldout_ids, 40, batch_size=1), six.generate(heldout_ids, 40)
+    assert one_row.output_ids == ref.output_ids
+    assert list(one_row.forwards) == list(all_rows.forwards) and (one_row.accept_hist == all_rows.accept_hist).all()
 
 
 def test_capped_layout_commits_every_verified_token():

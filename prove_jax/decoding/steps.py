@@ -7,6 +7,8 @@ exact greedy AR. `lossless` has its own layout (see layouts.LosslessLayout).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -116,15 +118,32 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
 # A lossless step needs the LM head at 2M+1 of its T slots: the M+1 verify slots, then the M
 # slots of the one group its acceptance picks. Those are known only after the first argmax, so
 # reading just them takes two passes over the LM head weights. One pass over all T slots reads
-# them once, which on a weight-read-bound step (accelerators; big vocabularies on CPU: Qwen2.5's
-# 151,936 x hidden head is 27% of the 0.5B's weights) saves a whole head read, for at most
-# HEAD_ONE_PASS_MAX_SLOTS_RATIO times the head rows needed.
-HEAD_ONE_PASS_MAX_SLOTS_RATIO = 1.5
+# them once but computes T - (2M+1) extra rows per batch row. That pays where a head read is
+# dear and the extra rows are few: at the real Qwen2.5-0.5B shape (its 151,936-token head is 27%
+# of the weights) one pass made batch-1 steps 8-22% cheaper on a 2-core EPYC, while for the
+# demo model, whose small head stays in cache, 16-88 extra rows at batch 4-16 made steps 4-23%
+# dearer (benchmarks/step_cost.md). So one pass only up to HEAD_ONE_PASS_MAX_EXTRA_ROWS extra
+# rows in all (on accelerators, where extra rows are nearly free, this is conservative).
+HEAD_ONE_PASS_MAX_EXTRA_ROWS = 8
+_head_one_pass = True  # set by `lm_head_one_pass`
 
 
-def head_in_one_pass(layout: LosslessLayout) -> bool:
-    """Whether `lossless_step` runs the LM head once over all slots (see above)."""
-    return layout.width <= HEAD_ONE_PASS_MAX_SLOTS_RATIO * (2 * layout.num_drafts + 1)
+def head_in_one_pass(layout: LosslessLayout, batch: int) -> bool:
+    """Whether `lossless_step` at this batch size runs the LM head once over all slots (above)."""
+    extra_rows = batch * (layout.width - (2 * layout.num_drafts + 1))
+    return _head_one_pass and extra_rows <= HEAD_ONE_PASS_MAX_EXTRA_ROWS
+
+
+@contextlib.contextmanager
+def lm_head_one_pass(enabled: bool):
+    """Allow the one-pass LM head or force two passes, for side-by-side benchmarks. Read at trace
+    time, like `model.decode_matmul`."""
+    global _head_one_pass
+    old, _head_one_pass = _head_one_pass, enabled
+    try:
+        yield
+    finally:
+        _head_one_pass = old
 
 
 def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, mask_id: int):
@@ -152,7 +171,7 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
     hidden, cache = model.hidden_states(toks, pos, StepMask(state.cache_len, layout.intra_mask(served)),
                                         state.cache)
 
-    one_pass = head_in_one_pass(layout)
+    one_pass = head_in_one_pass(layout, b)
     if one_pass:  # every slot's argmax from one read of the LM head
         top = jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)  # [B, T]
         greedy = top[:, : m + 1]
