@@ -40,9 +40,10 @@ def test_shipped_pair_is_small_and_consistent():
 def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     ar, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"))
     ref = ar.generate(heldout_ids, 40)
+    results = {}
     for k, groups in ((4, None), (6, 2), (8, 3)):
-        dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("lossless", k, max_groups=groups))
-        res = dec.generate(heldout_ids, 40)
+        dec = ar.with_options(DecodeOptions("lossless", k, max_groups=groups))
+        res = results[(k, groups)] = dec.generate(heldout_ids, 40)
         assert res.output_ids == ref.output_ids
         # the self-distilled proposer's drafts are mostly accepted: more than 2 tokens per forward
         # (it commits ~3.6 at K=4 here; an ordinary MARS proposer managed ~1.4)
@@ -56,8 +57,8 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     # one row at a time, K=6 with 2 groups reads the LM head in one pass (steps.head_in_one_pass):
     # its drafts are then taken from that pass, and they are accepted as often as before
     assert head_in_one_pass(LosslessLayout.build(6, 2), 1) and not head_in_one_pass(LosslessLayout.build(6, 2), 6)
-    six, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("lossless", 6, max_groups=2))
-    one_row, all_rows = six.generate(heldout_ids, 40, batch_size=1), six.generate(heldout_ids, 40)
+    one_row = ar.with_options(DecodeOptions("lossless", 6, max_groups=2)).generate(heldout_ids, 40, batch_size=1)
+    all_rows = results[(6, 2)]
     assert one_row.output_ids == ref.output_ids
     assert list(one_row.forwards) == list(all_rows.forwards) and (one_row.accept_hist == all_rows.accept_hist).all()
 
