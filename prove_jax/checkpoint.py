@@ -127,9 +127,9 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     if not replace_any:
         check_replaceable(path, "params", "a prove-jax checkpoint", CheckpointError)
     with atomic_dir(path) as tmp:
-        ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-            use_ocdbt=False, type_handler_registry=_streaming_handlers()))
-        ckptr.save(os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+                use_ocdbt=False, type_handler_registry=_streaming_handlers())) as ckptr:
+            ckptr.save(os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_json_dict(), f, indent=2)
         copy_tokenizer_files(tokenizer_dir, tmp)
@@ -184,7 +184,8 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
                           nnx.to_pure_dict(params_state), _pure(shardings))
     _check_stored_shapes(params_dir, target)
     try:
-        restored = ocp.StandardCheckpointer().restore(params_dir, target)
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot restore {params_dir}: {msg[:300]}") from None
@@ -203,7 +204,8 @@ def _check_stored_shapes(params_dir: str, target) -> None:
     """Name the parameter whose stored shape differs from the model's, before orbax's restore
     fails with a message that names neither. An unreadable metadata file is left to the restore."""
     try:
-        stored = _dotted_leaves(ocp.StandardCheckpointer().metadata(params_dir).item_metadata)
+        with ocp.StandardCheckpointer() as ckptr:
+            stored = _dotted_leaves(ckptr.metadata(params_dir).item_metadata)
     except Exception:
         return
     for name, want in _dotted_leaves(target).items():

@@ -98,9 +98,8 @@ def save_commit_head(model_dir: str, head: CommitHead) -> str:
     from prove_jax.checkpoint import atomic_dir
     path = os.path.join(model_dir, HEAD_DIR)
     with atomic_dir(path) as tmp:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "params"), nnx.to_pure_dict(nnx.state(head, nnx.Param)))
-        ckptr.wait_until_finished()
+        with ocp.StandardCheckpointer() as ckptr:  # closing waits for the write to finish
+            ckptr.save(os.path.join(tmp, "params"), nnx.to_pure_dict(nnx.state(head, nnx.Param)))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({"hidden_size": head.hidden_size, "width": head.width,
                        "threshold": head.threshold}, f)
@@ -124,7 +123,8 @@ def load_commit_head(model_dir: str) -> CommitHead:
     state = nnx.state(head, nnx.Param)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     try:
-        restored = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"), target)
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
     except Exception as e:  # orbax raises many types
         raise CheckpointError(f"cannot restore commit head {path}: {str(e).splitlines()[0][:200]}") from None
     nnx.replace_by_pure_dict(state, restored)

@@ -201,9 +201,8 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
     if jax.process_count() == 1:
         return checkpoint.save_model(path, nnx.merge(graphdef, params), model_cfg, tokenizer_dir)
     import orbax.checkpoint as ocp
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
-    ckptr.wait_until_finished()
+    with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's writes
+        ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
     if jax.process_index() == 0:
         checkpoint.copy_tokenizer_files(tokenizer_dir, path)
         checkpoint.atomic_write_text(os.path.join(path, "config.json"),
