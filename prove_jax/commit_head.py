@@ -24,7 +24,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from prove_jax.model import causal_mask
+from prove_jax.model import causal_mask, greedy_tokens
 
 HEAD_DIR = "commit_head"
 
@@ -40,7 +40,7 @@ class CommitHead(nnx.Module):
         """[B, J, D + 3] from verifier hidden [B,J,D], logits [B,J,V] and next tokens [B,J]."""
         logp = jax.nn.log_softmax(vlogits.astype(jnp.float32), axis=-1)
         lp_next = jnp.take_along_axis(logp, nxt[..., None], axis=-1)
-        top1 = (jnp.argmax(logp, axis=-1) == nxt)[..., None].astype(jnp.float32)
+        top1 = (greedy_tokens(logp) == nxt)[..., None].astype(jnp.float32)
         entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1, keepdims=True)
         return jnp.concatenate([hidden.astype(jnp.float32), lp_next, top1, entropy], axis=-1)
 
@@ -68,11 +68,11 @@ def propose_and_label(proposer, context, block_size: int, mask_id: int):
     x = jnp.concatenate([context, jnp.full((b, k - 1), mask_id, context.dtype)], axis=1)
     pos = jnp.broadcast_to(jnp.arange(c + k - 1), x.shape)
     h, _ = proposer.hidden_states(x, pos, causal_mask(b, c + k - 1))
-    block = jnp.argmax(proposer.logits(h[:, c - 1:]), axis=-1).astype(context.dtype)  # [B, K]
+    block = greedy_tokens(proposer.logits(h[:, c - 1:])).astype(context.dtype)  # [B, K]
     y = jnp.concatenate([context, block], axis=1)
     pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
     h, _ = proposer.hidden_states(y, pos, causal_mask(b, c + k))
-    greedy = jnp.argmax(proposer.logits(h[:, c: c + k - 1]), axis=-1)  # after D_0..D_{K-2}
+    greedy = greedy_tokens(proposer.logits(h[:, c: c + k - 1]))  # after D_0..D_{K-2}
     match = greedy == block[:, 1:]
     return block, jnp.cumprod(match.astype(jnp.int32), axis=-1).astype(jnp.float32)
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, commit
-from prove_jax.model import StepMask, causal_mask
+from prove_jax.model import StepMask, causal_mask, greedy_tokens
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -40,7 +40,7 @@ def propose_block(model, state: LoopState, block_size: int, mask_id: int):
                                         state.cache)
     sel = n_pending[:, None] - 1 + jnp.arange(block_size)[None, :]
     logits = _logits_at(model, hidden, sel)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
+    return greedy_tokens(logits), logits, cache
 
 
 def confidence(logits: jax.Array, kind: str) -> jax.Array:
@@ -103,7 +103,7 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
         vlogits = verifier.logits(hidden[:, :-1])  # logits at D_i judge D_{i+1}
         nxt = block[:, 1:]
         if rule == "top1":
-            accept = jnp.argmax(vlogits, axis=-1) == nxt
+            accept = greedy_tokens(vlogits) == nxt
         elif rule == "prob":
             logp = jax.nn.log_softmax(vlogits, axis=-1)
             accept = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0] >= jnp.log(tau_v)
@@ -173,10 +173,10 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
 
     one_pass = head_in_one_pass(layout, b)
     if one_pass:  # every slot's argmax from one read of the LM head
-        top = jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)  # [B, T]
+        top = greedy_tokens(model.logits(hidden))  # [B, T]
         greedy = top[:, : m + 1]
     else:
-        greedy = jnp.argmax(model.logits(hidden[:, : m + 1]), axis=-1).astype(jnp.int32)
+        greedy = greedy_tokens(model.logits(hidden[:, : m + 1]))
     # greedy [B, M+1] = g_1..g_{M+1}
     a = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M
     g_idx = jnp.sum(served <= a[:, None], axis=1) - 1  # largest served length <= a (group 0 serves 0)
@@ -186,7 +186,7 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
     if one_pass:
         drafts = jnp.take_along_axis(top, draft_slots, axis=1)
     else:
-        drafts = jnp.argmax(_logits_at(model, hidden, draft_slots), axis=-1).astype(jnp.int32)
+        drafts = greedy_tokens(_logits_at(model, hidden, draft_slots))
 
     active = ~state.done
     state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts),
