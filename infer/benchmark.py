@@ -10,6 +10,11 @@ compile time is excluded from throughput and reported separately. See prove_jax/
 `--inflate PRESET` runs the proposer embedded in a real Qwen2.5 shape (prove_jax/inflate.py):
 the trained proposer's acceptance at that model's cost per step. `--prefill-baseline` adds each
 mode's speedup with the prompts' prefill (the same work in every mode) taken out.
+
+After each batch size the records so far go to `OUT.json.partial` and `OUT.md.partial` (meta
+`"partial"`, pass@1 not yet scored), so a run stopped after an hour keeps what it measured;
+they are removed when the full report is written. The report itself is written whole or not at
+all, never over a finished report with a partial one.
 """
 
 from __future__ import annotations
@@ -191,9 +196,28 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         + bench_lib.markdown_table(records))
 
 
+PARTIAL = ".partial"
+
+
+def partial_writer(args, meta: dict, batch_sizes: list[int]):
+    """`on_batch_done` for `run_settings`: the records so far, next to (not over) the report."""
+    def save(records: list[dict]) -> None:
+        done = sorted({r["batch_size"] for r in records})
+        part = meta | {"partial": {"batch_sizes_done": done, "batch_sizes": batch_sizes}}
+        note = (f"**Partial results**: batch sizes {', '.join(map(str, done))} of "
+                f"{', '.join(map(str, batch_sizes))}; pass@1 not scored.\n\n")
+        atomic_write_text(args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n")
+        text = markdown_report(part, records)
+        title, rest = text.split("\n\n", 1)
+        atomic_write_text(args.md + PARTIAL, title + "\n\n" + note + rest)
+        bench_lib.log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
+    return save
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     hf_tmp = None
+    partial_saved = False
     try:
         batch_sizes = bench_lib.positive_ints(args.batch_sizes, "--batch-sizes")
         if args.max_new_tokens < 1:
@@ -226,9 +250,19 @@ def main(argv=None) -> int:
             hf_models = bench_lib.convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
         bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
                       f"{args.repeats} timed passes each")
+        save_partial = partial_writer(
+            args, run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads),
+            batch_sizes)
+
+        def on_batch_done(records_so_far):
+            nonlocal partial_saved
+            save_partial(records_so_far)
+            partial_saved = True
+
         records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
                                                        batch_sizes, args.repeats, hf_models,
-                                                       prefill_baseline=args.prefill_baseline)
+                                                       prefill_baseline=args.prefill_baseline,
+                                                       on_batch_done=on_batch_done)
         if pair.tokenizer is not None:
             problems = humaneval.load_problems()
             bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,
@@ -240,8 +274,14 @@ def main(argv=None) -> int:
                                                       f"{prompts_desc}, {args.max_new_tokens} new tokens")
         atomic_write_text(args.md, markdown_report(meta, records))
         atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        for path in (args.json + PARTIAL, args.md + PARTIAL):
+            if os.path.exists(path):
+                os.remove(path)
     except (ValueError, OSError) as e:  # every project error is a ValueError
         print(f"error: {e}", file=sys.stderr)
+        if partial_saved:
+            print(f"the batch sizes measured before it are in {args.json + PARTIAL}, {args.md + PARTIAL}",
+                  file=sys.stderr)
         return 2
     finally:
         if hf_tmp is not None:

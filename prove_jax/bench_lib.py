@@ -521,12 +521,16 @@ def convert_for_peers(pair: ModelPair, out_dir: str, need_draft: bool,
 def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence[Sequence[int]],
                  max_new_tokens: int, batch_sizes: Sequence[int], repeats: int,
                  hf_models: dict | None = None, progress: Callable[[str], None] = log,
-                 prefill_baseline: bool = False) -> tuple[list[dict], list[Measurement]]:
+                 prefill_baseline: bool = False,
+                 on_batch_done: Callable[[list[dict]], None] | None = None,
+                 ) -> tuple[list[dict], list[Measurement]]:
     """Measure every setting at every batch size it supports; records in (batch, setting) order.
 
     `prefill_baseline`: also time our AR with one new token per prompt, interleaved with the
     rest (the prompts' prefill and little else), and give each of our records the decode-loop
     throughput without it (`add_decode_only`).
+    `on_batch_done(records)`: called with the records so far after each batch size, so that a
+    run of an hour or more can keep what it measured if it is stopped before the end.
     """
     if not prompts:
         raise BenchError("no prompts to decode")
@@ -558,6 +562,8 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
             add_decode_only(batch_records, prefill.median_seconds)
         records += batch_records
         measurements += ms
+        if on_batch_done is not None:
+            on_batch_done(list(records))
     return records, measurements
 
 

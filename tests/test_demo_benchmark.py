@@ -153,6 +153,38 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
     assert "side by side in one run" in md and md.count("\n| lossless | K=3,G=3 |") == 2
     assert "| speedup without prefill |" in md and "Prefill baseline" in md
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the records-so-far files are gone once the report is whole
+    assert sorted(os.listdir(tmp_path)) == ["bench.json", "bench.md", "bench.png"]
+
+
+def test_benchmark_stopped_midway_keeps_finished_batch_sizes_beside_the_report(pair, tmp_path,
+                                                                               monkeypatch, capsys):
+    out = tmp_path / "bench"
+    (tmp_path / "bench.json").write_text("an earlier finished report\n")
+    measure = bench_lib.measure_batch
+    calls = []
+
+    def measure_then_fail(runners, *a, **k):  # batch size 2 fails (e.g. out of memory)
+        calls.append(len(runners))
+        if len(calls) == 2:
+            raise bench_lib.BenchError("stopped at batch 2")
+        return measure(runners, *a, **k)
+
+    monkeypatch.setattr(bench_lib, "measure_batch", measure_then_fail)
+    rc = benchmark.main(["--model", pair[0], "--verifier", pair[1], "--humaneval", "2",
+                         "--max-new-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1",
+                         "--modes", "ar,lossless", "--lossless-blocks", "3", "--no-adaptive",
+                         "--no-peers", "--json", f"{out}.json", "--md", f"{out}.md", "--png", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: stopped at batch 2" in err and "bench.json.partial" in err
+    assert (tmp_path / "bench.json").read_text() == "an earlier finished report\n"  # not overwritten
+    assert not (tmp_path / "bench.md").exists()
+    doc = json.loads((tmp_path / "bench.json.partial").read_text())
+    assert doc["meta"]["partial"] == {"batch_sizes_done": [1], "batch_sizes": [1, 2]}
+    assert [(r["mode"], r["batch_size"]) for r in doc["records"]] == [("ar", 1), ("lossless", 1)]
+    assert doc["records"][1]["agreement_with_ar"] == 1.0 and doc["records"][1]["pass_at_1"] is None
+    md = (tmp_path / "bench.md.partial").read_text()
+    assert "**Partial results**: batch sizes 1 of 1, 2" in md and md.count("\n| lossless | K=3,G=3 | 1 |") == 1
 
 
 def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
