@@ -87,7 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-baseline", action="store_true",
                     help="also time ar with 1 new token per prompt (the prompts' prefill), "
                          "interleaved, and add a column: each mode's speedup without prefill")
-    ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json)")
+    ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json; while the run goes on, the "
+                         "batch sizes done so far are in JSON.partial and MD.partial)")
     ap.add_argument("--md", default=DEFAULT_OUT + ".md", help="markdown table (default benchmarks/decode.md)")
     ap.add_argument("--png", default=DEFAULT_OUT + ".png",
                     help="trade-off plot (default benchmarks/decode.png; 'none' skips it, e.g. where "
