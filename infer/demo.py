@@ -105,7 +105,7 @@ def main(argv=None) -> int:
               "the timings swing by ~15% from run to run, so it needs more tokens per forward than "
               "that to win: benchmarks/step_cost.md; `--calibrate` measures the machine at hand. "
               "The same proposer inflated to the Qwen2.5-0.5B shape, whose steps are bound by weight "
-              "reads, runs lossless K=6,G=2 at 1.94x AR: benchmarks/decode_0.5b_shape.md)")
+              "reads, runs lossless K=6,G=2 at about 2x AR: benchmarks/decode_0.5b_shape.md)")
     shown = ms[1]  # the lossless run
     ids, commits = shown.outputs[args.show], shown.step_commits[args.show]
     colour = sys.stdout.isatty()

@@ -118,7 +118,7 @@ def default_prefill_chunk() -> int:
 #   and would run 3x slower), which a fixed table cannot know: on CPU the table is plain AR,
 #   and `calibrate.py` (--calibrate) measures. Measured so on the AVX-512 EPYC with the demo
 #   proposer inflated to the 0.5B shape (benchmarks/decode_0.5b_shape.md): calibrated chose
-#   K=6/2 groups at batch 1 (1.85x AR), K=2/2 at batch 4 (1.18x) and AR at batch 16.
+#   K=6/2 groups at batch 1 (1.98x AR), K=2/2 at batch 4 (1.18x) and AR at batch 16.
 ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
