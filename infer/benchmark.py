@@ -87,7 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-baseline", action="store_true",
                     help="also time ar with 1 new token per prompt (the prompts' prefill), "
                          "interleaved, and add a column: each mode's speedup without prefill")
-    ap.add_argument("--json", default=DEFAULT_OUT + ".json", help="JSON output (default benchmarks/decode.json; while the run goes on, the "
+    ap.add_argument("--json", default=DEFAULT_OUT + ".json",
+                    help="JSON output (default benchmarks/decode.json; while the run goes on, the "
                          "batch sizes done so far are in JSON.partial and MD.partial)")
     ap.add_argument("--md", default=DEFAULT_OUT + ".md", help="markdown table (default benchmarks/decode.md)")
     ap.add_argument("--png", default=DEFAULT_OUT + ".png",
@@ -173,11 +174,21 @@ def prefill_note(records: list[dict]) -> str:
             "second of the rest, against AR's.\n\n")
 
 
+def partial_note(meta: dict) -> str:
+    """The markdown line saying a report is partial (`write_partial`), or ''."""
+    part = meta.get("partial")
+    if not part:
+        return ""
+    return (f"**Partial results**: batch sizes {', '.join(map(str, part['batch_sizes_done']))} of "
+            f"{', '.join(map(str, part['batch_sizes']))}; pass@1 not scored.\n\n")
+
+
 def markdown_report(meta: dict, records: list[dict]) -> str:
     peers = (f", torch {meta['torch']} (intra-op threads per peer row: "
              f"{', '.join(map(str, meta['torch_threads']))})" if "torch" in meta else "")
     return (
         "# Decoding benchmark (`python -m infer.benchmark`)\n\n"
+        + partial_note(meta) +
         f"Proposer `{meta['proposer']}`, verifier `{meta['verifier']}`; {meta['prompts']}, "
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
         f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
@@ -200,19 +211,13 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
 PARTIAL = ".partial"
 
 
-def partial_writer(args, meta: dict, batch_sizes: list[int]):
-    """`on_batch_done` for `run_settings`: the records so far, next to (not over) the report."""
-    def save(records: list[dict]) -> None:
-        done = sorted({r["batch_size"] for r in records})
-        part = meta | {"partial": {"batch_sizes_done": done, "batch_sizes": batch_sizes}}
-        note = (f"**Partial results**: batch sizes {', '.join(map(str, done))} of "
-                f"{', '.join(map(str, batch_sizes))}; pass@1 not scored.\n\n")
-        atomic_write_text(args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n")
-        text = markdown_report(part, records)
-        title, rest = text.split("\n\n", 1)
-        atomic_write_text(args.md + PARTIAL, title + "\n\n" + note + rest)
-        bench_lib.log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
-    return save
+def write_partial(args, meta: dict, records: list[dict]) -> None:
+    """The records so far (`run_settings`' `on_batch_done`), next to (not over) the report."""
+    done = sorted({r["batch_size"] for r in records})
+    part = meta | {"partial": {"batch_sizes_done": done, "batch_sizes": meta["batch_sizes"]}}
+    atomic_write_text(args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n")
+    atomic_write_text(args.md + PARTIAL, markdown_report(part, records))
+    bench_lib.log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
 
 
 def main(argv=None) -> int:
@@ -251,13 +256,11 @@ def main(argv=None) -> int:
             hf_models = bench_lib.convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
         bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
                       f"{args.repeats} timed passes each")
-        save_partial = partial_writer(
-            args, run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads),
-            batch_sizes)
+        start_meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
 
         def on_batch_done(records_so_far):
             nonlocal partial_saved
-            save_partial(records_so_far)
+            write_partial(args, start_meta, records_so_far)
             partial_saved = True
 
         records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
