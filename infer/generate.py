@@ -35,7 +35,9 @@ def parse_args(argv=None):
                     help="rows decoded together; the requests queue for them and a finished row "
                          "takes the next request at once (continuous batching; default 1)")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="K, tokens proposed per proposer forward (default: 8, lossless 4)")
+                    help="K, tokens proposed per proposer forward (default: 8, lossless 4); a step feeds "
+                         "2K-1 tokens per row (lossless: 1 + (K-1) x (groups+1)), which must fit "
+                         "the model's positions and 4096")
     ap.add_argument("--groups", type=int, default=None,
                     help="lossless: mask groups = acceptance lengths served per step (default K)")
     ap.add_argument("--adaptive", action="store_true",

@@ -290,6 +290,22 @@ def test_bad_requests(model):
         Decoder(create_model(CFG.replace(mask_token_id=None)), [1], DecodeOptions("lossless", 4))
 
 
+def test_a_step_wider_than_the_buffer_is_refused_before_tracing(model):
+    # 1 + 39 x 41 tokens per step, beyond a 64-slot buffer: the error names the layout and the fix
+    with pytest.raises(DecodeError, match=r"lossless K=40 with 40 mask groups feeds 1600 tokens per step "
+                                          r"\(1 \+ 39 x 41\), more than the model's 64-position buffer; "
+                                          r"lower --block-size or cap the groups with --groups"):
+        Decoder(model, [1], DecodeOptions("lossless", 40), max_buffer=64)
+    with pytest.raises(DecodeError, match=r"--block-size 40 feeds 79 tokens per step"):
+        Decoder(model, [1], DecodeOptions("threshold", 40), max_buffer=64)
+    with pytest.raises(DecodeError, match="4096-token step limit"):
+        Decoder(model, [1], DecodeOptions("lossless", 100), max_buffer=1 << 20)
+    dec = Decoder(model, [1], DecodeOptions("lossless", 40, max_groups=1), max_buffer=80)  # 79 wide: fits
+    with pytest.raises(DecodeError, match="1600 tokens per step"):
+        dec.with_options(DecodeOptions("lossless", 40))
+    assert dec.trace_count == 0
+
+
 def test_free_device_memory_reads_the_allocator_or_the_host_never_host_ram_for_an_accelerator():
     import types
     from prove_jax import memory
@@ -369,6 +385,8 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
         (["--model", ckpt, "--mode", "nope"], "unknown mode"),
         (["--model", ckpt, "--batch-size", "0"], "batch size must be >= 1"),
         (["--model", ckpt, "--mode", "lossless", "--block-size", "0"], "block size must be >= 1"),
+        (["--model", ckpt, "--mode", "lossless", "--block-size", "500"],
+         "lossless K=500 with 500 mask groups feeds 250000 tokens per step"),
     ]:
         r = _cli(*case, "--input", str(inp), "--output", str(bad))
         assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr

@@ -45,6 +45,11 @@ CONFIDENCE_KINDS = ("prob", "entropy", "margin")
 # threshold: tau when none is given, per confidence kind. prob: the top-1 probability; margin:
 # top-1 minus top-2 probability; entropy: the most entropy (nats) a proposed token may have.
 DEFAULT_TAU = {"prob": 0.9, "margin": 0.8, "entropy": 0.5}
+# The most tokens one step may feed the proposer per row. The step's intra-step mask is [T, T]
+# and its attention scores [G*T, S], so cost grows with T^2; the paper's widest layout (K=16,
+# every group served) is 256 tokens wide, and K=500 with every group served would be 250,000
+# (a 58 GiB mask, built while tracing). Past this, lower K or cap the mask groups.
+MAX_STEP_WIDTH = 4096
 
 
 class DecodeError(ValueError):
@@ -162,6 +167,26 @@ def step_shape(options: DecodeOptions) -> tuple[int, int]:
     return propose_layout(options.block_size)[0], 1
 
 
+def check_step_width(options: DecodeOptions, max_buffer: int) -> None:
+    """A step of validated `options` fits the model: at most min(`max_buffer`, MAX_STEP_WIDTH)
+    tokens per row (a wider step would also reach positions the buffer cannot hold)."""
+    width, _ = step_shape(options)
+    limit = min(max_buffer, MAX_STEP_WIDTH)
+    if width <= limit:
+        return
+    k = options.block_size
+    if options.mode == "lossless":
+        groups = len(LosslessLayout.build(k, options.max_groups).accept_of_group)
+        what = f"lossless K={k} with {groups} mask groups feeds {width} tokens per step (1 + {k - 1} x {groups + 1})"
+        advice = "lower --block-size or cap the groups with --groups"
+    else:
+        what = f"--block-size {k} feeds {width} tokens per step ({k} pending + {k - 1} masks)"
+        advice = "lower --block-size"
+    bound = (f"the model's {max_buffer}-position buffer" if max_buffer <= MAX_STEP_WIDTH
+             else f"the {MAX_STEP_WIDTH}-token step limit")
+    raise DecodeError(f"{what}, more than {bound}; {advice}")
+
+
 def decode_step(options: DecodeOptions, model, state: LoopState, eos_ids: jax.Array, *, mask_id: int,
                 verifier=None, head=None) -> LoopState:
     """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
@@ -235,6 +260,8 @@ class Decoder:
         self.vcfg = verifier.cfg if verifier is not None else None
         self.head_hidden_size = commit_head.hidden_size if commit_head is not None else None
         _check_pairing(options, cfg, self.vcfg, self.head_hidden_size)
+        self.max_buffer = max_buffer or cfg.max_position_embeddings
+        check_step_width(self.options, self.max_buffer)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
         self.vgraphdef, self.vstate = nnx.split(verifier) if verifier is not None else (None, None)
@@ -246,7 +273,6 @@ class Decoder:
         self.eos_ids = np.asarray(list(eos_ids) or [-1], np.int32)
         self.mesh = mesh
         self.pad_id = pad_id
-        self.max_buffer = max_buffer or cfg.max_position_embeddings
         self._compiled: dict = {}
         self.trace_count = 0
 
@@ -254,6 +280,7 @@ class Decoder:
         """The same models and settings decoding with other options (its own compile cache)."""
         options = options.validate()
         _check_pairing(options, self.cfg, self.vcfg, self.head_hidden_size)
+        check_step_width(options, self.max_buffer)
         other = copy.copy(self)
         other.options = options
         other._compiled = {}
