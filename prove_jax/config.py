@@ -17,6 +17,33 @@ class ConfigError(ValueError):
     """A configuration that this project cannot build a model from."""
 
 
+# Activations transformers' Qwen2 MLP can name that are SiLU (ACT2FN maps both to nn.SiLU).
+SILU_NAMES = ("silu", "swish")
+
+
+def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
+    """Refuse HF Qwen2 settings this model does not implement rather than convert them into a
+    different model: an activation other than SiLU, or sliding-window attention on any layer.
+    The window follows transformers' Qwen2Config: `sliding_window` counts only with
+    `use_sliding_window`, on the layers `layer_types` marks (default: from `max_window_layers`
+    on). Official Qwen2.5 configs carry a window with use_sliding_window false: full attention.
+    """
+    act = hf.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise ConfigError(f"hidden_act {act!r} is not supported (Qwen2's MLP here is SiLU-gated)")
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    if window is None:
+        return
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= int(hf.get("max_window_layers", 28)) else "full_attention"
+        for i in range(num_layers)]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        raise ConfigError(f"sliding-window attention (window {window} on layer(s) "
+                          f"{', '.join(map(str, sliding[:8]))}{' ...' if len(sliding) > 8 else ''}) is "
+                          f"not supported: every layer here attends to the whole context")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -85,9 +112,14 @@ class ModelConfig:
         # transformers 5 nests rope settings in rope_parameters; older files have rope_theta on top.
         rope = hf.get("rope_parameters") or {}
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
-        if rope_type not in (None, "default"):
-            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        # transformers lets rope_scaling override rope_parameters, and reads the older "type" key
+        # (the YaRN snippet of the Qwen2.5 model cards) as rope_type.
+        scaling = hf.get("rope_scaling") or rope
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default'); "
+                              f"converting would silently change the model's outputs")
+        _check_plain_qwen2(hf, layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"

@@ -13,6 +13,7 @@ Outputs appear under their final name only when complete.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -107,6 +108,12 @@ def _read_json(path: str) -> dict:
 
 def plan_hf_to_ours(infos: dict[str, st.TensorInfo], cfg: ModelConfig) -> list[st.TensorInfo]:
     """The tensors to convert, after checking every name and shape against `cfg` (headers only)."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if cfg.tie_word_embeddings and embed not in infos and head in infos:
+        # safetensors' save_model stores a shared tensor once, under the name that sorts first:
+        # for a tied Qwen2 that is lm_head.weight, which transformers loads as the embedding too.
+        infos = dict(infos)
+        infos[embed] = dataclasses.replace(infos.pop(head), name=embed)
     wanted = []
     for name, info in infos.items():
         if check_hf_tensor(name, info.shape, cfg) is not None:
@@ -240,12 +247,14 @@ def _write_json(path: str, d: dict) -> None:
 
 
 def _write_generation_config(path: str, cfg: ModelConfig) -> None:
-    """Keep a copied generation_config.json's sampling settings; our special ids win."""
+    """Keep a copied generation_config.json's settings; our special ids win where we have them
+    (Qwen2.5-Instruct names its pad token only there, so an id we lack is kept, not dropped)."""
     gen = _read_json(path) if os.path.exists(path) else {}
     eos = list(cfg.eos_token_ids)
-    gen.update({"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
-                "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)})
-    _write_json(path, {k: v for k, v in gen.items() if v is not None})
+    ours = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
+    gen.update({k: v for k, v in ours.items() if v is not None})
+    _write_json(path, gen)
 
 
 # ---- CLI -----------------------------------------------------------------------------------------

@@ -103,9 +103,16 @@ def _no_duplicate_keys(path):
 
 
 def model_files(model_dir: str) -> list[str]:
-    """The safetensors files of an HF model dir: the single file, or the shards of the index."""
+    """The safetensors files of an HF model dir: the single file, or the shards of the index.
+
+    The single file comes first, as in transformers' `from_pretrained`: `save_pretrained` leaves
+    a stale index behind when it re-saves a sharded model unsharded, and vice versa.
+    """
     if not os.path.isdir(model_dir):
         raise SafetensorsError(f"model directory not found: {model_dir}")
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.exists(single):
+        return [single]
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index):
         try:
@@ -118,9 +125,6 @@ def model_files(model_dir: str) -> list[str]:
             if not os.path.isfile(os.path.join(model_dir, name)):
                 raise SafetensorsError(f"{index} lists shard {name} which is missing from {model_dir}")
         return [os.path.join(model_dir, name) for name in files]
-    single = os.path.join(model_dir, SINGLE_FILE)
-    if os.path.exists(single):
-        return [single]
     raise SafetensorsError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} "
                            f"(only safetensors checkpoints are supported)")
 

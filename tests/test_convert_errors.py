@@ -199,3 +199,20 @@ def test_a_checkpoint_replaces_only_an_earlier_checkpoint(hf_dir, tmp_path):
     assert convert.main(["hf-to-flax", "--hf-dir", str(hf_dir), "--out", str(precious),
                          "--overwrite", "--quiet"]) == 0  # asked for: replaced
     assert sorted(os.listdir(precious)) != ["keep.py"] and load_model(str(precious)).cfg == model.cfg
+
+
+@pytest.mark.parametrize("edit, needles", [
+    # the YaRN snippet of the Qwen2.5 model cards: the older "type" key, no rope_parameters
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+      "rope_parameters": None}, ("rope_type 'yarn' is not supported",)),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+     ("sliding-window attention (window 8 on layer(s) 1)", "not supported")),
+    ({"hidden_act": "gelu"}, ("hidden_act 'gelu' is not supported",)),
+])
+def test_settings_the_model_does_not_implement_are_refused(capsys, hf_dir, tmp_path, edit, needles):
+    """transformers applies these (its logits change); converting them as plain Qwen2 would
+    silently give another model, so the converter names the setting instead."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(edit)
+    (hf_dir / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(hf_dir), needles=needles)
