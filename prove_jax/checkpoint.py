@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from typing import Mapping
 
 import jax
@@ -46,25 +46,35 @@ def check_replaceable(path: str, marker: str, what: str, error: type[Exception])
 
 
 def atomic_dir(final_path: str):
-    """Context manager yielding a temp dir next to `final_path`, renamed onto it on success."""
+    """Context manager yielding a temp dir next to `final_path`, renamed onto it on success.
+
+    A symlinked `final_path` is followed, so the output lands where the link points (and the
+    rename stays on that filesystem). The temp dir is made with `os.mkdir`, so the output gets
+    the umask's permissions like any other directory (`tempfile.mkdtemp` would make it 0700).
+    """
     class _Atomic:
         def __enter__(self):
-            parent = os.path.dirname(os.path.abspath(final_path)) or "."
+            self.final = os.path.realpath(final_path)
+            parent = os.path.dirname(self.final)
             os.makedirs(parent, exist_ok=True)
-            self.tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final_path) + "-", dir=parent)
+            self.tmp = os.path.join(parent, f".tmp-{os.path.basename(self.final)}-{uuid.uuid4().hex[:12]}")
+            os.mkdir(self.tmp)
             return self.tmp
 
         def __exit__(self, exc_type, exc, tb):
             if exc_type is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return False
-            if os.path.exists(final_path):
+            if os.path.lexists(self.final):
                 old = self.tmp + ".old"
-                os.rename(final_path, old)
-                os.rename(self.tmp, final_path)
-                shutil.rmtree(old, ignore_errors=True)
+                os.rename(self.final, old)
+                os.rename(self.tmp, self.final)
+                if os.path.isdir(old):
+                    shutil.rmtree(old, ignore_errors=True)
+                else:  # a file given --overwrite
+                    os.unlink(old)
             else:
-                os.rename(self.tmp, final_path)
+                os.rename(self.tmp, self.final)
             return False
     return _Atomic()
 
@@ -75,7 +85,9 @@ def atomic_write_text(path: str, text: str) -> None:
         raise IsADirectoryError(f"{path} is a directory; give a file path")
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+    # os.open with 0o666: the umask's permissions, like any file (mkstemp's are 0600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

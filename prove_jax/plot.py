@@ -7,7 +7,7 @@ HumanEval was scored, against pass@1 (x). Colour = mode, marker = batch size.
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from typing import Sequence
 
 MODE_COLOURS = {"ar": "black", "lossless": "tab:green", "threshold": "tab:orange",
@@ -53,13 +53,13 @@ def trade_off_figure(records: Sequence[dict], path: str, title: str = "") -> Non
     fig.tight_layout()
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=parent)
-    os.close(fd)
+    tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex[:12]}.png")  # savefig creates it: umask permissions
     try:
         fig.savefig(tmp, dpi=120)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
     finally:
         plt.close(fig)
