@@ -91,12 +91,13 @@ def main(argv=None) -> int:
         decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,
                                            dtype=args.dtype, mesh_shape=args.mesh)
         prompts = encode_prompts(records, tokenizer, chat=args.chat)
+        ids = [r["id"] for r in records]
         if args.calibrate:
-            decoder.check_prompts(prompts, args.max_new_tokens)
+            decoder.check_prompts(prompts, args.max_new_tokens, names=ids)
             calibrate_decoder(decoder, prompts, args.batch_size, args.max_new_tokens,
                               log=lambda msg: print(msg, file=sys.stderr, flush=True),
                               num_requests=min(len(prompts), QUEUE_BATCHES * args.batch_size))
-        outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size)
+        outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size, ids=ids)
         write_outputs(args.output, records, outputs, stats, tokenizer)
     except (ValueError, OSError) as e:  # every project error is a ValueError
         print(f"error: {e}", file=sys.stderr)

@@ -199,7 +199,9 @@ def test_cli_calibrate(tmp_path):
     r = _cli("--model", ckpt, "--mode", "lossless", "--calibrate", "--block-size", "3", "--input", str(inp),
              "--output", str(out), "--max-new-tokens", "12", "--batch-size", "2")
     assert r.returncode == 0, r.stderr
-    assert "calibrate: acceptance with K=3" in r.stderr and "calibrate: batch 2:" in r.stderr
+    # the subprocess sees the suite's 8 simulated devices, all on the data axis: the 2 rows asked
+    # for decode as 8, and calibration measures the size that runs
+    assert "calibrate: acceptance with K=3" in r.stderr and "calibrate: batch 8:" in r.stderr
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 12)
     assert [json.loads(x)["output_ids"] for x in out.read_text().splitlines()] == ar.output_ids
     r = _cli("--model", ckpt, "--mode", "ar", "--calibrate", "--input", str(inp), "--output", str(tmp_path / "x.jsonl"))
@@ -242,3 +244,43 @@ def test_fastest_interleaved_warms_up_interleaves_and_keeps_the_fastest():
     best = cal.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2, warm_up=False,
                                    keep=lambda best: [k for k, v in best.items() if v < 3.5])
     assert calls == ["a", "b", "a"] and best == {"a": 2.0, "b": 4.0}  # b, dropped, keeps its one timing
+
+
+def test_calibrate_decoder_measures_the_rows_generate_decodes_within_the_group_cap(monkeypatch):
+    """On a 2-way data axis a batch of 1 decodes 2 rows: the table must be measured and keyed
+    there, or `generate` never finds it and silently runs AR. The --groups cap bounds the
+    layouts it may choose, and a batch size below 1 is an error, not a trace-time crash."""
+    from prove_jax.sharding import make_mesh
+    from tests.test_decoding import load_or_shard
+    seen = {}
+
+    def fake_calibrate(decoder, prompts, batch_sizes, max_new_tokens, candidates, log=None, num_requests=None):
+        seen.update(batch_sizes=list(batch_sizes), candidates=list(candidates))
+        return tuple((b, 2, 2) for b in batch_sizes)
+    monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    mesh = make_mesh((2, 1, 1), devices=__import__("jax").devices()[:2])
+    model = create_model(CFG, seed=3)
+    dec = Decoder(load_or_shard(model, mesh), [1], DecodeOptions("lossless", 8, max_groups=2, adaptive=True),
+                  mesh=mesh)
+    cal.calibrate_decoder(dec, _prompts(), 1, 16)
+    assert seen["batch_sizes"] == [2]
+    assert seen["candidates"] == [(k, g) for k, g in cal.DEFAULT_CANDIDATES if g <= 2]
+    res = dec.generate(_prompts()[:1], 12, batch_size=1)
+    assert (res.options.mode, res.options.block_size) == ("lossless", 2)
+    assert res.output_ids == Decoder(model, [1], DecodeOptions("ar")).generate(_prompts()[:1], 12).output_ids
+    with pytest.raises(DecodeError, match="batch size must be >= 1, got 0"):
+        cal.calibrate_decoder(dec, _prompts(), 0, 16)
+    capped = Decoder(model, [1], DecodeOptions("lossless", 8, max_groups=1, adaptive=True))
+    with pytest.raises(DecodeError, match="no lossless layout to calibrate"):
+        cal.calibrate_decoder(capped, _prompts(), 1, 16)
+
+
+def test_rows_are_capped_at_the_requests():
+    """A batch larger than the queue decodes only rows that have a request, so the adaptive
+    layout is the one for the real batch (this table: lossless up to 4 rows, AR past it)."""
+    model = create_model(CFG, seed=3)
+    dec = Decoder(model, [1], DecodeOptions("lossless", 8, adaptive=True), adaptive_table=((4, 4, 2),))
+    res = dec.generate(_prompts()[:3], 12, batch_size=32)
+    assert (res.options.mode, res.options.block_size) == ("lossless", 4)
+    assert res.output_ids == Decoder(model, [1], DecodeOptions("ar")).generate(_prompts()[:3], 12).output_ids
+    assert dec.rows(32, 3) == 3 and dec.rows(2, 9) == 2

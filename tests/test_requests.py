@@ -57,3 +57,27 @@ def test_an_output_that_is_a_directory_or_the_input_is_refused_before_loading(tm
         assert generate.main(["--input", path, "--output", output]) == 2
         assert message in capsys.readouterr().err
     assert open(path).read() == before and not loaded
+
+
+def test_prompt_ids_must_be_ints_not_booleans():
+    from prove_jax.decoding.requests import encode_prompts
+    assert encode_prompts([{"id": "a", "prompt_ids": [4, 5]}], None) == [[4, 5]]
+    with pytest.raises(DecodeError, match=r"request 'a': prompt_ids must be a list of ints"):
+        encode_prompts([{"id": "a", "prompt_ids": [True, 5]}], None)  # JSON true is not token 1
+
+
+def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
+    """Errors name the request id (not its position), and the summary's `setting` is the layout
+    actually decoded: adaptive lossless chose AR on CPU, which mode alone does not say."""
+    from prove_jax.decoding import DecodeOptions, Decoder
+    from prove_jax.decoding.requests import run_requests
+    from prove_jax.params import create_model
+    from tests.test_decoding import CFG
+    dec = Decoder(create_model(CFG, seed=3), [1], DecodeOptions("lossless", 4, adaptive=True))
+    with pytest.raises(DecodeError, match=r"request 'second' is empty"):
+        run_requests(dec, [[4, 5], []], 8, 1, progress=False, ids=["first", "second"])
+    _, _, summary = run_requests(dec, [[4, 5], [6]], 8, 2, progress=False, ids=["first", "second"])
+    assert (summary["mode"], summary["setting"]) == ("lossless", "ar")
+    _, _, summary = run_requests(dec.with_options(DecodeOptions("lossless", 4, max_groups=2)),
+                                 [[4, 5]], 8, 1, progress=False)
+    assert summary["setting"] == "lossless K=4,G=2"

@@ -430,15 +430,23 @@ def calibrate_decoder(decoder, prompts: Sequence[Sequence[int]], batch_size: int
                       ) -> tuple[tuple[int, int, int], ...]:
     """Calibrate `decoder` (adaptive lossless) for one batch size and install the table.
 
-    Uses up to max(8, batch_size) of the prompts and up to 64 new tokens for the acceptance
-    profile and the trial decodes, and the candidates whose K fits the decoder's block size
-    (its cap on K). `num_requests`: how many requests each `generate` call will queue
+    Uses up to max(8, rows) of the prompts and up to 64 new tokens for the acceptance profile
+    and the trial decodes, and the candidates within the decoder's block size and group cap. `num_requests`: how many requests each `generate` call will queue
     (default: all of `prompts`).
     """
-    from prove_jax.decoding.engine import check_adaptive_table
-    k_max = decoder.options.block_size
-    table = calibrate(decoder, list(prompts)[:max(8, batch_size)], [batch_size], min(64, max_new_tokens),
-                      [c for c in DEFAULT_CANDIDATES if c[0] <= k_max], log=log,
-                      num_requests=len(prompts) if num_requests is None else num_requests)
+    from prove_jax.decoding.engine import DecodeError, check_adaptive_table
+    if batch_size < 1:
+        raise DecodeError(f"batch size must be >= 1, got {batch_size}")
+    num_requests = len(prompts) if num_requests is None else num_requests
+    # the rows `generate` will decode with (capped at the requests, whole data-axis shards):
+    # the table is looked up, and must be measured, at that size
+    rows = decoder.rows(batch_size, num_requests)
+    k_max, g_max = decoder.options.block_size, decoder.options.max_groups
+    candidates = [(k, g) for k, g in DEFAULT_CANDIDATES if k <= k_max and (g_max is None or g <= g_max)]
+    if not candidates:
+        raise DecodeError(f"no lossless layout to calibrate with K <= {k_max} and groups <= {g_max}; "
+                          f"the narrowest is K=2 with 2 groups")
+    table = calibrate(decoder, list(prompts)[:max(8, rows)], [rows], min(64, max_new_tokens),
+                      candidates, log=log, num_requests=num_requests)
     decoder.adaptive_table = check_adaptive_table(table)
     return decoder.adaptive_table

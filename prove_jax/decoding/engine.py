@@ -292,6 +292,12 @@ class Decoder:
     def buffer_len(self, prompt_width: int, max_new_tokens: int) -> int:
         return _round_up(prompt_width + max_new_tokens, 64)
 
+    def rows(self, batch_size: int, num_requests: int) -> int:
+        """Rows a call decodes with: `batch_size`, but no more than the requests it queues (a
+        row with no request would be computed every step for nothing, and would steer the
+        adaptive layout toward a larger batch), rounded up to whole shards of the data axis."""
+        return _round_up(min(batch_size, num_requests), self._data_size())
+
     def _data_size(self) -> int:
         return 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")
                                                         if a in self.mesh.shape]))
@@ -395,18 +401,21 @@ class Decoder:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      names: Sequence | None = None) -> None:
+        """Every prompt can be decoded; errors name a prompt by `names[i]` (request ids) if given."""
         if not prompts:
             raise DecodeError("no prompts given")
         for i, p in enumerate(prompts):
+            what = f"prompt {i}" if names is None else f"request {names[i]!r}"
             if len(p) == 0:
-                raise DecodeError(f"prompt {i} is empty: decoding needs at least one prompt token")
+                raise DecodeError(f"{what} is empty: decoding needs at least one prompt token")
             bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
             if bad:
-                raise DecodeError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                raise DecodeError(f"{what} has token id {bad[0]} outside the vocabulary "
                                   f"[0, {self.cfg.vocab_size})")
             if len(p) + max_new_tokens > self.max_buffer:
-                raise DecodeError(f"prompt {i} has {len(p)} tokens; with max_new_tokens="
+                raise DecodeError(f"{what} has {len(p)} tokens; with max_new_tokens="
                                   f"{max_new_tokens} it needs {len(p) + max_new_tokens} positions, "
                                   f"longer than the buffer limit {self.max_buffer}")
 
@@ -426,7 +435,7 @@ class Decoder:
             raise DecodeError(f"batch size must be >= 1, got {batch_size}")
         self.check_prompts(prompts, max_new_tokens)
         n = len(prompts)
-        b = _round_up(batch_size or n, self._data_size())
+        b = self.rows(batch_size or n, max(n, queue_size or 0))
         q = _round_up(max(n, queue_size or 0), b)  # a whole number of rows: shards like the batch
         options = adapt_for_batch(self.options, b, table=self.adaptive_table)
         p = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)

@@ -8,7 +8,8 @@ import sys
 from typing import Sequence
 
 from prove_jax.checkpoint import atomic_write_text
-from prove_jax.decoding.engine import BatchResult, DecodeError, Decoder
+from prove_jax.decoding.engine import BatchResult, DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding.layouts import LosslessLayout
 
 
 def read_requests(path: str) -> list[dict]:
@@ -53,7 +54,8 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False) -> li
     for rec in records:
         if "prompt_ids" in rec:
             ids = rec["prompt_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            # bool is an int subclass: `true` would decode as token 1
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise DecodeError(f"request {rec['id']!r}: prompt_ids must be a list of ints")
             prompts.append(ids)
             continue
@@ -89,15 +91,19 @@ QUEUE_BATCHES = 16  # requests per generate call = this many batches (progress +
 
 
 def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 batch_size: int, progress: bool = True) -> tuple[list[list[int]], list[dict], dict]:
+                 batch_size: int, progress: bool = True, ids: Sequence | None = None
+                 ) -> tuple[list[list[int]], list[dict], dict]:
     """Decode all prompts with `batch_size` rows and continuous batching (see queue.py).
 
     Requests go to the device in chunks of QUEUE_BATCHES * batch_size, all padded to one prompt
-    width and queue size (one compiled program); progress is printed after each chunk.
+    width and queue size (one compiled program); progress is printed after each chunk. `ids`
+    (the request ids) name a bad prompt in errors. The summary's `setting` says what ran: the
+    adaptive and calibrated settings may choose a narrower layout, or AR, for the batch.
     """
     if batch_size < 1:
         raise DecodeError(f"batch size must be >= 1, got {batch_size}")
-    decoder.check_prompts(prompts, max_new_tokens)
+    decoder.check_prompts(prompts, max_new_tokens, names=ids)
+    ran = set()
     outputs, stats = [], []
     seconds = compile_s = 0.0
     width = max(len(p) for p in prompts)
@@ -106,6 +112,7 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
         chunk = list(prompts[start: start + chunk_size])
         result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width,
                                   queue_size=chunk_size)
+        ran.add(describe_options(result.options))
         seconds += result.seconds
         compile_s += result.compile_seconds
         outputs += result.output_ids
@@ -117,7 +124,8 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
     total = sum(len(o) for o in outputs)
     fwd = sum(s["proposer_forwards"] for s in stats)
     summary = {
-        "mode": decoder.options.mode, "requests": len(prompts), "generated_tokens": total,
+        "mode": decoder.options.mode, "setting": ", ".join(sorted(ran)),
+        "requests": len(prompts), "generated_tokens": total,
         "decode_seconds": seconds, "compile_seconds": compile_s,
         "tokens_per_second": total / seconds if seconds else 0.0,
         "tokens_per_forward": total / fwd if fwd else 0.0,
@@ -125,6 +133,19 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
         "verifier_forwards": sum(s["verifier_forwards"] for s in stats),
     }
     return outputs, stats, summary
+
+
+def describe_options(options: DecodeOptions) -> str:
+    """What a decode call ran, e.g. 'lossless K=6,G=2', 'verify K=8,top1', 'ar'."""
+    if options.mode == "ar":
+        return "ar"
+    k = options.block_size
+    if options.mode == "lossless":
+        return f"lossless K={k},G={len(LosslessLayout.build(k, options.max_groups).accept_of_group)}"
+    if options.mode == "verify":
+        return f"verify K={k},{options.commit_rule}"
+    return f"threshold K={k},{options.confidence}>={options.tau:g}" if options.confidence != "entropy" \
+        else f"threshold K={k},entropy<={options.tau:g}"
 
 
 def check_output_path(path: str, input_path: str | None, flag: str = "--output") -> None:
