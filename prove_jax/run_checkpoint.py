@@ -6,6 +6,11 @@ asynchronous (training continues while arrays are written) and orbax keeps the l
 resumes from the newest checkpoint that restores; one that does not (a crash mid-write on a
 filesystem without atomic rename, a deleted shard) is moved aside to RUN_DIR/corrupt/ with a
 message, and the previous one is used.
+
+A checkpoint that reads fine but holds a different train state than the current config builds
+(another model shape, an optimizer chain with or without clipping) is not damaged: restoring
+it is refused with the difference named, and nothing is moved, so relaunching with the run's
+original config still resumes.
 """
 
 from __future__ import annotations
@@ -17,15 +22,56 @@ from typing import Callable
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class RunCheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
 
 
+class RunCheckpointMismatch(RunCheckpointError):
+    """A readable checkpoint whose train state does not fit the current config."""
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+def _key_name(key) -> str:
+    """One path entry as text: dict keys, namedtuple fields and tuple indices alike (orbax
+    stores namedtuples as dicts, so a field name is the common form)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_shapes(tree) -> dict[str, tuple]:
+    """'opt_state.1.0.mu.embed' -> shape, for every array leaf of a tree or its orbax metadata."""
+    return {".".join(_key_name(k) for k in path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _listing(keys: list[str], limit: int = 3) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def state_difference(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
+    """What differs between a checkpoint's arrays and the current train state, or None."""
+    only_saved = sorted(saved.keys() - expected.keys())
+    only_expected = sorted(expected.keys() - saved.keys())
+    reshaped = sorted(k for k in saved.keys() & expected.keys() if saved[k] != expected[k])
+    parts = []
+    if only_saved:
+        parts.append(f"only in the checkpoint: {_listing(only_saved)}")
+    if only_expected:
+        parts.append(f"only in this config's state: {_listing(only_expected)}")
+    if reshaped:
+        parts.append("different shapes: " + _listing(
+            [f"{k} {saved[k]} vs {expected[k]}" for k in reshaped]))
+    return "; ".join(parts) or None
 
 
 class RunCheckpoints:
@@ -52,12 +98,16 @@ class RunCheckpoints:
         """(step, state, meta) of the newest readable checkpoint (the iterator is rewound in
         place), or None for a fresh run. `abstract_state` carries the target shardings."""
         steps = sorted(self.steps(), reverse=True)
+        expected = leaf_shapes(abstract_state)
         for i, step in enumerate(steps):
             args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
             if data_iter is not None:
                 args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
             try:
+                self._check_structure(step, expected)  # a config change raises, moves nothing
                 restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+            except RunCheckpointMismatch:
+                raise
             except Exception as e:  # orbax/tensorstore raise many types for a damaged folder
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 self.log(f"warning: checkpoint step {step} in {self.dir} cannot be restored "
@@ -71,6 +121,20 @@ class RunCheckpoints:
             raise RunCheckpointError(f"no checkpoint in {self.dir} could be restored "
                                      f"(tried steps {steps}); remove the folder to start over")
         return None
+
+    def _check_structure(self, step: int, expected: dict[str, tuple]) -> None:
+        """Compare the step's stored array paths and shapes (its metadata file, no array data)
+        with the train state this config builds. An unreadable metadata file raises whatever
+        orbax raises, which the caller treats as damage."""
+        path = epath.Path(os.path.join(self.dir, str(step), "state"))
+        saved = leaf_shapes(ocp.StandardCheckpointHandler().metadata(path).tree)
+        diff = state_difference(saved, expected)
+        if diff is not None:
+            raise RunCheckpointMismatch(
+                f"checkpoint step {step} in {self.dir} holds a different train state than this "
+                f"config builds ({diff}); the model or optimizer settings changed since it was "
+                f"saved: resume with the run's original config or use a new run_dir "
+                f"(the checkpoints were left in place)")
 
     def _move_aside(self, step: int) -> None:
         """Keep a damaged step out of the manager's way (a later save reuses its number)."""

@@ -88,6 +88,14 @@ class TrainConfig:
                      "save_every", "keep"):
             if getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_length % self.block_size:  # rows are padded to whole blocks (data.py)
+            raise TrainConfigError(f"max_length={self.max_length} must be a multiple of "
+                                   f"block_size={self.block_size}")
+        if not 0 <= self.seed < 2 ** 32:  # grain's shuffle takes an unsigned 32-bit seed
+            raise TrainConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        if not (math.isfinite(self.ar_weight) and self.ar_weight >= 0):
+            raise TrainConfigError(f"ar_weight must be a finite number >= 0, got {self.ar_weight!r}")
+        _check_model_source(self.model)
         if self.optimizer.grad_accum <= 0 or self.global_batch_size % self.optimizer.grad_accum:
             raise TrainConfigError(
                 f"optimizer.grad_accum={self.optimizer.grad_accum} must divide "
@@ -105,6 +113,21 @@ class TrainConfig:
                 f"set exactly one of model.hf_dir / model.checkpoint / model.preset / "
                 f"model.config (got {sources or 'none'})")
         return self
+
+
+def _check_model_source(src: ModelSource) -> None:
+    """What can be told from the config alone: dtype names and inline model.config keys."""
+    from prove_jax.config import DTYPES, ModelConfig
+    for name in ("dtype", "param_dtype"):
+        value = getattr(src, name)
+        if value is not None and value not in DTYPES:
+            raise TrainConfigError(f"model.{name} must be one of {', '.join(DTYPES)} or null, "
+                                   f"got {value!r}")
+    if src.config is not None:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(src.config) - fields)
+        if unknown:
+            raise TrainConfigError(f"unknown model.config keys {unknown}; valid: {sorted(fields)}")
 
 
 def _check_optimizer(opt: OptimizerConfig) -> None:
@@ -178,6 +201,7 @@ def _build(cls, d: dict, prefix: str = ""):
     if not isinstance(d, dict):
         raise TrainConfigError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping")
     fields = _field_types(cls)
+    defaults = cls()
     kwargs = {}
     for key, value in d.items():
         if key not in fields:
@@ -188,7 +212,11 @@ def _build(cls, d: dict, prefix: str = ""):
                 value = {"path": value}  # `tokenizer: DIR` shorthand
             kwargs[key] = _build(sub, value or {}, prefix + key + ".")
         else:
-            kwargs[key] = value
+            # YAML 1.1 reads `1e-4` (no dot) as a string: numbers for non-string fields, as
+            # the command line parses them
+            if isinstance(value, str) and not fields[key].type.startswith("str") and _looks_float(value):
+                value = float(value)
+            kwargs[key] = _coerce(value, getattr(defaults, key), prefix + key)
     return cls(**kwargs)
 
 

@@ -27,20 +27,25 @@ from prove_jax import sharding
 
 BATCH_SPEC = P(("data", "fsdp"))  # rows of every batch array are split over data x fsdp
 LossFn = Callable  # (model, batch) -> (loss scalar, metrics dict)
+COUNT_METRICS = ("tokens", "sequences")  # summed over micro-batches; every other metric averaged
 
 
 def make_loss_fn(objective: str, *, block_size: int, mask_token_id: int | None,
                  ar_weight: float = 1.0) -> LossFn:
     """The (model, batch) -> (loss, metrics) function of an objective from objectives.py."""
     from prove_jax import objectives
+    from prove_jax.train_config import TrainConfigError
     if objective == "ar":
         return objectives.ar_loss
     if objective == "mars":
         if mask_token_id is None:
-            raise ValueError("the mars objective needs a mask token id (cfg.mask_token_id)")
+            raise TrainConfigError("the mars objective needs a mask token id (cfg.mask_token_id)")
         return functools.partial(objectives.mars_loss, block_size=block_size,
                                  mask_token_id=mask_token_id, ar_weight=ar_weight)
-    raise ValueError(f"unknown objective {objective!r}; expected 'ar' or 'mars'")
+    if objective == "commit_head":  # trained by commit_head.py, not by this step
+        raise TrainConfigError("objective=commit_head trains only the verifier's small head "
+                               "(prove_jax/commit_head.py), not through this train step")
+    raise TrainConfigError(f"unknown objective {objective!r}; expected 'ar' or 'mars'")
 
 
 def batch_shardings(mesh, batch_keys=("input_ids", "loss_mask", "valid")) -> dict:
@@ -111,9 +116,10 @@ def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
             zero_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                   jax.eval_shape(lambda: loss_of(params, first)[1]))
             (grads, metrics), _ = jax.lax.scan(body, (zero_g, zero_m), micro_batches)
-            # equal-size micro-batches: the mean of per-micro means is the full-batch mean
+            # equal-size micro-batches: the mean of per-micro means is the full-batch mean;
+            # counts (tokens, sequences) add up over the micro-batches instead
             grads = jax.tree.map(lambda g: g / grad_accum, grads)
-            metrics = {k: (v if k == "tokens" else v / grad_accum) for k, v in metrics.items()}
+            metrics = {k: (v if k in COUNT_METRICS else v / grad_accum) for k, v in metrics.items()}
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))

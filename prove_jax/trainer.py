@@ -7,7 +7,9 @@ weights (HF dir, prove_jax checkpoint, or random init); a resumed run reads only
 latest checkpoint (params, optimizer, step, data position).
 
 At the end the trained model is exported as a prove_jax model checkpoint at RUN_DIR/model
-(config with mask_token_id + tokenizer files), the input of `infer.generate --model`.
+(config with mask_token_id + tokenizer files), the input of `infer.generate --model`, with
+RUN_DIR/model/export.json recording the step it holds: a relaunch of a finished run re-exports
+unless that step is the final one (an export cut short leaves an older model there).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from prove_jax import checkpoint, memory, params as params_lib, sharding
 from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
-from prove_jax.run_checkpoint import RunCheckpointError, RunCheckpoints
+from prove_jax.run_checkpoint import RunCheckpointError, RunCheckpointMismatch, RunCheckpoints
 from prove_jax.train_config import TrainConfig, TrainConfigError, to_dict
 from prove_jax.train_step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state, jit_step,
                                   make_loss_fn, state_layout)
@@ -115,16 +118,26 @@ def _training_texts(path: str):
             yield str(ex.get("prompt", "")) + str(ex.get("response", ""))
 
 
+def has_checkpoints(run_dir: str) -> bool:
+    """Whether the run dir holds a saved step, i.e. a launch resumes rather than starts."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+
+
 def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
-    """(tokenizer, directory it was read from). A run's own saved tokenizer wins on resume."""
+    """(tokenizer, directory it was read from). A run's own saved tokenizer wins on resume;
+    without a checkpoint it is only a leftover of an earlier launch, and the configured
+    tokenizer (or a freshly trained BPE) is used, so a corrected tokenizer config counts."""
     from prove_jax.tokenizer_build import build_tokenizer, load_tokenizer_dir
+    resuming = has_checkpoints(cfg.run_dir)
     own = os.path.join(cfg.run_dir, "tokenizer")
-    if os.path.isfile(os.path.join(own, "tokenizer.json")):
+    if resuming and os.path.isfile(os.path.join(own, "tokenizer.json")):
         return load_tokenizer_dir(own), own
     tok = cfg.tokenizer
     if tok.bpe_vocab_size:
         base = os.path.join(cfg.run_dir, "tokenizer_base")
-        if jax.process_index() == 0 and not os.path.isfile(os.path.join(base, "tokenizer.json")):
+        reuse = resuming and os.path.isfile(os.path.join(base, "tokenizer.json"))
+        if jax.process_index() == 0 and not reuse:
             _require_data(cfg.data)
             _log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
             build_tokenizer(_training_texts(cfg.data), base, vocab_size=tok.bpe_vocab_size)
@@ -153,9 +166,11 @@ def _fill_special_ids(model_cfg: ModelConfig, tokenizer) -> ModelConfig:
 
 
 def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
-    """The tokenizer as trained (with `<|mask|>`), saved once into RUN_DIR/tokenizer."""
+    """The tokenizer as trained (with `<|mask|>`) in RUN_DIR/tokenizer: written by a fresh run
+    (replacing any leftover), kept as it is by a resumed one."""
     own = os.path.join(run_dir, "tokenizer")
-    if jax.process_index() == 0 and not os.path.isfile(os.path.join(own, "tokenizer.json")):
+    keep = has_checkpoints(run_dir) and os.path.isfile(os.path.join(own, "tokenizer.json"))
+    if jax.process_index() == 0 and not keep:
         with checkpoint.atomic_dir(own) as tmp:
             tokenizer.save_pretrained(tmp)
     _barrier("tokenizer_saved")
@@ -211,6 +226,31 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
     return path
 
 
+EXPORT_MARKER = "export.json"  # in RUN_DIR/model: {"step": the train step the weights are from}
+
+
+def exported_step(model_dir: str) -> int | None:
+    """The step recorded with an export, None when there is none (or an older export without
+    the record, which is then redone)."""
+    try:
+        with open(os.path.join(model_dir, EXPORT_MARKER)) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    complete = os.path.isfile(os.path.join(model_dir, "config.json"))
+    return step if isinstance(step, int) and complete else None
+
+
+def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: ModelConfig,
+                   tokenizer_dir: str) -> str:
+    """export_model, then the step record; written last, so a cut-short export has none."""
+    export_model(path, graphdef, params, model_cfg, tokenizer_dir)
+    if jax.process_index() == 0:
+        checkpoint.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
+    _barrier("export_marked")
+    return path
+
+
 # ---- data ---------------------------------------------------------------------------------
 
 def _require_data(path: str | None) -> None:
@@ -253,6 +293,64 @@ def check_batch_layout(cfg: TrainConfig, mesh) -> None:
 
 # ---- the loop -----------------------------------------------------------------------------
 
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+
+
+def check_finite(step: int, loss: float, params) -> None:
+    """Refuse to go on (or save) from a diverged state: the step's loss (computed before its
+    update) and the updated weights themselves must be finite."""
+    if not math.isfinite(loss):
+        raise TrainError(f"loss is {loss} at step {step}; stopping (lower optimizer.lr or set "
+                         f"optimizer.clip_norm)")
+    if params is not None and not bool(_all_finite(params)):
+        raise TrainError(f"the weights became non-finite at step {step}; stopping without saving "
+                         f"them (lower optimizer.lr or set optimizer.clip_norm)")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "config":  # model.config is one value
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
+    """`key: old -> new` for every setting that differs from the run's train_config.json."""
+    try:
+        with open(os.path.join(run_dir, "train_config.json")) as f:
+            old = _flat(json.load(f))
+    except (OSError, ValueError, AttributeError):
+        return []
+    new = _flat(json.loads(json.dumps(to_dict(cfg))))  # tuples -> lists, as the file has them
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
+
+
+def restore_run(ckpts: RunCheckpoints, layout, data_iter, cfg: TrainConfig):
+    """(step, state) of the run's newest usable checkpoint, or None for a fresh run. A config
+    whose train state no longer fits the checkpoints, or whose `steps` ends before them, is
+    an error that leaves the run dir as it was."""
+    try:
+        restored = ckpts.restore_latest(layout.abstract, data_iter)
+    except RunCheckpointMismatch as e:
+        changed = changed_settings(cfg.run_dir, cfg)
+        raise RunCheckpointMismatch(
+            str(e) + (f"; settings changed since the last launch: {', '.join(changed)}" if changed
+                      else "")) from None
+    if restored is None:
+        return None
+    step, state, _ = restored
+    if step > cfg.steps:
+        raise TrainError(f"{ckpts.dir} has a checkpoint at step {step}, past steps={cfg.steps}: set "
+                         f"steps to at least {step} to continue this run, or use a new run_dir")
+    return step, state
+
+
 def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], None]):
     """The jitted train step compiled once for the run's shapes, before any weight is loaded;
     refused with the sizes when the devices cannot hold it (state, gradients, activations)."""
@@ -285,8 +383,15 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
     log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)")
 
-    tokenizer, _ = resolve_tokenizer(cfg)
-    model_cfg = source_model_config(cfg)
+    model_cfg = source_model_config(cfg)  # bad model keys/dtypes fail before BPE training
+    bpe = cfg.tokenizer.bpe_vocab_size
+    if bpe and bpe > model_cfg.vocab_size and not has_checkpoints(run_dir):
+        raise TrainConfigError(f"tokenizer.bpe_vocab_size={bpe} is larger than the model's "
+                               f"vocab_size={model_cfg.vocab_size}")
+    tokenizer, tok_where = resolve_tokenizer(cfg)
+    if cfg.chat and not getattr(tokenizer, "chat_template", None):
+        raise TrainConfigError(f"chat=true but the tokenizer in {tok_where} has no chat template; "
+                               f"use a tokenizer with one or set chat=false")
     if cfg.model.preset is not None or cfg.model.config is not None:
         model_cfg = _fill_special_ids(model_cfg, tokenizer)
     tokenizer, train_cfg, grown = _with_mask_token(cfg, tokenizer, model_cfg)
@@ -301,15 +406,20 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
                                     layout, mesh), layout, mesh, cfg, log)
 
     tok_dir = _save_run_tokenizer(tokenizer, run_dir)  # the run dir is written from here on
-    if jax.process_index() == 0:
-        checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
-                                     json.dumps(to_dict(cfg), indent=2))
 
     data_iter = make_data_iterator(cfg, tokenizer, log)
     ckpts = RunCheckpoints(run_dir, keep=cfg.keep, async_save=cfg.async_save, log=log)
-    restored = ckpts.restore_latest(layout.abstract, data_iter)
+    try:
+        restored = restore_run(ckpts, layout, data_iter, cfg)
+    except BaseException:
+        ckpts.close()
+        raise
+    # written once the checkpoints are known to fit, so it names the config they were made with
+    if jax.process_index() == 0:
+        checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
+                                     json.dumps(to_dict(cfg), indent=2))
     if restored is not None:
-        start, state, _ = restored
+        start, state = restored
         log(f"resumed from {ckpts.dir}/{start}")
     else:
         start = 0
@@ -341,17 +451,19 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
                 batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
                 state, metrics = step_fn(state, batch)
                 done = step + 1
+                saving = done % cfg.save_every == 0 or done == end
                 if done % cfg.log_every == 0 or done in (start + 1, end):
                     rec = logger.record(done, metrics)
                     records.append(rec)
-                    if not math.isfinite(rec["loss"]):
-                        raise TrainError(f"loss is {rec['loss']} at step {done}; stopping")
-                if done % cfg.save_every == 0 or done == end:
+                    check_finite(done, rec["loss"], state["params"] if saving else None)
+                elif saving:  # never checkpoint a diverged state, logged step or not
+                    check_finite(done, float(metrics["loss"]), state["params"])
+                if saving:
                     ckpts.save(done, state, data_iter, meta)
                     if cfg.export_every_save and done != cfg.steps:
                         ckpts.wait()
-                        export_model(os.path.join(run_dir, "model"), layout.graphdef,
-                                     state["params"], train_cfg, tok_dir)
+                        export_at_step(os.path.join(run_dir, "model"), done, layout.graphdef,
+                                       state["params"], train_cfg, tok_dir)
         ckpts.wait()
     finally:
         logger.close()
@@ -360,11 +472,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
     final = end if end > start else start
     model_dir = None
     exported = os.path.join(run_dir, "model")
-    if final == cfg.steps and start == cfg.steps and os.path.isfile(os.path.join(exported, "config.json")):
-        model_dir = exported  # a finished run relaunched: nothing new to export
+    if final == cfg.steps and start == final and exported_step(exported) == final:
+        model_dir = exported  # a finished run relaunched, its export complete: nothing to redo
     elif final == cfg.steps:
-        model_dir = export_model(os.path.join(run_dir, "model"), layout.graphdef, state["params"],
-                                 train_cfg, tok_dir)
+        model_dir = export_at_step(exported, final, layout.graphdef, state["params"], train_cfg,
+                                   tok_dir)
         log(f"exported the trained model to {model_dir}")
     return TrainResult(run_dir=run_dir, start_step=start, final_step=final, records=records,
                        model_cfg=train_cfg, state=state, model_dir=model_dir)

@@ -12,6 +12,7 @@ import pytest
 
 from prove_jax.train_config import TrainConfigError, load_config, valid_keys
 from prove_jax.trainer import make_data_iterator, resolve_tokenizer
+from tests.tokenizers_fixture import make_tokenizer
 from tests.train_helpers import write_config
 from train.train import main
 
@@ -132,3 +133,71 @@ def test_bad_optimizer_values_an_impossible_mesh_and_a_file_as_run_dir_are_named
     assert main(["--config", cfg_path, f"run_dir={a_file}"]) == 2  # was a FileExistsError traceback
     assert "is a file; it must be a directory" in capsys.readouterr().err
     assert a_file.read_text() == "not a run"
+
+
+def test_values_that_used_to_fail_mid_run_are_config_errors(tmp_path, capsys):
+    """Each was found only after BPE training, compiling or writing the run dir (or was a
+    traceback): now one error line from the config check, with nothing written."""
+    cfg_path = write_config(tmp_path)
+    run_dir = tmp_path / "run"
+    for override, message in [
+        ("block_size=5", "max_length=32 must be a multiple of block_size=5"),
+        ("seed=-1", "seed must be in [0, 2**32), got -1"),
+        ("ar_weight=nan", "ar_weight must be a finite number >= 0, got nan"),
+        ("ar_weight=-1", "ar_weight must be a finite number >= 0, got -1"),
+        ("model.dtype=float8", "model.dtype must be one of float32, bfloat16, float16 or null"),
+        ("model.config={hidden_sise: 8}", "unknown model.config keys ['hidden_sise']"),
+    ]:
+        assert main(["--config", cfg_path, f"run_dir={run_dir}", override]) == 2, override
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, (override, err)
+        assert not run_dir.exists()
+    # a tokenizer directory without a chat template (our BPEs carry one): refused before compiling
+    plain = make_tokenizer(300)
+    plain.chat_template = None
+    plain.save_pretrained(str(tmp_path / "plain_tok"))
+    assert main(["--config", cfg_path, f"run_dir={run_dir}", "chat=true",
+                 f"tokenizer.path={tmp_path / 'plain_tok'}"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template; use a tokenizer with one or set chat=false" in err, err
+    assert "compiled the train step" not in err and not run_dir.exists()
+    # a BPE larger than the model's embedding: refused before the BPE is trained
+    assert main(["--config", cfg_path, f"run_dir={run_dir}", "tokenizer.path=null",
+                 "tokenizer.bpe_vocab_size=4096"]) == 2
+    assert "tokenizer.bpe_vocab_size=4096 is larger than the model's vocab_size=320" in \
+        capsys.readouterr().err
+    assert not run_dir.exists()
+    # --dry-run of the commit head objective (was a ValueError traceback)
+    assert main(["--config", cfg_path, "objective=commit_head", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --dry-run checks the memory") and "\n" not in err, err
+
+
+def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
+    """PyYAML reads `1e-4` (YAML 1.1) as a string; the command line already took it as a float."""
+    cfg_path = tmp_path / "plain.yaml"
+    text = open(write_config(tmp_path)).read()
+    assert "lr: 0.003" in text and "steps: 8" in text
+    text = text.replace("lr: 0.003", "lr: 1e-4").replace("steps: 8", "steps: 1e1") + "ar_weight: 5e-1\n"
+    cfg_path.write_text(text)
+    cfg = load_config(str(cfg_path))
+    assert (cfg.optimizer.lr, cfg.ar_weight, cfg.steps) == (1e-4, 0.5, 10)
+    assert load_config(str(cfg_path), ["optimizer.lr=1e-4"]).optimizer.lr == cfg.optimizer.lr
+    cfg_path.write_text(text.replace("lr: 1e-4", "lr: fast"))
+    with pytest.raises(TrainConfigError, match="optimizer.lr must be float, got 'fast'"):
+        load_config(str(cfg_path))
+
+
+def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path):
+    """RUN_DIR/tokenizer from a launch that never saved a step must not override a corrected
+    tokenizer config; once a step is saved it is the run's tokenizer and wins."""
+    from prove_jax.trainer import _save_run_tokenizer
+    cfg = load_config(write_config(tmp_path))
+    own = os.path.join(cfg.run_dir, "tokenizer")
+    make_tokenizer(280).save_pretrained(own)  # an earlier launch's, since corrected
+    tokenizer, where = resolve_tokenizer(cfg)
+    assert where == cfg.tokenizer.path and len(tokenizer) == len(make_tokenizer(300))
+    _save_run_tokenizer(tokenizer, cfg.run_dir)
+    os.makedirs(os.path.join(cfg.run_dir, "checkpoints", "4"))
+    resumed, where = resolve_tokenizer(cfg)
+    assert where == own and len(resumed) == len(tokenizer)

@@ -8,6 +8,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from prove_jax import checkpoint
 from prove_jax.trainer import train
@@ -66,3 +67,64 @@ def test_resume_is_exact_and_corrupt_latest_falls_back(tmp_path):
     _assert_same_params(_params(third.state), _params(full.state))
     # metrics.jsonl was rewound to the restored step, so it holds each step once
     assert [s for s, *_ in _losses(third.run_dir)] == list(range(1, 9))
+
+
+def test_config_change_is_refused_not_treated_as_damage(tmp_path):
+    """Resuming with a config whose train state differs (no clipping stage in the optimizer)
+    or whose `steps` ends before the checkpoints is an error that leaves the run as it was;
+    the original config then resumes."""
+    from prove_jax.run_checkpoint import RunCheckpointError
+    from prove_jax.trainer import TrainError
+    cfg = tiny_config(tmp_path, "cc", steps=4, save_every=2)
+    train(cfg, show_bar=False)
+    run_dir = cfg.run_dir
+    saved_config = open(os.path.join(run_dir, "train_config.json")).read()
+    with pytest.raises(RunCheckpointError, match=r"checkpoint step 4 .* holds a different train "
+                       r"state.*only in the checkpoint: opt_state\.1\..*optimizer\.clip_norm: 1\.0 -> None"):
+        train(tiny_config(tmp_path, "cc", ["optimizer.clip_norm=null"], steps=6, save_every=2),
+              show_bar=False)
+    with pytest.raises(TrainError, match="has a checkpoint at step 4, past steps=2: set steps to at least 4"):
+        train(tiny_config(tmp_path, "cc", steps=2, save_every=2), show_bar=False)
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "4"]
+    assert not os.path.exists(os.path.join(run_dir, "corrupt"))
+    assert open(os.path.join(run_dir, "train_config.json")).read() == saved_config
+    again = train(cfg, show_bar=False)
+    assert again.start_step == again.final_step == 4
+
+
+def test_an_export_cut_short_is_redone_on_relaunch(tmp_path, monkeypatch):
+    """RUN_DIR/model from an earlier save (export_every_save) must not pass for the final model
+    when the final export was interrupted after the last checkpoint."""
+    from prove_jax import trainer
+    cfg = tiny_config(tmp_path, "ex", steps=4, save_every=2, export_every_save=True)
+    real_export = trainer.export_model
+    calls = []
+
+    def export_then_die(path, *args):
+        calls.append(path)
+        if len(calls) > 1:  # the final export: the job is killed before it finishes
+            raise KeyboardInterrupt
+        return real_export(path, *args)
+
+    monkeypatch.setattr(trainer, "export_model", export_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, show_bar=False)
+    assert os.path.isfile(os.path.join(cfg.run_dir, "model", "config.json"))  # step 2's export
+    monkeypatch.setattr(trainer, "export_model", real_export)
+    result = train(cfg, show_bar=False)
+    assert result.start_step == result.final_step == 4 and result.model_dir is not None
+    _assert_same_params(checkpoint.params_pure_dict(checkpoint.load_model(result.model_dir)),
+                        _params(result.state), atol=0)
+    assert json.load(open(os.path.join(result.model_dir, "export.json"))) == {"step": 4}
+
+
+def test_a_diverged_state_is_never_checkpointed(tmp_path):
+    """With save_every not a multiple of log_every the loss used to be checked only at logged
+    steps, so a NaN state was saved (and a relaunch resumed from it)."""
+    from prove_jax.trainer import TrainError
+    cfg = tiny_config(tmp_path, "nan", ["optimizer.lr=1e30", "optimizer.clip_norm=null"], steps=6,
+                      log_every=5, save_every=2)
+    with pytest.raises(TrainError, match="at step 2; stopping"):
+        train(cfg, show_bar=False)
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    assert not os.path.isdir(ckpt_dir) or os.listdir(ckpt_dir) == []

@@ -81,6 +81,8 @@ def test_grad_accumulation_equals_full_batch():
     np.testing.assert_allclose(m_acc["loss"], m_full["loss"], rtol=1e-5)
     for key in ("loss_masked", "loss_clean", "grad_norm"):
         np.testing.assert_allclose(m_acc[key], m_full[key], rtol=1e-5, err_msg=key)
+    for key in ("tokens", "sequences"):  # counts add up over micro-batches
+        assert float(m_acc[key]) == float(m_full[key]) > 0, key
     assert _max_diff(accum["params"], full["params"]) < 2e-5
 
 
