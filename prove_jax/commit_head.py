@@ -5,7 +5,9 @@ For each proposed token D_{i+1} it reads the verifier's hidden state at D_i plus
 verifier statistics (log p_V(D_{i+1}), whether D_{i+1} is the verifier's top-1, the entropy)
 and predicts whether D_{i+1} still equals the proposer's own greedy AR token. The commit length
 is 1 + the accepted prefix. Labels are free (METHOD.md 3d): one proposer forward over
-[context, D] gives the proposer's greedy token at every position of the block.
+[context, D] gives the proposer's greedy token at every position of the block. Each training
+row contributes one context, cut at a random trained position (inside the response of
+prompt/response data, where a verifier judges blocks when decoding; anywhere in plain text).
 
 Trained with `python -m train.train --config configs/demo_verifier.yaml objective=commit_head
 proposer=PROPOSER_CKPT model.checkpoint=VERIFIER_CKPT`; the result is the verifier checkpoint
@@ -20,11 +22,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from prove_jax.model import causal_mask, greedy_tokens
+from prove_jax.optim import lr_schedule
 
 HEAD_DIR = "commit_head"
 
@@ -57,35 +61,74 @@ class CommitHead(nnx.Module):
 
 # ---- labels ----------------------------------------------------------------------------------
 
-def propose_and_label(proposer, context, block_size: int, mask_id: int):
+def _layout(context, context_valid, extra: int):
+    """Positions and attention mask of [context, `extra` tokens after it].
+
+    `context_valid` [B, C] (None: all valid) marks left padding: each row's real context is
+    right-aligned, so its last token is always at C - 1 and its positions start at 0. Padding
+    keys are hidden; a padding query sees itself, so its (unused) output stays finite.
+    """
+    b, c = context.shape
+    n = c + extra
+    if context_valid is None:
+        return jnp.broadcast_to(jnp.arange(n), (b, n)), causal_mask(b, n)
+    pad = c - jnp.sum(context_valid, axis=1)
+    pos = jnp.maximum(jnp.arange(n)[None] - pad[:, None], 0)
+    keys = jnp.concatenate([context_valid, jnp.ones((b, extra), bool)], axis=1)
+    return pos, causal_mask(b, n, keys) | jnp.eye(n, dtype=bool)[None]
+
+
+def propose_and_label(proposer, context, block_size: int, mask_id: int, context_valid=None):
     """Proposer block after each context row and its AR-matching labels.
 
-    context [B, C] -> (block D [B, K], labels [B, K-1]: D_1..D_{i+1} all equal the proposer's
-    greedy AR continuation).
+    context [B, C] (left-padded where `context_valid` [B, C] is False) -> (block D [B, K],
+    labels [B, K-1]: D_1..D_{i+1} all equal the proposer's greedy AR continuation).
     """
     b, c = context.shape
     k = block_size
     x = jnp.concatenate([context, jnp.full((b, k - 1), mask_id, context.dtype)], axis=1)
-    pos = jnp.broadcast_to(jnp.arange(c + k - 1), x.shape)
-    h, _ = proposer.hidden_states(x, pos, causal_mask(b, c + k - 1))
+    pos, mask = _layout(context, context_valid, k - 1)
+    h, _ = proposer.hidden_states(x, pos, mask)
     block = greedy_tokens(proposer.logits(h[:, c - 1:])).astype(context.dtype)  # [B, K]
     y = jnp.concatenate([context, block], axis=1)
-    pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
-    h, _ = proposer.hidden_states(y, pos, causal_mask(b, c + k))
+    pos, mask = _layout(context, context_valid, k)
+    h, _ = proposer.hidden_states(y, pos, mask)
     greedy = greedy_tokens(proposer.logits(h[:, c: c + k - 1]))  # after D_0..D_{K-2}
     match = greedy == block[:, 1:]
     return block, jnp.cumprod(match.astype(jnp.int32), axis=-1).astype(jnp.float32)
 
 
-def verifier_inputs(verifier, context, block):
+def verifier_inputs(verifier, context, block, context_valid=None):
     """Verifier hidden [B, K-1, D] and logits at D_0..D_{K-2}, which judge D_1..D_{K-1}."""
     b, c = context.shape
     k = block.shape[1]
     y = jnp.concatenate([context, block], axis=1)
-    pos = jnp.broadcast_to(jnp.arange(c + k), y.shape)
-    h, _ = verifier.hidden_states(y, pos, causal_mask(b, c + k))
+    pos, mask = _layout(context, context_valid, k)
+    h, _ = verifier.hidden_states(y, pos, mask)
     h = h[:, c: c + k - 1]
     return h, verifier.logits(h)
+
+
+def cut_points(loss_mask, valid, context_len: int):
+    """[B, T] -> bool [B, T]: where a training context may end (the block starts there).
+
+    A context is ids[:p] for a trained position p in [1, context_len]: inside the response of a
+    prompt/response row (where a verifier judges blocks when decoding), anywhere in a text row.
+    Right padding is never part of a context.
+    """
+    pos = jnp.arange(loss_mask.shape[1])[None]
+    return loss_mask & valid & (pos >= 1) & (pos <= context_len)
+
+
+def sample_contexts(ids, loss_mask, valid, context_len: int, key):
+    """One random cut point per row (see `cut_points`), its context right-aligned in
+    [B, context_len]: (context, context_valid, row has a cut point)."""
+    ok = cut_points(loss_mask, valid, context_len)
+    score = jnp.where(ok, jax.random.uniform(key, ok.shape), -1.0)
+    cut = jnp.argmax(score, axis=1)  # 0 (an empty context) for a row without a cut point
+    src = jnp.arange(context_len)[None] - (context_len - cut)[:, None]  # left padding: src < 0
+    context = jnp.take_along_axis(ids, jnp.maximum(src, 0), axis=1)
+    return context, src >= 0, jnp.any(ok, axis=1)
 
 
 def predicted_length(accept) -> jax.Array:
@@ -134,6 +177,18 @@ def load_commit_head(model_dir: str) -> CommitHead:
 
 # ---- training --------------------------------------------------------------------------------
 
+def _require_contexts(batch, context_len: int, step: int, cfg) -> None:
+    """A batch without a single usable context would train on nothing (loss 0): say why."""
+    from prove_jax.train_config import TrainConfigError
+    ok = np.asarray(cut_points(jnp.asarray(batch["loss_mask"]), jnp.asarray(batch["valid"]),
+                               context_len))
+    if not ok.any():
+        raise TrainConfigError(
+            f"commit head step {step}: no row of the batch has a trained (response) token within "
+            f"its first max_length - block_size = {context_len} tokens, so no context to propose "
+            f"a block after; prompts are longer than that: raise max_length (now {cfg.max_length})")
+
+
 def train_commit_head(cfg, show_bar: bool = True) -> dict:
     """Train only the head (proposer and verifier frozen) from a TrainConfig with
     objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint."""
@@ -160,17 +215,16 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     context_len = cfg.max_length - k
 
     head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.optimizer.lr,
-                                                  max(1, int(cfg.steps * cfg.optimizer.warmup_ratio)),
-                                                  cfg.steps, cfg.optimizer.lr * cfg.optimizer.min_lr_ratio)
-    opt = nnx.Optimizer(head, optax.adam(schedule), wrt=nnx.Param)
+    # the train step's schedule: first update at lr / warmup, any steps / warmup_ratio
+    opt = nnx.Optimizer(head, optax.adam(lr_schedule(cfg.optimizer, cfg.steps)), wrt=nnx.Param)
+    base_key = jax.random.key(cfg.seed)
 
     @nnx.jit
-    def step(head, opt, proposer, verifier, ids, valid):
-        ctx = ids[:, :context_len]
-        block, labels = propose_and_label(proposer, ctx, k, mask_id)
-        h, vlogits = verifier_inputs(verifier, ctx, block)
-        weight = jnp.all(valid, axis=1).astype(jnp.float32)[:, None] * jnp.ones_like(labels)
+    def step(head, opt, proposer, verifier, ids, loss_mask, valid, key):
+        ctx, ctx_valid, used = sample_contexts(ids, loss_mask, valid, context_len, key)
+        block, labels = propose_and_label(proposer, ctx, k, mask_id, ctx_valid)
+        h, vlogits = verifier_inputs(verifier, ctx, block, ctx_valid)
+        weight = used.astype(jnp.float32)[:, None] * jnp.ones_like(labels)
 
         def loss_fn(head):
             logits = head(h, vlogits, block[:, 1:])
@@ -181,7 +235,11 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
         opt.update(head, grads)
         true_len = 1 + jnp.sum(labels, axis=-1)
         pred_len = predicted_length(jax.nn.sigmoid(logits) >= head.threshold)
-        return loss, jnp.mean(pred_len == true_len), jnp.mean(true_len), jnp.mean(pred_len)
+        rows = used.astype(jnp.float32)  # metrics over the rows that had a context
+
+        def mean(x):
+            return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+        return loss, mean(pred_len == true_len), mean(true_len), mean(pred_len)
 
     os.makedirs(cfg.run_dir, exist_ok=True)
     records = []
@@ -190,8 +248,11 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") as log:
         for i in range(1, cfg.steps + 1):
             batch = next(it)
-            loss, acc, true_len, pred_len = step(head, opt, proposer, verifier,
-                                                 jnp.asarray(batch["input_ids"]), jnp.asarray(batch["valid"]))
+            _require_contexts(batch, context_len, i, cfg)
+            loss, acc, true_len, pred_len = step(
+                head, opt, proposer, verifier, jnp.asarray(batch["input_ids"]),
+                jnp.asarray(batch["loss_mask"]), jnp.asarray(batch["valid"]),
+                jax.random.fold_in(base_key, i))
             if i % bar_every == 0 or i == cfg.steps:
                 rec = {"step": i, "loss": float(loss), "length_accuracy": float(acc),
                        "ar_match_length": float(true_len), "predicted_length": float(pred_len)}

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,10 +14,12 @@ from flax import nnx
 from infer import generate
 from prove_jax.checkpoint import CheckpointError, save_model
 from prove_jax.commit_head import (CommitHead, load_commit_head, propose_and_label,
-                                   save_commit_head)
+                                   sample_contexts, save_commit_head, train_commit_head,
+                                   verifier_inputs)
 from prove_jax.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.params import create_model
+from prove_jax.train_config import load_config
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,3 +134,61 @@ def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
          f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}", "steps=2"],
         cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
     assert r.returncode == 2 and "needs proposer=PATH" in r.stderr
+
+
+def test_left_padded_contexts_propose_and_judge_like_unpadded_ones(proposer, verifier):
+    """Training contexts of different lengths are right-aligned in one array: the padding
+    changes neither the proposed block, its labels, nor the verifier's view of it."""
+    k, short = 4, jnp.asarray(_prompts())[:, :4]
+    padded = jnp.concatenate([jnp.full((3, 3), 7, short.dtype), short], axis=1)
+    valid = jnp.arange(7)[None].repeat(3, 0) >= 3
+
+    @nnx.jit
+    def both(proposer, verifier, context, context_valid):
+        block, labels = propose_and_label(proposer, context, k, CFG.mask_token_id, context_valid)
+        return block, labels, verifier_inputs(verifier, context, block, context_valid)[0]
+
+    block, labels, h = both(proposer, verifier, short, jnp.ones(short.shape, bool))
+    block_p, labels_p, h_p = both(proposer, verifier, padded, valid)
+    assert (np.asarray(block_p) == np.asarray(block)).all()
+    assert (np.asarray(labels_p) == np.asarray(labels)).all()
+    np.testing.assert_allclose(np.asarray(h_p), np.asarray(h), atol=1e-5)
+    # a context ends at a trained (response) position, never in the right padding
+    ids = jnp.arange(20).reshape(2, 10)
+    trained = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0], [0] * 10], bool)
+    context, context_valid, used = sample_contexts(ids, trained, jnp.arange(10)[None] < 8, 6,
+                                                   jax.random.key(0))
+    assert used.tolist() == [True, False]
+    n = int(context_valid[0].sum())
+    assert 3 <= n <= 6 and context[0, 6 - n:].tolist() == list(range(n))
+
+
+def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier):
+    """SFT rows are right-padded: the head used to weight only rows without padding, so it got
+    loss 0 and learnt nothing; and warmup_ratio=1 (or steps=1) was an optax traceback."""
+    tok = make_tokenizer(300)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
+    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f" return x + {i}"}) + "\n"
+                            for i in range(8)))
+    common = [f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={data}",
+              "objective=commit_head", "max_length=32", "block_size=4", "global_batch_size=4",
+              "log_every=1", f"run_dir={tmp_path / 'run'}", "tokenizer.bpe_vocab_size=null",
+              f"tokenizer.path={tmp_path / 'tok'}"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      common + ["steps=2", "optimizer.warmup_ratio=1.0", "optimizer.lr=1e-2"])
+    result = train_commit_head(cfg, show_bar=False)
+    losses = [r["loss"] for r in result["records"]]
+    assert len(losses) == 2 and all(loss > 0.01 for loss in losses), losses
+    initial = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
+    trained = load_commit_head(result["model_dir"])
+    assert not np.allclose(np.asarray(trained.out_proj.kernel[...]), np.asarray(initial.out_proj.kernel[...]))
+    # prompts longer than max_length - block_size leave no context: one clear error
+    data.write_text(json.dumps({"prompt_ids": list(range(5, 35)), "response_ids": [40, 41]}) + "\n")
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      common + ["steps=1", "global_batch_size=1"])
+    with pytest.raises(ValueError, match="no row of the batch has a trained .* within its first "
+                                         "max_length - block_size = 28 tokens"):
+        train_commit_head(cfg, show_bar=False)
