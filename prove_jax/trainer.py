@@ -31,7 +31,7 @@ from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
 from prove_jax.run_checkpoint import RunCheckpointError, RunCheckpointMismatch, RunCheckpoints
-from prove_jax.train_config import TrainConfig, TrainConfigError, to_dict
+from prove_jax.train_config import TrainConfig, TrainConfigError, inline_model_config, to_dict
 from prove_jax.train_step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state, jit_step,
                                   make_loss_fn, state_layout)
 
@@ -97,14 +97,7 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
     elif src.preset is not None:
         model_cfg = preset(src.preset)
     else:
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(src.config) - fields)
-        if unknown:
-            raise TrainConfigError(f"unknown model.config keys {unknown}; valid: {sorted(fields)}")
-        d = dict(src.config)
-        if "eos_token_ids" in d:
-            d["eos_token_ids"] = tuple(d["eos_token_ids"])
-        model_cfg = ModelConfig(**d)
+        model_cfg = inline_model_config(src.config)
     overrides = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
     return model_cfg.replace(**overrides)
 

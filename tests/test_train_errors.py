@@ -186,6 +186,13 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     cfg_path.write_text(text.replace("lr: 1e-4", "lr: fast"))
     with pytest.raises(TrainConfigError, match="optimizer.lr must be float, got 'fast'"):
         load_config(str(cfg_path))
+    # the inline model config too (PyYAML hands it '1e6'), and a bad value is named before any run
+    from prove_jax.trainer import source_model_config
+    from tests.train_helpers import TINY_MODEL
+    theta = write_config(tmp_path, "theta", model={"config": dict(TINY_MODEL, rope_theta="1e6")})
+    assert source_model_config(load_config(theta)).rope_theta == 1e6
+    with pytest.raises(TrainConfigError, match="model.config.rope_theta must be float, got 'big'"):
+        load_config(write_config(tmp_path, "big", model={"config": dict(TINY_MODEL, rope_theta="big")}))
 
 
 def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path):
