@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import sys
@@ -184,7 +185,9 @@ def function_prompts(source: SourceFile, max_prompt_chars: int = 2000,
         tree = ast.parse(source.text)
     except SyntaxError:
         return []
-    lines = source.text.splitlines(keepends=True)
+    # ast numbers lines at \n, \r and \r\n only; str.splitlines also breaks at form feeds,
+    # U+2028 and more, which would shift every later function's lines
+    lines = io.StringIO(source.text, newline="").readlines()
     records = []
 
     def visit(node, qual: str):
@@ -223,23 +226,33 @@ def heldout_prompts(heldout: Iterable[SourceFile], limit: int | None = None, **k
 # ----------------------------------------------------------------------------------------------
 # Files on disk.
 
+def _utf8_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a file's \n-separated lines, each decoded as UTF-8 on its own, so
+    bytes that are not UTF-8 are a CorpusError naming the exact line, not a traceback."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CorpusError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def _iter_records(jsonl_path: str, fields: tuple[str, ...]) -> Iterator[dict]:
     """Every record of a corpus JSONL file, each checked to have `fields`."""
     if not os.path.isfile(jsonl_path):
         raise CorpusError(f"corpus file not found: {jsonl_path}")
-    with open(jsonl_path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    for n, line in _utf8_lines(jsonl_path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if all(isinstance(record[k], str) for k in fields):
+                yield record
                 continue
-            try:
-                record = json.loads(line)
-                if all(isinstance(record[k], str) for k in fields):
-                    yield record
-                    continue
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass
-            names = ", ".join(repr(k) for k in fields)
-            raise CorpusError(f"{jsonl_path}:{n}: not a JSON record with string field(s) {names}")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+        names = ", ".join(repr(k) for k in fields)
+        raise CorpusError(f"{jsonl_path}:{n}: not a JSON record with string field(s) {names}")
 
 
 def iter_texts(jsonl_path: str) -> Iterator[str]:

@@ -47,7 +47,7 @@ class DataError(ValueError):
 
 def _read_text(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not text
             return f.read()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -55,7 +55,9 @@ def _read_text(path: str) -> str:
 
 def _parse_jsonl(path: str) -> list[Example]:
     examples = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+    # records end at "\n" only: str.splitlines also breaks at U+2028/U+2029/U+0085, which
+    # json.dumps(ensure_ascii=False) leaves unescaped inside strings (corpus.py writes so)
+    for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -119,6 +121,7 @@ def load_examples(path: str) -> list[Example]:
 
     A file ending in .jsonl or .json is read as JSON lines; any other file is one document.
     """
+    path = os.fspath(path)
     if not os.path.exists(path):
         raise DataError(f"data path not found: {path}")
     if os.path.isdir(path):
@@ -154,7 +157,10 @@ class TokenizedRows:
 def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     if not texts:
         return []
-    return list(tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+    # split_special_tokens: a literal "<|endoftext|>" or "<|mask|>" in the data (code corpora,
+    # this repository's own source) is text, not an EOS inside a document or a mask in MARS's
+    # clean stream; special ids come only from the chat template and the EOS we append
+    return list(tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def _chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

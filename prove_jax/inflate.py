@@ -108,5 +108,7 @@ def inflate(model: Qwen2, shape: ModelConfig) -> Qwen2:
     for name, leaf in flat_params(inflated).items():
         if name not in new:  # an identity layer's: zero weights (norms: anything finite)
             new[name] = (np.ones if name.endswith("norm.weight") else np.zeros)(leaf.shape, dtype)
-    set_flat_params(inflated, {k: jnp.asarray(v) for k, v in new.items()})
+    # the scaled norms and q weights came out float32 (a bfloat16 array times a float32 factor):
+    # every weight in the source dtype, as the config says
+    set_flat_params(inflated, {k: jnp.asarray(v, dtype=dtype) for k, v in new.items()})
     return inflated

@@ -283,3 +283,19 @@ def test_tokenizer_errors(small_corpus, tmp_path, capsys):
     with pytest.raises(TokenizerBuildError, match="is not a tokenizer folder"):
         build_tokenizer(["tiny text"], str(precious), vocab_size=1000)  # not "corpus too small"
     assert os.listdir(precious) == ["keep.py"]
+
+
+def test_function_prompts_and_records_survive_unusual_line_breaks(tmp_path):
+    """ast numbers lines at \\n/\\r only; str.splitlines also breaks at U+2028 and form feeds,
+    which shifted every later function. Corpus JSONL written with ensure_ascii=False keeps
+    such characters raw, and a byte that is not UTF-8 is named with its line."""
+    odd = 'S = "a\u2028b"\n\x0c\n' + SOURCE
+    assert corpus.function_prompts(corpus.SourceFile("pkg/mod.py", odd)) == [
+        dict(r, id=r["id"].rsplit(":", 1)[0] + f":{int(r['id'].rsplit(':', 1)[1]) + 2}")
+        for r in corpus.function_prompts(corpus.SourceFile("pkg/mod.py", SOURCE))]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"text": "one\u2028two\x85three"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert list(corpus.iter_texts(str(path))) == ["one\u2028two\x85three"]
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(corpus.CorpusError, match=r"train.jsonl:2: not UTF-8"):
+        list(corpus.iter_texts(str(path)))

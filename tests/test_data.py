@@ -254,3 +254,24 @@ def test_to_global_batch_shards_over_data_axes(tok):
     shard_rows = {tuple(s.index[0].indices(8)) for s in glob["input_ids"].addressable_shards}
     assert shard_rows == {(0, 2, 1), (2, 4, 1), (4, 6, 1), (6, 8, 1)}
     assert jax.process_count() == 1
+
+
+def test_jsonl_lines_end_at_newline_only_and_a_bom_or_path_object_is_fine(tmp_path):
+    """U+2028 / U+0085 inside a string (json.dumps(ensure_ascii=False) leaves them raw) are text,
+    not line breaks; a BOM is not text; a pathlib.Path is a path."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("\ufeff" + json.dumps({"text": "a\u2028b\x85c"}, ensure_ascii=False) + "\r\n"
+                    + json.dumps({"prompt": "p", "response": "r"}) + "\n", encoding="utf-8")
+    assert load_examples(path) == [{"text": "a\u2028b\x85c"}, {"prompt": "p", "response": "r"}]
+
+
+def test_special_token_text_in_the_data_is_text(tok):
+    """Code corpora spell "<|endoftext|>" and "<|mask|>" as strings: they must not become an
+    EOS inside a document or a mask token in MARS's clean stream."""
+    specials = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_start|>")}
+    assert None not in specials and len(specials) == 2
+    text = 'EOS = "<|endoftext|>"; START = "<|im_start|>"\n'
+    rows = tokenize_examples([{"text": text}], tok, max_length=64, block_size=4)
+    ids = rows.input_ids[0][rows.valid[0]].tolist()
+    body = ids[:ids.index(tok.eos_token_id)]  # up to the EOS we append (then block padding)
+    assert tok.decode(body) == text and not specials & set(body), ids

@@ -78,3 +78,14 @@ def test_benchmark_loads_the_demo_proposer_inflated_to_a_preset():
     np.testing.assert_allclose(our_logits(pair.proposer, tokens), our_logits(small, tokens), atol=1e-4)
     with pytest.raises(ConfigError, match="unknown preset"):
         bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to="qwen9-huge")
+
+
+def test_inflating_a_bfloat16_model_keeps_every_weight_bfloat16():
+    """The scaled norms and q weights were promoted to float32 (bfloat16 x a float32 factor)."""
+    import jax.numpy as jnp
+    from prove_jax.params import create_model, flat_params
+    src = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, param_dtype="bfloat16")
+    big = inflate(create_model(src, seed=0), SHAPE)
+    assert {str(v.dtype) for v in flat_params(big).values()} == {"bfloat16"}
+    assert big.cfg.param_dtype == "bfloat16" and jnp.dtype(big.embed[...].dtype) == jnp.bfloat16
