@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from prove_jax import checkpoint, memory, params as params_lib, sharding
 from prove_jax.config import ModelConfig, preset
@@ -272,7 +273,28 @@ def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
     return it
 
 
+def check_hosts_split_the_batch(mesh, process_of=lambda d: d.process_index) -> None:
+    """Each process feeds its own rows (`data.to_global_batch`), so the batch axes (data x fsdp)
+    must give every process a distinct, equal share of the rows. A mesh whose hosts differ only
+    along the tensor axis would make them hold different rows for one replicated shard:
+    silently wrong batches, so it is refused."""
+    processes = sorted({process_of(d) for d in mesh.devices.flat})
+    if len(processes) == 1:
+        return
+    shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))  # one row each below
+    owned: dict[int, set] = {p: set() for p in processes}
+    for device, index in NamedSharding(mesh, BATCH_SPEC).devices_indices_map((shards,)).items():
+        owned[process_of(device)].add(index[0].indices(shards)[:2])
+    shared = any(owned[a] & owned[b] for i, a in enumerate(processes) for b in processes[i + 1:])
+    if shared or len({len(v) for v in owned.values()}) != 1:
+        raise TrainConfigError(
+            f"mesh {dict(mesh.shape)} does not split the batch across the {len(processes)} processes: "
+            f"each host feeds its own rows, so the batch axes data x fsdp = {shards} must run across "
+            f"the hosts (put the hosts on data or fsdp, the tensor axis within a host)")
+
+
 def check_batch_layout(cfg: TrainConfig, mesh) -> None:
+    check_hosts_split_the_batch(mesh)
     rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
     micro = cfg.global_batch_size // cfg.optimizer.grad_accum
     if cfg.global_batch_size % jax.process_count():

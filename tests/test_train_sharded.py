@@ -7,6 +7,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -100,3 +101,20 @@ def test_remat_and_bf16_compute_options():
     assert {str(x.dtype) for x in leaves} == {"float32"}
     np.testing.assert_allclose(m_bf16["loss"], m_base["loss"], rtol=2e-2)
     assert _max_diff(bf16["params"], base["params"]) < 5e-3
+
+
+def test_a_mesh_whose_hosts_share_batch_rows_is_refused():
+    """Each host feeds its own rows; with the hosts split only along the tensor axis they would
+    hold different rows for one replicated shard. Two hosts are simulated on the 8 CPU devices
+    (devices 0-3 on host 0, 4-7 on host 1), laid out as make_mesh lays them."""
+    import jax
+    from prove_jax.sharding import make_mesh
+    from prove_jax.train_config import TrainConfigError
+    from prove_jax.trainer import check_hosts_split_the_batch
+    host = lambda d: d.id // 4
+    for shape in ((2, 1, 4), (1, 2, 4), (8, 1, 1), (2, 2, 2)):  # hosts along data / fsdp: fine
+        check_hosts_split_the_batch(make_mesh(shape, devices=jax.devices()), host)
+    for shape in ((1, 1, 8),):
+        with pytest.raises(TrainConfigError, match="does not split the batch across the 2 processes"):
+            check_hosts_split_the_batch(make_mesh(shape, devices=jax.devices()), host)
+    check_hosts_split_the_batch(make_mesh((1, 1, 8), devices=jax.devices()))  # one host: anything goes
