@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from prove_jax.config import PRESETS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -62,9 +64,11 @@ def interleaved_seconds(fns: dict, runs: int) -> dict[str, list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="qwen2.5-0.5b", help="prove_jax.config preset giving the shapes")
+    p.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS),
+                   help="prove_jax.config preset giving the shapes")
     p.add_argument("--tokens", type=int, default=128, help="sequence length of the latency input (batch 1)")
     p.add_argument("--runs", type=int, default=9, help="timed forward runs per framework after one warm-up")
+    p.add_argument("--out", default=HERE, help="folder for convert.json / convert.md (default benchmarks/)")
     p.add_argument("--workdir", default=None, help="scratch dir for the checkpoints (default: a temp dir)")
     args = p.parse_args()
     for name in ("tokens", "runs"):
@@ -75,7 +79,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from prove_jax.config import PRESETS
+    from prove_jax.checkpoint import atomic_write_text
 
     cfg = PRESETS[args.preset]
     work = tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir)
@@ -150,8 +154,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    with open(os.path.join(HERE, "convert.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    atomic_write_text(os.path.join(args.out, "convert.json"), json.dumps(result, indent=2))
     gb = 1e9
     rows = [
         f"# Converter and forward latency: {args.preset} shapes, random weights ({cfg.num_params / 1e6:.0f}M params)",
@@ -185,8 +188,7 @@ def main() -> None:
         "Regenerate: `PYTHONPATH=. nice .venv/bin/python benchmarks/bench_convert.py`.",
         "",
     ]
-    with open(os.path.join(HERE, "convert.md"), "w") as f:
-        f.write("\n".join(rows))
+    atomic_write_text(os.path.join(args.out, "convert.md"), "\n".join(rows))
     print("\n".join(rows))
 
 

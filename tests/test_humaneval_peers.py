@@ -34,6 +34,8 @@ def test_problems_and_prompt_records():
     ("    x = 2\n    return x\n\n\nif __name__ == '__main__':\n    main()", "    x = 2\n    return x\n\n"),
     ("    return 3\nprint(f(1))\n", "    return 3"),
     ("    return 4\n# test\n", "    return 4"),
+    ("    return 6\nif f(2) != 6:\n    raise SystemExit(1)\n", "    return 6"),  # Codex's "\nif"
+    ("    return 7\ndefault = 1\n", "    return 7"),  # Codex's "\ndef" has no space either
     ("    return 5  # inline comments stay\n", "    return 5  # inline comments stay\n"),
     ("    y = 1\n    # an indented comment stays\n    return y\n",
      "    y = 1\n    # an indented comment stays\n    return y\n"),

@@ -152,7 +152,7 @@ def check_output_path(path: str, input_path: str | None, flag: str = "--output")
     """Refuse, before any model is loaded, an output that cannot or must not be written: a
     directory, or the request file itself (its requests would be replaced by the outputs)."""
     if os.path.isdir(path):
-        raise DecodeError(f"{flag} {path} is a directory; give a file path such as {path}/out.jsonl")
+        raise DecodeError(f"{flag} {path} is a directory; give a file path (in it, or elsewhere)")
     if (input_path is not None and os.path.exists(path) and os.path.exists(input_path)
             and os.path.samefile(path, input_path)):
         raise DecodeError(f"{flag} {path} is the input file; write the outputs elsewhere")
