@@ -63,7 +63,9 @@ def _parse_jsonl(path: str) -> list[Example]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            hint = (" (JSON Lines: one object per line, not one JSON array)"
+                    if lineno == 1 and line.lstrip().startswith("[") else "")
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from None
         if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(
                 record.get("response"), str):
             examples.append({"prompt": record["prompt"], "response": record["response"]})
@@ -101,7 +103,8 @@ def _load_folder(path: str) -> list[Example]:
     for root, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         files += [os.path.join(root, n) for n in names
-                  if not n.startswith(".") and n.endswith(TEXT_SUFFIXES + (".jsonl",))]
+                  if not n.startswith(".") and n.endswith(TEXT_SUFFIXES + (".jsonl",))
+                  and os.path.exists(os.path.join(root, n))]  # a dangling symlink is no data
     examples, skipped = [], []
     for f in sorted(files):
         try:

@@ -69,6 +69,14 @@ def test_load_errors(tmp_path):
     bad.write_text('{"text": "ok"}\n{"question": "q"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: expected .*\['question'\]"):
         load_examples(str(bad))
+    bad.write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=1))
+    with pytest.raises(DataError, match=r"bad.jsonl:1: not valid JSON .*one object per line, not one JSON array"):
+        load_examples(str(bad))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text")
+    (folder / "gone.txt").symlink_to(tmp_path / "deleted.txt")  # dangling: skipped, not fatal
+    assert load_examples(str(folder)) == [{"text": "some text"}]
 
 
 # ---- tokenized rows --------------------------------------------------------------------------
