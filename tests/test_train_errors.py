@@ -208,3 +208,15 @@ def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path
     os.makedirs(os.path.join(cfg.run_dir, "checkpoints", "4"))
     resumed, where = resolve_tokenizer(cfg)
     assert where == own and len(resumed) == len(tokenizer)
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    from prove_jax import trainer
+
+    def interrupted(cfg, show_bar=True):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer, "train", interrupted)
+    cfg_path = write_config(tmp_path)
+    assert main(["--config", cfg_path]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; rerun the same command to resume" in err and "Traceback" not in err

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from prove_jax.trainer import user_errors
+    cfg = None
     try:
         from prove_jax.train_config import load_config
         cfg = load_config(args.config, args.overrides)
@@ -67,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # checkpoints are written atomically: the newest finished one stands
+        print("interrupted" + (f"; rerun the same command to resume from the newest checkpoint in "
+                               f"{cfg.run_dir}/checkpoints" if cfg is not None else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
