@@ -282,6 +282,7 @@ def main(argv=None) -> int:
                                                        on_batch_done=on_batch_done)
         if pair.tokenizer is not None:
             problems = humaneval.load_problems()
+            prompt_ids = bench_lib.humaneval_task_ids(prompt_ids, prompts, problems, pair.tokenizer)
             bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,
                                       pair.eos_ids)
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)

@@ -470,6 +470,16 @@ def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompt
     return rec
 
 
+def humaneval_task_ids(ids: Sequence[str], prompts: Sequence[Sequence[int]], problems: Sequence[dict],
+                       tokenizer) -> list[str | None]:
+    """Per prompt, the HumanEval task it is scored as: its id, when that is a task id and the
+    prompt's tokens are that task's prompt; else None (a record reusing a task id for other
+    text would be scored against the wrong tests)."""
+    by_id = {p["task_id"]: p for p in problems}
+    return [i if i in by_id and list(p) == tokenizer.encode(by_id[i]["prompt"], add_special_tokens=False)
+            else None for i, p in zip(ids, prompts)]
+
+
 def score_pass_at_1(records: list[dict], measurements: list[Measurement], problems: Sequence[dict],
                     prompt_ids: Sequence[str], tokenizer, eos_ids: Sequence[int],
                     progress: Callable[[str], None] = log) -> None:

@@ -220,3 +220,16 @@ def test_peer_input_errors(models, tmp_path):
     small_draft.config.vocab_size = 128
     with pytest.raises(peers.PeerError, match="share the tokenizer"):
         peers.hf_assisted(target, small_draft, [[3]], 4, eos_token_id=1)
+
+
+def test_only_records_holding_a_tasks_own_prompt_are_scored_as_that_task():
+    """A --prompts record reusing a HumanEval task id for other tokens must not be scored
+    against that task's tests."""
+    from prove_jax import assets, bench_lib
+    from prove_jax.checkpoint import load_tokenizer
+    tok = load_tokenizer(assets.DEMO_PROPOSER)
+    problems = humaneval.load_problems(limit=2)
+    real = tok.encode(problems[1]["prompt"], add_special_tokens=False)
+    got = bench_lib.humaneval_task_ids(["HumanEval/0", "HumanEval/1", "mine"], [[1, 2, 3], real, real],
+                                       problems, tok)
+    assert got == [None, "HumanEval/1", None]
