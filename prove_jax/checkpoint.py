@@ -200,7 +200,9 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
             restored = ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot restore {params_dir}: {msg[:300]}") from None
+        msg = msg.split(" See full TensorStore")[0]  # the rest is a spec dump, not a reason
+        raise CheckpointError(f"cannot restore {params_dir} (a damaged or incomplete checkpoint): "
+                              f"{msg[:300]}") from None
     model = nnx.merge(graphdef, abstract_state)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, restored)
@@ -220,6 +222,9 @@ def _check_stored_shapes(params_dir: str, target) -> None:
             stored = _dotted_leaves(ckptr.metadata(params_dir).item_metadata)
     except Exception:
         return
+    if not stored:  # orbax logs and returns nothing when the layout is damaged
+        raise CheckpointError(f"checkpoint {params_dir}: its parameter metadata cannot be read "
+                              f"(an incomplete or corrupt checkpoint)")
     for name, want in _dotted_leaves(target).items():
         if name not in stored:
             raise CheckpointError(f"checkpoint {params_dir} has no parameter {name}")

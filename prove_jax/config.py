@@ -183,8 +183,19 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model config keys {unknown}; valid keys: {sorted(fields)}")
         d = {k: v for k, v in d.items() if k in fields}
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"model config is missing required key(s) {missing}")
+        for k in required:  # the sizes: integers (a string here fails deep inside otherwise)
+            if not isinstance(d[k], int) or isinstance(d[k], bool):
+                raise ConfigError(f"model config {k} must be an integer, got {d[k]!r}")
         if "eos_token_ids" in d:
-            d["eos_token_ids"] = tuple(d["eos_token_ids"])
+            eos = d["eos_token_ids"]
+            if not isinstance(eos, (list, tuple)):
+                raise ConfigError(f"model config eos_token_ids must be a list of ids, got {eos!r}")
+            d["eos_token_ids"] = tuple(eos)
         return cls(**d)
 
     @classmethod

@@ -131,11 +131,14 @@ def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat:
     d, f, dh = m.hidden_size, m.intermediate_size, m.head_dim
     h, k = m.num_heads, m.num_kv_heads
     tok = rows * length
-    per_layer_linear = tok * db * (4 * d + ((h + 2 * k) * dh + h * dh + 3 * f) / tensor)
-    attn = rows * math.ceil(h / tensor) * length * length * (4 + db)  # f32 scores + probs
+
+    def per_device(n: int) -> float:  # sharding.logical_to_spec replicates what tensor does not divide
+        return n / tensor if n % tensor == 0 else n
+    per_layer_linear = tok * db * (4 * d + 2 * per_device(h) * dh + 2 * per_device(k) * dh + 3 * per_device(f))
+    attn = rows * per_device(h) * length * length * (4 + db)  # f32 scores + probs
     per_layer = per_layer_linear + attn
     mask = rows * length * length  # bool attention mask, shared by layers
-    logits = 3 * tok * math.ceil(m.vocab_size / tensor) * 4  # f32 logits, softmax, grad
+    logits = 3 * tok * per_device(m.vocab_size) * 4  # f32 logits, softmax, grad
     kept = m.num_layers * tok * d * db + per_layer if remat else m.num_layers * per_layer
     return int(kept + mask + logits)
 

@@ -50,8 +50,13 @@ def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
         raise MeshError(f"mesh shape {shape} does not match axis names {tuple(axis_names)}")
     if shape.count(-1) > 1:
         raise MeshError(f"mesh shape {shape} has more than one -1")
+    if any(s < 1 and s != -1 for s in shape):
+        raise MeshError(f"mesh shape {tuple(shape)}: every axis is >= 1 (or one -1: the rest)")
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
+        if len(devices) % known:  # else some devices would sit idle, unsaid
+            raise MeshError(f"mesh shape {tuple(shape)}: {len(devices)} devices do not divide "
+                            f"into {known} x N")
         shape[shape.index(-1)] = len(devices) // known
     n = math.prod(shape)
     if n > len(devices) or n <= 0:

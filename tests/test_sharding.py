@@ -108,3 +108,37 @@ def test_create_model_on_mesh_is_sharded_and_matches(reference, tmp_path):
     restored = flat_params(load_model(str(tmp_path / "sharded")))
     for name, want in ref_params.items():
         np.testing.assert_allclose(np.asarray(restored[name]), want, atol=1e-6, rtol=0, err_msg=name)
+
+
+def test_mesh_shapes_that_would_idle_devices_or_make_no_sense_are_refused():
+    n = len(jax.devices())  # 8 simulated
+    assert dict(sharding.make_mesh((2, -1, 1)).shape) == {"data": 2, "fsdp": n // 2, "tensor": 1}
+    with pytest.raises(sharding.MeshError, match=f"{n} devices do not divide into 3 x N"):
+        sharding.make_mesh((3, -1, 1))  # used to run on 6 of the 8, the other 2 idle, unsaid
+    for bad in ((2, -2, 1), (0, 8, 1)):
+        with pytest.raises(sharding.MeshError, match="every axis is >= 1"):
+            sharding.make_mesh(bad)
+
+
+def test_damaged_checkpoint_config_and_metadata_are_named(tmp_path):
+    import json
+    import os
+    import shutil
+    from prove_jax.checkpoint import CheckpointError, load_config
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    save_model(str(tmp_path / "ok"), create_model(cfg, seed=0))
+    for edit, message in [(lambda d: d.pop("vocab_size"), r"missing required key\(s\) \['vocab_size'\]"),
+                          (lambda d: d.update(hidden_size="32"), "hidden_size must be an integer, got '32'"),
+                          (lambda d: d.update(eos_token_ids=None), "eos_token_ids must be a list")]:
+        shutil.copytree(tmp_path / "ok", tmp_path / "bad")
+        path = tmp_path / "bad" / "config.json"
+        d = json.loads(path.read_text())
+        edit(d)
+        path.write_text(json.dumps(d))
+        with pytest.raises(CheckpointError, match=message):
+            load_config(str(tmp_path / "bad"))
+        shutil.rmtree(tmp_path / "bad")
+    os.remove(tmp_path / "ok" / "params" / "_METADATA")
+    with pytest.raises(CheckpointError, match="parameter metadata cannot be read"):
+        load_model(str(tmp_path / "ok"))  # blamed the first parameter, 'embed', which is there

@@ -43,3 +43,15 @@ def test_dry_run_needs_a_known_chip_and_explicit_mesh(capsys):
         dry_run(cfg)
     assert main(["--config", PROPOSER, "--dry-run", "--chip", "tpu9"]) == 2
     assert "error: unknown chip 'tpu9'" in capsys.readouterr().err
+
+
+def test_activation_estimate_counts_replicated_dimensions_whole():
+    """sharding.logical_to_spec replicates a dimension the tensor axis does not divide, so such
+    activations are whole on every device: the estimate must not divide them either."""
+    from prove_jax.config import ModelConfig
+    from prove_jax.dry_run import activation_bytes
+    odd = ModelConfig(vocab_size=101, hidden_size=40, intermediate_size=75, num_layers=2, num_heads=5,
+                      num_kv_heads=5, head_dim=8)
+    assert activation_bytes(odd, 2, 64, tensor=2, remat=False) == activation_bytes(odd, 2, 64, tensor=1, remat=False)
+    even = odd.replace(vocab_size=100, intermediate_size=80, num_heads=4, num_kv_heads=4)
+    assert activation_bytes(even, 2, 64, tensor=2, remat=False) < activation_bytes(even, 2, 64, tensor=1, remat=False)
