@@ -7,7 +7,9 @@ the target sharding (each host reads only its shards).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -138,7 +140,7 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     """
     if not replace_any:
         check_replaceable(path, "params", "a prove-jax checkpoint", CheckpointError)
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path) as tmp, _without_ocdbt_merge_warning():
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
                 use_ocdbt=False, type_handler_registry=_streaming_handlers())) as ckptr:
             ckptr.save(os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
@@ -146,6 +148,20 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
             json.dump(cfg.to_json_dict(), f, indent=2)
         copy_tokenizer_files(tokenizer_dir, tmp)
     return path
+
+
+@contextlib.contextmanager
+def _without_ocdbt_merge_warning():
+    """Orbax warns "Skipping merge of OCDBT checkpoints: No per-process OCDBT checkpoint subdirs
+    found" on every save without OCDBT, which is what `save_model` chose: a warning that names a
+    temporary path and reads like a failure. Only that message is dropped."""
+    absl = logging.getLogger("absl")
+    drop = lambda record: "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+    absl.addFilter(drop)
+    try:
+        yield
+    finally:
+        absl.removeFilter(drop)
 
 
 def _streaming_handlers():

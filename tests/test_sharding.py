@@ -142,3 +142,15 @@ def test_damaged_checkpoint_config_and_metadata_are_named(tmp_path):
     os.remove(tmp_path / "ok" / "params" / "_METADATA")
     with pytest.raises(CheckpointError, match="parameter metadata cannot be read"):
         load_model(str(tmp_path / "ok"))  # blamed the first parameter, 'embed', which is there
+
+
+def test_saving_prints_no_ocdbt_merge_warning(tmp_path, caplog):
+    """Orbax warned on every save (each export and conversion) about skipping an OCDBT merge,
+    naming a temporary path: noise that reads like a failure."""
+    import logging
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    with caplog.at_level(logging.INFO):
+        save_model(str(tmp_path / "ckpt"), create_model(cfg, seed=0))
+    assert not [r for r in caplog.records if "OCDBT" in r.getMessage()]
+    assert load_model(str(tmp_path / "ckpt")).cfg == cfg
