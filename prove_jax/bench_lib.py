@@ -98,7 +98,7 @@ def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
                      record_steps: bool = False) -> Setting:
     opts = DecodeOptions("lossless", block_size=k, max_groups=groups, adaptive=adaptive,
                          record_steps=record_steps)
-    g = len(LosslessLayout.build(k, groups).accept_of_group)
+    g = LosslessLayout.build(k, groups).num_groups
     return Setting("lossless", f"adaptive,K<={k}" if adaptive else f"K={k},G={g}", opts)
 
 
@@ -620,7 +620,7 @@ def markdown_table(records: Sequence[dict]) -> str:
         setting = r["setting"]
         eff = r.get("effective_options")
         if eff:  # adaptive: what actually ran at this batch size
-            setting += (f" (K={eff['block_size']},G={len(LosslessLayout.build(eff['block_size'], eff['max_groups']).accept_of_group)})"
+            setting += (f" (K={eff['block_size']},G={LosslessLayout.build(eff['block_size'], eff['max_groups']).num_groups})"
                         if eff["mode"] == "lossless" else f" ({eff['mode']})")
         rows.append(f"| {r['mode']} | {setting} | {r['batch_size']} | {r['tokens_per_forward']:.2f} "
                     f"| {r['tokens_per_second']:.1f} | {_ratio(r['speedup_vs_ar'])} "

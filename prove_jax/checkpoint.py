@@ -47,6 +47,12 @@ def check_replaceable(path: str, marker: str, what: str, error: type[Exception])
                     f"choose a new directory")
 
 
+def _temp_sibling(path: str) -> str:
+    """A fresh hidden name beside `path` for writing it under before the rename: on the same
+    filesystem (so the rename is atomic) and recognisable as ours (.tmp-NAME-...)."""
+    return os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+
+
 def atomic_dir(final_path: str):
     """Context manager yielding a temp dir next to `final_path`, renamed onto it on success.
 
@@ -57,9 +63,8 @@ def atomic_dir(final_path: str):
     class _Atomic:
         def __enter__(self):
             self.final = os.path.realpath(final_path)
-            parent = os.path.dirname(self.final)
-            os.makedirs(parent, exist_ok=True)
-            self.tmp = os.path.join(parent, f".tmp-{os.path.basename(self.final)}-{uuid.uuid4().hex[:12]}")
+            os.makedirs(os.path.dirname(self.final), exist_ok=True)
+            self.tmp = _temp_sibling(self.final)
             os.mkdir(self.tmp)
             return self.tmp
 
@@ -85,9 +90,8 @@ def atomic_write_text(path: str, text: str) -> None:
     """Write a text file via a temporary name + rename (never a half-written file)."""
     if os.path.isdir(path):  # else the rename fails, naming the temporary file
         raise IsADirectoryError(f"{path} is a directory; give a file path")
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = _temp_sibling(os.path.abspath(path))
     # os.open with 0o666: the umask's permissions, like any file (mkstemp's are 0600)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:

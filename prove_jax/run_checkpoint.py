@@ -74,11 +74,21 @@ def state_difference(saved: dict[str, tuple], expected: dict[str, tuple]) -> str
     return "; ".join(parts) or None
 
 
+CHECKPOINT_DIR = "checkpoints"  # RUN_DIR/checkpoints/<step>/
+
+
+def has_checkpoints(run_dir: str) -> bool:
+    """Whether the run dir holds a saved step, i.e. a launch resumes rather than starts (read
+    from the folder, without opening a checkpoint manager)."""
+    ckpt_dir = os.path.join(run_dir, CHECKPOINT_DIR)
+    return os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+
+
 class RunCheckpoints:
     def __init__(self, run_dir: str, keep: int = 3, async_save: bool = True,
                  log: Callable[[str], None] = print):
         self.run_dir = os.path.abspath(run_dir)
-        self.dir = os.path.join(self.run_dir, "checkpoints")
+        self.dir = os.path.join(self.run_dir, CHECKPOINT_DIR)
         self.log = log
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)

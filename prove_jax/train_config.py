@@ -117,7 +117,7 @@ class TrainConfig:
 
 def _check_model_source(src: ModelSource) -> None:
     """What can be told from the config alone: dtype names and inline model.config keys."""
-    from prove_jax.config import DTYPES, ModelConfig
+    from prove_jax.config import DTYPES
     for name in ("dtype", "param_dtype"):
         value = getattr(src, name)
         if value is not None and value not in DTYPES:

@@ -31,7 +31,8 @@ from prove_jax import checkpoint, memory, params as params_lib, sharding
 from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
-from prove_jax.run_checkpoint import RunCheckpointError, RunCheckpointMismatch, RunCheckpoints
+from prove_jax.run_checkpoint import (RunCheckpointError, RunCheckpointMismatch, RunCheckpoints,
+                                      has_checkpoints)
 from prove_jax.train_config import TrainConfig, TrainConfigError, inline_model_config, to_dict
 from prove_jax.train_step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state, jit_step,
                                   make_loss_fn, state_layout)
@@ -110,12 +111,6 @@ def _training_texts(path: str):
             yield ex["text"]
         else:
             yield str(ex.get("prompt", "")) + str(ex.get("response", ""))
-
-
-def has_checkpoints(run_dir: str) -> bool:
-    """Whether the run dir holds a saved step, i.e. a launch resumes rather than starts."""
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    return os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:

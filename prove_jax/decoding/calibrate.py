@@ -281,7 +281,7 @@ def rank_layouts(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float],
     """
     ranked = []
     for (k, g), (speedup, tpf) in _expected(row_probs, step_cost, batch_size, candidates, num_requests).items():
-        ranked.append(Choice(batch_size, k, len(LosslessLayout.build(k, g).accept_of_group), speedup, tpf))
+        ranked.append(Choice(batch_size, k, LosslessLayout.build(k, g).num_groups, speedup, tpf))
     return sorted(ranked, key=lambda c: -c.expected_speedup)
 
 
@@ -431,8 +431,9 @@ def calibrate_decoder(decoder, prompts: Sequence[Sequence[int]], batch_size: int
     """Calibrate `decoder` (adaptive lossless) for one batch size and install the table.
 
     Uses up to max(8, rows) of the prompts and up to 64 new tokens for the acceptance profile
-    and the trial decodes, and the candidates within the decoder's block size and group cap. `num_requests`: how many requests each `generate` call will queue
-    (default: all of `prompts`).
+    and the trial decodes, and the candidates within the decoder's block size and group cap.
+    `num_requests`: how many requests each `generate` call will queue (default: all of
+    `prompts`).
     """
     from prove_jax.decoding.engine import DecodeError, check_adaptive_table
     if batch_size < 1:

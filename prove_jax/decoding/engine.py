@@ -176,7 +176,7 @@ def check_step_width(options: DecodeOptions, max_buffer: int) -> None:
         return
     k = options.block_size
     if options.mode == "lossless":
-        groups = len(LosslessLayout.build(k, options.max_groups).accept_of_group)
+        groups = LosslessLayout.build(k, options.max_groups).num_groups
         what = f"lossless K={k} with {groups} mask groups feeds {width} tokens per step (1 + {k - 1} x {groups + 1})"
         advice = "lower --block-size or cap the groups with --groups"
     else:

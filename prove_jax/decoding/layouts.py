@@ -48,8 +48,12 @@ class LosslessLayout:
         return cls(num_drafts=m, accept_of_group=groups)
 
     @property
+    def num_groups(self) -> int:
+        return len(self.accept_of_group)
+
+    @property
     def width(self) -> int:
-        return 1 + self.num_drafts * (1 + len(self.accept_of_group))
+        return 1 + self.num_drafts * (1 + self.num_groups)
 
     def group_start(self, g):
         """Row slot of group g's first mask (g an int or an int array)."""
@@ -75,7 +79,7 @@ class LosslessLayout:
         m, t = self.num_drafts, self.width
         group_of = np.full(t, -1)
         rank = np.zeros(t, np.int32)
-        for g in range(len(self.accept_of_group)):
+        for g in range(self.num_groups):
             s = self.group_start(g)
             group_of[s: s + m] = g
             rank[s: s + m] = np.arange(m)

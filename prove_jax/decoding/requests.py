@@ -141,7 +141,7 @@ def describe_options(options: DecodeOptions) -> str:
         return "ar"
     k = options.block_size
     if options.mode == "lossless":
-        return f"lossless K={k},G={len(LosslessLayout.build(k, options.max_groups).accept_of_group)}"
+        return f"lossless K={k},G={LosslessLayout.build(k, options.max_groups).num_groups}"
     if options.mode == "verify":
         return f"verify K={k},{options.commit_rule}"
     return f"threshold K={k},{options.confidence}>={options.tau:g}" if options.confidence != "entropy" \
