@@ -44,6 +44,31 @@ def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
                           f"not supported: every layer here attends to the whole context")
 
 
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _field_value(key: str, value: Any, annotation: str, where: str) -> Any:
+    """`value` as ModelConfig field `key` wants it (annotation 'int', 'float', 'int | None',
+    'tuple[int, ...]', ...), or a ConfigError naming the key. An integral float passes for an int
+    and an int for a float (JSON and YAML write either); a bool never passes for a number."""
+    kind = annotation.split(" ")[0]
+    if value is None and "None" in annotation:
+        return None
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind.startswith("tuple"):
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{where} {key} must be a list of ids, got {value!r}")
+        return tuple(value)
+    want = _SCALARS[kind]
+    if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{where} {key} must be {annotation}, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -175,27 +200,25 @@ class ModelConfig:
         return dataclasses.asdict(self) | {"model_type": "qwen2"}
 
     @classmethod
-    def from_json_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_json_dict(cls, d: dict[str, Any], where: str = "model config") -> "ModelConfig":
+        """Our config.json (or an HF one) as a ModelConfig. Every field is checked against its
+        annotation here, so a string size or a null eos list fails naming the key, not as a
+        TypeError inside the first forward; `where` names the source in the messages (the
+        training config passes "model.config")."""
         if "num_hidden_layers" in d:  # an HF config.json
             return cls.from_hf_dict(d)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields - {"model_type"})
+        types = {f.name: f.type for f in dataclasses.fields(cls)}  # 'int', 'int | None', ...
+        unknown = sorted(set(d) - set(types) - {"model_type"})
         if unknown:
-            raise ConfigError(f"unknown model config keys {unknown}; valid keys: {sorted(fields)}")
-        d = {k: v for k, v in d.items() if k in fields}
+            raise ConfigError(f"unknown {where} keys {unknown}; valid keys: {sorted(types)}")
+        d = {k: v for k, v in d.items() if k in types}
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         missing = [k for k in required if k not in d]
         if missing:
-            raise ConfigError(f"model config is missing required key(s) {missing}")
-        for k in required:  # the sizes: integers (a string here fails deep inside otherwise)
-            if not isinstance(d[k], int) or isinstance(d[k], bool):
-                raise ConfigError(f"model config {k} must be an integer, got {d[k]!r}")
-        if "eos_token_ids" in d:
-            eos = d["eos_token_ids"]
-            if not isinstance(eos, (list, tuple)):
-                raise ConfigError(f"model config eos_token_ids must be a list of ids, got {eos!r}")
-            d["eos_token_ids"] = tuple(eos)
+            raise ConfigError(f"{where} is missing required key(s) {missing}")
+        for key, value in d.items():
+            d[key] = _field_value(key, value, types[key], where)
         return cls(**d)
 
     @classmethod

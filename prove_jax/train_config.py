@@ -128,35 +128,18 @@ def _check_model_source(src: ModelSource) -> None:
 
 
 def inline_model_config(config: dict):
-    """`model.config` as a ModelConfig: known keys only, YAML 1.1's number strings ('1e6') as
-    numbers, and each value of its field's type, so a bad value fails here and not as a
-    traceback inside the first forward."""
+    """`model.config` as a ModelConfig. YAML 1.1 reads '1e6' as a string, so number-looking
+    strings become numbers here; every other check (known keys, each value of its field's type)
+    is ModelConfig.from_json_dict's, so a bad value fails at load and not inside the first
+    forward."""
     from prove_jax.config import ConfigError, ModelConfig
-    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(config) - set(fields))
-    if unknown:
-        raise TrainConfigError(f"unknown model.config keys {unknown}; valid: {sorted(fields)}")
-    d = {}
-    for key, value in config.items():
-        kind = fields[key].split(" ")[0]  # 'int', 'float', 'bool', 'str', 'tuple[int, ...]'
-        if isinstance(value, str) and kind in ("int", "float") and _looks_float(value):
-            value = float(value)
-        if kind == "int" and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if kind.startswith("tuple") and isinstance(value, list):
-            value = tuple(value)
-        want = {"int": int, "float": float, "bool": bool, "str": str}.get(kind)
-        ok = value is None and "None" in fields[key] or want is None or (
-            isinstance(value, want) and not (want is int and isinstance(value, bool)))
-        if not ok:
-            raise TrainConfigError(f"model.config.{key} must be {fields[key]}, got {value!r}")
-        d[key] = value
+    numeric = {f.name for f in dataclasses.fields(ModelConfig) if f.type.split(" ")[0] in ("int", "float")}
+    d = {k: float(v) if k in numeric and isinstance(v, str) and _looks_float(v) else v
+         for k, v in config.items()}
     try:
-        return ModelConfig(**d)
-    except (ConfigError, TypeError) as e:  # TypeError: a required field is missing
-        raise TrainConfigError(f"model.config: {e}") from None
+        return ModelConfig.from_json_dict(d, where="model.config")
+    except ConfigError as e:
+        raise TrainConfigError(str(e)) from None
 
 
 def _check_optimizer(opt: OptimizerConfig) -> None:

@@ -129,8 +129,12 @@ def test_damaged_checkpoint_config_and_metadata_are_named(tmp_path):
                       num_kv_heads=2, head_dim=8)
     save_model(str(tmp_path / "ok"), create_model(cfg, seed=0))
     for edit, message in [(lambda d: d.pop("vocab_size"), r"missing required key\(s\) \['vocab_size'\]"),
-                          (lambda d: d.update(hidden_size="32"), "hidden_size must be an integer, got '32'"),
-                          (lambda d: d.update(eos_token_ids=None), "eos_token_ids must be a list")]:
+                          (lambda d: d.update(hidden_size="32"), "hidden_size must be int, got '32'"),
+                          (lambda d: d.update(eos_token_ids=None), "eos_token_ids must be a list"),
+                          (lambda d: d.update(rope_theta="big"), "rope_theta must be float, got 'big'"),
+                          (lambda d: d.update(tie_word_embeddings="no"),
+                           "tie_word_embeddings must be bool, got 'no'"),
+                          (lambda d: d.update(pad_token_id=True), r"pad_token_id must be int \| None, got True")]:
         shutil.copytree(tmp_path / "ok", tmp_path / "bad")
         path = tmp_path / "bad" / "config.json"
         d = json.loads(path.read_text())

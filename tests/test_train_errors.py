@@ -191,7 +191,7 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     from tests.train_helpers import TINY_MODEL
     theta = write_config(tmp_path, "theta", model={"config": dict(TINY_MODEL, rope_theta="1e6")})
     assert source_model_config(load_config(theta)).rope_theta == 1e6
-    with pytest.raises(TrainConfigError, match="model.config.rope_theta must be float, got 'big'"):
+    with pytest.raises(TrainConfigError, match="model.config rope_theta must be float, got 'big'"):
         load_config(write_config(tmp_path, "big", model={"config": dict(TINY_MODEL, rope_theta="big")}))
 
 
