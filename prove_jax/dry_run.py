@@ -5,7 +5,8 @@ configured size (e.g. 256 v5p chips as (1, 64, 4)), the real jitted train step i
 lowered for TPU (`.trace(...).lower(lowering_platforms=("tpu",))`), which proves the shardings
 are consistent, and nothing is allocated. Memory per device is then counted:
 
-- parameters, gradients and optimizer state: exact, from each array's shard shape;
+- parameters, gradients (with grad_accum > 1 also their float32 running sum) and optimizer
+  state: exact, from each array's shard shape;
 - activations: an estimate of what the backward pass keeps (per-layer inputs with remat, every
   intermediate without), the attention scores/probabilities of one layer, and the float32
   logits with their gradient. XLA's own temporaries and fragmentation are not counted, so the
@@ -27,7 +28,8 @@ from prove_jax.config import ModelConfig, preset
 from prove_jax.optim import make_optimizer
 from prove_jax.sharding import MESH_AXES
 from prove_jax.train_config import TrainConfig
-from prove_jax.train_step import abstract_batch, build_step_fn, jit_step, make_loss_fn, state_layout
+from prove_jax.train_step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
+                                  make_loss_fn, state_layout)
 
 GIB = 1024 ** 3
 CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
@@ -173,10 +175,15 @@ def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
         seconds = time.perf_counter() - t0
     streamed = length * (2 if cfg.objective == "mars" else 1)
     params_b = _shard_bytes(layout.abstract["params"])
+    grads_b = params_b  # one micro-batch's gradients, in the parameters' dtype and sharding
+    if cfg.optimizer.grad_accum > 1:  # plus their running sum across the micro-batch scan
+        grads_b += _shard_bytes(jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, accumulator_dtype(p.dtype), sharding=p.sharding),
+            layout.abstract["params"]))
     return DryRunReport(
         chip=chip, hbm_bytes=hbm, mesh=dict(zip(MESH_AXES, axis_sizes)),
         devices=math.prod(axis_sizes), model_params=model_cfg.num_params,
-        param_bytes=params_b, grad_bytes=params_b,
+        param_bytes=params_b, grad_bytes=grads_b,
         opt_bytes=_shard_bytes(layout.abstract["opt_state"]),
         activation_bytes=activation_bytes(model_cfg, micro // dp, streamed, axis_sizes[2],
                                           cfg.model.remat),

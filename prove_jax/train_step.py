@@ -92,6 +92,11 @@ def _split_micro(x, n):
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
+def accumulator_dtype(param_dtype) -> jnp.dtype:
+    """dtype of the gradient sum over micro-batches: at least float32."""
+    return jnp.promote_types(param_dtype, jnp.float32)
+
+
 def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
     """Pure (state, batch) -> (state, metrics); metrics averaged over micro-batches."""
 
@@ -109,16 +114,19 @@ def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
 
             def body(acc, micro):
                 (_, m), g = grad_of(params, micro)
-                return jax.tree.map(jnp.add, acc, (g, m)), None
+                g = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc[0], g)
+                return (g, jax.tree.map(jnp.add, acc[1], m)), None
 
-            zero_g = jax.tree.map(jnp.zeros_like, params)
+            # the running sum is float32 even for bfloat16 params: a bf16 sum drops every
+            # addend below 1/256 of the total (256 + 1 + 1 + 1 is 256 in bf16)
+            zero_g = jax.tree.map(lambda p: jnp.zeros(p.shape, accumulator_dtype(p.dtype)), params)
             first = jax.tree.map(lambda x: x[0], micro_batches)
             zero_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                   jax.eval_shape(lambda: loss_of(params, first)[1]))
             (grads, metrics), _ = jax.lax.scan(body, (zero_g, zero_m), micro_batches)
             # equal-size micro-batches: the mean of per-micro means is the full-batch mean;
             # counts (tokens, sequences) add up over the micro-batches instead
-            grads = jax.tree.map(lambda g: g / grad_accum, grads)
+            grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
             metrics = {k: (v if k in COUNT_METRICS else v / grad_accum) for k, v in metrics.items()}
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)

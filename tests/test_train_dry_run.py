@@ -55,3 +55,13 @@ def test_activation_estimate_counts_replicated_dimensions_whole():
     assert activation_bytes(odd, 2, 64, tensor=2, remat=False) == activation_bytes(odd, 2, 64, tensor=1, remat=False)
     even = odd.replace(vocab_size=100, intermediate_size=80, num_heads=4, num_kv_heads=4)
     assert activation_bytes(even, 2, 64, tensor=2, remat=False) < activation_bytes(even, 2, 64, tensor=1, remat=False)
+
+
+def test_dry_run_counts_the_gradient_sum_of_accumulation(tmp_path):
+    """With grad_accum > 1 the step holds one micro-batch's gradients and their float32 running
+    sum at once: with float32 parameters that is twice the gradient bytes of grad_accum = 1."""
+    from tests.train_helpers import tiny_config
+    one = dry_run(tiny_config(tmp_path, target_chip="v5e"))
+    two = dry_run(tiny_config(tmp_path, overrides=["optimizer.grad_accum=2"], target_chip="v5e"))
+    assert one.grad_bytes == one.param_bytes > 0
+    assert two.grad_bytes == 2 * one.grad_bytes and two.param_bytes == one.param_bytes

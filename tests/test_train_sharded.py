@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -85,6 +86,27 @@ def test_grad_accumulation_equals_full_batch():
     for key in ("tokens", "sequences"):  # counts add up over micro-batches
         assert float(m_acc[key]) == float(m_full[key]) > 0, key
     assert _max_diff(accum["params"], full["params"]) < 2e-5
+
+
+def test_grad_accumulation_sums_bf16_gradients_in_float32():
+    """With bfloat16 parameters the micro-batch gradients are bf16; summed in bf16, 256 + 1 + 1 + 1
+    is 256 (bf16 keeps 8 significant bits), so accumulation drops small micro-batches' gradients.
+    One bf16 weight w, loss w * x per micro-batch: the mean gradient is mean(x) = 64.75."""
+    import optax
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((), jnp.bfloat16))
+
+    graphdef, state = nnx.split(Scale())
+    loss_fn = lambda model, micro: ((model.w * micro["x"]).sum().astype(jnp.float32), {})
+    step = ts.build_step_fn(graphdef, optax.sgd(0.0), loss_fn, grad_accum=4)
+    params = nnx.to_pure_dict(state)
+    state = {"params": params, "opt_state": optax.sgd(0.0).init(params), "step": jnp.int32(0)}
+    x = jnp.array([[256.0], [1.0], [1.0], [1.0]], jnp.bfloat16)
+    _, metrics = jax.jit(step)(state, {"x": x})
+    # 64.75 is not a bf16 number: the float32 mean rounds to 64.5 or 65; the bf16 sum gives 64
+    assert abs(float(metrics["grad_norm"]) - 64.75) <= 0.25, float(metrics["grad_norm"])
 
 
 def test_remat_and_bf16_compute_options():
