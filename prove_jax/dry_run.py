@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, AxisType
 from prove_jax import params as params_lib
 from prove_jax.config import ModelConfig, preset
 from prove_jax.optim import make_optimizer
-from prove_jax.sharding import MESH_AXES
+from prove_jax.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax.train_config import TrainConfig
 from prove_jax.train_step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
                                   make_loss_fn, state_layout)
@@ -113,34 +113,28 @@ def _model_config_for(cfg: TrainConfig) -> ModelConfig:
 
 def _shard_bytes(tree) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs with NamedShardings."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = list(leaf.shape)
-        spec = leaf.sharding.spec
-        mesh_shape = leaf.sharding.mesh.shape
-        for i, axes in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
-            if axes is None:
-                continue
-            names = (axes,) if isinstance(axes, str) else axes
-            shape[i] = math.ceil(shape[i] / math.prod(mesh_shape[a] for a in names))
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
+    return sum(math.prod(shard_shape(leaf.shape, leaf.sharding.spec, leaf.sharding.mesh.shape))
+               * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: bool) -> int:
-    """Estimated bytes kept for the backward pass of one micro-batch on one device."""
+    """Estimated bytes kept for the backward pass of one micro-batch (`rows` sequences) on one
+    device, the heads/MLP/vocab dimensions split as the sharding rules split them over a tensor
+    axis of this size (whole where the rules replicate them)."""
     db = np.dtype(m.dtype if m.dtype != "bfloat16" else np.float16).itemsize
-    d, f, dh = m.hidden_size, m.intermediate_size, m.head_dim
-    h, k = m.num_heads, m.num_kv_heads
+    d, dh = m.hidden_size, m.head_dim
     tok = rows * length
+    mesh = AbstractMesh((tensor,), ("tensor",), axis_types=(AxisType.Auto,))
 
-    def per_device(n: int) -> float:  # sharding.logical_to_spec replicates what tensor does not divide
-        return n / tensor if n % tensor == 0 else n
-    per_layer_linear = tok * db * (4 * d + 2 * per_device(h) * dh + 2 * per_device(k) * dh + 3 * per_device(f))
-    attn = rows * per_device(h) * length * length * (4 + db)  # f32 scores + probs
+    def per_device(logical_axis: str, n: int) -> int:
+        return shard_shape((n,), logical_to_spec((logical_axis,), (n,), mesh), mesh.shape)[0]
+    h, k = per_device("heads", m.num_heads), per_device("kv_heads", m.num_kv_heads)
+    f, v = per_device("mlp", m.intermediate_size), per_device("vocab", m.vocab_size)
+    per_layer_linear = tok * db * (4 * d + 2 * h * dh + 2 * k * dh + 3 * f)
+    attn = rows * h * length * length * (4 + db)  # f32 scores + probs
     per_layer = per_layer_linear + attn
     mask = rows * length * length  # bool attention mask, shared by layers
-    logits = 3 * tok * per_device(m.vocab_size) * 4  # f32 logits, softmax, grad
+    logits = 3 * tok * v * 4  # f32 logits, softmax, grad
     kept = m.num_layers * tok * d * db + per_layer if remat else m.num_layers * per_layer
     return int(kept + mask + logits)
 

@@ -100,6 +100,17 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
     return P(*spec)
 
 
+def shard_shape(shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape of one device's piece of an array of `shape` laid out by `spec` on a mesh of
+    `mesh_shape` (a split dimension rounds up, as XLA pads uneven shards)."""
+    out = list(shape)
+    for i, axes in enumerate(spec):
+        if axes is not None:
+            names = (axes,) if isinstance(axes, str) else axes
+            out[i] = math.ceil(out[i] / math.prod(mesh_shape[a] for a in names))
+    return tuple(out)
+
+
 def state_specs(state, mesh=None, rules: Mapping = DEFAULT_RULES):
     """Pure-dict pytree of PartitionSpecs for an nnx.State (concrete or abstract)."""
     def spec(v):
