@@ -78,7 +78,8 @@ def nest(flat: dict[str, object]) -> dict:
 
 def read_hf_config(hf_dir: str) -> ModelConfig:
     """ModelConfig from an HF dir; eos ids from generation_config.json are added (Qwen2.5-Instruct
-    lists <|im_end|> in config.json but both <|im_end|> and <|endoftext|> there)."""
+    lists <|im_end|> in config.json but both <|im_end|> and <|endoftext|> there), and its pad and
+    bos ids fill those config.json leaves out (Qwen2.5 names its pad token only there)."""
     path = os.path.join(hf_dir, "config.json")
     if os.path.isdir(os.path.join(hf_dir, "params")):
         raise ConfigError(f"{hf_dir} is a prove-jax checkpoint (it has params/), not a Hugging Face "
@@ -88,10 +89,19 @@ def read_hf_config(hf_dir: str) -> ModelConfig:
     cfg = ModelConfig.from_hf_dict(_read_json(path))
     gen_path = os.path.join(hf_dir, "generation_config.json")
     if os.path.isfile(gen_path):
-        eos = _read_json(gen_path).get("eos_token_id")
+        gen = _read_json(gen_path)
+        eos = gen.get("eos_token_id")
         eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-        merged = tuple(dict.fromkeys(list(cfg.eos_token_ids) + [int(e) for e in eos]))
-        cfg = cfg.replace(eos_token_ids=merged)
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ConfigError(f"{gen_path}: eos_token_id must be an id or a list of ids, got {gen['eos_token_id']!r}")
+        changes = {"eos_token_ids": tuple(dict.fromkeys(list(cfg.eos_token_ids) + eos))}
+        for key in ("pad_token_id", "bos_token_id"):
+            value = gen.get(key)
+            if getattr(cfg, key) is None and value is not None:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ConfigError(f"{gen_path}: {key} must be an id, got {value!r}")
+                changes[key] = value
+        cfg = cfg.replace(**changes)
     return cfg
 
 

@@ -6,6 +6,7 @@ import os
 import stat
 
 import numpy as np
+import pytest
 import safetensors.torch
 import torch
 import transformers
@@ -13,6 +14,7 @@ import transformers
 from hf_models import make_hf_qwen2
 from prove_jax import convert
 from prove_jax.checkpoint import load_model
+from prove_jax.config import ConfigError
 from test_parity import _tokens, our_logits, reload_hf, torch_logits
 
 
@@ -63,6 +65,12 @@ def test_generation_config_ids_we_lack_survive_the_round_trip(tmp_path):
     convert.flax_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"))
     gen = transformers.GenerationConfig.from_pretrained(str(tmp_path / "back"))
     assert (gen.pad_token_id, gen.eos_token_id, gen.temperature, gen.top_p) == (7, [1, 2], 0.7, 0.8)
+    # and the checkpoint knows it: decoding pads with it instead of falling back to eos
+    assert load_model(str(tmp_path / "ckpt")).cfg.pad_token_id == 7
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": ["2"]}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: eos_token_id must be an id or "
+                                          r"a list of ids, got \['2'\]"):
+        convert.read_hf_config(str(tmp_path / "hf"))
 
 
 def test_outputs_get_the_umask_permissions_and_follow_a_symlinked_target(tmp_path):
