@@ -25,6 +25,8 @@ import sys
 import sysconfig
 from typing import Iterable, Iterator
 
+from prove_jax.jsonl import read_jsonl
+
 # Directory names skipped anywhere in the tree: test suites, installed third-party packages,
 # byte code, compiled extensions, build configuration and pydoc's generated topic strings.
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
@@ -226,31 +228,14 @@ def heldout_prompts(heldout: Iterable[SourceFile], limit: int | None = None, **k
 # ----------------------------------------------------------------------------------------------
 # Files on disk.
 
-def _utf8_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, text) of a file's \n-separated lines, each decoded as UTF-8 on its own, so
-    bytes that are not UTF-8 are a CorpusError naming the exact line, not a traceback."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                yield n, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CorpusError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from None
-
-
 def _iter_records(jsonl_path: str, fields: tuple[str, ...]) -> Iterator[dict]:
     """Every record of a corpus JSONL file, each checked to have `fields`."""
     if not os.path.isfile(jsonl_path):
         raise CorpusError(f"corpus file not found: {jsonl_path}")
-    for n, line in _utf8_lines(jsonl_path):
-        if not line.strip():
+    for n, record in read_jsonl(jsonl_path, CorpusError):
+        if isinstance(record, dict) and all(isinstance(record.get(k), str) for k in fields):
+            yield record
             continue
-        try:
-            record = json.loads(line)
-            if all(isinstance(record[k], str) for k in fields):
-                yield record
-                continue
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass
         names = ", ".join(repr(k) for k in fields)
         raise CorpusError(f"{jsonl_path}:{n}: not a JSON record with string field(s) {names}")
 

@@ -16,7 +16,6 @@ of a single-process run with the same seed, and the iterator state is one intege
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any, Iterable, Mapping, Sequence
@@ -25,6 +24,8 @@ import grain
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from prove_jax.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +56,7 @@ def _read_text(path: str) -> str:
 
 def _parse_jsonl(path: str) -> list[Example]:
     examples = []
-    # records end at "\n" only: str.splitlines also breaks at U+2028/U+2029/U+0085, which
-    # json.dumps(ensure_ascii=False) leaves unescaped inside strings (corpus.py writes so)
-    for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            hint = (" (JSON Lines: one object per line, not one JSON array)"
-                    if lineno == 1 and line.lstrip().startswith("[") else "")
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from None
+    for lineno, record in read_jsonl(path, DataError):
         if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(
                 record.get("response"), str):
             examples.append({"prompt": record["prompt"], "response": record["response"]})

@@ -39,6 +39,18 @@ def test_bad_request_files_name_the_line_and_the_problem(tmp_path, lines, messag
         read_requests(_write(tmp_path, lines))
 
 
+def test_request_files_from_editors_read_as_the_training_data_does(tmp_path):
+    """One JSONL reader for data, corpus and requests: a BOM (Notepad writes one) was 'not valid
+    JSON', and a Latin-1 byte a UnicodeDecodeError traceback naming no line."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "a", "prompt": "x = 1\u2028"},
+                                                     ensure_ascii=False).encode() + b"\r\n")
+    assert read_requests(str(path)) == [{"id": "a", "prompt": "x = 1\u2028"}]
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DecodeError, match=r"in.jsonl:2: not UTF-8"):
+        read_requests(str(path))
+
+
 def test_missing_request_file(tmp_path):
     with pytest.raises(DecodeError, match="input file not found"):
         read_requests(str(tmp_path / "absent.jsonl"))

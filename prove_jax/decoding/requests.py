@@ -10,6 +10,7 @@ from typing import Sequence
 from prove_jax.checkpoint import atomic_write_text
 from prove_jax.decoding.engine import BatchResult, DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.jsonl import read_jsonl
 
 
 def read_requests(path: str) -> list[dict]:
@@ -21,29 +22,22 @@ def read_requests(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise DecodeError(f"input file not found: {path}")
     records, line_of_id = [], {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DecodeError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
-                raise DecodeError(f"{where}: a record needs 'prompt' (text) or 'prompt_ids'")
-            if "prompt" in rec and "prompt_ids" in rec:
-                raise DecodeError(f"{where}: give 'prompt' or 'prompt_ids', not both")
-            if "prompt" in rec and not isinstance(rec["prompt"], str):
-                raise DecodeError(f"{where}: 'prompt' must be a string (token ids go in 'prompt_ids')")
-            rec.setdefault("id", len(records))
-            rid = rec["id"]
-            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-                raise DecodeError(f"{where}: 'id' must be a string or an integer, got {rid!r}")
-            if rid in line_of_id:
-                raise DecodeError(f"{where}: duplicate id {rid!r} (first on line {line_of_id[rid]})")
-            line_of_id[rid] = lineno
-            records.append(rec)
+    for lineno, rec in read_jsonl(path, DecodeError):
+        where = f"{path}:{lineno}"
+        if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
+            raise DecodeError(f"{where}: a record needs 'prompt' (text) or 'prompt_ids'")
+        if "prompt" in rec and "prompt_ids" in rec:
+            raise DecodeError(f"{where}: give 'prompt' or 'prompt_ids', not both")
+        if "prompt" in rec and not isinstance(rec["prompt"], str):
+            raise DecodeError(f"{where}: 'prompt' must be a string (token ids go in 'prompt_ids')")
+        rec.setdefault("id", len(records))
+        rid = rec["id"]
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise DecodeError(f"{where}: 'id' must be a string or an integer, got {rid!r}")
+        if rid in line_of_id:
+            raise DecodeError(f"{where}: duplicate id {rid!r} (first on line {line_of_id[rid]})")
+        line_of_id[rid] = lineno
+        records.append(rec)
     if not records:
         raise DecodeError(f"input file {path} has no records")
     return records
