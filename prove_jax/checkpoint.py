@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import uuid
 from typing import Mapping
 
@@ -154,6 +155,46 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     return path
 
 
+def restore_error_reason(e: BaseException) -> str:
+    """The first line of an orbax/tensorstore restore error, without its TensorStore spec dump
+    (hundreds of characters of JSON after the reason)."""
+    text = str(e).strip()
+    reason = text.splitlines()[0] if text else type(e).__name__
+    for dump in (" See full TensorStore", " [tensorstore_spec="):
+        reason = reason.split(dump)[0]
+    return reason[:300]
+
+
+_ABANDONED_READ_DIRS: set[str] = set()
+
+
+def quiet_abandoned_reads(path: str) -> None:
+    """Call once a failed restore of `path` has been reported. The reads orbax abandoned still
+    finish on tensorstore's threads after the restore returned: each failed one is logged when
+    garbage-collected ("Future exception was never retrieved", the same error again with its
+    spec dump) and their callbacks into orbax's closed event loop print "Exception ignored ...
+    Event loop is closed". Only those two, and the first only for this path, are dropped
+    (process-wide, since they arrive at any later time)."""
+    if not _ABANDONED_READ_DIRS:
+        logging.getLogger("asyncio").addFilter(_keep_unless_abandoned_read)
+        previous_hook = sys.unraisablehook
+
+        def hook(unraisable):
+            exc = unraisable.exc_value
+            if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+                previous_hook(unraisable)
+        sys.unraisablehook = hook
+    _ABANDONED_READ_DIRS.add(os.path.abspath(path))
+
+
+def _keep_unless_abandoned_read(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if not message.startswith("Future exception was never retrieved"):
+        return True
+    error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else ""
+    return not any(d in message or d in error for d in _ABANDONED_READ_DIRS)
+
+
 @contextlib.contextmanager
 def _without_ocdbt_merge_warning():
     """Orbax warns "Skipping merge of OCDBT checkpoints: No per-process OCDBT checkpoint subdirs
@@ -219,10 +260,9 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        msg = msg.split(" See full TensorStore")[0]  # the rest is a spec dump, not a reason
+        quiet_abandoned_reads(params_dir)
         raise CheckpointError(f"cannot restore {params_dir} (a damaged or incomplete checkpoint): "
-                              f"{msg[:300]}") from None
+                              f"{restore_error_reason(e)}") from None
     model = nnx.merge(graphdef, abstract_state)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, restored)

@@ -24,6 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from prove_jax.checkpoint import quiet_abandoned_reads, restore_error_reason
+
 
 class RunCheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
@@ -31,11 +33,6 @@ class RunCheckpointError(RuntimeError):
 
 class RunCheckpointMismatch(RunCheckpointError):
     """A readable checkpoint whose train state does not fit the current config."""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 def _key_name(key) -> str:
@@ -119,9 +116,10 @@ class RunCheckpoints:
             except RunCheckpointMismatch:
                 raise
             except Exception as e:  # orbax/tensorstore raise many types for a damaged folder
+                quiet_abandoned_reads(os.path.join(self.dir, str(step)))
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 self.log(f"warning: checkpoint step {step} in {self.dir} cannot be restored "
-                         f"({_first_line(e)}); "
+                         f"({restore_error_reason(e)}); "
                          + (f"falling back to step {older}" if older is not None
                             else "no older checkpoint to fall back to"))
                 self._move_aside(step)

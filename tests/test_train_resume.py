@@ -62,6 +62,7 @@ def test_resume_is_exact_and_corrupt_latest_falls_back(tmp_path):
     third = train(cfg, show_bar=False, log=messages.append)
     text = "\n".join(messages)
     assert "checkpoint step 8" in text and "falling back to step 4" in text, text
+    assert "tensorstore_spec" not in text and len(text) < 1000, text  # the reason, not a spec dump
     assert third.start_step == 4 and third.final_step == 8
     assert os.path.isdir(os.path.join(second.run_dir, "corrupt", "8"))
     _assert_same_params(_params(third.state), _params(full.state))
@@ -128,3 +129,28 @@ def test_a_diverged_state_is_never_checkpointed(tmp_path):
         train(cfg, show_bar=False)
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     assert not os.path.isdir(ckpt_dir) or os.listdir(ckpt_dir) == []
+
+
+def test_reads_abandoned_by_a_failed_restore_stay_quiet(monkeypatch):
+    """A failed orbax restore leaves tensorstore reads running; when they finish they log
+    asyncio's 'Future exception was never retrieved' (the same error with a spec dump) and
+    call into orbax's closed event loop ('Exception ignored ... Event loop is closed'), after
+    the one-line warning. Both are dropped for the failed path, and nothing else is."""
+    import logging
+    import sys
+    import types
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())
+    checkpoint.quiet_abandoned_reads("/runs/a/checkpoints/8")
+    for exc in (RuntimeError("Event loop is closed"), RuntimeError("something else")):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=exc, exc_type=RuntimeError))
+    assert [str(u.exc_value) for u in seen] == ["something else"]
+
+    def logged(error_text):
+        record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1,
+                                   "Future exception was never retrieved\nfuture: <Future>", (),
+                                   (ValueError, ValueError(error_text), None))
+        return logging.getLogger("asyncio").filter(record)
+    assert not logged('NOT_FOUND: ... at local file "/runs/a/checkpoints/8/state/" [tensorstore_spec=...]')
+    assert logged('NOT_FOUND: ... at local file "/runs/b/checkpoints/8/state/"')  # another path
