@@ -153,8 +153,11 @@ def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
         return []
     # split_special_tokens: a literal "<|endoftext|>" or "<|mask|>" in the data (code corpora,
     # this repository's own source) is text, not an EOS inside a document or a mask in MARS's
-    # clean stream; special ids come only from the chat template and the EOS we append
-    return list(tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    # clean stream; special ids come only from the chat template and the EOS we append.
+    # verbose=False: a whole file is one document, longer than the tokenizer's model_max_length,
+    # and transformers warns that it "will result in indexing errors"; we cut it into rows.
+    return list(tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
+                          verbose=False)["input_ids"])
 
 
 def _chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -168,6 +168,19 @@ def test_truncation_is_counted_and_warned(tok, caplog):
     assert rows.valid[0].all() and rows.loss_mask[0].sum() == 16 - len(_ids(tok, "def f(x):"))
 
 
+def test_a_document_longer_than_the_tokenizer_limit_is_cut_without_transformers_warning(capfd, caplog):
+    """A text file is one document, often longer than model_max_length; transformers warned it
+    'will result in indexing errors' though the pipeline cuts it into rows."""
+    short_limit = make_tokenizer(300)
+    short_limit.model_max_length = 64
+    with caplog.at_level(logging.WARNING):
+        it = make_dataset([{"text": "x = 1\n" * 200}], short_limit, max_length=16, block_size=4,
+                          global_batch_size=1, seed=0)
+    assert it.stats.sequences * 16 >= 1000  # all ~1000 tokens, in rows of 16
+    logged = caplog.text + capfd.readouterr().err
+    assert "indexing errors" not in logged, logged
+
+
 def test_bad_settings(tok):
     with pytest.raises(DataError, match="max_length 30 is not a multiple of block_size 4"):
         make_dataset(_pairs(4), tok, max_length=30, block_size=4, global_batch_size=2, seed=0)
