@@ -36,8 +36,15 @@ def create_model(cfg: ModelConfig, seed: int = 0, mesh=None,
 
 
 def dotted_path(path) -> str:
-    """'layers.0.attn.q_kernel' for a jax tree path (dict keys, nnx keys or sequence indices)."""
-    return ".".join(str(getattr(p, "key", p)) for p in path)
+    """'layers.0.attn.q_kernel' for a jax tree path: dict and nnx keys, namedtuple fields and
+    sequence indices alike ('opt_state.1.0.mu.embed'; orbax stores namedtuples as dicts, so a
+    field name is the common form)."""
+    def name(key) -> str:
+        for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+    return ".".join(name(k) for k in path)
 
 
 def flat_params(model_or_state) -> dict[str, jax.Array]:

@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from prove_jax.checkpoint import quiet_abandoned_reads, restore_error_reason
+from prove_jax.params import dotted_path
 
 
 class RunCheckpointError(RuntimeError):
@@ -35,18 +36,9 @@ class RunCheckpointMismatch(RunCheckpointError):
     """A readable checkpoint whose train state does not fit the current config."""
 
 
-def _key_name(key) -> str:
-    """One path entry as text: dict keys, namedtuple fields and tuple indices alike (orbax
-    stores namedtuples as dicts, so a field name is the common form)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def leaf_shapes(tree) -> dict[str, tuple]:
     """'opt_state.1.0.mu.embed' -> shape, for every array leaf of a tree or its orbax metadata."""
-    return {".".join(_key_name(k) for k in path): tuple(leaf.shape)
+    return {dotted_path(path): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
