@@ -52,9 +52,10 @@ def parse_args(argv=None):
                          "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
                          "is <= tau nats (entropy); default " +
                          ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
-    ap.add_argument("--confidence", default="prob", help=f"threshold: {', '.join(CONFIDENCE_KINDS)} (default prob)")
-    ap.add_argument("--commit-rule", default="top1", help=f"verify: {', '.join(COMMIT_RULES)}")
-    ap.add_argument("--tau-v", type=float, default=0.5, help="verify/prob: verifier probability to commit")
+    ap.add_argument("--confidence", default=None, help=f"threshold: {', '.join(CONFIDENCE_KINDS)} (default prob)")
+    ap.add_argument("--commit-rule", default=None, help=f"verify: {', '.join(COMMIT_RULES)} (default top1)")
+    ap.add_argument("--tau-v", type=float, default=None,
+                    help="verify/prob: verifier probability to commit (default 0.5)")
     ap.add_argument("--head-threshold", type=float, default=None,
                     help="verify/head: commit-head probability to commit (default: the head's own, "
                          "0.5); lower commits more tokens per forward, less often equal to AR")
@@ -62,25 +63,48 @@ def parse_args(argv=None):
                     help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
     ap.add_argument("--dtype", default="float32", choices=DTYPES,
-                    help="compute/param dtype (default float32; bfloat16 on TPU/GPU, where lossless "
-                         "can differ from AR at a near-tie)")
+                    help="compute/param dtype (default float32; bfloat16 halves weight reads on "
+                         "TPU/GPU, where lossless can then differ from AR at a near-tie)")
     ap.add_argument("--mesh", default=None,
                     help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: all devices on data)")
     return ap.parse_args(argv)
 
 
+# Options that only some modes read (and, for verify's, only some commit rules): given to any
+# other, they would be silently ignored, so the run would not be the one asked for.
+MODE_OPTIONS = {"block_size": ("threshold", "lossless", "verify"), "groups": ("lossless",),
+                "adaptive": ("lossless",), "calibrate": ("lossless",), "tau": ("threshold",),
+                "confidence": ("threshold",), "verifier": ("verify",), "commit_rule": ("verify",),
+                "tau_v": ("verify",), "head_threshold": ("verify",)}
+RULE_OPTIONS = {"tau_v": "prob", "head_threshold": "head"}
+
+
+def check_mode_options(args) -> None:
+    """Refuse an option the chosen mode (or commit rule) does not read, naming where it applies."""
+    for name, modes in MODE_OPTIONS.items():
+        value = getattr(args, name)
+        if value not in (None, False) and args.mode in MODES and args.mode not in modes:
+            what = "--calibrate chooses lossless layouts: use it" if name == "calibrate" else \
+                f"--{name.replace('_', '-')} applies"
+            raise DecodeError(f"{what} with --mode {' or '.join(modes)}, not --mode {args.mode}")
+    for name, rule in RULE_OPTIONS.items():
+        if getattr(args, name) is not None and args.mode == "verify" and (args.commit_rule or "top1") != rule:
+            raise DecodeError(f"--{name.replace('_', '-')} applies with --commit-rule {rule}, "
+                              f"not {args.commit_rule or 'top1'}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.calibrate and args.mode != "lossless":
-            raise DecodeError("--calibrate chooses lossless layouts: use it with --mode lossless")
+        check_mode_options(args)
         block = args.block_size if args.block_size is not None else (
             4 if args.mode == "lossless" and not args.calibrate else 8)  # 0 is an error, not "default"
+        given = {k: v for k, v in (("confidence", args.confidence), ("commit_rule", args.commit_rule),
+                                   ("tau_v", args.tau_v)) if v is not None}  # else DecodeOptions'
         options = DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                                 max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
-                                confidence=args.confidence, commit_rule=args.commit_rule,
-                                tau_v=args.tau_v, head_threshold=args.head_threshold,
-                                prefill_chunk=args.prefill_chunk).validate()
+                                head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
+                                **given).validate()
         if args.mode == "lossless" and args.dtype != "float32":
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "

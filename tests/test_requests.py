@@ -93,3 +93,41 @@ def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
     _, _, summary = run_requests(dec.with_options(DecodeOptions("lossless", 4, max_groups=2)),
                                  [[4, 5]], 8, 1, progress=False)
     assert summary["setting"] == "lossless K=4,G=2"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--mode", "ar", "--block-size", "4"], "--block-size applies with --mode threshold or lossless or verify, not --mode ar"),
+    (["--mode", "lossless", "--tau", "0.8"], "--tau applies with --mode threshold, not --mode lossless"),
+    (["--mode", "lossless", "--verifier", "v"], "--verifier applies with --mode verify, not --mode lossless"),
+    (["--mode", "ar", "--adaptive"], "--adaptive applies with --mode lossless, not --mode ar"),
+    (["--mode", "threshold", "--groups", "2"], "--groups applies with --mode lossless"),
+    (["--mode", "threshold", "--commit-rule", "head"], "--commit-rule applies with --mode verify"),
+    (["--mode", "verify", "--tau-v", "0.3"], "--tau-v applies with --commit-rule prob, not top1"),
+    (["--mode", "verify", "--commit-rule", "prob", "--head-threshold", "0.3"],
+     "--head-threshold applies with --commit-rule head, not prob"),
+])
+def test_an_option_the_mode_does_not_read_is_refused(tmp_path, capsys, monkeypatch, extra, message):
+    """They were accepted and ignored: `--mode lossless --tau 0.8` ran plain lossless."""
+    from infer import generate
+    loaded = []
+    monkeypatch.setattr(generate, "build_decoder", lambda *a, **k: loaded.append(a))
+    path = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
+    assert generate.main(["--input", path, "--output", str(tmp_path / "out.jsonl"), *extra]) == 2
+    assert message in capsys.readouterr().err and not loaded
+
+
+def test_options_of_the_mode_reach_the_decoder(tmp_path, monkeypatch):
+    from infer import generate
+    seen = []
+
+    def build(path, options, **kw):
+        seen.append(options)
+        raise DecodeError("stop before loading")
+    monkeypatch.setattr(generate, "build_decoder", build)
+    path = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
+    base = ["--input", path, "--output", str(tmp_path / "out.jsonl")]
+    generate.main(base + ["--mode", "verify", "--commit-rule", "prob", "--tau-v", "0.3"])
+    generate.main(base + ["--mode", "threshold", "--confidence", "entropy", "--tau", "1.5"])
+    generate.main(base + ["--mode", "verify"])
+    assert [(o.commit_rule, o.tau_v) for o in (seen[0], seen[2])] == [("prob", 0.3), ("top1", 0.5)]
+    assert (seen[1].confidence, seen[1].tau) == ("entropy", 1.5)
