@@ -135,4 +135,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from prove_jax.cli import run_cli
+    run_cli(main)

@@ -220,3 +220,27 @@ def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
     assert main(["--config", cfg_path]) == 130
     err = capsys.readouterr().err
     assert "interrupted; rerun the same command to resume" in err and "Traceback" not in err
+
+
+def test_a_real_ctrl_c_mid_run_exits_130_not_by_a_crash(tmp_path):
+    """SIGINT to a real training process while steps run on XLA's threads: the message, then
+    exit 130. The interpreter's teardown used to crash after the message (SIGSEGV, exit -11)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg_path = write_config(tmp_path, steps=2000, save_every=50)
+    proc = subprocess.Popen([sys.executable, "-m", "train.train", "--config", cfg_path, "--no-progress"],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONPATH": root})
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "compiled the train step" in line:
+            time.sleep(1.0)  # inside the step loop
+            proc.send_signal(signal.SIGINT)
+            break
+    err = "".join(seen) + proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err[-3000:]
+    assert "interrupted; rerun the same command to resume" in err and "Fatal Python error" not in err
