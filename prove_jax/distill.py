@@ -12,7 +12,7 @@ Trained on greedy text alone, the clean (AR) stream sharpens onto its own output
 gets worse (demo proposer: held-out perplexity 25.6 -> 80.1). `--mix-corpus-chars` appends real
 train-split text records to the file, which keeps the AR stream anchored while the mask stream
 still learns the greedy continuations. Four such rounds, each distilling the current proposer
-(lossless K=4: 1.44 -> 3.44 tokens per forward, held-out perplexity 25.6 -> 25.3); see the
+(lossless K=4: 1.44 -> 3.45 tokens per forward, held-out perplexity 25.6 -> 25.3); see the
 README's "Self-distillation" section.
 
     python -m prove_jax.distill --model CKPT --corpus CORPUS_DIR --out distill.jsonl \\

@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", required=True, help="checkpoint (repeatable)")
     ap.add_argument("--data", required=True, help="held-out text, folder or JSONL")
-    ap.add_argument("--max-length", type=int, default=256, help="tokens per row")
-    ap.add_argument("--max-rows", type=int, default=256, help="evaluate at most this many rows")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=256, help="tokens per row (default 256)")
+    ap.add_argument("--max-rows", type=int, default=256, help="evaluate at most this many rows (default 256)")
+    ap.add_argument("--batch-size", type=int, default=16, help="rows per forward (default 16)")
     args = ap.parse_args(argv)
 
     from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
