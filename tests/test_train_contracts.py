@@ -1,9 +1,10 @@
 """Training contracts the rest of the suite let through: each test was written against a
-plausible bug (a mutant of the code) that every other test passed, and fails on it. The
-oracles are the documented contracts, written out by hand: the warmup + cosine schedule of optim.py's docstring (METHOD.md: "cosine, warmup
-3%"), the clipped-AdamW update formula, MARS's loss = CE(masked) + ar_weight x CE(clean)
-(METHOD.md section 2), the commit head's "the verifier's state at D_i judges D_{i+1}", and the
-run directory's checkpoint contract (the final step is saved, `keep` newest are kept)."""
+plausible bug (a mutant of the code) that every other test passed, and fails on it. The oracles
+are the documented contracts, written out by hand: the warmup + cosine schedule of optim.py's
+docstring (METHOD.md: "cosine, warmup 3%"), the clipped-AdamW update formula, MARS's loss =
+CE(masked) + ar_weight x CE(clean) (METHOD.md section 2), the commit head's "the verifier's
+state at D_i judges D_{i+1}", and the run directory's checkpoint contract (the final step is
+saved, `keep` newest are kept)."""
 
 from __future__ import annotations
 
