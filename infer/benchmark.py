@@ -30,6 +30,7 @@ import tempfile
 
 from prove_jax import assets, bench_lib, humaneval
 from prove_jax.checkpoint import atomic_write_text
+from prove_jax.cli import INTERRUPTED
 from prove_jax.config import DTYPES, PRESETS
 
 DEFAULT_OUT = "benchmarks/decode"
@@ -240,11 +241,12 @@ def main(argv=None) -> int:
         if not args.peers:
             modes = [m for m in modes if m not in bench_lib.PEER_MODES]
         have_head = bench_lib.has_commit_head(args.verifier) and "verify" in modes
+        taus = _float_list(args.taus, "--taus")
         settings = bench_lib.sweep_settings(
-            modes, have_head, args.block_size, torch_threads, taus=_float_list(args.taus, "--taus"),
+            modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
             tau_vs=_float_list(args.tau_vs, "--tau-vs"))
-        if "threshold" in modes and not _float_list(args.taus, "--taus"):
+        if "threshold" in modes and not taus:
             raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
                                        "or drop the mode")
         peers_on = any(s.is_peer for s in settings)
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
         if partial_saved:
             print(f"the batch sizes measured before it are in {args.json + PARTIAL}, {args.md + PARTIAL}",
                   file=sys.stderr)
-        return 130 if stopped else 2
+        return INTERRUPTED if stopped else 2
     finally:
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)

@@ -87,10 +87,11 @@ def check_mode_options(args) -> None:
             what = "--calibrate chooses lossless layouts: use it" if name == "calibrate" else \
                 f"--{name.replace('_', '-')} applies"
             raise DecodeError(f"{what} with --mode {' or '.join(modes)}, not --mode {args.mode}")
+    chosen_rule = args.commit_rule or DecodeOptions.commit_rule  # the dataclass default
     for name, rule in RULE_OPTIONS.items():
-        if getattr(args, name) is not None and args.mode == "verify" and (args.commit_rule or "top1") != rule:
+        if getattr(args, name) is not None and args.mode == "verify" and chosen_rule != rule:
             raise DecodeError(f"--{name.replace('_', '-')} applies with --commit-rule {rule}, "
-                              f"not {args.commit_rule or 'top1'}")
+                              f"not {chosen_rule}")
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ newest checkpoint in its run_dir.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -69,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written atomically: the newest finished one stands
+        from prove_jax.cli import INTERRUPTED
+        from prove_jax.run_checkpoint import CHECKPOINT_DIR
         print("interrupted" + (f"; rerun the same command to resume from the newest checkpoint in "
-                               f"{cfg.run_dir}/checkpoints" if cfg is not None else ""), file=sys.stderr)
-        return 130
+                               f"{os.path.join(cfg.run_dir, CHECKPOINT_DIR)}" if cfg is not None else ""),
+              file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":
