@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from prove_jax import fieldtypes
+
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
@@ -44,29 +46,13 @@ def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
                           f"not supported: every layer here attends to the whole context")
 
 
-_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
-
-
 def _field_value(key: str, value: Any, annotation: str, where: str) -> Any:
-    """`value` as ModelConfig field `key` wants it (annotation 'int', 'float', 'int | None',
-    'tuple[int, ...]', ...), or a ConfigError naming the key. An integral float passes for an int
-    and an int for a float (JSON and YAML write either); a bool never passes for a number."""
-    kind = annotation.split(" ")[0]
-    if value is None and "None" in annotation:
-        return None
-    if kind == "int" and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if kind.startswith("tuple"):
-        if not isinstance(value, (list, tuple)) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise ConfigError(f"{where} {key} must be a list of ids, got {value!r}")
-        return tuple(value)
-    want = _SCALARS[kind]
-    if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{where} {key} must be {annotation}, got {value!r}")
-    return value
+    """`value` as ModelConfig field `key` holds it (the rule is `fieldtypes.conform`'s), or a
+    ConfigError naming the key."""
+    try:
+        return fieldtypes.conform(value, annotation)
+    except fieldtypes.AnnotationMismatch as e:
+        raise ConfigError(f"{where} {key} must be {e.wanted}, got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)

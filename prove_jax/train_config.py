@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from prove_jax import fieldtypes
+
 
 class TrainConfigError(ValueError):
     """A training configuration that cannot be used as written."""
@@ -133,7 +135,8 @@ def inline_model_config(config: dict):
     is ModelConfig.from_json_dict's, so a bad value fails at load and not inside the first
     forward."""
     from prove_jax.config import ConfigError, ModelConfig
-    numeric = {f.name for f in dataclasses.fields(ModelConfig) if f.type.split(" ")[0] in ("int", "float")}
+    numeric = {f.name for f in dataclasses.fields(ModelConfig)
+               if {"int", "float"} & set(fieldtypes.options(f.type))}
     d = {k: float(v) if k in numeric and isinstance(v, str) and _looks_float(v) else v
          for k, v in config.items()}
     try:
@@ -162,23 +165,18 @@ def _check_optimizer(opt: OptimizerConfig) -> None:
         raise bad("clip_norm", "a positive number or null (no clipping)")
 
 
-_TYPE_NAMES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict,
-               "list": list, "None": type(None)}
-
-
 def _check_types(obj, prefix: str = "") -> None:
-    """Every leaf value has its field's annotated type (`steps=abc` is an error, not a crash
-    deep inside training); an int passes for a float, a bool never passes for an int."""
+    """Every leaf value has its field's annotated type, by `fieldtypes.conform`'s rule (`steps=abc`
+    is an error, not a crash deep inside training); `2.0` steps is stored as 2."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if _nested_class(type(obj), f.name) is not None:
             _check_types(value, prefix + f.name + ".")
             continue
-        names = [t.strip() for t in f.type.split("|")]
-        allowed = tuple(_TYPE_NAMES[n] for n in names)
-        if (isinstance(value, bool) and "bool" not in names) or not isinstance(value, allowed):
-            want = " or ".join("null" if n == "None" else n for n in names)
-            raise TrainConfigError(f"{prefix}{f.name} must be {want}, got {value!r}")
+        try:
+            setattr(obj, f.name, fieldtypes.conform(value, f.type))
+        except fieldtypes.AnnotationMismatch as e:
+            raise TrainConfigError(f"{prefix}{f.name} must be {e.wanted}, got {value!r}") from None
 
 
 def _field_types(cls) -> dict[str, dataclasses.Field]:
@@ -213,7 +211,6 @@ def _build(cls, d: dict, prefix: str = ""):
     if not isinstance(d, dict):
         raise TrainConfigError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping")
     fields = _field_types(cls)
-    defaults = cls()
     kwargs = {}
     for key, value in d.items():
         if key not in fields:
@@ -228,7 +225,7 @@ def _build(cls, d: dict, prefix: str = ""):
             # the command line parses them
             if isinstance(value, str) and not fields[key].type.startswith("str") and _looks_float(value):
                 value = float(value)
-            kwargs[key] = _coerce(value, getattr(defaults, key), prefix + key)
+            kwargs[key] = _as_written(value, fields[key].type)
     return cls(**kwargs)
 
 
@@ -251,15 +248,11 @@ def _looks_float(s: str) -> bool:
         return False
 
 
-def _coerce(value, current, key):
-    """Match an override's type to the field's current value where that is unambiguous."""
-    if isinstance(current, bool) or value is None:
-        return value
-    if isinstance(current, float) and isinstance(value, int):
-        return float(value)
-    if isinstance(current, int) and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, (int, float)) and isinstance(current, str):
+def _as_written(value, annotation: str):
+    """A YAML number given to a string field (`run_dir: 2024`, `objective: 1`) as the text it
+    was; every other conversion is `fieldtypes.conform`'s, in `validate`."""
+    if "str" in fieldtypes.options(annotation) and isinstance(value, (int, float)) \
+            and not isinstance(value, bool):
         return str(value)
     return value
 
@@ -290,7 +283,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
                 setattr(obj, other, None)  # choosing a model source replaces the old one
         if _field_types(cls)[leaf].type.startswith("str") and text.strip() not in ("null", "None", "~"):
             value = text  # paths and names stay verbatim ("0123", "1e3", "a: b")
-        setattr(obj, leaf, _coerce(value, getattr(obj, leaf), key))
+        setattr(obj, leaf, _as_written(value, _field_types(cls)[leaf].type))
     return cfg
 
 

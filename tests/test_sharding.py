@@ -134,7 +134,7 @@ def test_damaged_checkpoint_config_and_metadata_are_named(tmp_path):
                           (lambda d: d.update(rope_theta="big"), "rope_theta must be float, got 'big'"),
                           (lambda d: d.update(tie_word_embeddings="no"),
                            "tie_word_embeddings must be bool, got 'no'"),
-                          (lambda d: d.update(pad_token_id=True), r"pad_token_id must be int \| None, got True")]:
+                          (lambda d: d.update(pad_token_id=True), "pad_token_id must be int or null, got True")]:
         shutil.copytree(tmp_path / "ok", tmp_path / "bad")
         path = tmp_path / "bad" / "config.json"
         d = json.loads(path.read_text())

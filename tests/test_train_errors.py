@@ -71,6 +71,33 @@ def test_values_of_the_wrong_type_are_named(tmp_path, capsys):
         load_config(write_config(tmp_path, "typed", global_batch_size=[4]))
 
 
+def test_both_config_kinds_read_a_value_by_the_same_rule(tmp_path):
+    """The training YAML and the model's config.json take the same value alike: an integral float
+    is an int, an int is a float, a bool is never a number, null only where the field allows it."""
+    from prove_jax.config import ConfigError, ModelConfig
+    from tests.train_helpers import TINY_MODEL
+    cfg_path = write_config(tmp_path)
+    cfg = load_config(cfg_path, ["steps=2.0", "optimizer.lr=1", "optimizer.grad_accum=1e0"])
+    assert (cfg.steps, cfg.optimizer.lr, cfg.optimizer.grad_accum) == (2, 1.0, 1)
+    assert [type(v) for v in (cfg.steps, cfg.optimizer.lr, cfg.optimizer.grad_accum)] == [int, float, int]
+    model = ModelConfig.from_json_dict(dict(TINY_MODEL, hidden_size=float(TINY_MODEL["hidden_size"]),
+                                            rope_theta=10000, eos_token_ids=[0]))
+    assert (type(model.hidden_size), type(model.rope_theta), model.eos_token_ids) == (int, float, (0,))
+    for train_override, model_key, value, wanted in [
+            ("steps=2.5", "hidden_size", 2.5, "int"),
+            ("steps=true", "hidden_size", True, "int"),
+            ("optimizer.lr=false", "rope_theta", False, "float"),
+            ("steps=null", "num_layers", None, "int"),
+            ("optimizer.clip_norm=big", "pad_token_id", "big", None)]:
+        with pytest.raises(TrainConfigError, match=r" must be (int|float)( or null)?, got "):
+            load_config(cfg_path, [train_override])
+        with pytest.raises(ConfigError) as e:
+            ModelConfig.from_json_dict(dict(TINY_MODEL, **{model_key: value}))
+        assert f"{model_key} must be {wanted or 'int or null'}, got {value!r}" in str(e.value)
+    with pytest.raises(ConfigError, match=r"eos_token_ids must be a list of ints, got \[True\]"):
+        ModelConfig.from_json_dict(dict(TINY_MODEL, eos_token_ids=[True]))
+
+
 def test_a_train_step_that_cannot_fit_is_refused_before_the_run_dir_is_written(tmp_path, capsys, monkeypatch):
     from prove_jax import memory
     monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
