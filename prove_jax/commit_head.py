@@ -16,9 +16,11 @@ with a `commit_head/` folder, used by `infer.generate --mode verify --commit-rul
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +179,54 @@ def load_commit_head(model_dir: str) -> CommitHead:
 
 # ---- training --------------------------------------------------------------------------------
 
+class HeadExamples(NamedTuple):
+    """One training batch for the head: the verifier's state at D_0..D_{K-2} (`hidden`
+    [B, K-1, D], `vlogits` [B, K-1, V]) judging the next tokens D_1..D_{K-1} (`nxt` [B, K-1]),
+    as decoding feeds it (decoding/steps.py); `labels` [B, K-1] (1 while D_1..D_{i+1} all match
+    the proposer's greedy AR); `used` [B]: the row had a context (see `sample_contexts`)."""
+    hidden: jax.Array
+    vlogits: jax.Array
+    nxt: jax.Array
+    labels: jax.Array
+    used: jax.Array
+
+
+def head_examples(proposer, verifier, ids, loss_mask, valid, key, *, context_len: int,
+                  block_size: int, mask_id: int) -> HeadExamples:
+    """A random context per data row, the proposer's block after it and the labels: what the head
+    learns from. Labels are free: they come from the frozen proposer itself."""
+    ctx, ctx_valid, used = sample_contexts(ids, loss_mask, valid, context_len, key)
+    block, labels = propose_and_label(proposer, ctx, block_size, mask_id, ctx_valid)
+    hidden, vlogits = verifier_inputs(verifier, ctx, block, ctx_valid)
+    return HeadExamples(hidden, vlogits, block[:, 1:], labels, used)
+
+
+def head_loss(head: CommitHead, ex: HeadExamples):
+    """Binary cross-entropy of the head's accept logits against the labels, over the rows with
+    a context. Returns (loss, accept logits [B, K-1])."""
+    logits = head(ex.hidden, ex.vlogits, ex.nxt)
+    weight = ex.used.astype(jnp.float32)[:, None] * jnp.ones_like(ex.labels)
+    bce = optax.sigmoid_binary_cross_entropy(logits, ex.labels)
+    return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0), logits
+
+
+def train_step(head, opt, proposer, verifier, ids, loss_mask, valid, key, *, context_len: int,
+               block_size: int, mask_id: int):
+    """One update of the head (proposer and verifier frozen). Returns (loss, exact-length
+    accuracy, mean AR-match length, mean predicted length), over the rows with a context."""
+    ex = head_examples(proposer, verifier, ids, loss_mask, valid, key, context_len=context_len,
+                       block_size=block_size, mask_id=mask_id)
+    (loss, logits), grads = nnx.value_and_grad(head_loss, has_aux=True)(head, ex)
+    opt.update(head, grads)
+    true_len = 1 + jnp.sum(ex.labels, axis=-1)
+    pred_len = predicted_length(jax.nn.sigmoid(logits) >= head.threshold)
+    rows = ex.used.astype(jnp.float32)
+
+    def mean(x):
+        return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+    return loss, mean(pred_len == true_len), mean(true_len), mean(pred_len)
+
+
 def _require_contexts(batch, context_len: int, step: int, cfg) -> None:
     """A batch without a single usable context would train on nothing (loss 0): say why."""
     from prove_jax.train_config import TrainConfigError
@@ -219,27 +269,8 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     opt = nnx.Optimizer(head, optax.adam(lr_schedule(cfg.optimizer, cfg.steps)), wrt=nnx.Param)
     base_key = jax.random.key(cfg.seed)
 
-    @nnx.jit
-    def step(head, opt, proposer, verifier, ids, loss_mask, valid, key):
-        ctx, ctx_valid, used = sample_contexts(ids, loss_mask, valid, context_len, key)
-        block, labels = propose_and_label(proposer, ctx, k, mask_id, ctx_valid)
-        h, vlogits = verifier_inputs(verifier, ctx, block, ctx_valid)
-        weight = used.astype(jnp.float32)[:, None] * jnp.ones_like(labels)
-
-        def loss_fn(head):
-            logits = head(h, vlogits, block[:, 1:])
-            bce = optax.sigmoid_binary_cross_entropy(logits, labels)
-            return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0), logits
-
-        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(head)
-        opt.update(head, grads)
-        true_len = 1 + jnp.sum(labels, axis=-1)
-        pred_len = predicted_length(jax.nn.sigmoid(logits) >= head.threshold)
-        rows = used.astype(jnp.float32)  # metrics over the rows that had a context
-
-        def mean(x):
-            return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
-        return loss, mean(pred_len == true_len), mean(true_len), mean(pred_len)
+    step = nnx.jit(functools.partial(train_step, context_len=context_len, block_size=k,
+                                     mask_id=mask_id))
 
     os.makedirs(cfg.run_dir, exist_ok=True)
     records = []

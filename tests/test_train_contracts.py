@@ -192,51 +192,55 @@ def test_predicted_length_is_one_plus_the_accepted_prefix():
     assert predicted_length(accept).tolist() == [3, 1, 5, 1]
 
 
-def test_commit_head_is_trained_on_the_token_each_state_judges(tmp_path, monkeypatch):
+def test_commit_head_is_trained_on_the_token_each_state_judges():
     """Decoding feeds the head (verifier state at D_i, next token D_{i+1}) = (hidden[:, :-1],
-    block[:, 1:]) (decoding/steps.py); training must show it the same pairs: the `nxt` the head
-    sees in a training step is the proposed block shifted by one."""
-    import json
+    block[:, 1:]) (decoding/steps.py); training must show it the same pairs, and learn from
+    those. Oracle: for each row's context (one full-length row, one left-padded), plain causal
+    forwards: the proposer's block after [context, MASK x (K-1)], the verifier's hidden state at
+    D_0..D_{K-2} of [context, D], and the proposer's greedy AR on [context, D] for the labels."""
     from prove_jax import commit_head as ch
-    from prove_jax.checkpoint import save_model
-    from prove_jax.train_config import load_config
-    from tests.tokenizers_fixture import make_tokenizer
-
-    tok = make_tokenizer(300)
-    tok.save_pretrained(str(tmp_path / "tok"))
-    save_model(str(tmp_path / "p"), params_lib.create_model(HEAD_CFG, seed=11), tokenizer_dir=str(tmp_path / "tok"))
+    from prove_jax.model import causal_mask, greedy_tokens
+    proposer = params_lib.create_model(HEAD_CFG, seed=11)
     verifier = params_lib.create_model(HEAD_CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
-    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f" return x * {i} + 1"}) + "\n"
-                            for i in range(4)))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(root, "configs", "tiny.yaml"), [
-        f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={data}",
-        "objective=commit_head", "max_length=16", "block_size=4", "global_batch_size=2", "steps=1",
-        "log_every=1", f"run_dir={tmp_path / 'run'}", "tokenizer.bpe_vocab_size=null",
-        f"tokenizer.path={tmp_path / 'tok'}"])
+    k, context_len, mask_id = 4, 8, HEAD_CFG.mask_token_id
+    rng = np.random.default_rng(5)
+    ids = jnp.asarray(rng.integers(5, 290, size=(2, 12)), jnp.int32)
+    loss_mask = jnp.asarray(np.arange(12)[None] >= np.array([[8], [3]]))  # cuts: 8 (full), 3..8
+    valid = jnp.ones((2, 12), bool)
+    key = jax.random.key(4)
+    kw = dict(context_len=context_len, block_size=k, mask_id=mask_id)
+    ex = nnx.jit(lambda p, v, *a: ch.head_examples(p, v, *a, **kw))(proposer, verifier, ids, loss_mask, valid, key)
+    ctx, ctx_valid, used = ch.sample_contexts(ids, loss_mask, valid, context_len, key)
+    assert np.asarray(used).all()
 
-    seen: dict[str, list] = {"block": [], "nxt": []}
-    real_propose, real_call = ch.propose_and_label, ch.CommitHead.__call__
+    def plain(model, tokens):
+        n = len(tokens)
+        x = jnp.asarray(tokens, jnp.int32)[None]
+        hidden, _ = model.hidden_states(x, jnp.arange(n)[None], causal_mask(1, n))
+        return hidden[0], model.logits(hidden)[0]
 
-    def propose(*args, **kwargs):
-        block, labels = real_propose(*args, **kwargs)
-        jax.debug.callback(lambda b: seen["block"].append(np.asarray(b)), block)
-        return block, labels
+    for row in range(2):
+        context = [int(t) for t, ok in zip(np.asarray(ctx[row]), np.asarray(ctx_valid[row])) if ok]
+        c = len(context)
+        _, logits = plain(proposer, context + [mask_id] * (k - 1))
+        block = [int(t) for t in greedy_tokens(logits[c - 1:])]
+        np.testing.assert_array_equal(np.asarray(ex.nxt[row]), block[1:],
+                                      err_msg="the head must judge D_1..D_{K-1}, the block shifted by one")
+        hidden, _ = plain(verifier, context + block)
+        np.testing.assert_allclose(np.asarray(ex.hidden[row]), np.asarray(hidden[c: c + k - 1]),
+                                   atol=1e-5, err_msg="the verifier state judging D_{i+1} is the one at D_i")
+        _, ar_logits = plain(proposer, context + block)
+        match = np.asarray(greedy_tokens(ar_logits[c: c + k - 1])) == np.asarray(block[1:])
+        np.testing.assert_array_equal(np.asarray(ex.labels[row]), np.cumprod(match))
 
-    def call(self, hidden, vlogits, nxt):
-        jax.debug.callback(lambda n: seen["nxt"].append(np.asarray(n)), nxt)
-        return real_call(self, hidden, vlogits, nxt)
-
-    monkeypatch.setattr(ch, "propose_and_label", propose)
-    monkeypatch.setattr(ch.CommitHead, "__call__", call)
-    ch.train_commit_head(cfg, show_bar=False)
-    assert len(seen["block"]) == 1 and len(seen["nxt"]) >= 1
-    block = seen["block"][0]
-    assert block.shape == (2, 4) and (block[:, 1:] != block[:, :-1]).any()  # a shift is visible
-    for nxt in seen["nxt"]:
-        np.testing.assert_array_equal(nxt, block[:, 1:])
+    # and the loss is the head's BCE on exactly those pairs
+    head = ch.CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
+    loss, logits = ch.head_loss(head, ex)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(head(ex.hidden, ex.vlogits, ex.nxt)), atol=1e-6)
+    p = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
+    y = np.asarray(ex.labels, np.float64)
+    bce = -(y * np.log(p) + (1 - y) * np.log(1 - p))
+    np.testing.assert_allclose(float(loss), bce.mean(), rtol=1e-5)
 
 
 def test_a_context_may_end_at_any_trained_position_from_1_to_context_len():
