@@ -223,7 +223,7 @@ def _build(cls, d: dict, prefix: str = ""):
         else:
             # YAML 1.1 reads `1e-4` (no dot) as a string: numbers for non-string fields, as
             # the command line parses them
-            if isinstance(value, str) and not fields[key].type.startswith("str") and _looks_float(value):
+            if isinstance(value, str) and not _is_text(fields[key].type) and _looks_float(value):
                 value = float(value)
             kwargs[key] = _as_written(value, fields[key].type)
     return cls(**kwargs)
@@ -248,11 +248,15 @@ def _looks_float(s: str) -> bool:
         return False
 
 
+def _is_text(annotation: str) -> bool:
+    """A string field ('str', 'str | None'): its values are paths and names, kept as written."""
+    return "str" in fieldtypes.options(annotation)
+
+
 def _as_written(value, annotation: str):
     """A YAML number given to a string field (`run_dir: 2024`, `objective: 1`) as the text it
     was; every other conversion is `fieldtypes.conform`'s, in `validate`."""
-    if "str" in fieldtypes.options(annotation) and isinstance(value, (int, float)) \
-            and not isinstance(value, bool):
+    if _is_text(annotation) and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     return value
 
@@ -281,7 +285,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         if cls is ModelSource and leaf in ("hf_dir", "checkpoint", "preset", "config") and value is not None:
             for other in ("hf_dir", "checkpoint", "preset", "config"):
                 setattr(obj, other, None)  # choosing a model source replaces the old one
-        if _field_types(cls)[leaf].type.startswith("str") and text.strip() not in ("null", "None", "~"):
+        if _is_text(_field_types(cls)[leaf].type) and text.strip() not in ("null", "None", "~"):
             value = text  # paths and names stay verbatim ("0123", "1e3", "a: b")
         setattr(obj, leaf, _as_written(value, _field_types(cls)[leaf].type))
     return cfg
