@@ -135,10 +135,8 @@ def inline_model_config(config: dict):
     is ModelConfig.from_json_dict's, so a bad value fails at load and not inside the first
     forward."""
     from prove_jax.config import ConfigError, ModelConfig
-    numeric = {f.name for f in dataclasses.fields(ModelConfig)
-               if {"int", "float"} & set(fieldtypes.options(f.type))}
-    d = {k: float(v) if k in numeric and isinstance(v, str) and _looks_float(v) else v
-         for k, v in config.items()}
+    annotations = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    d = {k: _yaml_number(v, annotations[k]) if k in annotations else v for k, v in config.items()}
     try:
         return ModelConfig.from_json_dict(d, where="model.config")
     except ConfigError as e:
@@ -221,31 +219,29 @@ def _build(cls, d: dict, prefix: str = ""):
                 value = {"path": value}  # `tokenizer: DIR` shorthand
             kwargs[key] = _build(sub, value or {}, prefix + key + ".")
         else:
-            # YAML 1.1 reads `1e-4` (no dot) as a string: numbers for non-string fields, as
-            # the command line parses them
-            if isinstance(value, str) and not _is_text(fields[key].type) and _looks_float(value):
-                value = float(value)
-            kwargs[key] = _as_written(value, fields[key].type)
+            kwargs[key] = _as_written(_yaml_number(value, fields[key].type), fields[key].type)
     return cls(**kwargs)
 
 
 def _parse_value(text: str) -> Any:
-    """YAML scalar parsing: 10 -> int, 1e-4 -> float, null -> None, [1,2] -> list."""
+    """A command-line value as YAML reads it: 10 -> int, null -> None, [1,2] -> list; text
+    that is not YAML stays text. (`1e-4` is still a string here: see `_yaml_number`.)"""
     try:
-        value = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, str) and _looks_float(value):
-        return float(value)
-    return value
 
 
-def _looks_float(s: str) -> bool:
+def _yaml_number(value, annotation: str):
+    """YAML 1.1 reads `1e-4` and `1e6` (no dot) as strings. For a field that takes a number,
+    such a string is that number, in the YAML file, `model.config` and the command line alike;
+    every other value is left to the field's type check."""
+    if not isinstance(value, str) or not {"int", "float"} & set(fieldtypes.options(annotation)):
+        return value
     try:
-        float(s)
-        return True
+        return float(value)
     except ValueError:
-        return False
+        return value
 
 
 def _is_text(annotation: str) -> bool:
@@ -285,9 +281,10 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         if cls is ModelSource and leaf in ("hf_dir", "checkpoint", "preset", "config") and value is not None:
             for other in ("hf_dir", "checkpoint", "preset", "config"):
                 setattr(obj, other, None)  # choosing a model source replaces the old one
-        if _is_text(_field_types(cls)[leaf].type) and text.strip() not in ("null", "None", "~"):
+        annotation = _field_types(cls)[leaf].type
+        if _is_text(annotation) and text.strip() not in ("null", "None", "~"):
             value = text  # paths and names stay verbatim ("0123", "1e3", "a: b")
-        setattr(obj, leaf, _as_written(value, _field_types(cls)[leaf].type))
+        setattr(obj, leaf, _as_written(_yaml_number(value, annotation), annotation))
     return cfg
 
 

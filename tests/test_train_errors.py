@@ -213,6 +213,12 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     cfg_path.write_text(text.replace("lr: 1e-4", "lr: fast"))
     with pytest.raises(TrainConfigError, match="optimizer.lr must be float, got 'fast'"):
         load_config(str(cfg_path))
+    # only fields that take numbers read such text as a number: a bool field is told what was written
+    with pytest.raises(TrainConfigError, match="model.remat must be bool, got '1e3'"):
+        load_config(str(cfg_path), ["model.remat=1e3"])
+    cfg_path.write_text(text + "mesh: 1e3\n")
+    with pytest.raises(TrainConfigError, match="mesh must be list, got '1e3'"):
+        load_config(str(cfg_path))
     # the inline model config too (PyYAML hands it '1e6'), and a bad value is named before any run
     from prove_jax.trainer import source_model_config
     from tests.train_helpers import TINY_MODEL
