@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from prove_jax import checkpoint, cli, memory, params as params_lib, sharding
+from prove_jax import checkpoint, memory, params as params_lib, sharding
 from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
@@ -458,8 +458,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bo
         with jax.set_mesh(mesh):
             from prove_jax import data as data_lib
             for step in range(start, end):
-                if cli.interrupt_pending():  # a Ctrl-C whose KeyboardInterrupt got lost
-                    raise KeyboardInterrupt
                 batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
                 state, metrics = step_fn(state, batch)
                 done = step + 1
