@@ -269,10 +269,13 @@ def test_a_real_ctrl_c_mid_run_exits_130_not_by_a_crash(tmp_path):
     import time
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg_path = write_config(tmp_path, steps=2000, save_every=50)
-    proc = subprocess.Popen([sys.executable, "-m", "train.train", "--config", cfg_path, "--no-progress"],
+    # SIGINT back to its default, then exec the run in the same process (a preexec_fn would
+    # fork this multithreaded JAX process)
+    default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.executable, [sys.executable, '-m', 'train.train'] + sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", default_sigint, "--config", cfg_path, "--no-progress"],
                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": root},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env=os.environ | {"PYTHONPATH": root})
     seen = []
     for line in proc.stderr:
         seen.append(line)
