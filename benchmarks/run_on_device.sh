@@ -48,6 +48,12 @@ else
 fi
 
 stage env 60 $PY -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
+# flax <= 0.12.9 fails on import with jax 0.11 (README "Versions"): stop before any stage spends
+# device time on the same traceback
+if ! $PY -c "from flax import nnx" > "$OUT/flax_import.log" 2>&1; then
+    echo "flax.nnx does not import with this jax ($OUT/flax_import.log: $(tail -n 1 "$OUT/flax_import.log")); with jax 0.11 use flax >= 0.12.10" | tee -a "$OUT/stages.txt"
+    exit 1
+fi
 stage step_cost 200 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$OUT"
 stage decode 220 $PY -m infer.benchmark "${DECODE[@]}" --modes ar,threshold,lossless --taus 0.8 \
     --no-adaptive --no-peers --json "$OUT/decode.json" --md "$OUT/decode.md" --png none
