@@ -219,7 +219,7 @@ def _build(cls, d: dict, prefix: str = ""):
                 value = {"path": value}  # `tokenizer: DIR` shorthand
             kwargs[key] = _build(sub, value or {}, prefix + key + ".")
         else:
-            kwargs[key] = _as_written(_yaml_number(value, fields[key].type), fields[key].type)
+            kwargs[key] = _as_field(value, fields[key].type)
     return cls(**kwargs)
 
 
@@ -249,9 +249,12 @@ def _is_text(annotation: str) -> bool:
     return "str" in fieldtypes.options(annotation)
 
 
-def _as_written(value, annotation: str):
-    """A YAML number given to a string field (`run_dir: 2024`, `objective: 1`) as the text it
-    was; every other conversion is `fieldtypes.conform`'s, in `validate`."""
+def _as_field(value, annotation: str):
+    """A YAML value as its field reads it: a YAML number given to a string field (`run_dir:
+    2024`, `objective: 1`) is the text it was, and dotless number text given to a number field
+    is that number (`_yaml_number`); every other conversion is `fieldtypes.conform`'s, in
+    `validate`."""
+    value = _yaml_number(value, annotation)
     if _is_text(annotation) and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     return value
@@ -284,7 +287,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         annotation = _field_types(cls)[leaf].type
         if _is_text(annotation) and text.strip() not in ("null", "None", "~"):
             value = text  # paths and names stay verbatim ("0123", "1e3", "a: b")
-        setattr(obj, leaf, _as_written(_yaml_number(value, annotation), annotation))
+        setattr(obj, leaf, _as_field(value, annotation))
     return cfg
 
 
