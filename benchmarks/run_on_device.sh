@@ -32,6 +32,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.l
     rc=$?
     echo "$name: rc=$rc, $(( $(date +%s) - start )) s (limit $limit s)" | tee -a "$OUT/stages.txt"
     tail -n 3 "$OUT/$name.log"
+    return $rc
 }
 
 if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
@@ -47,11 +48,10 @@ else
     BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,16 --repeats 1 --lossless-blocks 4x2,8x2,8x8)
 fi
 
-stage env 60 $PY -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
-# flax <= 0.12.9 fails on import with jax 0.11 (README "Versions"): stop before any stage spends
-# device time on the same traceback
-if ! $PY -c "from flax import nnx" > "$OUT/flax_import.log" 2>&1; then
-    echo "flax.nnx does not import with this jax ($OUT/flax_import.log: $(tail -n 1 "$OUT/flax_import.log")); with jax 0.11 use flax >= 0.12.10" | tee -a "$OUT/stages.txt"
+# flax <= 0.12.9 fails on import with jax 0.11 (README "Versions"): stop here rather than spend
+# every stage's device time on the same traceback
+if ! stage env 60 $PY -c "import jax, flax, transformers; from flax import nnx; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"; then
+    echo "the stack does not import ($OUT/env.log); with jax 0.11 flax must be >= 0.12.10" | tee -a "$OUT/stages.txt"
     exit 1
 fi
 stage step_cost 200 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$OUT"
