@@ -3,6 +3,10 @@
 Input records: {"id", "prompt"} (text; needs the checkpoint's tokenizer) or {"id", "prompt_ids"}.
 Output records: {"id", "output_ids", "text", "stats"}; a one-line summary goes to stderr.
 Without --model / --verifier the shipped demo proposer / verifier are used.
+
+Multi-host (a TPU pod slice, or GPU hosts with --coordinator ...): run the same command on
+every host; the mesh spans all hosts' devices, every host reads the same input, and process 0
+alone prints progress and writes --output.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import argparse
 import json
 import sys
 
-from prove_jax import assets
+import jax
+
+from prove_jax import assets, distributed
 from prove_jax.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
@@ -66,7 +72,9 @@ def parse_args(argv=None):
                     help="compute/param dtype (default float32; bfloat16 halves weight reads on "
                          "TPU/GPU, where lossless can then differ from AR at a near-tie)")
     ap.add_argument("--mesh", default=None,
-                    help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: all devices on data)")
+                    help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: all devices on data; "
+                         "multi-host: every host's devices)")
+    distributed.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -106,7 +114,13 @@ def main(argv=None) -> int:
                                 max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                                 head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
                                 **given).validate()
-        if args.mode == "lossless" and args.dtype != "float32":
+        distributed.initialize_from_args(args)  # before anything touches a device
+        if args.calibrate and jax.process_count() > 1:
+            raise DecodeError("--calibrate times this host's devices, so on several hosts each "
+                              "would choose its own layout and their programs would differ; "
+                              "give --block-size/--groups (or --adaptive) instead")
+        main_process = distributed.is_main_process()
+        if args.mode == "lossless" and args.dtype != "float32" and main_process:
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "
                   f"(benchmarks/decode_bf16.md)", file=sys.stderr)
@@ -122,12 +136,15 @@ def main(argv=None) -> int:
             calibrate_decoder(decoder, prompts, args.batch_size, args.max_new_tokens,
                               log=lambda msg: print(msg, file=sys.stderr, flush=True),
                               num_requests=min(len(prompts), QUEUE_BATCHES * args.batch_size))
-        outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size, ids=ids)
-        write_outputs(args.output, records, outputs, stats, tokenizer)
+        outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size,
+                                               ids=ids, progress=main_process)
+        if main_process:
+            write_outputs(args.output, records, outputs, stats, tokenizer)
     except (ValueError, OSError) as e:  # every project error is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary), file=sys.stderr)
+    if main_process:
+        print(json.dumps(summary), file=sys.stderr)
     return 0
 
 

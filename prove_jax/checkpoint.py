@@ -165,6 +165,17 @@ def restore_error_reason(e: BaseException) -> str:
     return reason[:300]
 
 
+def restore_failure(path: str, e: BaseException, what: str = "a damaged or incomplete checkpoint") -> str:
+    """The error for a restore of `path` that raised `e`. On several hosts a restore is a
+    collective read: when another host failed before it (a missing file there, say), this one
+    times out waiting for it, which says nothing about this checkpoint."""
+    reason = restore_error_reason(e)
+    if jax.process_count() > 1 and "DEADLINE_EXCEEDED" in reason:
+        return (f"cannot restore {path}: the other hosts did not join the read in time (a host "
+                f"that failed first says why in its own log): {reason}")
+    return f"cannot restore {path} ({what}): {reason}"
+
+
 _ABANDONED_READ_DIRS: set[str] = set()
 
 
@@ -261,8 +272,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
             restored = ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
         quiet_abandoned_reads(params_dir)
-        raise CheckpointError(f"cannot restore {params_dir} (a damaged or incomplete checkpoint): "
-                              f"{restore_error_reason(e)}") from None
+        raise CheckpointError(restore_failure(params_dir, e)) from None
     model = nnx.merge(graphdef, abstract_state)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, restored)

@@ -151,7 +151,9 @@ def save_commit_head(model_dir: str, head: CommitHead) -> str:
     return path
 
 
-def load_commit_head(model_dir: str) -> CommitHead:
+def load_commit_head(model_dir: str, mesh=None) -> CommitHead:
+    """The commit head saved beside a verifier; with a mesh, replicated on all its devices
+    (which may be other hosts': the restore must be told, or orbax refuses the topology)."""
     from prove_jax.checkpoint import CheckpointError
     path = os.path.join(model_dir, HEAD_DIR)
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -166,12 +168,16 @@ def load_commit_head(model_dir: str) -> CommitHead:
         what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) else str(e).splitlines()[0][:200]
         raise CheckpointError(f"bad commit head config {path}/config.json: {what}") from None
     state = nnx.state(head, nnx.Param)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+             else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                          nnx.to_pure_dict(state))
     try:
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
     except Exception as e:  # orbax raises many types
-        raise CheckpointError(f"cannot restore commit head {path}: {str(e).splitlines()[0][:200]}") from None
+        from prove_jax.checkpoint import restore_failure
+        raise CheckpointError(restore_failure(f"commit head {path}", e, what="damaged or incomplete")) from None
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(head, state)
     return head

@@ -7,11 +7,13 @@ address, process count and process id are given explicitly.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import jax
 
-class DistributedError(RuntimeError):
+
+class DistributedError(ValueError):
     """Inconsistent multi-host launch arguments."""
 
 
@@ -48,6 +50,22 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.distributed.initialize(**kwargs)
         return True
     return False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The multi-host launch options of every command that runs on a pod (train, generate)."""
+    parser.add_argument("--coordinator", default=None,
+                        help="multi-host: coordinator address HOST:PORT (process 0 listens there)")
+    parser.add_argument("--num-processes", type=int, default=None, help="multi-host: total process count")
+    parser.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    parser.add_argument("--heartbeat-timeout", type=int, default=None,
+                        help="multi-host: seconds before a silent peer is declared dead (JAX default 100)")
+
+
+def initialize_from_args(args: argparse.Namespace) -> bool:
+    """`initialize` with the options of `add_arguments`."""
+    return initialize(args.coordinator, args.num_processes, args.process_id,
+                      heartbeat_timeout_s=args.heartbeat_timeout)
 
 
 def is_main_process() -> bool:

@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from prove_jax import distributed
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.train", description=__doc__.split("\n\n")[0])
@@ -26,12 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chip", default=None,
                    help="target chip for --dry-run (v5p, v5e, v4, v6e, H100, H200); "
                         "default: the config's target_chip")
-    p.add_argument("--coordinator", default=None,
-                   help="multi-host: coordinator address HOST:PORT (process 0 listens there)")
-    p.add_argument("--num-processes", type=int, default=None, help="multi-host: total process count")
-    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
-    p.add_argument("--heartbeat-timeout", type=int, default=None,
-                   help="multi-host: seconds before a silent peer is declared dead (JAX default 100)")
+    distributed.add_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     return p
 
@@ -53,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             report = dry_run(cfg, chip=args.chip)
             print(report.describe())
             return 0
-        from prove_jax import distributed
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               heartbeat_timeout_s=args.heartbeat_timeout)
+        distributed.initialize_from_args(args)
         if cfg.objective == "commit_head":
             from prove_jax.commit_head import train_commit_head
             train_commit_head(cfg, show_bar=not args.no_progress)

@@ -387,7 +387,12 @@ class Decoder:
             return (qs.tokens, qs.length, qs.forwards, qs.verifier_forwards, qs.accept_hist,
                     qs.step_commits, st.step)
 
-        return jax.jit(run)
+        if self.mesh is None:
+            return jax.jit(run)
+        # Outputs (token ids and counters, a few KB) replicated, so that every process of a
+        # multi-host mesh can read all of them (np.asarray fails on an array with shards on
+        # another host). Sharding propagation chose that too where checked; this makes it sure.
+        return jax.jit(run, out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _compiled_for(self, options, b, q, p, n_slots, args):
         key = (options, b, q, p, n_slots)

@@ -42,7 +42,7 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
         verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
         if options.commit_rule == "head":
             from prove_jax.commit_head import load_commit_head
-            head = load_commit_head(verifier_path)
+            head = load_commit_head(verifier_path, mesh=mesh)
     tokenizer = load_tokenizer(model_path)
     cfg = model.cfg
     eos = list(cfg.eos_token_ids)

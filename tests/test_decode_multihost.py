@@ -1,0 +1,136 @@
+"""Multi-host decoding: `infer.generate` run as two processes on loopback, 4 simulated CPU
+devices each, one mesh over all 8 (as on a pod slice, the same command on every host).
+
+The outputs must equal greedy AR computed here in one process, token for token; only process 0
+writes the output file and prints progress and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from prove_jax import assets
+from prove_jax.checkpoint import save_model
+from prove_jax.config import ModelConfig
+from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding.loading import build_decoder
+from prove_jax.params import create_model
+from tests.test_train_multihost import _free_port
+from tests.xla_flags import xla_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
+
+
+def _run_two_hosts(name: str, args: list[str], host_args=((), ()), check: bool = True
+                   ) -> list[subprocess.CompletedProcess]:
+    """`python -m infer.generate ARGS` as processes 0 and 1 of one job (plus `host_args[i]`)."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    port = _free_port()
+    procs = [subprocess.Popen(["timeout", "300", sys.executable, "-m", "infer.generate", *args, *host_args[i],
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                               "--process-id", str(i), "--heartbeat-timeout", "20"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    done = []
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=330)
+        assert p.returncode == 0 or not check, f"{name}, process {i}:\n{err[-3000:]}"
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _summary_lines(stderr: str) -> list[dict]:
+    return [json.loads(x) for x in stderr.splitlines() if x.startswith("{")]
+
+
+def test_two_hosts_decode_like_one(tmp_path):
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(2, 90, n).tolist() for n in (3, 9, 1, 14, 6, 11, 2, 8, 5, 13)]
+    model = create_model(CFG, seed=3)
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, model)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 24).output_ids
+
+    # the batch over 4 data shards on two hosts, the model split over 2 tensor shards; 10
+    # requests queue for 4 rows, so rows are refilled mid-loop on both hosts alike
+    hosts = _run_two_hosts("lossless", [
+        "--model", ckpt, "--mode", "lossless", "--block-size", "4", "--groups", "2", "--mesh", "4,1,2",
+        "--batch-size", "4", "--max-new-tokens", "24", "--input", str(inp), "--output", str(out)])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(10)]
+    assert [r["output_ids"] for r in rows] == ar
+    assert [s["generated_tokens"] for s in _summary_lines(hosts[0].stderr)] == [sum(map(len, ar))]
+    assert "requests]" in hosts[0].stderr  # progress
+    assert _summary_lines(hosts[1].stderr) == [] and "requests]" not in hosts[1].stderr
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("out.jsonl") and f != "out.jsonl"]
+
+
+def test_two_hosts_verify_with_the_commit_head(tmp_path):
+    """The shipped pair: proposer, verifier and the verifier's commit head (replicated from one
+    host's memory onto every device of the mesh) on all 8 devices of the two hosts."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    texts = ["def add(a, b):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def push(self, x):\n"]
+    inp.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    options = DecodeOptions("verify", 8, commit_rule="head")
+    here, tok = build_decoder(assets.DEMO_PROPOSER, options, verifier_path=assets.DEMO_VERIFIER,
+                              mesh_shape="1,1,1")
+    ref = here.generate([tok.encode(t, add_special_tokens=False) for t in texts], 32).output_ids
+    hosts = _run_two_hosts("verify", [
+        "--mode", "verify", "--commit-rule", "head", "--batch-size", "3", "--max-new-tokens", "32",
+        "--input", str(inp), "--output", str(out)])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["output_ids"] for r in rows] == ref
+    assert all(r["stats"]["verifier_forwards"] > 0 for r in rows)
+    assert _summary_lines(hosts[1].stderr) == []
+
+
+def test_calibrate_is_refused_on_several_hosts(tmp_path, monkeypatch, capsys):
+    """Each host would time its own devices and could pick another layout: programs that differ
+    across hosts deadlock. Refused before any model loads, with what to give instead."""
+    import jax
+
+    from infer import generate
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4]}) + "\n")
+    code = generate.main(["--mode", "lossless", "--calibrate", "--input", str(inp),
+                          "--output", str(tmp_path / "out.jsonl")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--calibrate times this host's devices" in err and "--block-size" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_host_that_fails_stops_the_job_and_the_other_says_so(tmp_path):
+    """Host 1 lacks the checkpoint (a local disk that was not synced): it names the missing
+    checkpoint; host 0, left waiting in the collective read, gives up and says another host
+    failed rather than calling its own checkpoint damaged. Neither writes the output."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
+    hosts = _run_two_hosts("a host fails", ["--max-new-tokens", "4", "--input", str(inp), "--output", str(out)],
+                           host_args=(("--model", assets.DEMO_PROPOSER), ("--model", str(tmp_path / "gone"))),
+                           check=False)
+    assert [h.returncode for h in hosts] == [2, 2], [h.stderr[-2000:] for h in hosts]
+    assert f"error: model checkpoint not found: {tmp_path / 'gone'}" in hosts[1].stderr
+    assert "the other hosts did not join the read in time" in hosts[0].stderr
+    assert "damaged" not in hosts[0].stderr and not out.exists()
+
+
+def test_restore_failure_blames_a_timeout_on_several_hosts_on_the_other_hosts(monkeypatch):
+    import jax
+
+    from prove_jax.checkpoint import restore_failure
+    timeout = RuntimeError("UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out")
+    assert "(a damaged or incomplete checkpoint): UNKNOWN" in restore_failure("/ckpt/params", timeout)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert "the other hosts did not join the read" in restore_failure("/ckpt/params", timeout)
+    assert "damaged" in restore_failure("/ckpt/params", RuntimeError("NOT_FOUND: chunk 0.0 missing"))
