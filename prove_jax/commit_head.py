@@ -16,6 +16,7 @@ with a `commit_head/` folder, used by `infer.generate --mode verify --commit-rul
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -140,14 +141,30 @@ def predicted_length(accept) -> jax.Array:
 # ---- save / load -----------------------------------------------------------------------------
 
 def save_commit_head(model_dir: str, head: CommitHead) -> str:
-    from prove_jax.checkpoint import atomic_dir
+    """MODEL_DIR/commit_head: params (orbax) and config.json. One process: written in a temp
+    dir and renamed into place. Several: every host joins orbax's save (itself atomic: a temp
+    folder the primary host finalises), then host 0 writes the config, which `load_commit_head`
+    looks for first, so a save cut short reads as no head."""
+    from prove_jax.checkpoint import atomic_dir, atomic_write_text
     path = os.path.join(model_dir, HEAD_DIR)
-    with atomic_dir(path) as tmp:
-        with ocp.StandardCheckpointer() as ckptr:  # closing waits for the write to finish
-            ckptr.save(os.path.join(tmp, "params"), nnx.to_pure_dict(nnx.state(head, nnx.Param)))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({"hidden_size": head.hidden_size, "width": head.width,
-                       "threshold": head.threshold}, f)
+    params = nnx.to_pure_dict(nnx.state(head, nnx.Param))
+    meta = json.dumps({"hidden_size": head.hidden_size, "width": head.width, "threshold": head.threshold})
+    if jax.process_count() == 1:
+        with atomic_dir(path) as tmp:
+            with ocp.StandardCheckpointer() as ckptr:  # closing waits for the write to finish
+                ckptr.save(os.path.join(tmp, "params"), params)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                f.write(meta)
+        return path
+    from jax.experimental import multihost_utils
+    if jax.process_index() == 0 and os.path.exists(os.path.join(path, "config.json")):
+        os.remove(os.path.join(path, "config.json"))  # an older head's: no longer its params
+    multihost_utils.sync_global_devices("commit_head_unmarked")
+    with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's part
+        ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
+    if jax.process_index() == 0:
+        atomic_write_text(os.path.join(path, "config.json"), meta)
+    multihost_utils.sync_global_devices("commit_head_saved")
     return path
 
 
@@ -233,31 +250,42 @@ def train_step(head, opt, proposer, verifier, ids, loss_mask, valid, key, *, con
     return loss, mean(pred_len == true_len), mean(true_len), mean(pred_len)
 
 
-def _require_contexts(batch, context_len: int, step: int, cfg) -> None:
-    """A batch without a single usable context would train on nothing (loss 0): say why."""
+def _require_contexts(loss_mask, valid, context_len: int, step: int, cfg) -> None:
+    """A batch without a single usable context would train on nothing (loss 0): say why.
+    Checked on the global batch, so every host comes to the same answer."""
     from prove_jax.train_config import TrainConfigError
-    ok = np.asarray(cut_points(jnp.asarray(batch["loss_mask"]), jnp.asarray(batch["valid"]),
-                               context_len))
-    if not ok.any():
+    if not bool(_any_cut_point(loss_mask, valid, context_len)):
         raise TrainConfigError(
             f"commit head step {step}: no row of the batch has a trained (response) token within "
             f"its first max_length - block_size = {context_len} tokens, so no context to propose "
             f"a block after; prompts are longer than that: raise max_length (now {cfg.max_length})")
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _any_cut_point(loss_mask, valid, context_len: int) -> jax.Array:
+    return jnp.any(cut_points(loss_mask, valid, context_len))
+
+
 def train_commit_head(cfg, show_bar: bool = True) -> dict:
     """Train only the head (proposer and verifier frozen) from a TrainConfig with
-    objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint."""
-    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer, save_model
-    from prove_jax.data import make_dataset
+    objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint.
+
+    On the config's mesh, like any training run: the two frozen models are read straight into
+    their shardings (a 32B proposer does not fit one chip), each host feeds its own rows of
+    the global batch, and the small head and its optimizer state are replicated."""
+    from prove_jax import data as data_lib
+    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
     from prove_jax.train_config import TrainConfigError
+    from prove_jax.train_step import BATCH_SPEC
+    from prove_jax.trainer import config_mesh, export_model, log_main, make_data_iterator
 
     if not cfg.proposer:
         raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
     if not cfg.model.checkpoint:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
-    proposer = load_model(cfg.proposer, dtype="float32", param_dtype="float32")
-    verifier = load_model(cfg.model.checkpoint, dtype="float32", param_dtype="float32")
+    mesh = config_mesh(cfg)
+    proposer = load_model(cfg.proposer, mesh=mesh, dtype="float32", param_dtype="float32")
+    verifier = load_model(cfg.model.checkpoint, mesh=mesh, dtype="float32", param_dtype="float32")
     mask_id = proposer.cfg.mask_token_id
     if mask_id is None:
         raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
@@ -266,41 +294,46 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
     tokenizer = load_tokenizer(tok_dir)
     k = cfg.block_size
-    data = make_dataset(cfg.data, tokenizer, max_length=cfg.max_length, block_size=k,
-                        global_batch_size=cfg.global_batch_size, seed=cfg.seed)
+    data = make_data_iterator(cfg, tokenizer, log_main)
     context_len = cfg.max_length - k
 
     head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
     # the train step's schedule: first update at lr / warmup, any steps / warmup_ratio
     opt = nnx.Optimizer(head, optax.adam(lr_schedule(cfg.optimizer, cfg.steps)), wrt=nnx.Param)
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for module in (head, opt):  # the optimizer holds only its own state, not the head's
+        nnx.update(module, jax.device_put(nnx.state(module), everywhere))
     base_key = jax.random.key(cfg.seed)
 
     step = nnx.jit(functools.partial(train_step, context_len=context_len, block_size=k,
                                      mask_id=mask_id))
 
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    main = jax.process_index() == 0
+    if main:
+        os.makedirs(cfg.run_dir, exist_ok=True)
     records = []
-    it = iter(data)
     bar_every = max(1, cfg.log_every)
-    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") as log:
+    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") if main else contextlib.nullcontext() as log, \
+            jax.set_mesh(mesh):
         for i in range(1, cfg.steps + 1):
-            batch = next(it)
-            _require_contexts(batch, context_len, i, cfg)
-            loss, acc, true_len, pred_len = step(
-                head, opt, proposer, verifier, jnp.asarray(batch["input_ids"]),
-                jnp.asarray(batch["loss_mask"]), jnp.asarray(batch["valid"]),
-                jax.random.fold_in(base_key, i))
+            batch = data_lib.to_global_batch(next(data), mesh, BATCH_SPEC)
+            _require_contexts(batch["loss_mask"], batch["valid"], context_len, i, cfg)
+            loss, acc, true_len, pred_len = step(head, opt, proposer, verifier, batch["input_ids"],
+                                                 batch["loss_mask"], batch["valid"],
+                                                 jax.random.fold_in(base_key, i))
             if i % bar_every == 0 or i == cfg.steps:
                 rec = {"step": i, "loss": float(loss), "length_accuracy": float(acc),
                        "ar_match_length": float(true_len), "predicted_length": float(pred_len)}
                 records.append(rec)
-                log.write(json.dumps(rec) + "\n")
-                if show_bar:
+                if main:
+                    log.write(json.dumps(rec) + "\n")
+                if show_bar and main:
                     print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
                           f"{rec['length_accuracy']:.2f}, AR-match length {true_len:.2f}, predicted "
                           f"{pred_len:.2f}", file=sys.stderr, flush=True)
     out = os.path.join(cfg.run_dir, "model")
-    save_model(out, verifier, verifier.cfg, tokenizer_dir=tok_dir)
+    graphdef, params = nnx.split(verifier)
+    export_model(out, graphdef, nnx.to_pure_dict(params), verifier.cfg, tok_dir)
     save_commit_head(out, head)
-    print(f"exported verifier + commit head to {out}", file=sys.stderr)
+    log_main(f"exported verifier + commit head to {out}")
     return {"records": records, "model_dir": out, "final_step": cfg.steps}

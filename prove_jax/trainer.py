@@ -73,7 +73,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-def _log_main(msg: str) -> None:
+def log_main(msg: str) -> None:
+    """A line on stderr from host 0 only (every host runs the same code)."""
     if jax.process_index() == 0:
         print(msg, file=sys.stderr, flush=True)
 
@@ -128,7 +129,7 @@ def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
         reuse = resuming and os.path.isfile(os.path.join(base, "tokenizer.json"))
         if jax.process_index() == 0 and not reuse:
             _require_data(cfg.data)
-            _log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
+            log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
             build_tokenizer(_training_texts(cfg.data), base, vocab_size=tok.bpe_vocab_size)
         _barrier("tokenizer_built")
         return load_tokenizer_dir(base), base
@@ -173,13 +174,13 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     src = cfg.model
     if src.hf_dir is not None:
         from prove_jax import convert
-        _log_main(f"converting HF weights from {src.hf_dir}")
+        log_main(f"converting HF weights from {src.hf_dir}")
         tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=jax.process_index() == 0)
         graphdef, abstract_state = nnx.split(params_lib.abstract_model(model_cfg, src.remat))
         shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh))
         return nnx.merge(graphdef, jax.device_put(tree, shardings))
     if src.checkpoint is not None:
-        _log_main(f"loading model checkpoint {src.checkpoint}")
+        log_main(f"loading model checkpoint {src.checkpoint}")
         return checkpoint.load_model(src.checkpoint, mesh=mesh, dtype=src.dtype,
                                      param_dtype=src.param_dtype, remat=src.remat)
     return params_lib.create_model(model_cfg, seed=cfg.seed, mesh=mesh, remat=src.remat)
@@ -288,6 +289,20 @@ def check_hosts_split_the_batch(mesh, process_of=lambda d: d.process_index) -> N
             f"the hosts (put the hosts on data or fsdp, the tensor axis within a host)")
 
 
+def config_mesh(cfg: TrainConfig, log: Callable[[str], None] = log_main):
+    """The run's device mesh (`mesh` in the config), checked against its batch and logged, or
+    an error saying how to fit it here."""
+    try:
+        mesh = sharding.make_mesh(cfg.mesh)
+    except sharding.MeshError as e:
+        raise sharding.MeshError(f"{e}: set mesh=[data,fsdp,tensor] to this machine's devices "
+                                 f"(--dry-run checks a pod's layout from here)") from None
+    check_batch_layout(cfg, mesh)
+    log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"{jax.process_count()} process(es)")
+    return mesh
+
+
 def check_batch_layout(cfg: TrainConfig, mesh) -> None:
     check_hosts_split_the_batch(mesh)
     rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
@@ -377,21 +392,14 @@ def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], N
     return compiled
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = _log_main, show_bar: bool = True,
+def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: bool = True,
           stop_after: int | None = None) -> TrainResult:
     """Run (or resume) the configured training. `stop_after` ends this launch early at that
     step (after saving), as if the job were killed there; used to test resumption."""
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
-    try:
-        mesh = sharding.make_mesh(cfg.mesh)
-    except sharding.MeshError as e:
-        raise sharding.MeshError(f"{e}: set mesh=[data,fsdp,tensor] to this machine's devices "
-                                 f"(--dry-run checks a pod's layout from here)") from None
-    check_batch_layout(cfg, mesh)
-    log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
-        f"{jax.process_count()} process(es)")
+    mesh = config_mesh(cfg, log)
 
     model_cfg = source_model_config(cfg)  # bad model keys/dtypes fail before BPE training
     bpe = cfg.tokenizer.bpe_vocab_size

@@ -110,7 +110,7 @@ def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
     r = subprocess.run(
         [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
          f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}",
-         "steps=4", "log_every=2", "max_length=32", "block_size=4", "global_batch_size=4",
+         "steps=4", "log_every=2", "max_length=32", "block_size=4", "global_batch_size=8",
          f"run_dir={tmp_path / 'run'}", f"tokenizer.path={tmp_path / 'tok'}", "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr[-2000:]
@@ -174,7 +174,7 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
     data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f" return x + {i}"}) + "\n"
                             for i in range(8)))
     common = [f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={data}",
-              "objective=commit_head", "max_length=32", "block_size=4", "global_batch_size=4",
+              "objective=commit_head", "max_length=32", "block_size=4", "global_batch_size=8",
               "log_every=1", f"run_dir={tmp_path / 'run'}", "tokenizer.bpe_vocab_size=null",
               f"tokenizer.path={tmp_path / 'tok'}"]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
@@ -188,7 +188,7 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
     # prompts longer than max_length - block_size leave no context: one clear error
     data.write_text(json.dumps({"prompt_ids": list(range(5, 35)), "response_ids": [40, 41]}) + "\n")
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      common + ["steps=1", "global_batch_size=1"])
+                      common + ["steps=1"])
     with pytest.raises(ValueError, match="no row of the batch has a trained .* within its first "
                                          "max_length - block_size = 28 tokens"):
         train_commit_head(cfg, show_bar=False)
