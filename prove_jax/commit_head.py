@@ -271,7 +271,7 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint.
 
     On the config's mesh, like any training run: the two frozen models are read straight into
-    their shardings (a 32B proposer does not fit one chip), each host feeds its own rows of
+    their shardings (a 32B proposer is 128 GB in float32), each host feeds its own rows of
     the global batch, and the small head and its optimizer state are replicated."""
     from prove_jax import data as data_lib
     from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
