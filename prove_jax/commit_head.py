@@ -274,7 +274,7 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     their shardings (a 32B proposer is 128 GB in float32), each host feeds its own rows of
     the global batch, and the small head and its optimizer state are replicated."""
     from prove_jax import data as data_lib
-    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
+    from prove_jax.checkpoint import CheckpointError, load_config, load_model, load_tokenizer
     from prove_jax.train_config import TrainConfigError
     from prove_jax.train_step import BATCH_SPEC
     from prove_jax.trainer import config_mesh, export_model, log_main, make_data_iterator
@@ -284,17 +284,17 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     if not cfg.model.checkpoint:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
     mesh = config_mesh(cfg)
-    proposer = load_model(cfg.proposer, mesh=mesh, dtype="float32", param_dtype="float32")
-    verifier = load_model(cfg.model.checkpoint, mesh=mesh, dtype="float32", param_dtype="float32")
-    mask_id = proposer.cfg.mask_token_id
+    # everything that can be wrong with the inputs, before minutes of reading weights
+    mask_id = load_config(cfg.proposer).mask_token_id
     if mask_id is None:
         raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
-    if verifier.cfg.vocab_size != proposer.cfg.vocab_size:
+    if load_config(cfg.model.checkpoint).vocab_size != load_config(cfg.proposer).vocab_size:
         raise CheckpointError("verifier and proposer vocabularies differ")
     tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
-    tokenizer = load_tokenizer(tok_dir)
+    data = make_data_iterator(cfg, load_tokenizer(tok_dir), log_main)
+    proposer = load_model(cfg.proposer, mesh=mesh, dtype="float32", param_dtype="float32")
+    verifier = load_model(cfg.model.checkpoint, mesh=mesh, dtype="float32", param_dtype="float32")
     k = cfg.block_size
-    data = make_data_iterator(cfg, tokenizer, log_main)
     context_len = cfg.max_length - k
 
     head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
