@@ -156,15 +156,15 @@ def save_commit_head(model_dir: str, head: CommitHead) -> str:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 f.write(meta)
         return path
-    from jax.experimental import multihost_utils
+    from prove_jax import distributed
     if jax.process_index() == 0 and os.path.exists(os.path.join(path, "config.json")):
         os.remove(os.path.join(path, "config.json"))  # an older head's: no longer its params
-    multihost_utils.sync_global_devices("commit_head_unmarked")
+    distributed.barrier("commit_head_unmarked")
     with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's part
         ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
     if jax.process_index() == 0:
         atomic_write_text(os.path.join(path, "config.json"), meta)
-    multihost_utils.sync_global_devices("commit_head_saved")
+    distributed.barrier("commit_head_saved")
     return path
 
 
@@ -285,10 +285,11 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
     mesh = config_mesh(cfg)
     # everything that can be wrong with the inputs, before minutes of reading weights
-    mask_id = load_config(cfg.proposer).mask_token_id
+    proposer_cfg = load_config(cfg.proposer)
+    mask_id = proposer_cfg.mask_token_id
     if mask_id is None:
         raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
-    if load_config(cfg.model.checkpoint).vocab_size != load_config(cfg.proposer).vocab_size:
+    if load_config(cfg.model.checkpoint).vocab_size != proposer_cfg.vocab_size:
         raise CheckpointError("verifier and proposer vocabularies differ")
     tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
     data = make_data_iterator(cfg, load_tokenizer(tok_dir), log_main)

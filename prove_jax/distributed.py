@@ -70,3 +70,10 @@ def initialize_from_args(args: argparse.Namespace) -> bool:
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process got here (`name` must be the same on all); nothing on one."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

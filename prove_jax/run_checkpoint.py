@@ -24,6 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from prove_jax import distributed
 from prove_jax.checkpoint import quiet_abandoned_reads, restore_error_reason
 from prove_jax.params import dotted_path
 
@@ -146,9 +147,7 @@ class RunCheckpoints:
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.move(src, dst)
                 self.log(f"moved the damaged checkpoint to {dst}")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices(f"move_aside_{step}")
+        distributed.barrier(f"move_aside_{step}")
         self.manager.reload()
 
     def wait(self) -> None:

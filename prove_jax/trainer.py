@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from prove_jax import checkpoint, memory, params as params_lib, sharding
+from prove_jax import checkpoint, distributed, memory, params as params_lib, sharding
 from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
@@ -79,12 +79,6 @@ def log_main(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
-
-
 # ---- model config and tokenizer -----------------------------------------------------------
 
 def source_model_config(cfg: TrainConfig) -> ModelConfig:
@@ -131,7 +125,7 @@ def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
             _require_data(cfg.data)
             log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
             build_tokenizer(_training_texts(cfg.data), base, vocab_size=tok.bpe_vocab_size)
-        _barrier("tokenizer_built")
+        distributed.barrier("tokenizer_built")
         return load_tokenizer_dir(base), base
     where = tok.path or cfg.model.checkpoint or cfg.model.hf_dir
     if where is None:
@@ -163,7 +157,7 @@ def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
     if jax.process_index() == 0 and not keep:
         with checkpoint.atomic_dir(own) as tmp:
             tokenizer.save_pretrained(tmp)
-    _barrier("tokenizer_saved")
+    distributed.barrier("tokenizer_saved")
     return own
 
 
@@ -212,7 +206,7 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
         checkpoint.copy_tokenizer_files(tokenizer_dir, path)
         checkpoint.atomic_write_text(os.path.join(path, "config.json"),
                                      json.dumps(model_cfg.to_json_dict(), indent=2))
-    _barrier("export_done")
+    distributed.barrier("export_done")
     return path
 
 
@@ -237,7 +231,7 @@ def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: Mode
     export_model(path, graphdef, params, model_cfg, tokenizer_dir)
     if jax.process_index() == 0:
         checkpoint.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
-    _barrier("export_marked")
+    distributed.barrier("export_marked")
     return path
 
 

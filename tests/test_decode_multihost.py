@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 
@@ -20,30 +19,15 @@ from prove_jax.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.params import create_model
-from tests.test_train_multihost import _free_port
-from tests.xla_flags import xla_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.multihost import joining, run_two_processes
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
 
 
-def _run_two_hosts(name: str, args: list[str], host_args=((), ()), check: bool = True
-                   ) -> list[subprocess.CompletedProcess]:
+def _run_two_hosts(args: list[str], host_args=((), ()), check: bool = True) -> list[subprocess.CompletedProcess]:
     """`python -m infer.generate ARGS` as processes 0 and 1 of one job (plus `host_args[i]`)."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    port = _free_port()
-    procs = [subprocess.Popen(["timeout", "300", sys.executable, "-m", "infer.generate", *args, *host_args[i],
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i), "--heartbeat-timeout", "20"],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    done = []
-    for i, p in enumerate(procs):
-        out, err = p.communicate(timeout=330)
-        assert p.returncode == 0 or not check, f"{name}, process {i}:\n{err[-3000:]}"
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+    return run_two_processes(lambda i, port: ["-m", "infer.generate", *args, *host_args[i], *joining(i, port)],
+                             check=check)
 
 
 def _summary_lines(stderr: str) -> list[dict]:
@@ -62,7 +46,7 @@ def test_two_hosts_decode_like_one(tmp_path):
 
     # the batch over 4 data shards on two hosts, the model split over 2 tensor shards; 10
     # requests queue for 4 rows, so rows are refilled mid-loop on both hosts alike
-    hosts = _run_two_hosts("lossless", [
+    hosts = _run_two_hosts([
         "--model", ckpt, "--mode", "lossless", "--block-size", "4", "--groups", "2", "--mesh", "4,1,2",
         "--batch-size", "4", "--max-new-tokens", "24", "--input", str(inp), "--output", str(out)])
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -84,7 +68,7 @@ def test_two_hosts_verify_with_the_commit_head(tmp_path):
     here, tok = build_decoder(assets.DEMO_PROPOSER, options, verifier_path=assets.DEMO_VERIFIER,
                               mesh_shape="1,1,1")
     ref = here.generate([tok.encode(t, add_special_tokens=False) for t in texts], 32).output_ids
-    hosts = _run_two_hosts("verify", [
+    hosts = _run_two_hosts([
         "--mode", "verify", "--commit-rule", "head", "--batch-size", "3", "--max-new-tokens", "32",
         "--input", str(inp), "--output", str(out)])
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -116,7 +100,7 @@ def test_a_host_that_fails_stops_the_job_and_the_other_says_so(tmp_path):
     failed rather than calling its own checkpoint damaged. Neither writes the output."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
-    hosts = _run_two_hosts("a host fails", ["--max-new-tokens", "4", "--input", str(inp), "--output", str(out)],
+    hosts = _run_two_hosts(["--max-new-tokens", "4", "--input", str(inp), "--output", str(out)],
                            host_args=(("--model", assets.DEMO_PROPOSER), ("--model", str(tmp_path / "gone"))),
                            check=False)
     assert [h.returncode for h in hosts] == [2, 2], [h.stderr[-2000:] for h in hosts]

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -20,10 +17,8 @@ import numpy as np
 from prove_jax import checkpoint
 from prove_jax.train_config import load_config
 from prove_jax.trainer import train
+from tests.multihost import REPO, joining, run_two_processes
 from tests.train_helpers import write_config
-from tests.xla_flags import xla_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = r"""
 import json, sys
@@ -45,26 +40,13 @@ with open(out + f"-{{pid}}.json", "w") as f:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_single_process(tmp_path):
     fields = dict(steps=4, save_every=2, log_every=1, mesh=[1, 4, 2], global_batch_size=8)
     multi_cfg = write_config(tmp_path, "multi", **fields)
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER.format(repo=REPO))
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4),
-               JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    port, out = _free_port(), str(tmp_path / "result")
-    procs = [subprocess.Popen(["timeout", "300", sys.executable, str(worker), str(port), str(i),
-                               multi_cfg, out], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [p.communicate(timeout=330)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    out = str(tmp_path / "result")
+    run_two_processes(lambda i, port: [str(worker), str(port), str(i), multi_cfg, out])
 
     single = train(load_config(write_config(tmp_path, "single", **fields)), show_bar=False)
     single_losses = [r["loss"] for r in single.records]
@@ -107,18 +89,10 @@ def test_commit_head_trains_on_two_hosts_like_on_one(tmp_path):
               f"data={write_text(tmp_path)}", f"tokenizer.path={tok}", "tokenizer.bpe_vocab_size=null",
               "steps=3", "log_every=1", "max_length=32", "block_size=4", "global_batch_size=8",
               "optimizer.lr=1e-2"]
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    port = _free_port()
-    procs = [subprocess.Popen(["timeout", "300", sys.executable, "-m", "train.train", "--config",
-                               os.path.join(REPO, "configs", "tiny.yaml"), *common, "mesh=[1,4,2]",
-                               f"run_dir={tmp_path / 'multi'}", "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout", "20"],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = [p.communicate(timeout=330)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    assert "commit head step 3/3" in logs[0] and "commit head step" not in logs[1]  # host 0 reports
+    hosts = run_two_processes(lambda i, port: [
+        "-m", "train.train", "--config", os.path.join(REPO, "configs", "tiny.yaml"), *common, "mesh=[1,4,2]",
+        f"run_dir={tmp_path / 'multi'}", *joining(i, port)])
+    assert "commit head step 3/3" in hosts[0].stderr and "commit head step" not in hosts[1].stderr  # host 0 reports
 
     single = train_commit_head(load_config(os.path.join(REPO, "configs", "tiny.yaml"),
                                            common + ["mesh=[1,1,1]", f"run_dir={tmp_path / 'single'}"]),
