@@ -410,6 +410,20 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(holds_top, index, logits.shape[-1] - 1), axis=-1)
 
 
+def readable_tokens(tokens: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """(tokens with every id past a model's `vocab_size` embedding rows replaced by 0, bool mask
+    of the ids it has rows for).
+
+    Models that share a tokenizer can differ in padded rows: the paper's pair, Qwen2.5-32B and
+    Qwen2.5-3B, has 152,064 and 151,936 rows for the same 151,665 ids. A token the proposer
+    emits past the verifier's rows would gather NaN from its embedding (jnp.take fills out of
+    range) and poison its KV cache; fed as 0 instead, the verifier stays finite, and the
+    caller rejects what it could not read.
+    """
+    inside = tokens < vocab_size
+    return jnp.where(inside, tokens, 0), inside
+
+
 def causal_mask(batch: int, length: int, valid: jax.Array | None = None) -> jax.Array:
     """[B, T, T] causal mask; `valid` [B, T] hides padding keys."""
     m = jnp.tril(jnp.ones((length, length), bool))[None].repeat(batch, 0)

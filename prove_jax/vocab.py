@@ -57,6 +57,32 @@ def ensure_mask_token(tokenizer, cfg: ModelConfig) -> tuple[object, ModelConfig,
     return tokenizer, cfg.replace(vocab_size=vocab_size, mask_token_id=mask_id), grown
 
 
+def check_shared_vocabulary(tokenizer, where: str, models) -> None:
+    """The ids of `tokenizer` (read from `where`) mean the same to every model of a
+    proposer/verifier pair: each of `models`, (name, path, embedding rows, its own tokenizer or
+    None), has a row for every id, and a tokenizer of its own maps every token to the same id.
+
+    Rows beyond that may differ: Qwen2.5-32B pads its 151,665 ids to 152,064 rows and Qwen2.5-3B
+    to 151,936, the paper's proposer/verifier pair. `<|mask|>`, which only the proposer reads,
+    is left out.
+    """
+    ids = {t: i for t, i in tokenizer.get_vocab().items() if t != MASK_TOKEN}
+    top = max(ids.values(), default=-1)
+    for name, path, rows, own in models:
+        if top >= rows:
+            raise VocabError(f"the {name} {path} has {rows} embedding rows, but the tokenizer in "
+                             f"{where} has ids up to {top}: the {name} was trained on another "
+                             f"vocabulary")
+        if own is None:
+            continue
+        theirs = own.get_vocab()
+        for token, i in ids.items():
+            if theirs.get(token) != i:
+                there = "missing" if theirs.get(token) is None else f"id {theirs[token]}"
+                raise VocabError(f"the {name}'s tokenizer ({path}) is not the one in {where}: "
+                                 f"{token!r} is {there} there and id {i} here")
+
+
 def _grow(x: jax.Array, new_size: int, axis: int, logical_axes) -> jax.Array:
     """Append rows (along `axis`) equal to the mean of the existing ones, keeping the sharding."""
     def grow(x):

@@ -25,7 +25,7 @@ def stdlib_text(modules=("json", "textwrap", "string", "fnmatch")) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer_json(vocab_size: int) -> str:
+def _tokenizer_json(vocab_size: int, modules: tuple[str, ...] | None = None) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -33,15 +33,17 @@ def _tokenizer_json(vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, IM_START, IM_END],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(stdlib_text().splitlines(keepends=True), trainer)
+    text = stdlib_text() if modules is None else stdlib_text(modules)
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer)
     return tok.to_str()
 
 
-def make_tokenizer(vocab_size: int = 300):
-    """A fresh PreTrainedTokenizerFast (eos = pad = <|endoftext|>, id 0). Safe to mutate."""
+def make_tokenizer(vocab_size: int = 300, modules: tuple[str, ...] | None = None):
+    """A fresh PreTrainedTokenizerFast (eos = pad = <|endoftext|>, id 0) trained on the source
+    of stdlib `modules` (default: `stdlib_text`'s). Safe to mutate."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size, modules)),
                                   eos_token=EOS, pad_token=EOS,
                                   additional_special_tokens=[IM_START, IM_END])
     tok.chat_template = CHAT_TEMPLATE

@@ -25,7 +25,7 @@ from prove_jax import memory
 from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
-from prove_jax.model import KVCache, StepMask, causal_mask
+from prove_jax.model import KVCache, StepMask, causal_mask, readable_tokens
 
 MODES = ("ar", "threshold", "lossless", "verify")
 # Prompts are prefilled in chunks of this many tokens inside the compiled program, as many as
@@ -211,9 +211,6 @@ def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, head_hidden_size: 
     if options.mode == "verify":
         if verifier_cfg is None:
             raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
-        if verifier_cfg.vocab_size != cfg.vocab_size:
-            raise DecodeError(f"verifier vocabulary size {verifier_cfg.vocab_size} differs from "
-                              f"the proposer's {cfg.vocab_size}: they must share a tokenizer")
         if options.commit_rule == "head" and head_hidden_size is None:
             raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
                               "checkpoint (train it with objective=commit_head)")
@@ -346,6 +343,8 @@ class Decoder:
                     # KV lies past the prompt and is overwritten by decoding.)
                     valid = pos[:, None, :] < plen[:, None, None]
                     mask = StepMask(jnp.full((r,), start, jnp.int32), causal & valid)
+                    if pad_id >= m.cfg.vocab_size:  # past a verifier's rows (prompt ids: checked)
+                        ids = readable_tokens(ids, m.cfg.vocab_size)[0]
                     return m.hidden_states(ids, pos, mask, cache)[1]
 
                 n_chunks = (jnp.max(plen) + c - 1) // c
@@ -415,14 +414,27 @@ class Decoder:
             what = f"prompt {i}" if names is None else f"request {names[i]!r}"
             if len(p) == 0:
                 raise DecodeError(f"{what} is empty: decoding needs at least one prompt token")
-            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_limit]
             if bad:
                 raise DecodeError(f"{what} has token id {bad[0]} outside the vocabulary "
-                                  f"[0, {self.cfg.vocab_size})")
+                                  f"[0, {self.vocab_limit})" + self._vocab_limit_why())
             if len(p) + max_new_tokens > self.max_buffer:
                 raise DecodeError(f"{what} has {len(p)} tokens; with max_new_tokens="
                                   f"{max_new_tokens} it needs {len(p) + max_new_tokens} positions, "
                                   f"longer than the buffer limit {self.max_buffer}")
+
+    @property
+    def vocab_limit(self) -> int:
+        """Prompt ids must be below this: the proposer's embedding rows, and in verify mode
+        also the verifier's, which reads the prompts too."""
+        if self.options.mode == "verify" and self.vcfg is not None:
+            return min(self.cfg.vocab_size, self.vcfg.vocab_size)
+        return self.cfg.vocab_size
+
+    def _vocab_limit_why(self) -> str:
+        if self.vocab_limit < self.cfg.vocab_size:
+            return f" (the verifier has {self.vcfg.vocab_size} embedding rows)"
+        return ""
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  batch_size: int | None = None, prompt_width: int | None = None,

@@ -6,9 +6,10 @@ import os
 
 import jax
 
-from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
+from prove_jax.checkpoint import CheckpointError, load_config, load_model, load_tokenizer
 from prove_jax.decoding.engine import DecodeError, DecodeOptions, Decoder
 from prove_jax.sharding import make_mesh
+from prove_jax.vocab import check_shared_vocabulary
 
 
 def parse_mesh(spec: str | None):
@@ -34,16 +35,21 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
     if not os.path.isdir(model_path):
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     mesh = mesh if mesh is not None else parse_mesh(mesh_shape)
-    model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
-    verifier = head = None
+    tokenizer = load_tokenizer(model_path)
     if options.mode == "verify":
         if verifier_path is None or not os.path.isdir(verifier_path):
             raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
+        if tokenizer is not None:  # from the configs and tokenizers, before any weight is read
+            check_shared_vocabulary(tokenizer, model_path, [(
+                "verifier", verifier_path, load_config(verifier_path).vocab_size,
+                load_tokenizer(verifier_path))])
+    model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+    verifier = head = None
+    if options.mode == "verify":
         verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
         if options.commit_rule == "head":
             from prove_jax.commit_head import load_commit_head
             head = load_commit_head(verifier_path, mesh=mesh)
-    tokenizer = load_tokenizer(model_path)
     cfg = model.cfg
     eos = list(cfg.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:

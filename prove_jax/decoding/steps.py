@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, commit
-from prove_jax.model import StepMask, causal_mask, greedy_tokens
+from prove_jax.model import StepMask, causal_mask, greedy_tokens, readable_tokens
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -95,13 +95,15 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
     block, _, cache = propose_block(model, state, block_size, mask_id)
     k = block_size
     pos = state.length[:, None] + jnp.arange(k)[None, :]
-    hidden, vcache = verifier.hidden_states(block, pos, StepMask(state.vcache_len, causal_mask(1, k)),
+    # a proposed token past the verifier's embedding rows is read as 0 and never accepted
+    vblock, readable = readable_tokens(block, verifier.cfg.vocab_size)
+    hidden, vcache = verifier.hidden_states(vblock, pos, StepMask(state.vcache_len, causal_mask(1, k)),
                                             state.vcache)
     if k == 1:
         n = jnp.ones(block.shape[0], jnp.int32)
     else:
         vlogits = verifier.logits(hidden[:, :-1])  # logits at D_i judge D_{i+1}
-        nxt = block[:, 1:]
+        nxt = vblock[:, 1:]
         if rule == "top1":
             accept = greedy_tokens(vlogits) == nxt
         elif rule == "prob":
@@ -111,7 +113,7 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
             accept = head.accept(hidden[:, :-1], vlogits, nxt, threshold=head_threshold)
         else:
             raise ValueError(f"unknown commit rule {rule!r}")
-        n = 1 + leading_true(accept)
+        n = 1 + leading_true(accept & readable[:, 1:])
     return _commit_proposal(state, cache, block, n, eos_ids, vcache=vcache, verified=True)
 
 
