@@ -30,7 +30,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from prove_jax.model import causal_mask, greedy_tokens
+from prove_jax.model import causal_mask, greedy_tokens, readable_tokens
 from prove_jax.optim import lr_schedule
 
 HEAD_DIR = "commit_head"
@@ -220,8 +220,12 @@ def head_examples(proposer, verifier, ids, loss_mask, valid, key, *, context_len
     learns from. Labels are free: they come from the frozen proposer itself."""
     ctx, ctx_valid, used = sample_contexts(ids, loss_mask, valid, context_len, key)
     block, labels = propose_and_label(proposer, ctx, block_size, mask_id, ctx_valid)
-    hidden, vlogits = verifier_inputs(verifier, ctx, block, ctx_valid)
-    return HeadExamples(hidden, vlogits, block[:, 1:], labels, used)
+    # as decoding does (steps.verify_step): a token past the verifier's rows is read as 0 and
+    # never committed, so a prefix through it is no target either
+    vblock, readable = readable_tokens(block, verifier.cfg.vocab_size)
+    labels = labels * jnp.cumprod(readable[:, 1:], axis=-1).astype(labels.dtype)
+    hidden, vlogits = verifier_inputs(verifier, ctx, vblock, ctx_valid)
+    return HeadExamples(hidden, vlogits, vblock[:, 1:], labels, used)
 
 
 def head_loss(head: CommitHead, ex: HeadExamples):
@@ -233,21 +237,92 @@ def head_loss(head: CommitHead, ex: HeadExamples):
     return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0), logits
 
 
-def train_step(head, opt, proposer, verifier, ids, loss_mask, valid, key, *, context_len: int,
-               block_size: int, mask_id: int):
-    """One update of the head (proposer and verifier frozen). Returns (loss, exact-length
-    accuracy, mean AR-match length, mean predicted length), over the rows with a context."""
-    ex = head_examples(proposer, verifier, ids, loss_mask, valid, key, context_len=context_len,
-                       block_size=block_size, mask_id=mask_id)
-    (loss, logits), grads = nnx.value_and_grad(head_loss, has_aux=True)(head, ex)
-    opt.update(head, grads)
-    true_len = 1 + jnp.sum(ex.labels, axis=-1)
-    pred_len = predicted_length(jax.nn.sigmoid(logits) >= head.threshold)
-    rows = ex.used.astype(jnp.float32)
+class HeadLayout(NamedTuple):
+    """The commit-head train step's inputs without their values: graph definitions, and
+    ShapeDtypeStructs with shardings of `state` ({"head", "opt_state"}, replicated: a few KB)
+    and `frozen` ({"proposer", "verifier"} parameters, sharded by the logical-axis rules, as
+    `checkpoint.load_model(path, mesh)` reads them). All a compile or a dry run needs."""
+    proposer_def: nnx.GraphDef
+    verifier_def: nnx.GraphDef
+    head_def: nnx.GraphDef
+    state: dict
+    frozen: dict
 
-    def mean(x):
-        return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
-    return loss, mean(pred_len == true_len), mean(true_len), mean(pred_len)
+
+FROZEN_DTYPE = "float32"  # both frozen models run in float32: labels and features at full precision
+
+
+def frozen_config(model_cfg):
+    return model_cfg.replace(dtype=FROZEN_DTYPE, param_dtype=FROZEN_DTYPE)
+
+
+def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, mesh, seed: int = 0) -> HeadLayout:
+    """The `HeadLayout` of a proposer/verifier pair on `mesh` (a real or an abstract one)."""
+    from prove_jax import sharding
+    from prove_jax.params import abstract_model
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def placed(tree, shardings):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+    frozen, defs = {}, {}
+    for name, cfg in (("proposer", proposer_cfg), ("verifier", verifier_cfg)):
+        defs[name], abstract = nnx.split(abstract_model(frozen_config(cfg)))
+        shardings = sharding.state_shardings(abstract, mesh)
+        shardings = nnx.to_pure_dict(shardings) if isinstance(shardings, nnx.State) else shardings
+        frozen[name] = placed(nnx.to_pure_dict(abstract), shardings)
+    head_def, head = nnx.split(nnx.eval_shape(lambda: CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(seed))))
+    head = nnx.to_pure_dict(head)
+    state = {"head": head, "opt_state": jax.eval_shape(tx.init, head)}
+    state = placed(state, jax.tree.map(lambda _: replicated, state))
+    return HeadLayout(defs["proposer"], defs["verifier"], head_def, state, frozen)
+
+
+def build_head_step(layout: HeadLayout, tx: optax.GradientTransformation, *, seed: int,
+                    context_len: int, block_size: int, mask_id: int):
+    """Pure (state, frozen, batch, step number) -> (state, metrics): one update of the head, the
+    proposer and verifier frozen. Metrics (over the rows with a context): loss, exact-length
+    accuracy, mean AR-match length, mean predicted length. The step's random contexts come
+    from (seed, step number), so a resumed or re-sharded run draws the same ones."""
+
+    def step(state, frozen, batch, step_number):
+        proposer = nnx.merge(layout.proposer_def, frozen["proposer"])
+        verifier = nnx.merge(layout.verifier_def, frozen["verifier"])
+        key = jax.random.fold_in(jax.random.key(seed), step_number)
+        ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"],
+                           key, context_len=context_len, block_size=block_size, mask_id=mask_id)
+        loss_of = lambda params: head_loss(nnx.merge(layout.head_def, params), ex)  # noqa: E731
+        (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(state["head"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["head"])
+        head = optax.apply_updates(state["head"], updates)
+        true_len = 1 + jnp.sum(ex.labels, axis=-1)
+        threshold = nnx.merge(layout.head_def, head).threshold
+        pred_len = predicted_length(jax.nn.sigmoid(logits) >= threshold)
+        rows = ex.used.astype(jnp.float32)
+
+        def mean(x):
+            return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+        metrics = {"loss": loss, "length_accuracy": mean(pred_len == true_len),
+                   "ar_match_length": mean(true_len), "predicted_length": mean(pred_len)}
+        return {"head": head, "opt_state": opt_state}, metrics
+    return step
+
+
+def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int):
+    """The train config's head step (`build_head_step`), jitted with explicit shardings; the
+    head's state is donated (updated in place)."""
+    from prove_jax.train_step import batch_shardings
+    step = build_head_step(layout, tx, seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
+                           block_size=cfg.block_size, mask_id=mask_id)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+    return jax.jit(step, in_shardings=(shardings(layout.state), shardings(layout.frozen),
+                                       batch_shardings(mesh), replicated),
+                   out_shardings=(shardings(layout.state), replicated), donate_argnums=(0,))
+
+
+def abstract_step_number(mesh) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _require_contexts(loss_mask, valid, context_len: int, step: int, cfg) -> None:
@@ -266,18 +341,48 @@ def _any_cut_point(loss_mask, valid, context_len: int) -> jax.Array:
     return jnp.any(cut_points(loss_mask, valid, context_len))
 
 
+def head_optimizer(cfg) -> optax.GradientTransformation:
+    """Adam on the train config's schedule: first update at lr / warmup, any steps / warmup_ratio."""
+    return optax.adam(lr_schedule(cfg.optimizer, cfg.steps))
+
+
+def compile_head_step(layout: HeadLayout, tx, mesh, cfg, mask_id: int, log):
+    """The commit-head step compiled for the run's shapes before any weight is read, refused
+    with the sizes when the devices cannot hold it (two frozen float32 models, their forwards)."""
+    import time
+
+    from prove_jax import memory
+    from prove_jax.train_step import abstract_batch
+    from prove_jax.trainer import TrainError
+    step = jit_head_step(cfg, layout, tx, mesh, mask_id)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(layout.state, layout.frozen,
+                              abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
+                              abstract_step_number(mesh)).compile()
+    log(f"compiled the commit-head step in {time.perf_counter() - t0:.1f}s")
+    memory.check_fits(compiled, memory.local_devices(mesh),
+                      f"a commit-head step of {cfg.global_batch_size} x {cfg.max_length} tokens (the "
+                      f"frozen proposer and verifier in {FROZEN_DTYPE}, their forwards, the head)",
+                      error=TrainError, with_arguments=True,
+                      advice="lower global_batch_size or max_length, or use more devices (fsdp, tensor)")
+    return compiled
+
+
 def train_commit_head(cfg, show_bar: bool = True) -> dict:
     """Train only the head (proposer and verifier frozen) from a TrainConfig with
     objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint.
 
-    On the config's mesh, like any training run: the two frozen models are read straight into
-    their shardings (a 32B proposer is 128 GB in float32), each host feeds its own rows of
-    the global batch, and the small head and its optimizer state are replicated."""
+    On the config's mesh, like any training run: the step is compiled and its memory checked
+    from the configs, then the two frozen models are read straight into their shardings (a
+    32B proposer is 128 GB in float32); each host feeds its own rows of the global batch, and
+    the small head and its optimizer state are replicated."""
     from prove_jax import data as data_lib
     from prove_jax.checkpoint import CheckpointError, load_config, load_model, load_tokenizer
     from prove_jax.train_config import TrainConfigError
     from prove_jax.train_step import BATCH_SPEC
     from prove_jax.trainer import config_mesh, export_model, log_main, make_data_iterator
+    from prove_jax.vocab import check_shared_vocabulary
 
     if not cfg.proposer:
         raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
@@ -285,56 +390,61 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
     mesh = config_mesh(cfg)
     # everything that can be wrong with the inputs, before minutes of reading weights
-    proposer_cfg = load_config(cfg.proposer)
+    proposer_cfg, verifier_cfg = load_config(cfg.proposer), load_config(cfg.model.checkpoint)
     mask_id = proposer_cfg.mask_token_id
     if mask_id is None:
         raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
-    if load_config(cfg.model.checkpoint).vocab_size != proposer_cfg.vocab_size:
-        raise CheckpointError("verifier and proposer vocabularies differ")
     tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
-    data = make_data_iterator(cfg, load_tokenizer(tok_dir), log_main)
-    proposer = load_model(cfg.proposer, mesh=mesh, dtype="float32", param_dtype="float32")
-    verifier = load_model(cfg.model.checkpoint, mesh=mesh, dtype="float32", param_dtype="float32")
-    k = cfg.block_size
-    context_len = cfg.max_length - k
+    tokenizer = load_tokenizer(tok_dir)
+    if tokenizer is None:
+        raise CheckpointError(f"no tokenizer in {tok_dir}: set tokenizer.path")
+    check_shared_vocabulary(tokenizer, tok_dir, [
+        (name, path, model_cfg.vocab_size,
+         None if os.path.abspath(path) == os.path.abspath(tok_dir) else load_tokenizer(path))
+        for name, path, model_cfg in (("proposer", cfg.proposer, proposer_cfg),
+                                      ("verifier", cfg.model.checkpoint, verifier_cfg))])
+    data = make_data_iterator(cfg, tokenizer, log_main)
+    tx = head_optimizer(cfg)
+    layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
+    step = compile_head_step(layout, tx, mesh, cfg, mask_id, log_main)
 
-    head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
-    # the train step's schedule: first update at lr / warmup, any steps / warmup_ratio
-    opt = nnx.Optimizer(head, optax.adam(lr_schedule(cfg.optimizer, cfg.steps)), wrt=nnx.Param)
+    frozen = {"proposer": load_model(cfg.proposer, mesh=mesh, dtype=FROZEN_DTYPE, param_dtype=FROZEN_DTYPE),
+              "verifier": load_model(cfg.model.checkpoint, mesh=mesh, dtype=FROZEN_DTYPE,
+                                     param_dtype=FROZEN_DTYPE)}
+    verifier = frozen["verifier"]
+    frozen = {name: nnx.to_pure_dict(nnx.state(model)) for name, model in frozen.items()}
+    head = CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
+    params = nnx.to_pure_dict(nnx.state(head))
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    for module in (head, opt):  # the optimizer holds only its own state, not the head's
-        nnx.update(module, jax.device_put(nnx.state(module), everywhere))
-    base_key = jax.random.key(cfg.seed)
-
-    step = nnx.jit(functools.partial(train_step, context_len=context_len, block_size=k,
-                                     mask_id=mask_id))
+    state = jax.device_put({"head": params, "opt_state": tx.init(params)}, everywhere)
 
     main = jax.process_index() == 0
     if main:
         os.makedirs(cfg.run_dir, exist_ok=True)
     records = []
     bar_every = max(1, cfg.log_every)
+    context_len = cfg.max_length - cfg.block_size
     with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") if main else contextlib.nullcontext() as log, \
             jax.set_mesh(mesh):
         for i in range(1, cfg.steps + 1):
             batch = data_lib.to_global_batch(next(data), mesh, BATCH_SPEC)
             _require_contexts(batch["loss_mask"], batch["valid"], context_len, i, cfg)
-            loss, acc, true_len, pred_len = step(head, opt, proposer, verifier, batch["input_ids"],
-                                                 batch["loss_mask"], batch["valid"],
-                                                 jax.random.fold_in(base_key, i))
+            state, metrics = step(state, frozen, batch, jax.device_put(np.int32(i), everywhere))
             if i % bar_every == 0 or i == cfg.steps:
-                rec = {"step": i, "loss": float(loss), "length_accuracy": float(acc),
-                       "ar_match_length": float(true_len), "predicted_length": float(pred_len)}
+                rec = {"step": i} | {name: float(value) for name, value in metrics.items()}
                 records.append(rec)
                 if main:
                     log.write(json.dumps(rec) + "\n")
                 if show_bar and main:
                     print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
-                          f"{rec['length_accuracy']:.2f}, AR-match length {true_len:.2f}, predicted "
-                          f"{pred_len:.2f}", file=sys.stderr, flush=True)
+                          f"{rec['length_accuracy']:.2f}, AR-match length {rec['ar_match_length']:.2f}, "
+                          f"predicted {rec['predicted_length']:.2f}", file=sys.stderr, flush=True)
     out = os.path.join(cfg.run_dir, "model")
     graphdef, params = nnx.split(verifier)
     export_model(out, graphdef, nnx.to_pure_dict(params), verifier.cfg, tok_dir)
+    trained = nnx.state(head)
+    nnx.replace_by_pure_dict(trained, state["head"])
+    nnx.update(head, trained)
     save_commit_head(out, head)
     log_main(f"exported verifier + commit head to {out}")
     return {"records": records, "model_dir": out, "final_step": cfg.steps}

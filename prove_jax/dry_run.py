@@ -11,6 +11,11 @@ are consistent, and nothing is allocated. Memory per device is then counted:
   intermediate without), the attention scores/probabilities of one layer, and the float32
   logits with their gradient. XLA's own temporaries and fragmentation are not counted, so the
   verdict keeps 10% of HBM free.
+
+objective=commit_head lowers the commit head's step instead: the frozen proposer and verifier
+(float32, counted exactly from their shards; the proposer's shapes from its checkpoint or
+`proposer_shape_preset`), their forwards (estimated, nothing kept for a backward pass) and the
+small replicated head with its Adam state.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from prove_jax import params as params_lib
-from prove_jax.config import ModelConfig, preset
+from prove_jax.config import PRESETS, ModelConfig, preset
 from prove_jax.optim import make_optimizer
 from prove_jax.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax.train_config import TrainConfig
@@ -55,10 +60,14 @@ class DryRunReport:
     lower_seconds: float
     micro_batch_per_device: int
     streamed_length: int
+    frozen_bytes: int = 0  # commit_head: the frozen proposer and verifier
+    subject: str = ""  # what is trained, for the first line (default: the model's size)
+    step_name: str = "train step"
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.opt_bytes + self.activation_bytes
+        return (self.param_bytes + self.grad_bytes + self.opt_bytes + self.activation_bytes
+                + self.frozen_bytes)
 
     @property
     def fits(self) -> bool:
@@ -66,17 +75,21 @@ class DryRunReport:
 
     def describe(self) -> str:
         g = lambda b: f"{b / GIB:8.2f} GiB"
+        subject = self.subject or f"{self.model_params / 1e9:.2f}B-parameter model"
         rows = [
-            f"dry run: {self.model_params / 1e9:.2f}B-parameter model, mesh {self.mesh} "
+            f"dry run: {subject}, mesh {self.mesh} "
             f"({self.devices} x {self.chip}, {self.hbm_bytes / GIB:.0f} GiB HBM each)",
-            f"train step lowered for TPU: {'ok' if self.lowered else 'FAILED'} "
+            f"{self.step_name} lowered for TPU: {'ok' if self.lowered else 'FAILED'} "
             f"({self.lower_seconds:.1f} s); per device {self.micro_batch_per_device} sequence(s) "
             f"x {self.streamed_length} positions per micro-batch",
             "per-device memory:",
-            f"  parameters   {g(self.param_bytes)}",
+        ] + ([f"  frozen models{g(self.frozen_bytes)}  (proposer and verifier)"]
+             if self.frozen_bytes else []) + [
+            f"  parameters   {g(self.param_bytes)}" + ("  (the head)" if self.frozen_bytes else ""),
             f"  gradients    {g(self.grad_bytes)}",
             f"  optimizer    {g(self.opt_bytes)}",
-            f"  activations  {g(self.activation_bytes)}  (estimate)",
+            f"  activations  {g(self.activation_bytes)}  (estimate"
+            + (", forward only" if self.frozen_bytes else "") + ")",
             f"  total        {g(self.total_bytes)}  of {self.hbm_bytes / GIB:.0f} GiB "
             f"({100 * self.total_bytes / self.hbm_bytes:.0f}%)",
             ("FITS" if self.fits else "DOES NOT FIT")
@@ -117,10 +130,11 @@ def _shard_bytes(tree) -> int:
                * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
-def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: bool) -> int:
-    """Estimated bytes kept for the backward pass of one micro-batch (`rows` sequences) on one
-    device, the heads/MLP/vocab dimensions split as the sharding rules split them over a tensor
-    axis of this size (whole where the rules replicate them)."""
+def _layer_bytes(m: ModelConfig, rows: int, length: int, tensor: int) -> tuple[int, int, int, int]:
+    """(one decoder layer's intermediates, the bool attention mask, the vocab dimension, bytes of
+    an activation element) for `rows` sequences of `length` on one device, the heads/MLP/vocab
+    dimensions split as the sharding rules split them over a tensor axis of this size (whole
+    where the rules replicate them)."""
     db = np.dtype(m.dtype if m.dtype != "bfloat16" else np.float16).itemsize
     d, dh = m.hidden_size, m.head_dim
     tok = rows * length
@@ -132,14 +146,32 @@ def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat:
     f, v = per_device("mlp", m.intermediate_size), per_device("vocab", m.vocab_size)
     per_layer_linear = tok * db * (4 * d + 2 * h * dh + 2 * k * dh + 3 * f)
     attn = rows * h * length * length * (4 + db)  # f32 scores + probs
-    per_layer = per_layer_linear + attn
-    mask = rows * length * length  # bool attention mask, shared by layers
+    return per_layer_linear + attn, rows * length * length, v, db
+
+
+def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: bool) -> int:
+    """Estimated bytes kept for the backward pass of one micro-batch (`rows` sequences) on one
+    device (see `_layer_bytes` for the tensor split)."""
+    per_layer, mask, v, db = _layer_bytes(m, rows, length, tensor)
+    tok = rows * length
     logits = 3 * tok * v * 4  # f32 logits, softmax, grad
-    kept = m.num_layers * tok * d * db + per_layer if remat else m.num_layers * per_layer
+    kept = m.num_layers * tok * m.hidden_size * db + per_layer if remat else m.num_layers * per_layer
     return int(kept + mask + logits)
 
 
-def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
+def forward_activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int,
+                             logit_positions: int) -> int:
+    """Estimated peak bytes of a forward pass with nothing kept for a backward one (a frozen
+    model): one layer's intermediates at a time, the residual stream in and out, the mask, and
+    float32 logits with their log-softmax at `logit_positions` per row."""
+    per_layer, mask, v, db = _layer_bytes(m, rows, length, tensor)
+    residual = 2 * rows * length * m.hidden_size * db
+    return int(per_layer + residual + mask + 2 * rows * logit_positions * v * 4)
+
+
+def _abstract_mesh(cfg: TrainConfig, chip: str | None):
+    """(chip, its HBM bytes, mesh axis sizes, AbstractMesh, data x fsdp, rows per micro-batch)
+    of a dry run, or an error naming what is missing."""
     chip = chip or cfg.target_chip
     if chip is None:
         raise DryRunError(f"no target chip: set target_chip in the config or pass --chip "
@@ -154,6 +186,15 @@ def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
     if micro % dp:
         raise DryRunError(f"global_batch_size / grad_accum = {micro} is not a multiple of "
                           f"data x fsdp = {dp}")
+    return chip, hbm, axis_sizes, mesh, dp, micro
+
+
+def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
+    """The memory report of the config's train step (objective=commit_head: of the commit
+    head's, see `dry_run_commit_head`)."""
+    if cfg.objective == "commit_head":
+        return dry_run_commit_head(cfg, chip)
+    chip, hbm, axis_sizes, mesh, dp, micro = _abstract_mesh(cfg, chip)
     model_cfg = _model_config_for(cfg)
     tx = make_optimizer(cfg.optimizer, cfg.steps)
     length = cfg.max_length
@@ -183,3 +224,57 @@ def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
                                           cfg.model.remat),
         lowered=True, lower_seconds=seconds, micro_batch_per_device=micro // dp,
         streamed_length=streamed)
+
+
+def _proposer_config_for(cfg: TrainConfig) -> ModelConfig:
+    """The commit head's proposer shapes: its checkpoint's config when it is on this machine,
+    else `proposer_shape_preset`."""
+    import os
+
+    from prove_jax.checkpoint import load_config
+    if cfg.proposer and os.path.isdir(cfg.proposer):
+        return load_config(cfg.proposer)
+    if not cfg.proposer_shape_preset:
+        where = (f"the proposer checkpoint {cfg.proposer} is not on this machine" if cfg.proposer
+                 else "no proposer=PATH given")
+        raise DryRunError(f"{where}: set proposer_shape_preset to a preset with its shapes "
+                          f"({', '.join(PRESETS)})")
+    model_cfg = preset(cfg.proposer_shape_preset)
+    if model_cfg.mask_token_id is None:  # shape-neutral: the trained proposer has one
+        model_cfg = model_cfg.replace(mask_token_id=model_cfg.vocab_size - 1)
+    return model_cfg
+
+
+def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
+    """The commit head's step (two forwards of the frozen proposer and one of the frozen
+    verifier, both float32, and the small head's update), lowered for TPU on an abstract
+    mesh: the frozen models are counted exactly from their shards, the forwards estimated."""
+    from prove_jax.commit_head import (FROZEN_DTYPE, abstract_step_number, frozen_config,
+                                       head_layout, head_optimizer, jit_head_step)
+    chip, hbm, axis_sizes, mesh, dp, micro = _abstract_mesh(cfg, chip)
+    proposer_cfg, verifier_cfg = _proposer_config_for(cfg), _model_config_for(cfg)
+    tx = head_optimizer(cfg)
+    with jax.sharding.use_abstract_mesh(mesh):
+        layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
+        step = jit_head_step(cfg, layout, tx, mesh, proposer_cfg.mask_token_id)
+        t0 = time.perf_counter()
+        step.trace(layout.state, layout.frozen, abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
+                   abstract_step_number(mesh)).lower(lowering_platforms=("tpu",))
+        seconds = time.perf_counter() - t0
+    rows, k = cfg.global_batch_size // dp, cfg.block_size
+    head_b = _shard_bytes(layout.state["head"])
+    # the proposer's second forward is the longer one: [context, block], max_length positions
+    activations = max(forward_activation_bytes(frozen_config(proposer_cfg), rows, cfg.max_length,
+                                               axis_sizes[2], k),
+                      forward_activation_bytes(frozen_config(verifier_cfg), rows, cfg.max_length,
+                                               axis_sizes[2], k - 1))
+    return DryRunReport(
+        chip=chip, hbm_bytes=hbm, mesh=dict(zip(MESH_AXES, axis_sizes)),
+        devices=math.prod(axis_sizes), model_params=proposer_cfg.num_params + verifier_cfg.num_params,
+        param_bytes=head_b, grad_bytes=head_b, opt_bytes=_shard_bytes(layout.state["opt_state"]),
+        activation_bytes=activations, lowered=True, lower_seconds=seconds,
+        micro_batch_per_device=rows, streamed_length=cfg.max_length,
+        frozen_bytes=_shard_bytes(layout.frozen),
+        subject=(f"commit head on a {proposer_cfg.num_params / 1e9:.2f}B proposer and a "
+                 f"{verifier_cfg.num_params / 1e9:.2f}B verifier (frozen, {FROZEN_DTYPE})"),
+        step_name="commit-head step")

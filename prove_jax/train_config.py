@@ -64,6 +64,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     objective: str = "mars"  # mars | ar | commit_head (verifier head; see prove_jax/commit_head.py)
     proposer: str | None = None  # commit_head: the MARS proposer checkpoint whose blocks are judged
+    # --dry-run of commit_head only: a preset with the proposer's shapes, used when its
+    # checkpoint is not on this machine
+    proposer_shape_preset: str | None = None
     block_size: int = 16
     ar_weight: float = 1.0
     data: str | None = None  # text file, folder of text files, or JSONL

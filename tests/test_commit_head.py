@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,14 +14,15 @@ from flax import nnx
 
 from infer import generate
 from prove_jax.checkpoint import CheckpointError, save_model
-from prove_jax.commit_head import (CommitHead, load_commit_head, propose_and_label,
-                                   sample_contexts, save_commit_head, train_commit_head,
-                                   verifier_inputs)
+from prove_jax.commit_head import (CommitHead, head_examples, head_loss, load_commit_head,
+                                   propose_and_label, sample_contexts, save_commit_head,
+                                   train_commit_head, verifier_inputs)
 from prove_jax.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.params import create_model
 from prove_jax.train_config import load_config
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
+from tests.vocab_helpers import with_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -192,3 +194,106 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
     with pytest.raises(ValueError, match="no row of the batch has a trained .* within its first "
                                          "max_length - block_size = 28 tokens"):
         train_commit_head(cfg, show_bar=False)
+
+
+def test_pairs_sharing_a_tokenizer_may_differ_in_padded_rows_other_vocabularies_are_refused(
+        tmp_path, capsys, proposer, verifier):
+    """The paper's pair (Qwen2.5-32B: 152,064 rows, -3B: 151,936, one tokenizer) must train a
+    head and decode; a verifier without a row for every token, or with its own tokenizer,
+    must not: both CLIs say which, before any weight is read, and write nothing."""
+    tok = make_tokenizer(300)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
+    wide = create_model(verifier.cfg.replace(vocab_size=320), seed=12)  # more rows than the proposer
+    save_model(str(tmp_path / "v"), wide, tokenizer_dir=str(tmp_path / "tok"))
+    save_model(str(tmp_path / "narrow"), create_model(verifier.cfg.replace(vocab_size=256, mask_token_id=None), seed=12),
+               tokenizer_dir=str(tmp_path / "tok"))
+    make_tokenizer(300, modules=("textwrap",)).save_pretrained(str(tmp_path / "other_tok"))
+    save_model(str(tmp_path / "other"), wide, tokenizer_dir=str(tmp_path / "other_tok"))
+    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
+
+    def head_config(verifier_dir, run):
+        return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+            "objective=commit_head", f"proposer={tmp_path / 'p'}", f"model.checkpoint={verifier_dir}",
+            f"data={tmp_path / 'data.txt'}", "steps=1", "max_length=32", "block_size=4",
+            "global_batch_size=8", f"run_dir={tmp_path / run}", "tokenizer.bpe_vocab_size=null"])
+
+    result = train_commit_head(head_config(tmp_path / "v", "run"), show_bar=False)
+    assert np.isfinite(result["records"][-1]["loss"])
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(_prompts())))
+    common = ["--model", str(tmp_path / "p"), "--mode", "verify", "--block-size", "4", "--input", str(inp),
+              "--max-new-tokens", "8"]
+    out = tmp_path / "out.jsonl"
+    assert generate.main(common + ["--verifier", result["model_dir"], "--commit-rule", "head",
+                                   "--output", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 3
+
+    narrow, other = tmp_path / "narrow", tmp_path / "other"
+    for verifier_dir, decode_error, train_error in [
+        (narrow, f"the verifier {narrow} has 256 embedding rows, but the tokenizer in {tmp_path / 'p'} "
+                 f"has ids up to 299: the verifier was trained on another vocabulary",
+         f"the verifier {narrow} has 256 embedding rows, but the tokenizer in {narrow} has ids up to 299"),
+        (other, f"the verifier's tokenizer ({other}) is not the one in {tmp_path / 'p'}: ",
+         f"the proposer's tokenizer ({tmp_path / 'p'}) is not the one in {other}: ")]:
+        bad = tmp_path / "bad.jsonl"
+        assert generate.main(common + ["--verifier", str(verifier_dir), "--output", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {decode_error}" in err and not bad.exists()
+        with pytest.raises(ValueError, match=re.escape(train_error)):
+            train_commit_head(head_config(verifier_dir, "run_bad"), show_bar=False)
+        assert not (tmp_path / "run_bad").exists()
+
+
+def test_head_examples_read_a_draft_past_the_verifier_rows_as_decoding_does(proposer, verifier):
+    """A proposer with more rows than the verifier drafts ids the verifier cannot read: they must
+    reach it as 0 (not NaN, which poisoned every later position) and never be a commit target."""
+    eager = with_rows(proposer, 320, copy_of=77, scale=2.0)
+    ids = jnp.asarray(np.random.RandomState(0).randint(5, 290, (8, 32)))
+    trained = jnp.ones(ids.shape, bool)
+
+    key = jax.random.key(0)
+
+    @nnx.jit
+    def examples(proposer, verifier):
+        ctx, ctx_valid, _ = sample_contexts(ids, trained, trained, 28, key)
+        block, _ = propose_and_label(proposer, ctx, 4, CFG.mask_token_id, ctx_valid)
+        return block, head_examples(proposer, verifier, ids, trained, trained, key, context_len=28,
+                                    block_size=4, mask_id=CFG.mask_token_id)
+
+    block, ex = examples(eager, verifier)
+    past = np.asarray(block[:, 1:]) >= 300  # drafts the verifier has no row for
+    assert past.any()
+    assert np.isfinite(np.asarray(ex.hidden)).all() and np.isfinite(np.asarray(ex.vlogits)).all()
+    assert (np.asarray(ex.nxt) < 300).all()
+    assert (np.asarray(ex.labels)[np.cumsum(past, axis=1) > 0] == 0).all()
+    head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
+    assert np.isfinite(float(head_loss(head, ex)[0]))
+
+
+def test_a_commit_head_step_that_cannot_fit_is_refused_before_any_weight_is_read(
+        tmp_path, capsys, monkeypatch, proposer, verifier):
+    """A 32B proposer takes minutes to read: the step is compiled and its memory (both frozen
+    models, their forwards, the head) checked from the configs first."""
+    from prove_jax import checkpoint, memory
+    tok = make_tokenizer(300)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
+    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
+    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
+    monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("weights read before the memory check")
+    monkeypatch.setattr(checkpoint, "load_model", no_reading)
+    from train.train import main
+    assert main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "objective=commit_head",
+                 f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}",
+                 f"data={tmp_path / 'data.txt'}", "max_length=32", "block_size=4", "global_batch_size=8",
+                 f"run_dir={tmp_path / 'run'}", "tokenizer.bpe_vocab_size=null", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "compiled the commit-head step" in err
+    assert re.search(r"error: a commit-head step of 8 x 32 tokens \(the frozen proposer and verifier in "
+                     r"float32, their forwards, the head\) needs \d+\.\d\d GiB, but the host has 0\.00 GiB "
+                     r"free: lower global_batch_size or max_length, or use more devices", err), err
+    assert not (tmp_path / "run").exists()

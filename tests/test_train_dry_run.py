@@ -65,3 +65,33 @@ def test_dry_run_counts_the_gradient_sum_of_accumulation(tmp_path):
     two = dry_run(tiny_config(tmp_path, overrides=["optimizer.grad_accum=2"], target_chip="v5e"))
     assert one.grad_bytes == one.param_bytes > 0
     assert two.grad_bytes == 2 * one.grad_bytes and two.param_bytes == one.param_bytes
+
+
+VERIFIER = os.path.join(REPO, "configs", "verifier_qwen2.5_3b.yaml")
+COMMIT_HEAD = ["objective=commit_head", "proposer=runs/qwen32b-mars/model",
+               "model.checkpoint=runs/verifier-3b/model"]  # the README's recipe: not on this machine
+
+
+def test_commit_head_recipe_fits_its_v5p_slice(capsys):
+    """The 32B proposer and 3B verifier, frozen in float32, on the verifier's 16-chip mesh: the
+    commit-head step lowers for TPU and both models are counted from their shards."""
+    report = dry_run(load_config(VERIFIER, COMMIT_HEAD))
+    out = report.describe()
+    assert "commit head on a 32.76B proposer and a 3.09B verifier" in out
+    assert "commit-head step lowered for TPU: ok" in out and "FITS" in out and "DOES NOT FIT" not in out
+    assert report.devices == 16 and report.micro_batch_per_device == 16
+    assert abs(report.frozen_bytes - (32.76e9 + 3.09e9) * 4 / 16) / report.frozen_bytes < 0.02
+    assert report.param_bytes == report.grad_bytes < 1e6  # the head: (2048 + 3) x 64 + ...
+    assert 0 <= report.opt_bytes - 2 * report.param_bytes < 64  # Adam's two moments and its count
+    assert 0 < report.activation_bytes < 8 * GIB and report.fits
+    # without the proposer's checkpoint or its shapes there is nothing to count
+    assert main(["--config", VERIFIER, "--dry-run", *COMMIT_HEAD, "proposer_shape_preset=null"]) == 2
+    assert ("error: the proposer checkpoint runs/qwen32b-mars/model is not on this machine: set "
+            "proposer_shape_preset") in capsys.readouterr().err
+
+
+def test_commit_head_on_too_few_chips_does_not_fit(capsys):
+    # 35.9B float32 parameters over 2 chips: 66.8 GiB each, and the forwards: over 90% of 95 GiB
+    assert main(["--config", VERIFIER, "--dry-run", *COMMIT_HEAD, "mesh=[1,2,1]"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "frozen models   66.78 GiB" in out, out

@@ -194,10 +194,12 @@ def test_values_that_used_to_fail_mid_run_are_config_errors(tmp_path, capsys):
     assert "tokenizer.bpe_vocab_size=4096 is larger than the model's vocab_size=320" in \
         capsys.readouterr().err
     assert not run_dir.exists()
-    # --dry-run of the commit head objective (was a ValueError traceback)
-    assert main(["--config", cfg_path, "objective=commit_head", "--dry-run"]) == 2
+    # --dry-run of the commit head objective without the proposer's shapes (was a ValueError
+    # traceback, then refused: there was no commit-head dry run)
+    assert main(["--config", cfg_path, "objective=commit_head", "mesh=[1,1,1]", "--dry-run",
+                 "--chip", "v5e"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --dry-run checks the memory") and "\n" not in err, err
+    assert err.startswith("error: no proposer=PATH given: set proposer_shape_preset") and "\n" not in err, err
 
 
 def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):

@@ -41,11 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         from prove_jax.train_config import load_config
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            if cfg.objective == "commit_head":
-                from prove_jax.train_config import TrainConfigError
-                raise TrainConfigError("--dry-run checks the memory of the proposer / verifier train "
-                                       "step; objective=commit_head trains only a small head on "
-                                       "frozen models and has no dry run")
             from prove_jax.dry_run import dry_run
             report = dry_run(cfg, chip=args.chip)
             print(report.describe())
