@@ -16,7 +16,12 @@ still learns the greedy continuations. Four such rounds, each distilling the cur
 README's "Self-distillation" section.
 
     python -m prove_jax.distill --model CKPT --corpus CORPUS_DIR --out distill.jsonl \\
-        [--num-prompts 2048] [--max-new-tokens 128] [--batch-size 32] [--mix-corpus-chars 2000000]
+        [--num-prompts 2048] [--max-new-tokens 128] [--batch-size 32] [--mix-corpus-chars 2000000] \\
+        [--mesh 4,1,2]
+
+`--mesh data,fsdp,tensor` splits the batch over data x fsdp and the model over tensor, as
+`infer.generate` does; on several hosts the same command runs on each
+(`--coordinator/--num-processes/--process-id` off TPU), and process 0 alone logs and writes.
 
 Prompts are the documented functions of the corpus's *train* split (signature + docstring,
 as in `prove_jax.corpus`), or any `{"id", "prompt"}` JSONL given with `--prompts`.
@@ -32,6 +37,7 @@ import sys
 import time
 from typing import Sequence
 
+from prove_jax import distributed
 from prove_jax.corpus import CorpusError, function_prompts, iter_source_files, iter_texts
 
 
@@ -68,11 +74,11 @@ def sample_prompts(records: Sequence[dict], num: int | None, seed: int) -> list[
 
 
 def distill_records(decoder, prompt_ids: Sequence[Sequence[int]], ids: Sequence[str],
-                    max_new_tokens: int, batch_size: int, log=print) -> list[dict]:
+                    max_new_tokens: int, batch_size: int, log=print, progress: bool = True) -> list[dict]:
     """Greedy continuations as `{"id", "prompt_ids", "response_ids"}` records."""
     from prove_jax.decoding.requests import run_requests
     t0 = time.perf_counter()
-    outputs, _, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size, progress=True)
+    outputs, _, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size, progress=progress)
     log(f"distill: {summary['generated_tokens']} tokens for {len(outputs)} prompts in "
         f"{time.perf_counter() - t0:.0f}s ({summary['tokens_per_second']:.0f} tok/s decoding)")
     return [{"id": i, "prompt_ids": list(map(int, p)), "response_ids": list(map(int, o))}
@@ -95,13 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mix-corpus-chars", type=int, default=0,
                     help="also write about this many characters of real train-split text (needs --corpus)")
+    ap.add_argument("--mesh", default=None,
+                    help="data,fsdp,tensor device mesh, e.g. 4,1,2 (default: all devices on data)")
+    distributed.add_arguments(ap)
     args = ap.parse_args(argv)
 
     from prove_jax.checkpoint import CheckpointError, atomic_write_text
     from prove_jax.decoding.engine import DecodeError, DecodeOptions
     from prove_jax.decoding.loading import build_decoder
     from prove_jax.decoding.requests import check_output_path, encode_prompts, read_requests
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    main_process = True
+
+    def log(msg: str) -> None:
+        if main_process:
+            print(msg, file=sys.stderr, flush=True)
     try:
         for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                             ("--max-prompt-tokens", args.max_prompt_tokens), ("--num-prompts", args.num_prompts)):
@@ -112,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         check_output_path(args.out, args.prompts, flag="--out")  # before decoding, not at the write
         if args.mix_corpus_chars and not args.corpus:
             raise DecodeError("--mix-corpus-chars takes its text from --corpus")
+        distributed.initialize_from_args(args)  # before anything touches a device
+        main_process = distributed.is_main_process()
         records = read_requests(args.prompts) if args.prompts else train_function_prompts(args.corpus)
-        decoder, tokenizer = build_decoder(args.model, DecodeOptions(mode="ar"))
+        decoder, tokenizer = build_decoder(args.model, DecodeOptions(mode="ar"), mesh_shape=args.mesh)
         ids = encode_prompts(records, tokenizer)
         kept = [(r, p) for r, p in zip(records, ids) if 0 < len(p) <= args.max_prompt_tokens]
         kept = sample_prompts(kept, args.num_prompts, args.seed)
@@ -121,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             raise DecodeError(f"no prompt of 1..{args.max_prompt_tokens} tokens to distill")
         log(f"distill: {len(kept)} prompts (of {len(records)}), {args.max_new_tokens} new tokens each")
         out = distill_records(decoder, [p for _, p in kept], [r["id"] for r, _ in kept],
-                              args.max_new_tokens, args.batch_size, log=log)
+                              args.max_new_tokens, args.batch_size, log=log, progress=main_process)
         if args.mix_corpus_chars > 0:
             text = corpus_text_sample(args.corpus, args.mix_corpus_chars, args.seed)
             log(f"distill: + {len(text)} train-split files ({sum(len(t['text']) for t in text):,} chars) of real text")
             out += text
-        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in out))
+        if main_process:
+            atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in out))
     except (CorpusError, CheckpointError, DecodeError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,6 +38,11 @@ def test_records_are_greedy_continuations(tmp_path, ckpt, capsys):
     assert load_examples(str(out)) == [{"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]}
                                        for r in records]
     assert "wrote" in capsys.readouterr().err
+    # the batch over 4 data shards, the model over 2 tensor shards: the same records
+    sharded = tmp_path / "sharded.jsonl"
+    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(sharded), "--mesh", "4,1,2",
+                         "--max-new-tokens", "20", "--batch-size", "3", "--max-prompt-tokens", "10"]) == 0
+    assert sharded.read_text() == out.read_text()
 
 
 def test_errors_leave_no_output(tmp_path, ckpt, capsys):

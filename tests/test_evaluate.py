@@ -53,12 +53,19 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
     expected = evaluate.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
     assert result["nll"] == pytest.approx(expected["nll"], rel=1e-5) and result["rows"] == 5
     assert "perplexity" in out.err
+    # sharded: rows over data x fsdp = 4 (the batch of 2 rounded up to 4), the model over tensor
+    assert evaluate.main(["--model", ckpt, "--data", str(data), "--max-length", "32", "--max-rows", "5",
+                          "--batch-size", "2", "--mesh", "2,2,2"]) == 0
+    [sharded] = json.loads(capsys.readouterr().out)
+    assert sharded["nll"] == pytest.approx(expected["nll"], rel=1e-5)
+    assert (sharded["top1_accuracy"], sharded["tokens"]) == (expected["top1_accuracy"], expected["tokens"])
     for args, expect in [(["--model", str(tmp_path / "nope"), "--data", str(data)], "nope"),
                          (["--model", ckpt, "--data", str(tmp_path / "missing.txt")], "data path not found"),
                          (["--model", no_tok, "--data", str(data)], "has no tokenizer"),
                          (["--model", ckpt, "--data", str(data), "--max-length", "1"], "no tokens to evaluate"),
                          (["--model", ckpt, "--data", str(data), "--max-length", "100000"],
-                          "--max-length 100000 is past")]:
+                          "--max-length 100000 is past"),
+                         (["--model", ckpt, "--data", str(data), "--mesh", "16,1,1"], "needs 16 devices")]:
         assert evaluate.main(args) == 2
         err = capsys.readouterr().err
         assert expect in err and "Traceback" not in err, err
