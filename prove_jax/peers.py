@@ -212,10 +212,15 @@ def hf_assisted(model, draft, prompts: Sequence[Sequence[int]], max_new_tokens: 
     `num_assistant_tokens` / `assistant_confidence_threshold` are set on the draft's
     generation config (transformers reads them there); None keeps transformers' defaults
     (20 tokens, constant schedule, confidence threshold 0.4 in 5.24).
+
+    The two must share a tokenizer, not a row count (Qwen2.5-3B pads its ids to 151,936 rows,
+    -32B to 152,064). transformers takes any difference in rows for another tokenizer and
+    would switch to its cross-tokenizer text round trip, so the draft's embedding rows are
+    resized in place to the target's (new rows at the mean of the old ones, rarely a draft's
+    argmax). Assisted greedy stays lossless whatever the draft proposes.
     """
     if draft.config.vocab_size != model.config.vocab_size:
-        raise PeerError(f"draft vocab {draft.config.vocab_size} != target vocab "
-                        f"{model.config.vocab_size}: they must share the tokenizer")
+        draft.resize_token_embeddings(model.config.vocab_size)
     draft.eval()
     if num_assistant_tokens is not None:
         draft.generation_config.num_assistant_tokens = int(num_assistant_tokens)
