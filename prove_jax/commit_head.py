@@ -258,23 +258,15 @@ def frozen_config(model_cfg):
 
 def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, mesh, seed: int = 0) -> HeadLayout:
     """The `HeadLayout` of a proposer/verifier pair on `mesh` (a real or an abstract one)."""
-    from prove_jax import sharding
-    from prove_jax.params import abstract_model
+    from prove_jax.params import abstract_model, abstract_sharded
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def placed(tree, shardings):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
     frozen, defs = {}, {}
     for name, cfg in (("proposer", proposer_cfg), ("verifier", verifier_cfg)):
-        defs[name], abstract = nnx.split(abstract_model(frozen_config(cfg)))
-        shardings = sharding.state_shardings(abstract, mesh)
-        shardings = nnx.to_pure_dict(shardings) if isinstance(shardings, nnx.State) else shardings
-        frozen[name] = placed(nnx.to_pure_dict(abstract), shardings)
+        defs[name], frozen[name] = abstract_sharded(abstract_model(frozen_config(cfg)), mesh)
     head_def, head = nnx.split(nnx.eval_shape(lambda: CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(seed))))
     head = nnx.to_pure_dict(head)
-    state = {"head": head, "opt_state": jax.eval_shape(tx.init, head)}
-    state = placed(state, jax.tree.map(lambda _: replicated, state))
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                         {"head": head, "opt_state": jax.eval_shape(tx.init, head)})
     return HeadLayout(defs["proposer"], defs["verifier"], head_def, state, frozen)
 
 
@@ -377,7 +369,7 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     from the configs, then the two frozen models are read straight into their shardings (a
     32B proposer is 128 GB in float32); each host feeds its own rows of the global batch, and
     the small head and its optimizer state are replicated."""
-    from prove_jax import data as data_lib
+    from prove_jax import data as data_lib, distributed
     from prove_jax.checkpoint import CheckpointError, load_config, load_model, load_tokenizer
     from prove_jax.train_config import TrainConfigError
     from prove_jax.train_step import BATCH_SPEC
@@ -408,17 +400,14 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
     step = compile_head_step(layout, tx, mesh, cfg, mask_id, log_main)
 
-    frozen = {"proposer": load_model(cfg.proposer, mesh=mesh, dtype=FROZEN_DTYPE, param_dtype=FROZEN_DTYPE),
-              "verifier": load_model(cfg.model.checkpoint, mesh=mesh, dtype=FROZEN_DTYPE,
-                                     param_dtype=FROZEN_DTYPE)}
-    verifier = frozen["verifier"]
-    frozen = {name: nnx.to_pure_dict(nnx.state(model)) for name, model in frozen.items()}
-    head = CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
-    params = nnx.to_pure_dict(nnx.state(head))
+    frozen = {name: nnx.to_pure_dict(nnx.state(load_model(path, mesh=mesh, dtype=FROZEN_DTYPE,
+                                                          param_dtype=FROZEN_DTYPE)))
+              for name, path in (("proposer", cfg.proposer), ("verifier", cfg.model.checkpoint))}
+    params = nnx.to_pure_dict(nnx.state(CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))))
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = jax.device_put({"head": params, "opt_state": tx.init(params)}, everywhere)
 
-    main = jax.process_index() == 0
+    main = distributed.is_main_process()
     if main:
         os.makedirs(cfg.run_dir, exist_ok=True)
     records = []
@@ -440,11 +429,7 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
                           f"{rec['length_accuracy']:.2f}, AR-match length {rec['ar_match_length']:.2f}, "
                           f"predicted {rec['predicted_length']:.2f}", file=sys.stderr, flush=True)
     out = os.path.join(cfg.run_dir, "model")
-    graphdef, params = nnx.split(verifier)
-    export_model(out, graphdef, nnx.to_pure_dict(params), verifier.cfg, tok_dir)
-    trained = nnx.state(head)
-    nnx.replace_by_pure_dict(trained, state["head"])
-    nnx.update(head, trained)
-    save_commit_head(out, head)
+    export_model(out, layout.verifier_def, frozen["verifier"], frozen_config(verifier_cfg), tok_dir)
+    save_commit_head(out, nnx.merge(layout.head_def, state["head"]))
     log_main(f"exported verifier + commit head to {out}")
     return {"records": records, "model_dir": out, "final_step": cfg.steps}

@@ -33,6 +33,7 @@ from prove_jax import distributed
 from prove_jax.data import load_examples, tokenize_examples
 from prove_jax.model import causal_mask
 from prove_jax.objectives import next_token_targets, token_nll
+from prove_jax.sharding import batch_shards
 from prove_jax.train_step import BATCH_SPEC
 
 
@@ -43,7 +44,7 @@ def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
     place = lambda batch: batch  # noqa: E731
     out_shardings = None
     if mesh is not None:
-        shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        shards = batch_shards(mesh)
         batch_size = -(-batch_size // shards) * shards
         rows_sharding = NamedSharding(mesh, BATCH_SPEC)
         place = lambda batch: jax.device_put(batch, rows_sharding)  # noqa: E731
@@ -62,14 +63,14 @@ def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
 
     n = rows.input_ids.shape[0]
     nll = hits = count = 0.0
-    for start in range(0, n, batch_size):
-        sl = slice(start, start + batch_size)
-        batch = {"input_ids": rows.input_ids[sl], "loss_mask": rows.loss_mask[sl], "valid": rows.valid[sl]}
-        pad = batch_size - batch["input_ids"].shape[0]  # one shape for every batch: one compile
-        batch = {k: np.pad(v, ((0, pad), (0, 0))) for k, v in batch.items()}
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        for start in range(0, n, batch_size):
+            sl = slice(start, start + batch_size)
+            batch = {"input_ids": rows.input_ids[sl], "loss_mask": rows.loss_mask[sl], "valid": rows.valid[sl]}
+            pad = batch_size - batch["input_ids"].shape[0]  # one shape for every batch: one compile
+            batch = {k: np.pad(v, ((0, pad), (0, 0))) for k, v in batch.items()}
             s = sums(state, place(batch))
-        nll, hits, count = nll + float(s[0]), hits + float(s[1]), count + float(s[2])
+            nll, hits, count = nll + float(s[0]), hits + float(s[1]), count + float(s[2])
     mean = nll / max(count, 1.0)
     return {"nll": mean, "perplexity": float(np.exp(mean)), "top1_accuracy": hits / max(count, 1.0),
             "tokens": int(count), "rows": int(n)}

@@ -17,6 +17,19 @@ def abstract_model(cfg: ModelConfig, remat: bool = False) -> Qwen2:
     return nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0), remat=remat))
 
 
+def abstract_sharded(abstract: Qwen2, mesh, rules: Mapping = sharding.DEFAULT_RULES
+                     ) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, {name: ShapeDtypeStruct with its NamedSharding on `mesh`}) of an abstract
+    model's parameters, as the logical-axis rules place them (and `checkpoint.load_model`
+    reads them): what a jit, a restore or a dry run needs, nothing allocated."""
+    graphdef, state = nnx.split(abstract)
+    shardings = sharding.state_shardings(state, mesh, rules)
+    shardings = nnx.to_pure_dict(shardings) if isinstance(shardings, nnx.State) else shardings
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nnx.to_pure_dict(state), shardings)
+    return graphdef, placed
+
+
 def create_model(cfg: ModelConfig, seed: int = 0, mesh=None,
                  rules: Mapping = sharding.DEFAULT_RULES, remat: bool = False) -> Qwen2:
     """Random-init model; with a mesh, each parameter is created directly in its sharding."""

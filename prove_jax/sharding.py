@@ -36,6 +36,11 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
 }
 
 
+def batch_shards(mesh) -> int:
+    """How many ways a batch's rows are split: data x fsdp (`DEFAULT_RULES["batch"]`)."""
+    return math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp"))
+
+
 def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
               axis_names: Sequence[str] = MESH_AXES, devices=None) -> Mesh:
     """A device mesh with Auto axis types (classic GSPMD propagation), stated explicitly.

@@ -63,10 +63,9 @@ class StateLayout:
 def state_layout(abstract_model, tx: optax.GradientTransformation, mesh) -> StateLayout:
     """Shardings of params (logical-axis table), optimizer moments (follow params), step."""
     from prove_jax.optim import opt_state_shardings
-    graphdef, abstract_state = nnx.split(abstract_model)
-    param_sh = sharding.state_shardings(abstract_state, mesh)
-    param_sh = nnx.to_pure_dict(param_sh) if isinstance(param_sh, nnx.State) else param_sh
-    abs_params = nnx.to_pure_dict(abstract_state)
+    from prove_jax.params import abstract_sharded
+    graphdef, abs_params = abstract_sharded(abstract_model, mesh)
+    param_sh = jax.tree.map(lambda a: a.sharding, abs_params)
     opt_sh, abs_opt = opt_state_shardings(tx, abs_params, param_sh, mesh)
     shardings = {"params": param_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
     abstract = {"params": abs_params, "opt_state": abs_opt,

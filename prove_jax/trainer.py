@@ -271,7 +271,7 @@ def check_hosts_split_the_batch(mesh, process_of=lambda d: d.process_index) -> N
     processes = sorted({process_of(d) for d in mesh.devices.flat})
     if len(processes) == 1:
         return
-    shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))  # one row each below
+    shards = sharding.batch_shards(mesh)  # one row each below
     owned: dict[int, set] = {p: set() for p in processes}
     for device, index in NamedSharding(mesh, BATCH_SPEC).devices_indices_map((shards,)).items():
         owned[process_of(device)].add(index[0].indices(shards)[:2])
@@ -299,7 +299,7 @@ def config_mesh(cfg: TrainConfig, log: Callable[[str], None] = log_main):
 
 def check_batch_layout(cfg: TrainConfig, mesh) -> None:
     check_hosts_split_the_batch(mesh)
-    rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+    rows = sharding.batch_shards(mesh)
     micro = cfg.global_batch_size // cfg.optimizer.grad_accum
     if cfg.global_batch_size % jax.process_count():
         raise TrainConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "

@@ -26,6 +26,7 @@ from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.model import KVCache, StepMask, causal_mask, readable_tokens
+from prove_jax.sharding import batch_shards
 
 MODES = ("ar", "threshold", "lossless", "verify")
 # Prompts are prefilled in chunks of this many tokens inside the compiled program, as many as
@@ -296,8 +297,7 @@ class Decoder:
         return _round_up(min(batch_size, num_requests), self._data_size())
 
     def _data_size(self) -> int:
-        return 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")
-                                                        if a in self.mesh.shape]))
+        return 1 if self.mesh is None else batch_shards(self.mesh)
 
     # ---- the compiled program ---------------------------------------------------------------
 
