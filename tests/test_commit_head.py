@@ -44,6 +44,14 @@ def _prompts():
     return [rs.randint(5, 290, n).tolist() for n in (6, 6, 6)]
 
 
+def _save_pair(tmp_path, proposer, verifier) -> None:
+    """tmp_path/p and /v: the pair saved with one 300-token tokenizer (/tok); /data.txt: text."""
+    make_tokenizer(300).save_pretrained(str(tmp_path / "tok"))
+    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
+    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
+    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
+
+
 def test_labels_match_greedy_ar(proposer):
     k = 5
     prompts = _prompts()
@@ -104,11 +112,7 @@ def test_head_for_another_verifier_is_refused(proposer, verifier):
 
 
 def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
-    tok = make_tokenizer(300)
-    tok.save_pretrained(str(tmp_path / "tok"))
-    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
-    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
-    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
+    _save_pair(tmp_path, proposer, verifier)
     r = subprocess.run(
         [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
          f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}",
@@ -168,10 +172,7 @@ def test_left_padded_contexts_propose_and_judge_like_unpadded_ones(proposer, ver
 def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier):
     """SFT rows are right-padded: the head used to weight only rows without padding, so it got
     loss 0 and learnt nothing; and warmup_ratio=1 (or steps=1) was an optax traceback."""
-    tok = make_tokenizer(300)
-    tok.save_pretrained(str(tmp_path / "tok"))
-    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
-    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
+    _save_pair(tmp_path, proposer, verifier)
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f" return x + {i}"}) + "\n"
                             for i in range(8)))
@@ -201,16 +202,12 @@ def test_pairs_sharing_a_tokenizer_may_differ_in_padded_rows_other_vocabularies_
     """The paper's pair (Qwen2.5-32B: 152,064 rows, -3B: 151,936, one tokenizer) must train a
     head and decode; a verifier without a row for every token, or with its own tokenizer,
     must not: both CLIs say which, before any weight is read, and write nothing."""
-    tok = make_tokenizer(300)
-    tok.save_pretrained(str(tmp_path / "tok"))
-    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
     wide = create_model(verifier.cfg.replace(vocab_size=320), seed=12)  # more rows than the proposer
-    save_model(str(tmp_path / "v"), wide, tokenizer_dir=str(tmp_path / "tok"))
+    _save_pair(tmp_path, proposer, wide)
     save_model(str(tmp_path / "narrow"), create_model(verifier.cfg.replace(vocab_size=256, mask_token_id=None), seed=12),
                tokenizer_dir=str(tmp_path / "tok"))
     make_tokenizer(300, modules=("textwrap",)).save_pretrained(str(tmp_path / "other_tok"))
     save_model(str(tmp_path / "other"), wide, tokenizer_dir=str(tmp_path / "other_tok"))
-    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
 
     def head_config(verifier_dir, run):
         return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
@@ -276,11 +273,7 @@ def test_a_commit_head_step_that_cannot_fit_is_refused_before_any_weight_is_read
     """A 32B proposer takes minutes to read: the step is compiled and its memory (both frozen
     models, their forwards, the head) checked from the configs first."""
     from prove_jax import checkpoint, memory
-    tok = make_tokenizer(300)
-    tok.save_pretrained(str(tmp_path / "tok"))
-    save_model(str(tmp_path / "p"), proposer, tokenizer_dir=str(tmp_path / "tok"))
-    save_model(str(tmp_path / "v"), verifier, tokenizer_dir=str(tmp_path / "tok"))
-    (tmp_path / "data.txt").write_text(stdlib_text(("textwrap",)))
+    _save_pair(tmp_path, proposer, verifier)
     monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
 
     def no_reading(*args, **kwargs):
