@@ -75,7 +75,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def log_main(msg: str) -> None:
     """A line on stderr from host 0 only (every host runs the same code)."""
-    if jax.process_index() == 0:
+    if distributed.is_main_process():
         print(msg, file=sys.stderr, flush=True)
 
 
