@@ -359,7 +359,13 @@ class Qwen2(nnx.Module):
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # The table is split [vocab over tensor, embed over fsdp] like every weight; gathered
+        # straight from that layout, the rows come out split over fsdp along embed while the
+        # batch wants fsdp too, and GSPMD "involuntarily rematerialises" the whole [B, T, D]
+        # activation on every device. Gathering the table over fsdp first, as FSDP does for
+        # every other weight it uses, keeps the lookup a local gather plus a sum over tensor.
+        table = constrain(self.embed[...], ("vocab", None))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "sequence", "embed"))
         # Materialised once per forward: left to fusion, XLA:CPU recomputed cos/sin inside
         # every layer's rotary fusion, per element of q and k.

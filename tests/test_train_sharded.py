@@ -140,3 +140,30 @@ def test_a_mesh_whose_hosts_share_batch_rows_is_refused():
         with pytest.raises(TrainConfigError, match="does not split the batch across the 2 processes"):
             check_hosts_split_the_batch(make_mesh(shape, devices=jax.devices()), host)
     check_hosts_split_the_batch(make_mesh((1, 1, 8), devices=jax.devices()))  # one host: anything goes
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 1), (2, 2, 2)])
+def test_no_collective_moves_activations_between_batch_shards(mesh_shape, capfd):
+    """Rows split over data x fsdp stay on their devices through the whole step. The embedding
+    lookup once gathered the table's rows still split over fsdp along hidden, so its output was
+    split over fsdp twice (rows and hidden): GSPMD warned "Involuntary full rematerialization"
+    and all-gathered the global [8, 64, hidden] batch of activations onto every device (at pod
+    scale, gigabytes per chip)."""
+    import re
+    mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
+    tx = make_optimizer(OptimizerConfig(lr=1e-3, eps=1e-6, warmup_ratio=0.0), total_steps=10)
+    layout = ts.state_layout(params_lib.abstract_model(CFG), tx, mesh)
+    loss_fn = ts.make_loss_fn("mars", block_size=4, mask_token_id=CFG.mask_token_id)
+    step = ts.jit_step(ts.build_step_fn(layout.graphdef, tx, loss_fn), layout, mesh)
+    rows, length = 8, 32  # the mars objective runs clean + masked copies: 64 positions
+    with jax.set_mesh(mesh):
+        hlo = step.lower(layout.abstract, ts.abstract_batch(mesh, rows, length)).compile().as_text()
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    collectives = re.findall(
+        r"= \w+\[([\d,]+)\][^ ]* (?:all-gather|all-reduce|all-to-all|collective-permute)\(", hlo)
+    assert collectives  # the weights' all-gathers: the pattern reads this HLO
+    # rank-3 results with 64 positions are activations (no weight has that shape)
+    activations = [[int(d) for d in dims.split(",")] for dims in collectives]
+    activations = [dims for dims in activations if len(dims) == 3 and dims[1] == 2 * length]
+    rows_per_device = rows // sharding.batch_shards(mesh)
+    assert all(dims[0] <= rows_per_device for dims in activations), activations
