@@ -24,7 +24,7 @@ from flax import nnx
 from prove_jax import sharding
 from prove_jax.config import ConfigError, ModelConfig
 from prove_jax.model import Qwen2
-from prove_jax.params import abstract_model, dotted_path
+from prove_jax.params import abstract_model, abstract_sharded, dotted_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
@@ -257,15 +257,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
                                   f"--hf-dir {path} --out CKPT")
         raise CheckpointError(f"checkpoint {path} has no params/ directory (incomplete or not a "
                               f"prove-jax checkpoint)")
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, remat))
-    params_state = nnx.state(nnx.merge(graphdef, abstract_state), nnx.Param)
-    if mesh is not None:
-        shardings = sharding.state_shardings(params_state, mesh, rules)
-    else:
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: dev, nnx.to_pure_dict(params_state))
-    target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                          nnx.to_pure_dict(params_state), _pure(shardings))
+    graphdef, target = abstract_sharded(abstract_model(cfg, remat), mesh, rules)
     _check_stored_shapes(params_dir, target)
     try:
         with ocp.StandardCheckpointer() as ckptr:
@@ -273,11 +265,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
         quiet_abandoned_reads(params_dir)
         raise CheckpointError(restore_failure(params_dir, e)) from None
-    model = nnx.merge(graphdef, abstract_state)
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, restored)
-    nnx.update(model, state)
-    return model
+    return nnx.merge(graphdef, restored)
 
 
 def _dotted_leaves(tree) -> dict[str, object]:
@@ -307,10 +295,6 @@ def _check_stored_shapes(params_dir: str, target) -> None:
                         "hf-to-flax)")
             raise CheckpointError(f"checkpoint {params_dir}: parameter {name} has shape {have}, "
                                   f"the config implies {tuple(want.shape)}{hint}")
-
-
-def _pure(tree):
-    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
 
 def load_tokenizer(path: str):

@@ -17,14 +17,18 @@ def abstract_model(cfg: ModelConfig, remat: bool = False) -> Qwen2:
     return nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0), remat=remat))
 
 
-def abstract_sharded(abstract: Qwen2, mesh, rules: Mapping = sharding.DEFAULT_RULES
+def abstract_sharded(abstract: Qwen2, mesh=None, rules: Mapping = sharding.DEFAULT_RULES
                      ) -> tuple[nnx.GraphDef, dict]:
-    """(graphdef, {name: ShapeDtypeStruct with its NamedSharding on `mesh`}) of an abstract
-    model's parameters, as the logical-axis rules place them (and `checkpoint.load_model`
-    reads them): what a jit, a restore or a dry run needs, nothing allocated."""
+    """(graphdef, {name: ShapeDtypeStruct with its sharding}) of an abstract model's parameters:
+    on `mesh` as the logical-axis rules place them, without one on the first device. What a
+    jit, a restore, a conversion or a dry run needs, nothing allocated."""
     graphdef, state = nnx.split(abstract)
-    shardings = sharding.state_shardings(state, mesh, rules)
-    shardings = nnx.to_pure_dict(shardings) if isinstance(shardings, nnx.State) else shardings
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(state))
+    else:
+        shardings = sharding.state_shardings(state, mesh, rules)
+        shardings = nnx.to_pure_dict(shardings) if isinstance(shardings, nnx.State) else shardings
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nnx.to_pure_dict(state), shardings)
     return graphdef, placed

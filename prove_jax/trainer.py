@@ -170,9 +170,9 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
         from prove_jax import convert
         log_main(f"converting HF weights from {src.hf_dir}")
         tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=jax.process_index() == 0)
-        graphdef, abstract_state = nnx.split(params_lib.abstract_model(model_cfg, src.remat))
-        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh))
-        return nnx.merge(graphdef, jax.device_put(tree, shardings))
+        graphdef, placed = params_lib.abstract_sharded(params_lib.abstract_model(model_cfg, src.remat),
+                                                       mesh)
+        return nnx.merge(graphdef, jax.device_put(tree, jax.tree.map(lambda a: a.sharding, placed)))
     if src.checkpoint is not None:
         log_main(f"loading model checkpoint {src.checkpoint}")
         return checkpoint.load_model(src.checkpoint, mesh=mesh, dtype=src.dtype,
