@@ -307,9 +307,10 @@ def _attend(q: jax.Array, blocks) -> jax.Array:
 
 
 # A KV buffer of at least 2 x CACHE_CHUNK slots is read in chunks, only as far as the batch's
-# longest row: split evenly into chunks of at least CACHE_CHUNK slots (on a CPU a shorter step
-# of the loop saves less than it costs) and at most CACHE_CHUNKS_MAX of them (on an
-# accelerator each chunk is a few kernel launches per layer). A shorter buffer is one pass.
+# longest row: split evenly into chunks of at least CACHE_CHUNK slots (each step of the loop
+# has a fixed cost; 128-slot chunks were no faster on this CPU) and at most CACHE_CHUNKS_MAX
+# of them (on an accelerator each chunk is a few kernel launches per layer). A shorter buffer
+# is read in one pass.
 CACHE_CHUNK = 256
 CACHE_CHUNKS_MAX = 8
 
@@ -329,10 +330,10 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     steps with 200 tokens committed 1.7-2.5x dearer at batch 16 in a 1024-slot buffer
     (`benchmarks/cache_chunks.md`), and on an accelerator every decode step would read the
     whole buffer from memory. So a long buffer's committed slots are visited a chunk
-    (`cache_chunk`) at a time in a loop whose trip count follows the batch's longest row, with a running
-    max and normaliser (the flash-attention recurrence). A chunk of masked slots changes
-    nothing, bit for bit (its weights are exp(-huge) = 0 and the running max stays), so a row's
-    result does not depend on the other rows' lengths.
+    (`cache_chunk`) at a time in a loop whose trip count follows the batch's longest row, with
+    a running max and normaliser (the flash-attention recurrence). A chunk of masked slots
+    changes nothing, bit for bit (its weights are exp(-huge) = 0 and the running max stays),
+    so a row's result does not depend on the other rows' lengths.
 
     q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
     cache: (keys, values) [B, K, S, Dh]; cache_len int32 [B]. Returns [B, T, K, G, Dh].
