@@ -6,7 +6,7 @@ buffers of several lengths, timed side by side in one run: committed KV read chu
 did before; selected here by raising `model.CACHE_CHUNK` past the buffer). The demo proposer's
 shapes at batch 1, 4 and 16. Writes benchmarks/cache_chunks.{json,md}.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_cache_chunks.py [--repeats 7] [--buffers 256,1024]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_cache_chunks.py [--repeats 7] [--buffers 640,1024]
         [--batch-sizes 1,16] [--steps 30] [--out-dir DIR]
 """
 

@@ -290,20 +290,35 @@ def _attend(q: jax.Array, blocks) -> jax.Array:
     the softmax; this form was faster at every decode width and batch timed.)
     """
     dt = q.dtype
-    b, t, k, g, dh = q.shape
-    q = q.transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)  # [B, K, G*T, Dh]
-    scale = dh ** -0.5
-    scores = []
-    for keys, _, mask in blocks:
-        s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * scale  # [B, K, G*T, S_i]
-        mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
-        scores.append(jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF))
+    t, g = q.shape[1], q.shape[3]
+    q = _group_queries(q)
+    scores = [_masked_scores(q, keys, mask, t, g) for keys, _, mask in blocks]
     top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
     probs = [jnp.exp(s - top) for s in scores]
     inv_norm = 1.0 / sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     out = sum(jnp.einsum("bkqs,bksd->bkqd", (p * inv_norm).astype(dt), values)
               for p, (_, values, _) in zip(probs, blocks))
-    return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
+    return _ungroup_queries(out, t, g)
+
+
+def _group_queries(q: jax.Array) -> jax.Array:
+    """[B, T, K, G, Dh] -> [B, K, G*T, Dh]: a kv head's G query heads and T tokens as one axis."""
+    b, t, k, g, dh = q.shape
+    return q.transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
+
+
+def _ungroup_queries(out: jax.Array, t: int, g: int) -> jax.Array:
+    """[B, K, G*T, Dh] -> [B, T, K, G, Dh], the inverse of `_group_queries`."""
+    b, k, _, dh = out.shape
+    return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)
+
+
+def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: int) -> jax.Array:
+    """Scaled float32 scores [B, K, G*T, S_i] of grouped queries [B, K, G*T, Dh] against keys
+    [B, K, S_i, Dh]; -huge where mask [B or 1, T, S_i] hides the key from the token."""
+    s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
+    mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
+    return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
 
 
 # A KV buffer of at least 2 x CACHE_CHUNK slots is read in chunks, only as far as the batch's
@@ -346,19 +361,13 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
                            own + (intra,)])
-    b, t, k, g, dh = q.shape
-    q = q.transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)  # [B, K, G*T, Dh]
-    scale = dh ** -0.5
-
-    def scores(keys, mask):  # keys [B, K, S_i, Dh], mask [B or 1, T, S_i] -> [B, K, G*T, S_i]
-        s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * scale
-        mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
-        return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
+    t, g = q.shape[1], q.shape[3]
+    q = _group_queries(q)
 
     def weighted(p, values):  # unnormalised weights [B, K, G*T, S_i] -> float32 [B, K, G*T, Dh]
         return jnp.einsum("bkqs,bksd->bkqd", p.astype(dt), values.astype(dt)).astype(jnp.float32)
 
-    s = scores(own[0], intra)
+    s = _masked_scores(q, own[0], intra, t, g)
     top = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - top)
     running = (top, jnp.sum(p, axis=-1, keepdims=True), weighted(p, own[1]))
@@ -372,7 +381,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
         mask = (slot[None, :] >= i * size) & (slot[None, :] < cache_len[:, None])  # [B, size]
         keys = jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2).astype(dt)
         values = jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2)
-        s = scores(keys, mask[:, None, :])
+        s = _masked_scores(q, keys, mask[:, None, :], t, g)
         new_top = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
         rescale = jnp.exp(top - new_top)
         p = jnp.exp(s - new_top)
@@ -381,8 +390,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
 
     chunks = (jnp.max(cache_len) + size - 1) // size
     _, norm, acc = jax.lax.fori_loop(0, chunks, visit, running)
-    out = (acc / norm).astype(dt)
-    return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, Dh]
+    return _ungroup_queries((acc / norm).astype(dt), t, g)
 
 
 class MLP(nnx.Module):

@@ -136,12 +136,9 @@ def test_chunked_cache_attention_reads_only_as_far_as_the_longest_row():
     longer = np.asarray(attend(q, own, intra, cache, jnp.asarray([100, 500], jnp.int32)))
     assert np.isfinite(short).all() and np.isfinite(longer).all()
     np.testing.assert_array_equal(short[0], longer[0])
-    one_pass = lambda lengths: model_lib._attend(q, [
-        (cache[0], cache[1], (jnp.arange(slots)[None, :] < jnp.asarray(lengths)[:, None])[:, None]),
-        own + (intra,)])
-    assert np.isnan(np.asarray(one_pass([100, 500]))).any()  # what reading the whole buffer gives
-    clean = tuple(jnp.nan_to_num(c) for c in cache)
-    want = model_lib._attend(q, [
-        (clean[0], clean[1], (jnp.arange(slots)[None, :] < jnp.asarray([100, 500])[:, None])[:, None]),
-        own + (intra,)])
-    np.testing.assert_allclose(longer, np.asarray(want), atol=1e-5, rtol=1e-5)
+    def one_pass(cache, lengths):  # one softmax over the whole buffer and the own tokens
+        committed = jnp.arange(slots)[None, :] < jnp.asarray(lengths)[:, None]
+        return np.asarray(model_lib._attend(q, [(cache[0], cache[1], committed[:, None]), own + (intra,)]))
+    assert np.isnan(one_pass(cache, [100, 500])).any()  # what reading the whole buffer gives
+    want = one_pass(tuple(jnp.nan_to_num(c) for c in cache), [100, 500])
+    np.testing.assert_allclose(longer, want, atol=1e-5, rtol=1e-5)

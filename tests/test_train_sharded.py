@@ -40,16 +40,22 @@ def _initial_params():
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(params_lib.create_model(CFG, seed=0))))
 
 
-@functools.lru_cache(maxsize=None)
-def _one_step(mesh_shape, objective, grad_accum=1, remat=False, dtype="float32"):
+def _jitted_step(mesh_shape, objective="mars", grad_accum=1, remat=False, dtype="float32"):
+    """(mesh, optimizer, state layout, jitted train step) on the first devices of `mesh_shape`."""
     devices = jax.devices()[:int(np.prod(mesh_shape))]
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
     tx = make_optimizer(OptimizerConfig(lr=1e-3, eps=1e-6, warmup_ratio=0.0), total_steps=10)
     layout = ts.state_layout(params_lib.abstract_model(CFG.replace(dtype=dtype), remat), tx, mesh)
-    model = nnx.merge(layout.graphdef, jax.tree.map(np.copy, _initial_params()))
-    state = ts.init_state(model, tx, layout)
     loss_fn = ts.make_loss_fn(objective, block_size=4, mask_token_id=CFG.mask_token_id)
     step = ts.jit_step(ts.build_step_fn(layout.graphdef, tx, loss_fn, grad_accum), layout, mesh)
+    return mesh, tx, layout, step
+
+
+@functools.lru_cache(maxsize=None)
+def _one_step(mesh_shape, objective, grad_accum=1, remat=False, dtype="float32"):
+    mesh, tx, layout, step = _jitted_step(mesh_shape, objective, grad_accum, remat, dtype)
+    model = nnx.merge(layout.graphdef, jax.tree.map(np.copy, _initial_params()))
+    state = ts.init_state(model, tx, layout)
     with jax.set_mesh(mesh):
         batch = data_lib.to_global_batch(_real_batch(), mesh, ts.BATCH_SPEC)
         state, metrics = step(state, batch)
@@ -150,11 +156,7 @@ def test_no_collective_moves_activations_between_batch_shards(mesh_shape, capfd)
     and all-gathered the global [8, 64, hidden] batch of activations onto every device (at pod
     scale, gigabytes per chip)."""
     import re
-    mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
-    tx = make_optimizer(OptimizerConfig(lr=1e-3, eps=1e-6, warmup_ratio=0.0), total_steps=10)
-    layout = ts.state_layout(params_lib.abstract_model(CFG), tx, mesh)
-    loss_fn = ts.make_loss_fn("mars", block_size=4, mask_token_id=CFG.mask_token_id)
-    step = ts.jit_step(ts.build_step_fn(layout.graphdef, tx, loss_fn), layout, mesh)
+    mesh, _, layout, step = _jitted_step(mesh_shape)
     rows, length = 8, 32  # the mars objective runs clean + masked copies: 64 positions
     with jax.set_mesh(mesh):
         hlo = step.lower(layout.abstract, ts.abstract_batch(mesh, rows, length)).compile().as_text()
