@@ -342,7 +342,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
 
     The buffer is sized for the longest generation; early in a generation, or with short
     prompts, most of it is empty. Attending over all of it made the demo proposer's decode
-    steps with 200 tokens committed 1.7-2.5x dearer at batch 16 in a 1024-slot buffer
+    steps with 200 tokens committed 1.8-2.6x dearer at batch 16 in a 1024-slot buffer
     (`benchmarks/cache_chunks.md`), and on an accelerator every decode step would read the
     whole buffer from memory. So a long buffer's committed slots are visited a chunk
     (`cache_chunk`) at a time in a loop whose trip count follows the batch's longest row, with
