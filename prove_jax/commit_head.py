@@ -157,12 +157,12 @@ def save_commit_head(model_dir: str, head: CommitHead) -> str:
                 f.write(meta)
         return path
     from prove_jax import distributed
-    if jax.process_index() == 0 and os.path.exists(os.path.join(path, "config.json")):
+    if distributed.is_main_process() and os.path.exists(os.path.join(path, "config.json")):
         os.remove(os.path.join(path, "config.json"))  # an older head's: no longer its params
     distributed.barrier("commit_head_unmarked")
     with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's part
         ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
-    if jax.process_index() == 0:
+    if distributed.is_main_process():
         atomic_write_text(os.path.join(path, "config.json"), meta)
     distributed.barrier("commit_head_saved")
     return path
@@ -303,14 +303,14 @@ def build_head_step(layout: HeadLayout, tx: optax.GradientTransformation, *, see
 def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int):
     """The train config's head step (`build_head_step`), jitted with explicit shardings; the
     head's state is donated (updated in place)."""
+    from prove_jax.sharding import shardings_of
     from prove_jax.train_step import batch_shardings
     step = build_head_step(layout, tx, seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
                            block_size=cfg.block_size, mask_id=mask_id)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
-    return jax.jit(step, in_shardings=(shardings(layout.state), shardings(layout.frozen),
+    return jax.jit(step, in_shardings=(shardings_of(layout.state), shardings_of(layout.frozen),
                                        batch_shardings(mesh), replicated),
-                   out_shardings=(shardings(layout.state), replicated), donate_argnums=(0,))
+                   out_shardings=(shardings_of(layout.state), replicated), donate_argnums=(0,))
 
 
 def abstract_step_number(mesh) -> jax.ShapeDtypeStruct:

@@ -15,6 +15,8 @@ import time
 import jax
 import numpy as np
 
+from prove_jax import distributed
+
 # Dense bf16 peak FLOP/s per chip, matched on a substring of jax's device_kind.
 PEAK_FLOPS = {
     "v5p": 459e12, "v5 lite": 197e12, "v5e": 197e12, "v6 lite": 918e12, "v6e": 918e12,
@@ -47,7 +49,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, flops_per_step=None,
                  tokens_per_step: int = 0, block_size: int | None = None, show_bar: bool = True):
-        self.main = jax.process_index() == 0
+        self.main = distributed.is_main_process()
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tokens_per_step = tokens_per_step
         self.block_size = block_size

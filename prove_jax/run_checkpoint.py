@@ -139,7 +139,7 @@ class RunCheckpoints:
 
     def _move_aside(self, step: int) -> None:
         """Keep a damaged step out of the manager's way (a later save reuses its number)."""
-        if jax.process_index() == 0:
+        if distributed.is_main_process():
             src = os.path.join(self.dir, str(step))
             dst = os.path.join(self.run_dir, "corrupt", str(step))
             if os.path.isdir(src):

@@ -133,6 +133,12 @@ def state_shardings(state, mesh, rules: Mapping = DEFAULT_RULES):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def shardings_of(tree):
+    """The sharding each array (or ShapeDtypeStruct) of `tree` carries, in the same tree: the
+    in/out shardings a jit or a device_put takes from an abstract state."""
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
 def activation_sharding(mesh, logical_axes: Sequence[str | None], shape=None,
                         rules: Mapping = DEFAULT_RULES) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))

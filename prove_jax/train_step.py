@@ -65,7 +65,7 @@ def state_layout(abstract_model, tx: optax.GradientTransformation, mesh) -> Stat
     from prove_jax.optim import opt_state_shardings
     from prove_jax.params import abstract_sharded
     graphdef, abs_params = abstract_sharded(abstract_model, mesh)
-    param_sh = jax.tree.map(lambda a: a.sharding, abs_params)
+    param_sh = sharding.shardings_of(abs_params)
     opt_sh, abs_opt = opt_state_shardings(tx, abs_params, param_sh, mesh)
     shardings = {"params": param_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
     abstract = {"params": abs_params, "opt_state": abs_opt,

@@ -121,7 +121,7 @@ def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
     if tok.bpe_vocab_size:
         base = os.path.join(cfg.run_dir, "tokenizer_base")
         reuse = resuming and os.path.isfile(os.path.join(base, "tokenizer.json"))
-        if jax.process_index() == 0 and not reuse:
+        if distributed.is_main_process() and not reuse:
             _require_data(cfg.data)
             log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
             build_tokenizer(_training_texts(cfg.data), base, vocab_size=tok.bpe_vocab_size)
@@ -154,7 +154,7 @@ def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
     (replacing any leftover), kept as it is by a resumed one."""
     own = os.path.join(run_dir, "tokenizer")
     keep = has_checkpoints(run_dir) and os.path.isfile(os.path.join(own, "tokenizer.json"))
-    if jax.process_index() == 0 and not keep:
+    if distributed.is_main_process() and not keep:
         with checkpoint.atomic_dir(own) as tmp:
             tokenizer.save_pretrained(tmp)
     distributed.barrier("tokenizer_saved")
@@ -169,10 +169,10 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     if src.hf_dir is not None:
         from prove_jax import convert
         log_main(f"converting HF weights from {src.hf_dir}")
-        tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=jax.process_index() == 0)
+        tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=distributed.is_main_process())
         graphdef, placed = params_lib.abstract_sharded(params_lib.abstract_model(model_cfg, src.remat),
                                                        mesh)
-        return nnx.merge(graphdef, jax.device_put(tree, jax.tree.map(lambda a: a.sharding, placed)))
+        return nnx.merge(graphdef, jax.device_put(tree, sharding.shardings_of(placed)))
     if src.checkpoint is not None:
         log_main(f"loading model checkpoint {src.checkpoint}")
         return checkpoint.load_model(src.checkpoint, mesh=mesh, dtype=src.dtype,
@@ -202,7 +202,7 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
     import orbax.checkpoint as ocp
     with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's writes
         ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
-    if jax.process_index() == 0:
+    if distributed.is_main_process():
         checkpoint.copy_tokenizer_files(tokenizer_dir, path)
         checkpoint.atomic_write_text(os.path.join(path, "config.json"),
                                      json.dumps(model_cfg.to_json_dict(), indent=2))
@@ -229,7 +229,7 @@ def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: Mode
                    tokenizer_dir: str) -> str:
     """export_model, then the step record; written last, so a cut-short export has none."""
     export_model(path, graphdef, params, model_cfg, tokenizer_dir)
-    if jax.process_index() == 0:
+    if distributed.is_main_process():
         checkpoint.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
     distributed.barrier("export_marked")
     return path
@@ -427,7 +427,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
         ckpts.close()
         raise
     # written once the checkpoints are known to fit, so it names the config they were made with
-    if jax.process_index() == 0:
+    if distributed.is_main_process():
         checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
                                      json.dumps(to_dict(cfg), indent=2))
     if restored is not None:
@@ -454,7 +454,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                            flops_per_step=train_flops_per_step(train_cfg, cfg.global_batch_size,
                                                                cfg.max_length, cfg.objective),
                            tokens_per_step=tokens_per_step,
-                           show_bar=show_bar and jax.process_index() == 0)
+                           show_bar=show_bar and distributed.is_main_process())
     records = []
     try:
         with jax.set_mesh(mesh):
