@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import jax
@@ -39,17 +40,14 @@ def create_model(cfg: ModelConfig, seed: int = 0, mesh=None,
     """Random-init model; with a mesh, each parameter is created directly in its sharding."""
     if mesh is None:
         return Qwen2(cfg, nnx.Rngs(seed), remat=remat)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, remat))
-    shardings = sharding.state_shardings(abstract_state, mesh, rules)
+    graphdef, placed = abstract_sharded(abstract_model(cfg, remat), mesh, rules)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=sharding.shardings_of(placed))
     def init():
-        state = nnx.state(Qwen2(cfg, nnx.Rngs(seed), remat=remat))
-        return jax.lax.with_sharding_constraint(state, shardings)
+        return nnx.to_pure_dict(nnx.state(Qwen2(cfg, nnx.Rngs(seed), remat=remat)))
 
     with jax.set_mesh(mesh):
-        state = init()
-    return nnx.merge(graphdef, state)
+        return nnx.merge(graphdef, init())
 
 
 def dotted_path(path) -> str:
