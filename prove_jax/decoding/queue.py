@@ -58,8 +58,8 @@ def harvest(qs: QueueState, state: LoopState, rows: jax.Array) -> QueueState:
 
 
 def put_row(state: LoopState, row: LoopState, index: jax.Array) -> LoopState:
-    """`state` with batch row `index` replaced by the one-row state `row` (loop counter kept)."""
-    row = row.replace(step=state.step)
+    """`state` with batch row `index` replaced by the one-row state `row`; the scalars (the loop
+    counter) are the batch's and stay."""
     return jax.tree.map(
         lambda full, one: full if full.ndim == 0 else jax.lax.dynamic_update_slice_in_dim(full, one, index, 0),
         state, row)
