@@ -212,6 +212,15 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     cfg = load_config(str(cfg_path))
     assert (cfg.optimizer.lr, cfg.ar_weight, cfg.steps) == (1e-4, 0.5, 10)
     assert load_config(str(cfg_path), ["optimizer.lr=1e-4"]).optimizer.lr == cfg.optimizer.lr
+    # a number given to a text field is the text it was written as, in the file and on the command
+    # line: a path is that path, and a name is checked against the names it may be
+    assert load_config(str(cfg_path), ["run_dir=2024"]).run_dir.endswith("2024")
+    numbered = tmp_path / "numbered.yaml"
+    numbered.write_text(re.sub(r"(?m)^run_dir: .*$", "run_dir: 2024", text) + "objective: 1\n")
+    assert "run_dir: 2024\n" in numbered.read_text()
+    with pytest.raises(TrainConfigError, match="objective must be 'mars', 'ar' or 'commit_head', got '1'"):
+        load_config(str(numbered))
+    assert load_config(str(numbered), ["objective=mars"]).run_dir.endswith("2024")
     cfg_path.write_text(text.replace("lr: 1e-4", "lr: fast"))
     with pytest.raises(TrainConfigError, match="optimizer.lr must be float, got 'fast'"):
         load_config(str(cfg_path))
