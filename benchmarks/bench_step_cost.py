@@ -210,8 +210,11 @@ def markdown(models: list[dict]) -> list[str]:
         layouts = [f"K={k},G={g}" for k, g in m["layouts"]]
         lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "", "Forward of T tokens:", ""]
         lines += _width_table(m["rows"], widths, "forward")
+        # measured at the demo proposer's shapes only (bench_step_parts.py)
+        in_step = (" In a loop of their own the weights stay in cache; inside a decode step the same "
+                   "matmuls cost 1.5-3x more (`benchmarks/step_parts.md`)." if m["name"] == "demo proposer" else "")
         lines += ["", "The decoder layers' matmuls alone (every layer weight times x [B*T, D]; no "
-                  "attention, norms or LM head), ms per step, in each form:", "",
+                  f"attention, norms or LM head), ms per step, in each form.{in_step}", "",
                   "| batch | form | " + " | ".join(f"T={t}" for t in widths) + " |",
                   "|---|---|" + "---|" * len(widths)]
         for r in m["rows"]:
