@@ -323,16 +323,25 @@ def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: in
 
 # A KV buffer of at least 2 x CACHE_CHUNK slots is read in chunks, only as far as the batch's
 # longest row: split evenly into chunks of at least CACHE_CHUNK slots (each step of the loop
-# has a fixed cost; 128-slot chunks were no faster on this CPU) and at most CACHE_CHUNKS_MAX
-# of them (on an accelerator each chunk is a few kernel launches per layer). A shorter buffer
-# is read in one pass.
+# has a fixed cost; 128-slot chunks were slower at batch 1 on this CPU) and at most
+# CACHE_CHUNKS_MAX of them (on an accelerator each chunk is a few kernel launches per layer). A
+# shorter buffer is read in one pass. The slots a chunk saves reading grow with the batch while
+# its cost does not, so on CPU from CPU_SHORT_CHUNK_ROWS batch rows up the chunks may be half
+# as long (benchmarks/cache_chunks.md: the demo proposer at batch 16 with 200 of 384 slots
+# filled, AR steps 1.24x and K=6,G=2 1.10x faster than with 256-slot chunks, about even in
+# longer buffers; at batch 8 no gain in a scratch run).
 CACHE_CHUNK = 256
 CACHE_CHUNKS_MAX = 8
+CPU_SHORT_CHUNK_ROWS = 16
 
 
-def cache_chunk(slots: int) -> int:
-    """Slots per chunk of a KV buffer of `slots` (== slots: read in one pass)."""
-    chunks = max(1, min(CACHE_CHUNKS_MAX, slots // CACHE_CHUNK))
+def cache_chunk(slots: int, rows: int = 1) -> int:
+    """Slots per chunk of a KV buffer of `slots` read by a batch of `rows` rows (== slots: read
+    in one pass)."""
+    shortest = CACHE_CHUNK
+    if rows >= CPU_SHORT_CHUNK_ROWS and jax.default_backend() == "cpu":
+        shortest = CACHE_CHUNK // 2
+    chunks = max(1, min(CACHE_CHUNKS_MAX, slots // shortest))
     return -(-slots // chunks)
 
 
@@ -342,7 +351,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
 
     The buffer is sized for the longest generation; early in a generation, or with short
     prompts, most of it is empty. Attending over all of it made the demo proposer's decode
-    steps with 200 tokens committed 1.8-2.6x dearer at batch 16 in a 1024-slot buffer
+    steps with 200 tokens committed 1.7-2.8x dearer at batch 16 in a 1024-slot buffer
     (`benchmarks/cache_chunks.md`), and on an accelerator every decode step would read the
     whole buffer from memory. So a long buffer's committed slots are visited a chunk
     (`cache_chunk`) at a time in a loop whose trip count follows the batch's longest row, with
@@ -356,7 +365,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     dt = q.dtype
     cache_k, cache_v = cache
     slots = cache_k.shape[2]
-    size = cache_chunk(slots)
+    size = cache_chunk(slots, rows=q.shape[0])
     if size >= slots:  # one pass over the whole (short) buffer
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),

@@ -108,6 +108,32 @@ def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
     assert lossless.output_ids == ar.output_ids
 
 
+def test_a_large_batch_reads_a_short_buffer_in_short_chunks(tmp_path):
+    """On CPU, from `model.CPU_SHORT_CHUNK_ROWS` rows up, a buffer too short for two 256-slot
+    chunks is read in two shorter ones (a single row reads it in one pass): 16 rows of 20-250
+    prompt tokens decode exactly as transformers does, the compiled loop slices chunks of that
+    size from the cache, and lossless equals AR."""
+    import re
+    from prove_jax.model import CPU_SHORT_CHUNK_ROWS, cache_chunk
+    hf = make_hf_qwen2(tmp_path / "hf", seed=6, eos_token_id=5)
+    hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    ours = load_model(str(tmp_path / "ours"))
+    rows = CPU_SHORT_CHUNK_ROWS
+    prompts = _prompts(6, np.linspace(20, 250, rows).astype(int))
+    dec = Decoder(ours, [5], DecodeOptions("ar"))
+    slots = dec.buffer_len(256, 8) + 1  # prompts pad to 256; the AR cache: buffer + one step
+    chunk = cache_chunk(slots, rows=rows)
+    assert chunk < slots == cache_chunk(slots)
+    assert dec.generate(prompts, 8).output_ids == hf_greedy(hf, prompts, 8, eos_id=5)
+    (compiled, _), = dec._compiled.values()
+    cfg = ours.cfg
+    assert re.search(rf"f32\[{rows},{cfg.num_kv_heads},{chunk},{cfg.head_dim}\]", compiled.as_text())
+    model = create_model(CFG, seed=3)
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 12)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2)).generate(prompts, 12)
+    assert lossless.output_ids == ar.output_ids
+
+
 @pytest.mark.parametrize("k,groups", [(4, None), (5, 2), (3, 1), (6, 3)])
 def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
     res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(_prompts(), 24)

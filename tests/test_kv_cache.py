@@ -87,6 +87,19 @@ def test_write_past_buffer_end_is_dropped_not_clamped():
         np.testing.assert_array_equal(k0, np.asarray(k1))
 
 
+def test_short_chunks_only_for_a_large_batch_on_cpu(monkeypatch):
+    """`cache_chunk`: 256-slot chunks at least, so a 385-slot buffer is one pass; on CPU from
+    CPU_SHORT_CHUNK_ROWS rows up 128-slot ones (three of 129); at most 8 chunks either way;
+    never shorter on an accelerator, where each chunk costs kernel launches per layer."""
+    from prove_jax.model import CPU_SHORT_CHUNK_ROWS, cache_chunk
+    assert CPU_SHORT_CHUNK_ROWS == 16
+    assert cache_chunk(385) == cache_chunk(385, rows=15) == 385
+    assert cache_chunk(385, rows=16) == cache_chunk(385, rows=64) == 129
+    assert cache_chunk(2049) == cache_chunk(2049, rows=16) == 257
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert cache_chunk(385, rows=16) == 385
+
+
 def test_long_buffer_read_in_chunks_matches_full_forward():
     """A long buffer is read chunk by chunk (701 slots: two chunks of 351, the second starting
     at 350 and overlapping the first by one slot). Rows of 600, 100 and 300 committed tokens:
