@@ -98,11 +98,12 @@ def two_head_passes(run):
     return call
 
 
-def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
+def dense_matmul_runs(model, batch: int, widths, steps: int, kernels=None, forms=FORMS) -> dict:
     """{(form, T): run} timing the decoder layers' matmuls alone (`model.dense` of x [B*T, in]
-    with every layer weight; no attention, norms or LM head) in every matmul form: isolates how
-    XLA's dot kernels scale with T."""
-    kernels = layer_kernels(model)
+    with every layer weight, or with `kernels`; no attention, norms or LM head) in each of
+    `forms`: isolates how XLA's dot kernels scale with T. (Reading one element of each product
+    times the same as reducing all of it: XLA drops no part of the dots.)"""
+    kernels = layer_kernels(model) if kernels is None else kernels
 
     def make():
         @jax.jit
@@ -114,7 +115,7 @@ def dense_matmul_runs(model, batch: int, widths, steps: int) -> dict:
         return run
 
     runs = {}
-    for form in FORMS:
+    for form in forms:
         run = make()  # one jitted function per form: each keeps the form it was traced with
         for t in widths:
             x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in kernels}}
@@ -212,7 +213,7 @@ def markdown(models: list[dict]) -> list[str]:
         lines += _width_table(m["rows"], widths, "forward")
         # measured at the demo proposer's shapes only (bench_step_parts.py)
         in_step = (" In a loop of their own the weights stay in cache; inside a decode step the same "
-                   "matmuls cost 1.5-3x more (`benchmarks/step_parts.md`)." if m["name"] == "demo proposer" else "")
+                   "matmuls cost 1.2-4x more (`benchmarks/step_parts.md`)." if m["name"] == "demo proposer" else "")
         lines += ["", "The decoder layers' matmuls alone (every layer weight times x [B*T, D]; no "
                   f"attention, norms or LM head), ms per step, in each form.{in_step}", "",
                   "| batch | form | " + " | ".join(f"T={t}" for t in widths) + " |",

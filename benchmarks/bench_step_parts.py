@@ -33,11 +33,11 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from bench_step_cost import layer_kernels
+from bench_step_cost import dense_matmul_runs, layer_kernels
 from prove_jax import assets, bench_lib, model as model_lib
 from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, timed
+from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved
 from prove_jax.decoding.engine import DecodeOptions, step_shape
 from prove_jax.model import default_cpu_form, dense
 from prove_jax.params import create_model
@@ -76,23 +76,13 @@ def _width(key) -> int:
 
 def matmuls_alone_runs(model, batch: int, widths, steps: int) -> dict:
     """{T: callable} timing every layer weight and the LM head times x [B*T, D], `steps` times in
-    one jitted loop (inputs depend on the carry, so nothing is hoisted), each output reduced
-    whole so no part of a dot can be dropped."""
-    kernels = layer_kernels(model) + [model.embed[...] if model.cfg.tie_word_embeddings
-                                      else model.lm_head[...]]
-
-    @jax.jit
-    def run(kernels, x):
-        def body(_, acc):
-            xs = {d: v + acc for d, v in x.items()}
-            return acc + sum(jnp.sum(dense(xs[w.shape[1]], w)) for w in kernels) * 1e-9
-        return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
-
-    runs = {}
-    for t in widths:
-        x = {d: jnp.full((batch * t, d), 0.01, jnp.float32) for d in {w.shape[1] for w in kernels}}
-        runs[t] = lambda x=x: timed(run, kernels, x)
-    return runs
+    one jitted loop (`bench_step_cost.dense_matmul_runs` with the head added), in this CPU's
+    decode form."""
+    head = model.embed[...] if model.cfg.tie_word_embeddings else model.lm_head[...]
+    form = default_cpu_form()
+    runs = dense_matmul_runs(model, batch, widths, steps, kernels=layer_kernels(model) + [head],
+                             forms=(form,))
+    return {t: runs[(form, t)] for t in widths}
 
 
 def measure(cfg, batches, repeats: int, steps: int) -> list[dict]:
