@@ -179,6 +179,40 @@ def restore_failure(path: str, e: BaseException, what: str = "a damaged or incom
 _ABANDONED_READ_DIRS: set[str] = set()
 
 
+def _is_closed_loop_error(exc: BaseException | None) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+@contextlib.contextmanager
+def restore_attempt(path: str):
+    """Run an orbax restore of `path` inside this. Orbax closes its event loop as soon as a
+    restore fails, and a read it abandoned can call into the closed loop before the exception
+    has reached the caller, too early for `quiet_abandoned_reads`. So "Event loop is closed"
+    unraisables are held while the restore runs: dropped (and `path` quieted) when it raises,
+    passed on unchanged when it returns. Anything else passes at once."""
+    held = []
+    passed_on = sys.unraisablehook
+
+    def hold(unraisable):
+        if _is_closed_loop_error(unraisable.exc_value):
+            held.append(unraisable)
+        else:
+            passed_on(unraisable)
+
+    sys.unraisablehook = hold
+    try:
+        yield
+    except Exception:
+        sys.unraisablehook = passed_on
+        quiet_abandoned_reads(path)
+        raise
+    finally:
+        if sys.unraisablehook is hold:
+            sys.unraisablehook = passed_on
+    for unraisable in held:
+        passed_on(unraisable)
+
+
 def quiet_abandoned_reads(path: str) -> None:
     """Call once a failed restore of `path` has been reported. The reads orbax abandoned still
     finish on tensorstore's threads after the restore returned: each failed one is logged when
@@ -191,8 +225,7 @@ def quiet_abandoned_reads(path: str) -> None:
         previous_hook = sys.unraisablehook
 
         def hook(unraisable):
-            exc = unraisable.exc_value
-            if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            if not _is_closed_loop_error(unraisable.exc_value):
                 previous_hook(unraisable)
         sys.unraisablehook = hook
     _ABANDONED_READ_DIRS.add(os.path.abspath(path))
@@ -260,10 +293,9 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     graphdef, target = abstract_sharded(abstract_model(cfg, remat), mesh, rules)
     _check_stored_shapes(params_dir, target)
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with ocp.StandardCheckpointer() as ckptr, restore_attempt(params_dir):
             restored = ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
-        quiet_abandoned_reads(params_dir)
         raise CheckpointError(restore_failure(params_dir, e)) from None
     return nnx.merge(graphdef, restored)
 

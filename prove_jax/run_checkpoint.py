@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from prove_jax import distributed
-from prove_jax.checkpoint import quiet_abandoned_reads, restore_error_reason
+from prove_jax.checkpoint import restore_attempt, restore_error_reason
 from prove_jax.params import dotted_path
 
 
@@ -104,12 +104,12 @@ class RunCheckpoints:
             if data_iter is not None:
                 args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
             try:
-                self._check_structure(step, expected)  # a config change raises, moves nothing
-                restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+                with restore_attempt(os.path.join(self.dir, str(step))):
+                    self._check_structure(step, expected)  # a config change raises, moves nothing
+                    restored = self.manager.restore(step, args=ocp.args.Composite(**args))
             except RunCheckpointMismatch:
                 raise
             except Exception as e:  # orbax/tensorstore raise many types for a damaged folder
-                quiet_abandoned_reads(os.path.join(self.dir, str(step)))
                 older = steps[i + 1] if i + 1 < len(steps) else None
                 self.log(f"warning: checkpoint step {step} in {self.dir} cannot be restored "
                          f"({restore_error_reason(e)}); "

@@ -154,3 +154,34 @@ def test_reads_abandoned_by_a_failed_restore_stay_quiet(monkeypatch):
         return logging.getLogger("asyncio").filter(record)
     assert not logged('NOT_FOUND: ... at local file "/runs/a/checkpoints/8/state/" [tensorstore_spec=...]')
     assert logged('NOT_FOUND: ... at local file "/runs/b/checkpoints/8/state/"')  # another path
+
+
+def test_a_closed_loop_error_before_the_failed_restore_returns_stays_quiet(monkeypatch):
+    """Orbax closes its event loop when a restore fails, and an abandoned read can call into it
+    before the exception reaches `quiet_abandoned_reads` (a pytest warning, now and then, in
+    the corrupt-checkpoint test above). `restore_attempt` holds such errors while the restore
+    runs: dropped if it raises, passed on in order if it returns; other errors pass at once."""
+    import sys
+    import types
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())
+
+    def unraisable(text):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=RuntimeError(text), exc_type=RuntimeError))
+    with checkpoint.restore_attempt("/runs/a/checkpoints/4"):
+        unraisable("Event loop is closed")
+        unraisable("something else")
+        assert [str(u.exc_value) for u in seen] == ["something else"]
+    assert [str(u.exc_value) for u in seen] == ["something else", "Event loop is closed"]
+    assert sys.unraisablehook == seen.append and not checkpoint._ABANDONED_READ_DIRS
+
+    seen.clear()
+    with pytest.raises(ValueError, match="damaged"):
+        with checkpoint.restore_attempt("/runs/a/checkpoints/8"):
+            unraisable("Event loop is closed")
+            raise ValueError("damaged")
+    unraisable("Event loop is closed")  # a late one, after the failure was reported
+    unraisable("something else")
+    assert [str(u.exc_value) for u in seen] == ["something else"]
+    assert checkpoint._ABANDONED_READ_DIRS == {os.path.abspath("/runs/a/checkpoints/8")}
