@@ -1,6 +1,6 @@
 """The greedy-token reduction, jnp.argmax vs `model.greedy_tokens`, alone and inside decode steps.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_argmax.py [--preset qwen2.5-0.5b] [--repeats 9]
+    .venv/bin/python benchmarks/bench_argmax.py [--preset qwen2.5-0.5b] [--repeats 9]
 
 Both pick the first index of the largest logit (tests/test_greedy_tokens.py). jnp.argmax is one
 (value, index) reduction; `greedy_tokens` is two plain ones (the maximum, then the smallest
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     import jax
     from prove_jax import assets, bench_lib
     from prove_jax.checkpoint import atomic_write_text, load_model
-    from prove_jax.decoding.calibrate import AR, fastest_interleaved
+    from prove_jax.decoding.calibrate import AR, fastest_interleaved, layout_name
     from prove_jax.params import create_model
 
     shapes = [("demo proposer", load_model(assets.DEMO_PROPOSER, dtype="float32", param_dtype="float32"))]
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         best = fastest_interleaved(runs, args.repeats if model is shapes[0][1] else max(3, args.repeats // 3))
         for key in [AR] + list(LAYOUTS):
             old, new = (best[(form,) + key] / DECODE_STEPS for form in ("argmax", "greedy_tokens"))
-            steps.append({"shape": name, "vocab": vocab, "step": "AR" if key == AR else f"K={key[0]},G={key[1]}",
+            steps.append({"shape": name, "vocab": vocab, "step": layout_name(key),
                           "argmax_ms": old * 1e3, "greedy_tokens_ms": new * 1e3})
         for s in steps[-2:]:
             bench_lib.log(f"  {s['step']}: {s['argmax_ms']:.2f} ms -> {s['greedy_tokens_ms']:.2f} ms")

@@ -9,7 +9,7 @@ batch), and read in one pass over the whole buffer (what the engine did before c
 `model.CACHE_CHUNK` raised past the buffer). The demo proposer's shapes at batch 1, 4 and 16.
 Writes benchmarks/cache_chunks.{json,md}.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_cache_chunks.py [--repeats 7] [--buffers 640,1024]
+    .venv/bin/python benchmarks/bench_cache_chunks.py [--repeats 7] [--buffers 640,1024]
         [--batch-sizes 1,16] [--steps 30] [--out-dir DIR]
 """
 
@@ -19,16 +19,19 @@ import argparse
 import json
 import os
 import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax: runs from anywhere
 
 import jax
 
 from prove_jax import assets, bench_lib, model as model_lib
 from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved
+from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
 from prove_jax.params import create_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BUFFERS = (384, 640, 1024, 2048)  # 384: one pass below CPU_SHORT_CHUNK_ROWS rows; 2048: 256-slot chunks at any batch
 FILLED = 200
 LAYOUT = (6, 2)
@@ -52,7 +55,7 @@ def step_runs(model, batch: int, slots: int, steps: int) -> dict:
             for key, run in decode_step_runs(model, batch, [LAYOUT], slots=slots, filled=FILLED,
                                              steps=steps).items():
                 run()  # traced and compiled now, under this read
-                runs[(read, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = run
+                runs[(read, layout_name(key))] = run
         finally:
             model_lib.CACHE_CHUNK, model_lib.CPU_SHORT_CHUNK_ROWS = DEFAULT
     return runs
@@ -67,7 +70,7 @@ def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
             ms = {f"{read}/{step}": seconds / steps * 1e3 for (read, step), seconds in best.items()}
             row = {"batch_size": batch, "buffer_slots": slots, "step_ms": ms,  # the AR cache: buffer + 1 slot
                    "ar_chunk": model_lib.cache_chunk(slots + 1, rows=batch)}
-            for step in ("AR", f"K={LAYOUT[0]},G={LAYOUT[1]}"):
+            for step in (layout_name(AR), layout_name(LAYOUT)):
                 for read in set(reads()) - {"chunked"}:
                     row[f"{read}_over_chunked/{step}"] = ms[f"{read}/{step}"] / ms[f"chunked/{step}"]
             rows.append(row)
@@ -87,7 +90,7 @@ def markdown(result: dict) -> list[str]:
              f"columns run the same program their ratio is this run's noise). *256-slot chunks*: "
              f"chunks of at least {model_lib.CACHE_CHUNK} slots at every batch size (the rule before "
              f"the shorter chunks). *One pass*: the whole buffer every step. Ratio > 1: chunked is faster."]
-    for step in ("AR", f"K={LAYOUT[0]},G={LAYOUT[1]}"):
+    for step in (layout_name(AR), layout_name(LAYOUT)):
         lines += ["", f"{step} step:", "",
                   "| batch | buffer | AR chunk | chunked | 256-slot chunks | one pass | 256-slot / chunked "
                   "| one pass / chunked |", "|---|---|---|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """Converter cost and forward latency at the real Qwen2.5-0.5B shapes (random weights).
 
-    PYTHONPATH=. nice python benchmarks/bench_convert.py [--runs 9] [--tokens 128]
+    nice python benchmarks/bench_convert.py [--runs 9] [--tokens 128]
 
 1. transformers builds a random-init Qwen2ForCausalLM with the 0.5B shapes and `save_pretrained`s
    it in its default dtype (float32: ~2 GB of safetensors).
@@ -25,10 +25,11 @@ import sys
 import tempfile
 import time
 
-from prove_jax.config import PRESETS
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)  # for prove_jax: the script runs from anywhere
+
+from prove_jax.config import PRESETS
 
 
 def run_child(args: list[str]) -> dict:
@@ -185,7 +186,7 @@ def main() -> None:
         f"max |logit difference| = {max_err:.2e}. Timings on a shared CPU swing by several x from "
         "run to run (torch's OpenMP threads suffer most when cores are oversubscribed): rerun on a "
         "quiet machine before quoting the ratio. "
-        "Regenerate: `PYTHONPATH=. nice .venv/bin/python benchmarks/bench_convert.py`.",
+        "Regenerate: `nice .venv/bin/python benchmarks/bench_convert.py`.",
         "",
     ]
     atomic_write_text(os.path.join(args.out, "convert.md"), "\n".join(rows))

@@ -1,6 +1,6 @@
 """Prefill time by prefill chunk size: the engine's own program, side by side in one run.
 
-    PYTHONPATH=. nice .venv/bin/python benchmarks/bench_prefill.py [--inflate qwen2.5-0.5b] [--chunks 16,32,64]
+    nice .venv/bin/python benchmarks/bench_prefill.py [--inflate qwen2.5-0.5b] [--chunks 16,32,64]
 
 Each chunk size gets its own compiled `ar` decode of one new token per prompt (prefill and a
 single step, nothing else) over the first N HumanEval prompts with the shipped proposer,

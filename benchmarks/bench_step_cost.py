@@ -13,7 +13,7 @@ step needed to break even and the speedup a *perfect* proposer (every draft acce
 step) would reach: the ceiling of ProVe-lossless on that hardware.
 Writes benchmarks/step_cost.{json,md}.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py [--preset qwen2.5-0.5b] [--repeats 15]
+    .venv/bin/python benchmarks/bench_step_cost.py [--preset qwen2.5-0.5b] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ import functools
 import json
 import os
 import platform
+import sys
 from typing import NamedTuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax: runs from anywhere
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +36,12 @@ from prove_jax import assets, bench_lib
 from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
 from prove_jax.config import PRESETS
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, time_step_widths, timed
+from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.steps import head_in_one_pass, lm_head_one_pass
 from prove_jax.model import CPU_DECODE_MAX_ROWS, decode_matmul, default_cpu_form, dense, dot_row_padding
 from prove_jax.params import create_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see LosslessLayout.width)
 LAYOUTS = ((2, 2), (3, 3), (4, 2), (4, 4), (6, 2), (8, 2), (8, 3))  # (K, G) as benchmarked in decode.md
 
@@ -47,9 +50,10 @@ def ceilings(step_relative: dict[str, float], layouts=LAYOUTS) -> dict[str, dict
     """Per lossless layout: break-even tokens per step and the speedup of a perfect proposer."""
     out = {}
     for k, g in layouts:
-        cost = step_relative[f"K={k},G={g}"]
-        out[f"K={k},G={g}"] = {"width": LosslessLayout.build(k, g).width,
-                               "break_even_tokens_per_forward": cost, "perfect_proposer_speedup": k / cost}
+        name = layout_name((k, g))
+        cost = step_relative[name]
+        out[name] = {"width": LosslessLayout.build(k, g).width,
+                     "break_even_tokens_per_forward": cost, "perfect_proposer_speedup": k / cost}
     return out
 
 
@@ -133,11 +137,11 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
         step_runs = {}
         for form in FORMS:  # all forms interleaved: ratios side by side
             for key, run in decode_step_runs(model, batch, layouts, steps=steps).items():
-                step_runs[(form, "AR" if key == AR else f"K={key[0]},G={key[1]}")] = under_form(run, form)
+                step_runs[(form, layout_name(key))] = under_form(run, form)
         one_pass = [key for key in layouts if head_in_one_pass(LosslessLayout.build(*key), batch)]
         for key, run in decode_step_runs(model, batch, one_pass, steps=steps).items():
             if key != AR:  # the default form with the LM head forced to two passes
-                step_runs[("head_two_pass", f"K={key[0]},G={key[1]}")] = two_head_passes(
+                step_runs[("head_two_pass", layout_name(key))] = two_head_passes(
                     under_form(run, default_cpu_form()))
         step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
         row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
@@ -208,7 +212,7 @@ def markdown(models: list[dict]) -> list[str]:
              "All forms are timed in the same run, interleaved, on the same weights.", ""]
     for m in models:
         widths = m["widths"]
-        layouts = [f"K={k},G={g}" for k, g in m["layouts"]]
+        layouts = [layout_name(key) for key in m["layouts"]]
         lines += [f"## {m['name']} ({m['params'] / 1e6:.1f}M params)", "", "Forward of T tokens:", ""]
         lines += _width_table(m["rows"], widths, "forward")
         # measured at the demo proposer's shapes only (bench_step_parts.py)
@@ -249,7 +253,7 @@ def markdown(models: list[dict]) -> list[str]:
                 lines.append(f"| {r['batch_size']} | " + " | ".join(
                     f"{w[k] / other[k]:.2f}x" if k in other else "-" for k in names) + " |")
         lines.append("")
-    lines += ["Regenerate: `PYTHONPATH=. .venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
+    lines += ["Regenerate: `.venv/bin/python benchmarks/bench_step_cost.py --preset qwen2.5-0.5b"
               " --repeats 9`"]
     return lines
 

@@ -18,7 +18,7 @@ to the third says how far a loop of bare matmuls understates them. The demo prop
 weights: the cost does not depend on the values) at batch 1, 4 and 16.
 Writes benchmarks/step_parts.{json,md}.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_step_parts.py [--repeats 9] [--batch-sizes 1,16]
+    .venv/bin/python benchmarks/bench_step_parts.py [--repeats 9] [--batch-sizes 1,16]
         [--steps 50] [--out-dir DIR]
 """
 
@@ -29,6 +29,10 @@ import contextlib
 import json
 import os
 import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax: runs from anywhere
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +41,11 @@ from bench_step_cost import dense_matmul_runs, layer_kernels
 from prove_jax import assets, bench_lib, model as model_lib
 from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved
+from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
 from prove_jax.decoding.engine import DecodeOptions, step_shape
 from prove_jax.model import default_cpu_form, dense
 from prove_jax.params import create_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = ((4, 2), (6, 2))  # lossless K, G; with AR
 
 
@@ -63,10 +66,6 @@ def matmuls_free():
         yield
     finally:
         model_lib.dense = dense
-
-
-def _step_name(key) -> str:
-    return "AR" if key == AR else f"K={key[0]},G={key[1]}"
 
 
 def _width(key) -> int:
@@ -95,13 +94,13 @@ def measure(cfg, batches, repeats: int, steps: int) -> list[dict]:
             with ctx():
                 for key, run in decode_step_runs(model, batch, LAYOUTS, steps=steps).items():
                     run()  # traced and compiled now, under this dense
-                    runs[(part, _step_name(key))] = run
+                    runs[(part, layout_name(key))] = run
         for t, run in matmuls_alone_runs(model, batch, sorted({_width(k) for k in keys}), steps).items():
             run()
             runs[("matmuls_alone", t)] = run
         ms = {k: v / steps * 1e3 for k, v in fastest_interleaved(runs, repeats, warm_up=False).items()}
         for key in keys:
-            name, t = _step_name(key), _width(key)
+            name, t = layout_name(key), _width(key)
             full, rest, alone = ms[("step", name)], ms[("step_without_matmuls", name)], ms[("matmuls_alone", t)]
             rows.append({"batch_size": batch, "step": name, "width": t, "step_ms": full,
                          "step_without_matmuls_ms": rest, "matmuls_in_step_ms": full - rest,

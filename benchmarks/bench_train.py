@@ -1,6 +1,6 @@
 """Train-step throughput of the MARS objective vs plain AR, same model and batch, this CPU.
 
-    PYTHONPATH=. nice .venv/bin/python benchmarks/bench_train.py [--steps 8] [--batch 8] [--length 128]
+    nice .venv/bin/python benchmarks/bench_train.py [--steps 8] [--batch 8] [--length 128]
 
 Both objectives run the real jitted train step (forward + backward + AdamW update, donated
 state) of prove_jax.train_step on one device, float32, on a batch of real text (CPython
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         md.append(f"| {obj} | {mult * c['length']} | {r['median_step_s']} | {r['tokens_per_s']} |")
     md += ["", f"MARS / AR step time = **{ratio:.2f}x** (expected about 2x: twice the positions, "
            "and a 4x larger attention matrix).",
-           "", "Regenerate: `PYTHONPATH=. nice .venv/bin/python benchmarks/bench_train.py`"]
+           "", "Regenerate: `nice .venv/bin/python benchmarks/bench_train.py`"]
     atomic_write_text(os.path.join(args.out, "train.md"), "\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -109,6 +109,11 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
 AR = (1, 1)  # the (K, groups) key of a plain AR step in step-cost tables
 
 
+def layout_name(key: tuple[int, int]) -> str:
+    """"AR" (K=1) or "K=k,G=g": how tables and logs name a (K, groups) step-cost key."""
+    return "AR" if key[0] == 1 else f"K={key[0]},G={key[1]}"
+
+
 def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
                       filled: int = 200, repeats: int = 5, steps: int = 20, seconds_per_timing: float = 0.5,
                       keep=None) -> dict[tuple[int, int], float]:
@@ -266,7 +271,7 @@ class Choice:
         return self.block_size, self.groups
 
     def describe(self) -> str:
-        return "AR" if self.block_size == 1 else f"K={self.block_size},G={self.groups}"
+        return layout_name(self.layout)
 
 
 def rank_layouts(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float], batch_size: int,
@@ -398,10 +403,10 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
             cost = time_decode_steps(model, b, candidates, keep=keep)
         if log:
             log(f"calibrate: batch {b}: AR step {cost[AR] * 1e3:.1f} ms; layout steps in AR steps: "
-                + ", ".join(f"K={k},G={g} {cost[(k, g)] / cost[AR]:.2f}" for k, g in candidates if (k, g) in cost))
+                + ", ".join(f"{layout_name(c)} {cost[c] / cost[AR]:.2f}" for c in candidates if c in cost))
             if keep.dropped:
                 log(f"calibrate: batch {b}: timed once, expected below {PRUNE_BELOW:.2f}x AR: "
-                    + ", ".join(f"K={k},G={g}" for k, g in keep.dropped))
+                    + ", ".join(map(layout_name, keep.dropped)))
         ranked = rank_layouts(rows, cost, b, candidates, num_requests)
         shortlist = [c for c in ranked[:trials] if c.expected_speedup >= 1.0]
         narrowest = min(ranked, key=lambda c: (c.block_size, c.groups), default=None)
