@@ -214,8 +214,8 @@ def restore_attempt(path: str):
 
 
 def quiet_abandoned_reads(path: str) -> None:
-    """Call once a failed restore of `path` has been reported. The reads orbax abandoned still
-    finish on tensorstore's threads after the restore returned: each failed one is logged when
+    """Called (by `restore_attempt`) when a restore of `path` failed. The reads orbax abandoned
+    still finish on tensorstore's threads after the restore returned: each failed one is logged when
     garbage-collected ("Future exception was never retrieved", the same error again with its
     spec dump) and their callbacks into orbax's closed event loop print "Exception ignored ...
     Event loop is closed". Only those two, and the first only for this path, are dropped
