@@ -27,7 +27,7 @@ from prove_jax.params import create_model
 from tests.tokenizers_fixture import make_tokenizer
 
 REQUIRED = ("mode", "setting", "batch_size", "tokens_per_forward", "tokens_per_second",
-            "speedup_vs_ar", "agreement_with_ar", "exact_match_with_ar", "pass_at_1",
+            "speedup_vs_ar", "speedup_fastest_vs_ar", "agreement_with_ar", "exact_match_with_ar", "pass_at_1",
             "ar_match_hist", "compile_seconds", "generated_tokens", "proposer_forwards")
 
 
@@ -140,6 +140,9 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
         assert ll["pass_at_1"] == ar["pass_at_1"]
         assert sum(ll["ar_match_hist"]) == ll["proposer_forwards"] and len(ll["ar_match_hist"]) == 4
         assert ll["speedup_vs_ar"] == pytest.approx(ll["tokens_per_second"] / ar["tokens_per_second"])
+        assert ar["speedup_fastest_vs_ar"] == 1.0
+        assert ll["speedup_fastest_vs_ar"] == pytest.approx(
+            ll["generated_tokens"] / min(ll["seconds_all"]) / (ar["generated_tokens"] / min(ar["seconds_all"])))
         assert ll["compile_seconds"] > 0
         # the prefill baseline: timed and taken out of both sides (8 new tokens of a tiny model
         # cost about what the prefill does, so only the arithmetic is checked here)
@@ -206,15 +209,15 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
                  speedup_vs_ar=None if r["peer"] else 1.0, agreement_with_ar=1.0,
                  exact_match_with_ar=1.0, pass_at_1=None, compile_seconds=0.0)
     table = bench_lib.markdown_table(recs).splitlines()
-    assert "| speedup without prefill |" in table[0] and table[3].split(" | ")[6] == "2.00x"
-    assert table[5].split(" | ")[5:7] == ["-", "-"]  # the peer: no ratio to AR's decode loop
+    assert "| speedup without prefill |" in table[0] and table[3].split(" | ")[7] == "2.00x"
+    assert table[5].split(" | ")[5:8] == ["-", "-", "-"]  # the peer: no ratio to AR's decode loop
     bench_lib.add_decode_only(recs, 12.0)  # a baseline as long as AR's run: nothing to tell
     assert [r["decode_speedup_vs_ar"] for r in recs] == [None] * 4
     # the column still stands (the baseline was measured), every cell '-': the table's shape
     # depends on the options, not on timing noise
     table = bench_lib.markdown_table(recs).splitlines()
-    assert "| speedup without prefill |" in table[0] and table[1].count("|---") == 11
-    assert all(row.split(" | ")[6] == "-" for row in table[2:])
+    assert "| speedup without prefill |" in table[0] and table[1].count("|---") == 12
+    assert all(row.split(" | ")[7] == "-" for row in table[2:])
 
 
 @pytest.mark.parametrize("argv, message", [
