@@ -403,7 +403,7 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
             cost = time_decode_steps(model, b, candidates, keep=keep)
         if log:
             log(f"calibrate: batch {b}: AR step {cost[AR] * 1e3:.1f} ms; layout steps in AR steps: "
-                + ", ".join(f"{layout_name(c)} {cost[c] / cost[AR]:.2f}" for c in candidates if c in cost))
+                + ", ".join(f"{layout_name((k, g))} {cost[(k, g)] / cost[AR]:.2f}" for k, g in candidates if (k, g) in cost))
             if keep.dropped:
                 log(f"calibrate: batch {b}: timed once, expected below {PRUNE_BELOW:.2f}x AR: "
                     + ", ".join(map(layout_name, keep.dropped)))
