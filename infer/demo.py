@@ -103,10 +103,11 @@ def main(argv=None) -> int:
     if jax.devices()[0].platform == "cpu":
         print("(on a 2-core CPU a lossless step of this small proposer costs about 1.8x (K=2) to "
               "3-4.5x (16 tokens: K=4, or K=6 with 2 groups) an AR step, depending on the CPU, and "
-              "the timings swing by ~15% from run to run, so it needs more tokens per forward than "
-              "that to win: benchmarks/step_cost.md; `--calibrate` measures the machine at hand. "
-              "The same proposer inflated to the Qwen2.5-0.5B shape, whose steps are bound by weight "
-              "reads, runs lossless K=6,G=2 at about 2x AR: benchmarks/decode_0.5b_shape.md)")
+              "on a shared machine the timings swing by 15-30% from run to run (AR's the most), so "
+              "it needs more tokens per forward than that to win: benchmarks/step_cost.md and "
+              "decode_batch1.md; `--calibrate` measures the machine at hand. The same proposer "
+              "inflated to the Qwen2.5-0.5B shape, whose steps are bound by weight reads, runs "
+              "lossless K=6,G=2 at about 2x AR: benchmarks/decode_0.5b_shape.md)")
     shown = ms[1]  # the lossless run
     ids, commits = shown.outputs[args.show], shown.step_commits[args.show]
     colour = sys.stdout.isatty()
