@@ -284,7 +284,8 @@ def test_positive_ints_as_an_argparse_type_names_the_option():
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_SCRIPTS = sorted(set(re.findall(r"`benchmarks/(bench_\w+\.py)`", open(os.path.join(REPO, "README.md")).read())))
+with open(os.path.join(REPO, "README.md")) as readme:
+    README_SCRIPTS = sorted(set(re.findall(r"`benchmarks/(bench_\w+\.py)`", readme.read())))
 
 
 def test_the_readme_names_every_benchmark_script():
