@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from prove_jax.config import ModelConfig
-from prove_jax.sharding import constrain
+from prove_jax.sharding import constrain, rows_per_device
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -326,8 +326,8 @@ def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: in
 # has a fixed cost; 128-slot chunks were slower at batch 1 on this CPU) and at most
 # CACHE_CHUNKS_MAX of them (on an accelerator each chunk is a few kernel launches per layer). A
 # shorter buffer is read in one pass. The slots a chunk saves reading grow with the batch while
-# its cost does not, so on CPU from CPU_SHORT_CHUNK_ROWS batch rows up the chunks may be half
-# as long (benchmarks/cache_chunks.md: the demo proposer at batch 16 with 200 of 384 slots
+# its cost does not, so on CPU from CPU_SHORT_CHUNK_ROWS rows per device up the chunks may be
+# half as long (benchmarks/cache_chunks.md: the demo proposer at batch 16 with 200 of 384 slots
 # filled, AR steps 1.24x and K=6,G=2 1.10x faster than with 256-slot chunks, about even in
 # longer buffers; at batch 8 no gain in a scratch run).
 CACHE_CHUNK = 256
@@ -336,8 +336,8 @@ CPU_SHORT_CHUNK_ROWS = 16
 
 
 def cache_chunk(slots: int, rows: int = 1) -> int:
-    """Slots per chunk of a KV buffer of `slots` read by a batch of `rows` rows (== slots: read
-    in one pass)."""
+    """Slots per chunk of a KV buffer of `slots` read by `rows` batch rows on one device
+    (== slots: read in one pass)."""
     shortest = CACHE_CHUNK
     if rows >= CPU_SHORT_CHUNK_ROWS and jax.default_backend() == "cpu":
         shortest = CACHE_CHUNK // 2
@@ -365,7 +365,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     dt = q.dtype
     cache_k, cache_v = cache
     slots = cache_k.shape[2]
-    size = cache_chunk(slots, rows=q.shape[0])
+    # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
+    size = cache_chunk(slots, rows=rows_per_device(q.shape[0]))
     if size >= slots:  # one pass over the whole (short) buffer
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),

@@ -41,6 +41,15 @@ def batch_shards(mesh) -> int:
     return math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp"))
 
 
+def rows_per_device(rows: int) -> int:
+    """Rows of a traced `rows`-row batch that one device computes: the batch split over the
+    mesh set with `jax.set_mesh` (all of them outside one, or when they do not split evenly,
+    in which case the batch is replicated, see the module docstring)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else batch_shards(mesh)
+    return rows // shards if rows % shards == 0 else rows
+
+
 def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
               axis_names: Sequence[str] = MESH_AXES, devices=None) -> Mesh:
     """A device mesh with Auto axis types (classic GSPMD propagation), stated explicitly.

@@ -335,7 +335,8 @@ def test_compiled_once_per_shape(model):
     assert dec.trace_count == 2
 
 
-def test_sharded_decoding_equals_single_device(model, ar_out):
+def test_sharded_decoding_equals_single_device(model, ar_out, monkeypatch):
+    from prove_jax import model as model_lib
     mesh = make_mesh((4, 1, 2))
     sharded = load_or_shard(model, mesh)
     prompts = _prompts() * 2
@@ -345,8 +346,13 @@ def test_sharded_decoding_equals_single_device(model, ar_out):
     # a buffer read in chunks (512 slots and a step: model.cache_chunk) on the mesh too
     long = _prompts(5, (480, 40, 450, 7))
     want = Decoder(model, [1], DecodeOptions("ar")).generate(long, 8).output_ids
+    chunk_rows = []  # the chunk rule sizes one device's work: 4 rows over 4 data shards is 1 each
+    unpatched = model_lib.cache_chunk
+    monkeypatch.setattr(model_lib, "cache_chunk",
+                        lambda slots, rows=1: chunk_rows.append(rows) or unpatched(slots, rows))
     for opts in (DecodeOptions("ar"), DecodeOptions("lossless", 4)):
         assert Decoder(sharded, [1], opts, mesh=mesh).generate(long, 8).output_ids == want, opts.mode
+    assert chunk_rows and set(chunk_rows) == {1}
 
 
 def load_or_shard(model, mesh):

@@ -100,6 +100,18 @@ def test_short_chunks_only_for_a_large_batch_on_cpu(monkeypatch):
     assert cache_chunk(385, rows=16) == 385
 
 
+def test_chunk_rule_counts_the_rows_of_one_device():
+    """`sharding.rows_per_device`: under a mesh the batch is split over data x fsdp, unless it
+    does not divide (then it is replicated); outside a mesh one device has every row."""
+    from prove_jax.sharding import make_mesh, rows_per_device
+    assert rows_per_device(16) == 16
+    with jax.set_mesh(make_mesh((2, 2, 2))):
+        assert rows_per_device(16) == 4
+        assert rows_per_device(6) == 6
+    with jax.set_mesh(make_mesh((1, 1, 8))):  # tensor parallel only: every device has every row
+        assert rows_per_device(16) == 16
+
+
 def test_long_buffer_read_in_chunks_matches_full_forward():
     """A long buffer is read chunk by chunk (701 slots: two chunks of 351, the second starting
     at 350 and overlapping the first by one slot). Rows of 600, 100 and 300 committed tokens:
