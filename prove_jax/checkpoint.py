@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -155,13 +156,39 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
     return path
 
 
+_ABANDONED_READ_ERROR = "Encountered error while reading array index"
+# The TensorStore spec in an orbax read error: the parameter's directory is its kvstore path
+# ('path': '.../params/NAME/' in orbax's dump, "path":"..." in tensorstore's JSON, its quotes
+# escaped in a [tensorstore_spec='...'] suffix; in OCDBT the last path is the key, NAME/).
+_SPEC_PATH = re.compile(r"""\\*['"]path\\*['"]\s*:\s*\\*['"]([^'"\\]+)""")
+
+
+def _parameter_of(text: str) -> str | None:
+    """The parameter an orbax/tensorstore read error is about, from the last kvstore path in its
+    spec (None when the message has no such path or it names the params directory itself)."""
+    paths = _SPEC_PATH.findall(text)
+    if not paths:
+        return None
+    name = paths[-1].rstrip("/").rsplit("/", 1)[-1]
+    return name if name and name != "params" else None
+
+
 def restore_error_reason(e: BaseException) -> str:
     """The first line of an orbax/tensorstore restore error, without its TensorStore spec dump
-    (hundreds of characters of JSON after the reason)."""
+    (hundreds of characters of JSON after the reason). Orbax's "Encountered error while reading
+    array index ..." says only which slice failed: the cause (tensorstore's NOT_FOUND or
+    FAILED_PRECONDITION naming the file) is given instead, and the parameter is named from the
+    spec."""
     text = str(e).strip()
     reason = text.splitlines()[0] if text else type(e).__name__
     for dump in (" See full TensorStore", " [tensorstore_spec="):
         reason = reason.split(dump)[0]
+    cause = e.__cause__
+    if reason.startswith(_ABANDONED_READ_ERROR) and cause is not None and str(cause).strip():
+        reason = restore_error_reason(cause)
+    param = _parameter_of(text)
+    if param and f"parameter {param}" not in reason:
+        reason = f"parameter {param}: {reason}"
     return reason[:300]
 
 
@@ -183,18 +210,26 @@ def _is_closed_loop_error(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
 
+def _is_abandoned_read_error(exc: BaseException | None) -> bool:
+    """Orbax's read coroutine re-raising a tensorstore error: what an abandoned read prints
+    ("Exception ignored in: <coroutine ... _read_array_index_and_device_put>") when it is
+    closed after the restore failed, once per chunk read in flight."""
+    return exc is not None and str(exc).startswith(_ABANDONED_READ_ERROR)
+
+
 @contextlib.contextmanager
 def restore_attempt(path: str):
     """Run an orbax restore of `path` inside this. Orbax closes its event loop as soon as a
-    restore fails, and a read it abandoned can call into the closed loop before the exception
-    has reached the caller, too early for `quiet_abandoned_reads`. So "Event loop is closed"
-    unraisables are held while the restore runs: dropped (and `path` quieted) when it raises,
-    passed on unchanged when it returns. Anything else passes at once."""
+    restore fails, and a read it abandoned can call into the closed loop, or be closed with its
+    error ("Encountered error while reading array index ..."), before the exception has reached
+    the caller, too early for `quiet_abandoned_reads`. So those unraisables are held while the
+    restore runs: dropped (and `path` quieted) when it raises, passed on unchanged when it
+    returns. Anything else passes at once."""
     held = []
     passed_on = sys.unraisablehook
 
     def hold(unraisable):
-        if _is_closed_loop_error(unraisable.exc_value):
+        if _is_closed_loop_error(unraisable.exc_value) or _is_abandoned_read_error(unraisable.exc_value):
             held.append(unraisable)
         else:
             passed_on(unraisable)
@@ -217,16 +252,22 @@ def quiet_abandoned_reads(path: str) -> None:
     """Called (by `restore_attempt`) when a restore of `path` failed. The reads orbax abandoned
     still finish on tensorstore's threads after the restore returned: each failed one is logged when
     garbage-collected ("Future exception was never retrieved", the same error again with its
-    spec dump) and their callbacks into orbax's closed event loop print "Exception ignored ...
-    Event loop is closed". Only those two, and the first only for this path, are dropped
+    spec dump), their callbacks into orbax's closed event loop print "Exception ignored ...
+    Event loop is closed", and orbax's read coroutines, closed unfinished, print "Exception
+    ignored ... Encountered error while reading array index" with the spec dump (one per chunk:
+    hundreds under load). Only those, the first and last only for this path, are dropped
     (process-wide, since they arrive at any later time)."""
     if not _ABANDONED_READ_DIRS:
         logging.getLogger("asyncio").addFilter(_keep_unless_abandoned_read)
         previous_hook = sys.unraisablehook
 
         def hook(unraisable):
-            if not _is_closed_loop_error(unraisable.exc_value):
-                previous_hook(unraisable)
+            exc = unraisable.exc_value
+            if _is_closed_loop_error(exc):
+                return
+            if _is_abandoned_read_error(exc) and any(d in str(exc) for d in _ABANDONED_READ_DIRS):
+                return
+            previous_hook(unraisable)
         sys.unraisablehook = hook
     _ABANDONED_READ_DIRS.add(os.path.abspath(path))
 
@@ -307,17 +348,28 @@ def _dotted_leaves(tree) -> dict[str, object]:
 def _check_stored_shapes(params_dir: str, target) -> None:
     """Name the parameter whose stored shape differs from the model's, before orbax's restore
     fails with a message that names neither. An unreadable metadata file is left to the restore."""
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
+    try:  # a failed metadata read leaves abandoned reads too: quieted like a failed restore
+        with ocp.StandardCheckpointer() as ckptr, restore_attempt(params_dir):
             stored = _dotted_leaves(ckptr.metadata(params_dir).item_metadata)
+            if not stored:  # orbax logs and returns nothing when the layout is damaged
+                raise CheckpointError(f"checkpoint {params_dir}: its parameter metadata cannot be "
+                                      f"read (an incomplete or corrupt checkpoint)")
+    except CheckpointError:
+        raise
     except Exception:
         return
-    if not stored:  # orbax logs and returns nothing when the layout is damaged
-        raise CheckpointError(f"checkpoint {params_dir}: its parameter metadata cannot be read "
-                              f"(an incomplete or corrupt checkpoint)")
-    for name, want in _dotted_leaves(target).items():
+    wanted = _dotted_leaves(target)
+    for name, want in wanted.items():
         if name not in stored:
             raise CheckpointError(f"checkpoint {params_dir} has no parameter {name}")
+    unexpected = sorted(set(stored) - set(wanted))
+    if unexpected:
+        hint = " (tie_word_embeddings?)" if unexpected == ["lm_head"] else ""
+        what = "parameter" if len(unexpected) == 1 else f"{len(unexpected)} parameters"
+        raise CheckpointError(f"checkpoint {params_dir} has {what} {', '.join(unexpected[:5])}"
+                              f"{' ...' if len(unexpected) > 5 else ''} that the config does not "
+                              f"expect{hint}")
+    for name, want in wanted.items():
         have = tuple(getattr(stored[name], "shape", ()) or ())
         if have != tuple(want.shape):
             hint = ""

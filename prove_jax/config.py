@@ -78,13 +78,13 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id={self.mask_token_id} outside vocab_size={self.vocab_size}")
         for name in ("dtype", "param_dtype"):
@@ -108,31 +108,53 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """An HF Qwen2 config.json as a ModelConfig. Every value is checked against its field's
+        annotation (`fieldtypes.conform`, as `from_json_dict` does), so a null size or a string
+        eos id fails naming the HF key instead of being written into a checkpoint that then
+        cannot be read back."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            layers = int(hf["num_hidden_layers"])
-            vocab = int(hf["vocab_size"])
-            inter = int(hf["intermediate_size"])
-        except KeyError as e:
-            raise ConfigError(f"HF config is missing required key {e.args[0]!r}") from None
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+
+        def value(field: str, hf_key: str, raw: Any) -> Any:
+            return _field_value(hf_key, raw, types[field], "HF config")
+
+        def required(field: str, hf_key: str) -> Any:
+            if hf_key not in hf:
+                raise ConfigError(f"HF config is missing required key {hf_key!r}")
+            return value(field, hf_key, hf[hf_key])
+
+        hidden = required("hidden_size", "hidden_size")
+        heads = required("num_heads", "num_attention_heads")
+        layers = required("num_layers", "num_hidden_layers")
+        vocab = required("vocab_size", "vocab_size")
+        inter = required("intermediate_size", "intermediate_size")
         # transformers 5 nests rope settings in rope_parameters; older files have rope_theta on top.
         rope = hf.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         # transformers lets rope_scaling override rope_parameters, and reads the older "type" key
         # (the YaRN snippet of the Qwen2.5 model cards) as rope_type.
         scaling = hf.get("rope_scaling") or rope
+        for key, d in (("rope_parameters", rope), ("rope_scaling", scaling)):
+            if not isinstance(d, dict):
+                raise ConfigError(f"HF config {key} must be an object, got {d!r}")
+        theta = value("rope_theta", "rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default'); "
                               f"converting would silently change the model's outputs")
-        _check_plain_qwen2(hf, layers)
+        try:
+            _check_plain_qwen2(hf, layers)
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"HF config has a malformed activation or sliding-window setting "
+                              f"(hidden_act, use_sliding_window, sliding_window, max_window_layers, "
+                              f"layer_types): {e}") from None
         eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        eos_ids = value("eos_token_ids", "eos_token_id",
+                        eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         return cls(
             vocab_size=vocab,
@@ -140,16 +162,19 @@ class ModelConfig:
             intermediate_size=inter,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rope_theta=float(theta),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            bos_token_id=hf.get("bos_token_id"),
+            num_kv_heads=value("num_kv_heads", "num_key_value_heads", hf.get("num_key_value_heads") or heads),
+            head_dim=value("head_dim", "head_dim", hf.get("head_dim") or (hidden // heads if heads > 0 else 0)),
+            rope_theta=theta,
+            rms_norm_eps=value("rms_norm_eps", "rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+            # null reads as false, as transformers' `if config.tie_word_embeddings` does
+            tie_word_embeddings=value("tie_word_embeddings", "tie_word_embeddings",
+                                      hf.get("tie_word_embeddings") or False),
+            max_position_embeddings=value("max_position_embeddings", "max_position_embeddings",
+                                          hf.get("max_position_embeddings", 32768)),
+            bos_token_id=value("bos_token_id", "bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=eos_ids,
-            pad_token_id=hf.get("pad_token_id"),
-            mask_token_id=hf.get("mask_token_id"),
+            pad_token_id=value("pad_token_id", "pad_token_id", hf.get("pad_token_id")),
+            mask_token_id=value("mask_token_id", "mask_token_id", hf.get("mask_token_id")),
             param_dtype=dtype if dtype in ("float32", "bfloat16") else "float32",
         )
 
@@ -214,11 +239,13 @@ class ModelConfig:
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
             raise ConfigError(f"no config.json at {path}")
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             try:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a non-UTF-8 file
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} is not a JSON object")
         return cls.from_json_dict(d)
 
 

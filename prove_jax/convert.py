@@ -55,8 +55,17 @@ class _Progress:
 
 
 def _check_out_dir(out: str, overwrite: bool) -> None:
+    """Refuse an output that exists (unless --overwrite) or cannot be created, before converting:
+    the output is written under a temporary sibling name, which an OSError would name instead."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
         raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to replace it)")
+    parent = os.path.dirname(os.path.realpath(out))
+    while not os.path.exists(parent):  # atomic_dir creates the missing ones
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"cannot create output {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create output {out}: {parent} is not writable")
 
 
 def nest(flat: dict[str, object]) -> dict:
@@ -102,14 +111,36 @@ def read_hf_config(hf_dir: str) -> ModelConfig:
                     raise ConfigError(f"{gen_path}: {key} must be an id, got {value!r}")
                 changes[key] = value
         cfg = cfg.replace(**changes)
-    return cfg
+    return _untie_if_the_head_differs(hf_dir, cfg)
+
+
+def _untie_if_the_head_differs(hf_dir: str, cfg: ModelConfig) -> ModelConfig:
+    """A tied config whose safetensors hold both the embedding and an lm_head.weight that
+    differs from it is loaded untied by transformers (it warns and keeps the file's head), so
+    it converts untied here too, with a one-line notice; an equal copy is dropped as before.
+    Damaged files are left to the conversion, which names what is wrong with them."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if not cfg.tie_word_embeddings:
+        return cfg
+    try:
+        infos = st.model_index(hf_dir)
+        if embed not in infos or head not in infos:
+            return cfg
+        if infos[embed].shape == infos[head].shape and np.array_equal(
+                st.read_tensor(infos[embed]), st.read_tensor(infos[head])):
+            return cfg
+    except st.SafetensorsError:
+        return cfg
+    print(f"note: {hf_dir}: config.json ties the word embeddings, but {head} differs from {embed}; "
+          f"converting untied (with the file's head), as transformers loads it", file=sys.stderr, flush=True)
+    return cfg.replace(tie_word_embeddings=False)
 
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a non-UTF-8 file
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{path} is not a JSON object")
@@ -170,7 +201,8 @@ def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: s
                overwrite: bool = False, progress: bool = False) -> ModelConfig:
     """HF dir (config.json + safetensors [+ tokenizer]) -> our checkpoint dir. Returns its config.
 
-    `dtype` is the stored parameter dtype (default: the HF config's), `compute_dtype` the matmul
+    `dtype` is the stored parameter dtype (default: the HF config's if float32 or bfloat16, else
+    float32: float16 sources are stored as float32), `compute_dtype` the matmul
     dtype recorded in our config (default float32; `load_model(dtype=...)` can override it).
     """
     from prove_jax.checkpoint import save_params
@@ -287,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--hf-dir", required=True, help="HF model dir: config.json + model.safetensors "
                    "or model.safetensors.index.json shards (+ tokenizer files, copied)")
     a.add_argument("--out", required=True, help="checkpoint dir to create (must not exist or be empty)")
-    a.add_argument("--dtype", choices=DTYPES, help="stored parameter dtype (default: the HF config's dtype)")
+    a.add_argument("--dtype", choices=DTYPES, help="stored parameter dtype (default: the HF config's "
+                   "dtype when it is float32 or bfloat16; float16 and other sources are stored as float32)")
     a.add_argument("--compute-dtype", choices=DTYPES, help="matmul dtype recorded in the checkpoint "
                    "config (default float32; bfloat16 is ~5x slower on CPU)")
     b = sub.add_parser("flax-to-hf", help="prove-jax checkpoint -> HF dir loadable by transformers")

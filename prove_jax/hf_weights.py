@@ -114,7 +114,9 @@ def _match(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str | N
         if not m:
             continue
         if rule.ours == "lm_head" and cfg.tie_word_embeddings:
-            return None, None  # tied: the head is the embedding; a stray copy is harmless
+            # tied: the head is the embedding; a copy in the file is equal to it (convert's
+            # read_hf_config unties the config when it differs, as transformers does)
+            return None, None
         want = rule.hf_shape(cfg)
         if shape != want:
             raise WeightError(f"shape mismatch for {name}: checkpoint has {shape}, "

@@ -71,10 +71,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            code, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{path}: corrupt safetensors header entry for {name!r}: {entry!r}") from None
+        code, shape, begin, end = _header_entry(path, name, entry)
         if code not in DTYPES:
             raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {code!r}; "
                                    f"supported: {', '.join(DTYPES)}")
@@ -89,6 +86,30 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         infos[name] = TensorInfo(name, os.path.abspath(path), DTYPES[code], shape,
                                  data_start + begin, want)
     return infos
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _header_entry(path: str, name: str, entry) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype code, shape, begin, end) of one header entry, checked the way the reference
+    implementation checks it: dtype a string, shape a list of non-negative ints, data_offsets
+    two ints with 0 <= begin <= end; anything else is a SafetensorsError naming file and tensor."""
+    def bad(why: str) -> SafetensorsError:
+        return SafetensorsError(f"{path}: corrupt safetensors header entry for {name!r} ({why}): "
+                                f"{str(entry)[:200]}")
+    if not isinstance(entry, dict):
+        raise bad("not a JSON object")
+    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(code, str):
+        raise bad("dtype must be a string")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad("shape must be a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets))
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise bad("data_offsets must be two integers [begin, end] with 0 <= begin <= end")
+    return code, tuple(shape), offsets[0], offsets[1]
 
 
 def _no_duplicate_keys(path):
@@ -116,10 +137,19 @@ def model_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f, object_pairs_hook=_no_duplicate_keys(index))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except SafetensorsError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or not UTF-8
             raise SafetensorsError(f"{index}: corrupt index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise SafetensorsError(f"{index}: corrupt index (weight_map must be an object of "
+                                   f"tensor name -> shard file, got {type(weight_map).__name__})")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise SafetensorsError(f"{index}: corrupt index (tensor {name!r} maps to {shard!r}, "
+                                       f"not a shard file name)")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not os.path.isfile(os.path.join(model_dir, name)):

@@ -216,3 +216,177 @@ def test_settings_the_model_does_not_implement_are_refused(capsys, hf_dir, tmp_p
     cfg.update(edit)
     (hf_dir / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(hf_dir), needles=needles)
+
+
+# ---- malformed JSON and headers: one line naming the file, never a traceback ---------------------
+
+def _edit_json(path, edit):
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_json_that_is_not_utf8(capsys, pristine, tmp_path, name):
+    hf = tmp_path / "hf"
+    shutil.copytree(pristine / ("sharded" if "index" in name else "single"), hf)
+    (hf / name).write_bytes(b"\xff\xfe\x00garbage")
+    fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(hf),
+          needles=(name, "corrupt index" if "index" in name else "is not valid JSON", "utf-8"))
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda i: i.__setitem__("weight_map", list(i["weight_map"].values())),
+     ("corrupt index (weight_map must be an object", "got list")),
+    (lambda i: i["weight_map"].__setitem__("lm_head.weight", None),
+     ("corrupt index (tensor 'lm_head.weight' maps to None",)),
+])
+def test_index_of_the_wrong_shape(capsys, sharded_dir, tmp_path, edit, needles):
+    _edit_json(sharded_dir / "model.safetensors.index.json", edit)
+    fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(sharded_dir),
+          needles=("model.safetensors.index.json", *needles))
+
+
+def _edit_header(path, edit):
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("data_offsets", lambda e: [str(x) for x in e["data_offsets"]], "data_offsets must be two integers"),
+    ("data_offsets", lambda e: e["data_offsets"][::-1], "0 <= begin <= end"),
+    ("shape", lambda e: [-8, -8], "shape must be a list of non-negative integers"),
+    ("dtype", lambda e: 4, "dtype must be a string"),
+])
+def test_header_entry_of_the_wrong_shape(capsys, hf_dir, tmp_path, field, value, needle):
+    def edit(h):
+        h["model.norm.weight"][field] = value(h["model.norm.weight"])
+    _edit_header(hf_dir / "model.safetensors", edit)
+    fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(hf_dir),
+          needles=("model.safetensors: corrupt safetensors header entry for 'model.norm.weight'", needle))
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"hidden_size": None}, "HF config hidden_size must be int, got None"),
+    ({"num_attention_heads": "4"}, "HF config num_attention_heads must be int, got '4'"),
+    ({"eos_token_id": ["2"]}, "HF config eos_token_id must be a list of ints, got ['2']"),
+    ({"pad_token_id": "0"}, "HF config pad_token_id must be int or null, got '0'"),
+    ({"tie_word_embeddings": "false"}, "HF config tie_word_embeddings must be bool"),
+    ({"rms_norm_eps": None}, "HF config rms_norm_eps must be float, got None"),
+    ({"rope_parameters": [1]}, "HF config rope_parameters must be an object"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": "x", "layer_types": None},
+     "malformed activation or sliding-window setting"),
+])
+def test_hf_config_values_of_the_wrong_type(capsys, hf_dir, tmp_path, edit, needle):
+    """Checked as our own config.json is, so hf-to-flax never writes a checkpoint that cannot be
+    loaded back (a string eos id used to be written, and refused by load_model)."""
+    _edit_json(hf_dir / "config.json", lambda c: c.update(edit))
+    fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(hf_dir), needles=(needle,))
+
+
+def test_output_under_a_file_is_refused_before_converting(capsys, hf_dir, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "ckpt"
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot create output {out}: {tmp_path / 'afile'} is a file, not a directory\n", err
+    assert sorted(os.listdir(tmp_path)) == ["afile", "hf"]
+
+
+def test_dtype_help_says_what_a_float16_source_becomes():
+    help_text = " ".join(convert.build_parser()._subparsers._group_actions[0]
+                         .choices["hf-to-flax"].format_help().split())
+    assert "float16 and other sources are stored as float32" in help_text
+
+
+# ---- damaged checkpoints -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pristine_ckpt(pristine):
+    ckpt = pristine / "ckpt"
+    assert convert.main(["hf-to-flax", "--hf-dir", str(pristine / "single"), "--out", str(ckpt), "--quiet"]) == 0
+    return ckpt
+
+
+@pytest.fixture
+def ckpt(pristine_ckpt, tmp_path):
+    shutil.copytree(pristine_ckpt, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda f: os.remove(f), "is missing"),
+    (lambda f: os.truncate(f, 100), "FAILED_PRECONDITION"),
+])
+def test_a_damaged_chunk_names_the_parameter(capsys, ckpt, tmp_path, damage, needle):
+    damage(ckpt / "params" / "layers.0.mlp.down_kernel" / "0.0")
+    line = fails(capsys, tmp_path / "back", "flax-to-hf", "--ckpt", str(ckpt),
+                 needles=("a damaged or incomplete checkpoint", "parameter layers.0.mlp.down_kernel: ", needle))
+    assert "Encountered error while reading array index" not in line
+
+
+def test_a_stored_parameter_the_config_does_not_expect_is_named(capsys, ckpt, tmp_path):
+    _edit_json(ckpt / "config.json", lambda c: c.update(tie_word_embeddings=True))
+    fails(capsys, tmp_path / "back", "flax-to-hf", "--ckpt", str(ckpt),
+          needles=("has parameter lm_head that the config does not expect (tie_word_embeddings?)",))
+
+
+def test_restore_error_reason_names_the_parameter_from_the_spec():
+    from prove_jax.checkpoint import restore_error_reason
+    spec = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+            "details: <bound method spec of TensorStore({\n  'kvstore': {\n    'driver': 'file',\n"
+            "    'path': '/ck/params/layers.0.attn.k_bias/',\n  },\n})>.")
+    e = Exception(spec)
+    e.__cause__ = ValueError('NOT_FOUND: chunk {0} stored at local file "/ck/params/layers.0.attn.k_bias/0" is missing')
+    assert restore_error_reason(e) == ('parameter layers.0.attn.k_bias: NOT_FOUND: chunk {0} stored at local '
+                                       'file "/ck/params/layers.0.attn.k_bias/0" is missing')
+    tensorstore = ValueError('NOT_FOUND: x [tensorstore_spec=\'{"kvstore":{"driver":"file",'
+                             '"path":"/ck/params/embed/"}}\']')
+    assert restore_error_reason(tensorstore) == "parameter embed: NOT_FOUND: x"
+    ocdbt = ValueError('NOT_FOUND: y [tensorstore_spec=\'{\\"kvstore\\":{\\"base\\":{\\"path\\":\\"/run/8/state/\\"},'
+                       '\\"driver\\":\\"ocdbt\\",\\"path\\":\\"params.embed/\\"}}\']')
+    assert restore_error_reason(ocdbt) == "parameter params.embed: NOT_FOUND: y"
+    assert restore_error_reason(ValueError("NOT_FOUND: Error opening file x")) == "NOT_FOUND: Error opening file x"
+
+
+def test_closed_abandoned_reads_stay_quiet(monkeypatch):
+    """Orbax's read coroutines, closed after a failed restore, print "Exception ignored in:
+    <coroutine ... _read_array_index_and_device_put>" with orbax's "Encountered error while
+    reading array index" and a spec dump, one per chunk in flight (hundreds under load). Held
+    and dropped like "Event loop is closed" while the restore runs, and after it failed for
+    its path; anything else, and the same error for another path, passes."""
+    import sys
+    import types
+    from prove_jax import checkpoint
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())
+
+    def abandoned(path):
+        text = (f"Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+                f"details: ... 'path': '{path}/params/layers.0.attn.k_bias/', ...")
+        return types.SimpleNamespace(exc_value=Exception(text), exc_type=Exception)
+
+    with checkpoint.restore_attempt("/ck/a"):  # a restore that returns: passed on, in order
+        sys.unraisablehook(abandoned("/ck/a"))
+        assert seen == []
+    assert len(seen) == 1 and sys.unraisablehook == seen.append
+    seen.clear()
+    with pytest.raises(ValueError, match="damaged"):
+        with checkpoint.restore_attempt("/ck/b"):
+            sys.unraisablehook(abandoned("/ck/b"))
+            raise ValueError("damaged")
+    sys.unraisablehook(abandoned("/ck/b"))  # late ones, after the failure was reported
+    sys.unraisablehook(abandoned("/ck/other"))
+    assert ["/ck/other" in str(u.exc_value) for u in seen] == [True]
+
+
+def test_a_checkpoint_config_that_is_not_utf8(capsys, ckpt, tmp_path):
+    (ckpt / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+    fails(capsys, tmp_path / "back", "flax-to-hf", "--ckpt", str(ckpt),
+          needles=(f"bad checkpoint {ckpt}", "config.json is not valid JSON", "utf-8"))

@@ -90,3 +90,21 @@ def test_outputs_get_the_umask_permissions_and_follow_a_symlinked_target(tmp_pat
     assert (tmp_path / "link").is_symlink() and os.path.isdir(tmp_path / "disk" / "ckpt" / "params")
     assert sorted(os.listdir(tmp_path)) == ["back", "ckpt", "disk", "hf", "link"]  # no temp left over
     load_model(str(tmp_path / "link"))
+
+
+def test_tied_config_with_a_different_head_in_the_file_converts_untied_as_in_transformers(tmp_path, capsys):
+    """transformers 5 keeps a file's lm_head.weight that differs from the embedding (it warns and
+    does not tie) even under tie_word_embeddings: true; dropping it gave other logits. An equal
+    copy is still dropped and the model stays tied."""
+    hf = make_hf_qwen2(tmp_path / "hf", seed=6, tie_word_embeddings=True)
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    safetensors.torch.save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    assert convert.read_hf_config(str(tmp_path / "hf")).tie_word_embeddings  # an equal copy
+    head = torch.randn_like(state["model.embed_tokens.weight"])
+    safetensors.torch.save_file(state | {"lm_head.weight": head}, str(tmp_path / "hf" / "model.safetensors"),
+                                metadata={"format": "pt"})
+    assert _converted_error(tmp_path / "hf", tmp_path / "ckpt") <= 1e-4
+    assert "converting untied" in capsys.readouterr().err
+    model = load_model(str(tmp_path / "ckpt"))
+    assert not model.cfg.tie_word_embeddings
+    np.testing.assert_array_equal(np.asarray(model.lm_head[...]), head.numpy())
