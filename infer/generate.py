@@ -1,7 +1,9 @@
 """Batch inference: `python -m infer.generate --model CKPT --mode lossless --input IN.jsonl --output OUT.jsonl`.
 
 Input records: {"id", "prompt"} (text; needs the checkpoint's tokenizer) or {"id", "prompt_ids"}.
-Output records: {"id", "output_ids", "text", "stats"}; a one-line summary goes to stderr.
+Output records: {"id", "output_ids", "text", "stats"} ("text" when the checkpoint has a
+tokenizer); a one-line summary goes to stderr. --output is written atomically (through a symlink,
+its target); a device, FIFO or /dev/stdout is written into.
 Without --model / --verifier the shipped demo proposer / verifier are used.
 
 Multi-host (a TPU pod slice, or GPU hosts with --coordinator ...): run the same command on
@@ -35,19 +37,24 @@ def parse_args(argv=None):
                     help="verifier checkpoint dir for --mode verify (default: the shipped demo verifier)")
     ap.add_argument("--mode", default="ar", choices=None, help=f"one of {', '.join(MODES)} (default ar)")
     ap.add_argument("--input", required=True, help="JSONL of {id, prompt} or {id, prompt_ids}")
-    ap.add_argument("--output", required=True, help="JSONL to write (atomically) with output_ids, text, stats")
+    ap.add_argument("--output", required=True,
+                    help="JSONL to write (atomically) with output_ids, stats and, when the checkpoint "
+                         "has a tokenizer, text; /dev/stdout, a FIFO or a device is written into")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
     ap.add_argument("--batch-size", type=int, default=1,
                     help="rows decoded together; the requests queue for them and a finished row "
                          "takes the next request at once (continuous batching; default 1)")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="K, tokens proposed per proposer forward (default: 8, lossless 4); a step feeds "
+                    help="K, tokens proposed per proposer forward (default: 8; lossless 4, but 8 with "
+                         "--adaptive or --calibrate, the widest layout their table or measurement "
+                         "may choose); a step feeds "
                          "2K-1 tokens per row (lossless: 1 + (K-1) x (groups+1)), which must fit "
                          "the model's positions and 4096")
     ap.add_argument("--groups", type=int, default=None,
                     help="lossless: mask groups = acceptance lengths served per step (default K)")
     ap.add_argument("--adaptive", action="store_true",
-                    help="lossless: shrink K and groups as the batch grows (never slower than AR)")
+                    help="lossless: shrink K and groups as the batch grows (never slower than AR; K up "
+                         "to --block-size, default 8)")
     ap.add_argument("--calibrate", action="store_true",
                     help="lossless: adaptive with a layout measured here: acceptance on the first "
                          "prompts and step costs at --batch-size on this device rank K and groups "
@@ -102,18 +109,29 @@ def check_mode_options(args) -> None:
                               f"not {chosen_rule}")
 
 
+def decode_options(args) -> DecodeOptions:
+    """The validated DecodeOptions the parsed arguments ask for (after check_mode_options).
+
+    K defaults to 8, and to 4 for fixed-layout lossless (a K=4 step holds 16 tokens); adaptive
+    and calibrated lossless default to 8, the widest layout of the GPU/TPU table (K only caps
+    what they choose)."""
+    if args.block_size is not None:  # 0 is an error, not "default"
+        block = args.block_size
+    else:
+        block = 4 if args.mode == "lossless" and not (args.adaptive or args.calibrate) else 8
+    given = {k: v for k, v in (("confidence", args.confidence), ("commit_rule", args.commit_rule),
+                               ("tau_v", args.tau_v)) if v is not None}  # else DecodeOptions'
+    return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
+                         max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
+                         head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
+                         **given).validate()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_mode_options(args)
-        block = args.block_size if args.block_size is not None else (
-            4 if args.mode == "lossless" and not args.calibrate else 8)  # 0 is an error, not "default"
-        given = {k: v for k, v in (("confidence", args.confidence), ("commit_rule", args.commit_rule),
-                                   ("tau_v", args.tau_v)) if v is not None}  # else DecodeOptions'
-        options = DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
-                                max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
-                                head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
-                                **given).validate()
+        options = decode_options(args)
         distributed.initialize_from_args(args)  # before anything touches a device
         if args.calibrate and jax.process_count() > 1:
             raise DecodeError("--calibrate times this host's devices, so on several hosts each "
@@ -124,8 +142,12 @@ def main(argv=None) -> int:
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "
                   f"(benchmarks/decode_bf16.md)", file=sys.stderr)
-        check_output_path(args.output, args.input)
+        # before any model loads; only the process that writes the outputs probes their directory
+        check_output_path(args.output, args.input, probe=main_process)
         records = read_requests(args.input)
+        if args.chat and main_process and not any("prompt" in r for r in records):
+            print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
+                  "so it changes nothing", file=sys.stderr)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,
                                            dtype=args.dtype, mesh_shape=args.mesh)

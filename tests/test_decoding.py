@@ -193,6 +193,8 @@ def test_lossless_and_verify_stop_at_eos_like_ar(model, ar_out):
     for opts in (DecodeOptions("lossless", 4), DecodeOptions("verify", 4)):
         res = Decoder(model, [eos], opts, verifier=model).generate(_prompts(), 24)
         assert res.output_ids == ar.output_ids, opts.mode
+        if opts.mode == "verify":
+            assert_hist_counts_committed_tokens(res)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7])
@@ -201,6 +203,7 @@ def test_max_new_tokens_inside_block(model, ar_out, max_new):
     assert res.output_ids == [o[:max_new] for o in ar_out.output_ids]
     thr = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), max_new)
     assert all(len(o) == max_new for o in thr.output_ids)
+    assert_hist_counts_committed_tokens(thr)
 
 
 def test_buffer_nearly_full(model):
@@ -218,6 +221,7 @@ def test_verify_with_proposer_as_verifier_equals_ar(model, ar_out):
                   verifier=model).generate(_prompts(), 24)
     assert res.output_ids == ar_out.output_ids
     assert (res.verifier_forwards == res.forwards).all()
+    assert_hist_counts_committed_tokens(res)
 
 
 def test_verifier_may_pad_its_vocabulary_to_other_rows_than_the_proposer(model, ar_out):
@@ -314,16 +318,31 @@ def test_threshold_confidence_kinds_accept_as_transformers_logits_say(tmp_path, 
 
 
 def test_stats_are_consistent(model):
-    for opts in (DecodeOptions("threshold", 4, tau=0.05), DecodeOptions("lossless", 4)):
-        res = Decoder(model, [1], opts).generate(_prompts(), 24)
+    """accept_hist has one entry per proposer forward. threshold and verify count steps by tokens
+    committed, so sum(i * hist[i]) is the tokens generated: they counted the accepted length
+    before the max-new-tokens cut, and here every row's last step accepts 4 (tau 0 / tau_v 0
+    accept every draft) but has room for 3 of 23. lossless counts steps by drafts matching AR
+    (a, before the cut: what calibration reads), so only its last step may commit fewer than
+    a + 1 (group caps never lower it: every verified token commits)."""
+    for opts in (DecodeOptions("threshold", 4, tau=0.0), DecodeOptions("lossless", 4),
+                 DecodeOptions("verify", 4, commit_rule="prob", tau_v=0.0)):
+        res = Decoder(model, [1], opts, verifier=model if opts.mode == "verify" else None
+                      ).generate(_prompts(), 23)
         assert (res.accept_hist.sum(1) == res.forwards).all()
         generated = np.array([len(o) for o in res.output_ids])
-        if opts.mode == "threshold":  # hist counts commit lengths; only the last step may truncate
-            committed = (res.accept_hist * np.arange(res.accept_hist.shape[1])).sum(1)
-            assert ((committed - generated >= 0) & (committed - generated < 4)).all()
-        else:  # a accepted drafts -> a + 1 tokens (group cap only lowers it)
+        if opts.mode == "lossless":
             upper = (res.accept_hist * (1 + np.arange(res.accept_hist.shape[1]))).sum(1)
-            assert (generated <= upper).all() and (generated >= res.forwards).all()
+            assert ((upper - generated >= 0) & (upper - generated < 4)).all()
+            assert (generated >= res.forwards).all()
+        else:
+            assert_hist_counts_committed_tokens(res)
+
+
+def assert_hist_counts_committed_tokens(res):
+    generated = np.array([len(o) for o in res.output_ids])
+    committed = (res.accept_hist * np.arange(res.accept_hist.shape[1])).sum(1)
+    assert committed.tolist() == generated.tolist()
+    assert res.accept_hist[:, 0].sum() == 0  # an active step commits at least one token
 
 
 def test_compiled_once_per_shape(model):

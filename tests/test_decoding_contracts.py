@@ -165,7 +165,9 @@ def test_cli_block_size_defaults_and_calibrate_decodes_adaptively(tmp_path, monk
                         (["--mode", "threshold"], ("threshold", 8, False)),
                         (["--mode", "verify"], ("verify", 8, False)),
                         (["--mode", "lossless"], ("lossless", 4, False)),
-                        (["--mode", "lossless", "--adaptive"], ("lossless", 4, True)),
+                        # adaptive: the widest table layout (K=8) unless --block-size caps it
+                        (["--mode", "lossless", "--adaptive"], ("lossless", 8, True)),
+                        (["--mode", "lossless", "--adaptive", "--block-size", "4"], ("lossless", 4, True)),
                         (["--mode", "lossless", "--calibrate"], ("lossless", 8, True)),
                         (["--mode", "lossless", "--calibrate", "--block-size", "3"], ("lossless", 3, True))]:
         assert generate.main(base + extra) == 2

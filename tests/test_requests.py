@@ -1,6 +1,9 @@
 """Request files for `infer.generate`: what a record may hold, and one clear error per mistake."""
 
 import json
+import os
+import stat
+import threading
 
 import pytest
 
@@ -29,7 +32,20 @@ def test_records_keep_their_ids_and_missing_ids_get_their_index(tmp_path):
     ([{"id": "a", "prompt": "x", "prompt_ids": [1]}], r"in.jsonl:1: give 'prompt' or 'prompt_ids', not both"),
     ([{"id": "a", "prompt": [1, 2]}], r"in.jsonl:1: 'prompt' must be a string"),
     ([{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}], r"in.jsonl:3: duplicate id 'a' \(first on line 1\)"),
-    ([{"prompt": "x"}, {"id": 0, "prompt": "y"}], r"in.jsonl:2: duplicate id 0"),  # 0 = index of the first
+    ([{"prompt": "x"}, {"id": 0, "prompt": "y"}],  # 0 = index of the first
+     r"in.jsonl:2: duplicate id 0 \(the record on line 1 has no 'id' and got 0, its index, by default\)"),
+    # the record without an id is the one to blame, not called a duplicate of its own accord
+    ([{"id": 1, "prompt": "x"}, {"prompt": "y"}],
+     r"in.jsonl:2: this record has no 'id', and its default id 1 \(its index\) is already used on line 1: "
+     r"give every record an id"),
+    # malformed prompt_ids are found with the records, named by line, before any model loads
+    ([{"id": "a", "prompt_ids": [4, 5.0]}], r"in.jsonl:1: 'prompt_ids' must be a list of integers"),
+    ([{"id": "a", "prompt_ids": ["4"]}], r"in.jsonl:1: 'prompt_ids' must be a list of integers"),
+    ([{"id": "a", "prompt_ids": None}], r"in.jsonl:1: 'prompt_ids' must be a list of integers .*null"),
+    ([{"id": "a", "prompt_ids": 4}], r"in.jsonl:1: 'prompt_ids' must be a list of integers"),
+    ([{"id": "a", "prompt_ids": [True, 5]}], r"in.jsonl:1: 'prompt_ids' must be a list of integers"),
+    ([{"id": "a", "prompt_ids": [4, -1]}], r"in.jsonl:1: 'prompt_ids' has a negative token id -1"),
+    ([{"id": "a", "prompt_ids": [4]}, {"id": "b", "prompt_ids": []}], r"in.jsonl:2: 'prompt_ids' is empty"),
     ([{"id": ["a"], "prompt": "x"}], r"in.jsonl:1: 'id' must be a string or an integer"),
     ([{"id": True, "prompt": "x"}], r"'id' must be a string or an integer"),
     ([], r"has no records"),
@@ -64,11 +80,86 @@ def test_an_output_that_is_a_directory_or_the_input_is_refused_before_loading(tm
     monkeypatch.setattr(generate, "build_decoder", lambda *a, **k: loaded.append(a))
     path = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
     before = open(path).read()
-    for output, message in [(str(tmp_path), "is a directory"),
-                            (str(tmp_path / "." / "in.jsonl"), "is the input file")]:
+    cases = [(str(tmp_path), "is a directory"), (str(tmp_path / "." / "in.jsonl"), "is the input file"),
+             # these were found only after the whole decode, when the outputs were written
+             ("", "--output is empty"),
+             (str(tmp_path / "in.jsonl" / "out.jsonl"), "cannot make its directory"),
+             ("/sys/out.jsonl", "--output /sys/out.jsonl cannot be written")]  # not even root may
+    for output, message in cases:
         assert generate.main(["--input", path, "--output", output]) == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
     assert open(path).read() == before and not loaded
+
+
+def test_a_missing_output_directory_is_made_and_nothing_is_left_in_it(tmp_path):
+    from prove_jax.decoding.requests import check_output_path
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    check_output_path(str(out), None)
+    assert os.listdir(out.parent) == []  # the probe is gone, no output yet
+
+
+def test_outputs_go_through_symlinks_and_into_fifos_and_devices(tmp_path):
+    """They went through a temporary file renamed over the path: a symlink became a regular
+    file (its target kept the old outputs), and /dev/null or a FIFO was replaced by one."""
+    from prove_jax.decoding.requests import check_output_path, write_outputs
+    args = ([{"id": "a"}], [[4, 5]], [{"generated_tokens": 2}], None)
+    target = tmp_path / "runs" / "out.jsonl"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    link = tmp_path / "latest.jsonl"
+    os.symlink(target, link)
+    check_output_path(str(link), None)
+    write_outputs(str(link), *args)
+    assert os.path.islink(link) and os.readlink(link) == str(target)
+    assert [json.loads(x)["id"] for x in target.read_text().splitlines()] == ["a"]
+    assert sorted(os.listdir(target.parent)) == ["out.jsonl"]  # no temporary left
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
+    reader.start()
+    check_output_path(str(fifo), None)
+    write_outputs(str(fifo), *args)
+    reader.join(timeout=10)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and json.loads(got[0])["output_ids"] == [4, 5]
+
+    if os.path.exists("/dev/null") and stat.S_ISCHR(os.stat("/dev/null").st_mode):
+        check_output_path("/dev/null", None)
+        write_outputs("/dev/null", *args)  # written into, not renamed over
+        assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_adaptive_and_calibrated_lossless_default_to_the_widest_table_block():
+    """--adaptive without --block-size ran K=4, which capped the GPU/TPU table's batch-1 row
+    (K=8, 8 groups) at K=4; --calibrate already defaulted to 8."""
+    from infer import generate
+
+    def block(*argv):
+        args = generate.parse_args(["--input", "in.jsonl", "--output", "out.jsonl", *argv])
+        generate.check_mode_options(args)
+        return generate.decode_options(args).block_size
+    assert block("--mode", "lossless", "--adaptive") == 8
+    assert block("--mode", "lossless", "--calibrate") == 8
+    assert block("--mode", "lossless") == 4
+    assert block("--mode", "lossless", "--adaptive", "--block-size", "6") == 6
+    assert block("--mode", "threshold") == block("--mode", "verify") == 8
+    assert block("--mode", "ar") == 1
+
+
+def test_chat_with_only_token_id_prompts_says_it_changes_nothing(tmp_path, capsys, monkeypatch):
+    from infer import generate
+
+    def build(*a, **k):
+        raise DecodeError("stop before loading")
+    monkeypatch.setattr(generate, "build_decoder", build)
+    out = str(tmp_path / "out.jsonl")
+    ids_only = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
+    generate.main(["--input", ids_only, "--output", out, "--chat"])
+    assert "note: --chat wraps text prompts only" in capsys.readouterr().err
+    generate.main(["--input", _write(tmp_path, [{"id": "a", "prompt": "x"}]), "--output", out, "--chat"])
+    assert "note: --chat" not in capsys.readouterr().err
 
 
 def test_prompt_ids_must_be_ints_not_booleans():

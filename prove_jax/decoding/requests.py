@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import sys
+import uuid
 from typing import Sequence
 
 from prove_jax.checkpoint import atomic_write_text
@@ -17,11 +20,14 @@ def read_requests(path: str) -> list[dict]:
     """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line.
 
     A record without an id gets its index among the records; ids must be unique (outputs are
-    matched to requests by id), strings or integers.
+    matched to requests by id), strings or integers. A default id that another record already
+    has is an error telling the two apart (give every record an id), not a renumbering.
+    `prompt_ids` must be a non-empty list of non-negative integers (whether they are within the
+    model's vocabulary is checked once it is loaded).
     """
     if not os.path.exists(path):
         raise DecodeError(f"input file not found: {path}")
-    records, line_of_id = [], {}
+    records, line_of_id, defaulted = [], {}, set()
     for lineno, rec in read_jsonl(path, DecodeError):
         where = f"{path}:{lineno}"
         if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
@@ -30,17 +36,43 @@ def read_requests(path: str) -> list[dict]:
             raise DecodeError(f"{where}: give 'prompt' or 'prompt_ids', not both")
         if "prompt" in rec and not isinstance(rec["prompt"], str):
             raise DecodeError(f"{where}: 'prompt' must be a string (token ids go in 'prompt_ids')")
+        if "prompt_ids" in rec:
+            problem = prompt_ids_problem(rec["prompt_ids"])
+            if problem:
+                raise DecodeError(f"{where}: {problem}")
+        has_id = "id" in rec
         rec.setdefault("id", len(records))
         rid = rec["id"]
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise DecodeError(f"{where}: 'id' must be a string or an integer, got {rid!r}")
         if rid in line_of_id:
-            raise DecodeError(f"{where}: duplicate id {rid!r} (first on line {line_of_id[rid]})")
+            first = line_of_id[rid]
+            if not has_id:
+                raise DecodeError(f"{where}: this record has no 'id', and its default id {rid!r} "
+                                  f"(its index) is already used on line {first}: give every record an id")
+            if rid in defaulted:
+                raise DecodeError(f"{where}: duplicate id {rid!r} (the record on line {first} has no "
+                                  f"'id' and got {rid!r}, its index, by default): give every record an id")
+            raise DecodeError(f"{where}: duplicate id {rid!r} (first on line {first})")
         line_of_id[rid] = lineno
+        if not has_id:
+            defaulted.add(rid)
         records.append(rec)
     if not records:
         raise DecodeError(f"input file {path} has no records")
     return records
+
+
+def prompt_ids_problem(ids) -> str | None:
+    """What is wrong with a record's `prompt_ids`, or None: a non-empty list of integers >= 0."""
+    # bool is an int subclass: `true` would decode as token 1
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return f"'prompt_ids' must be a list of integers (token ids), got {json.dumps(ids)[:80]}"
+    if not ids:
+        return "'prompt_ids' is empty"
+    if min(ids) < 0:
+        return f"'prompt_ids' has a negative token id {min(ids)}"
+    return None
 
 
 def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False) -> list[list[int]]:
@@ -142,17 +174,63 @@ def describe_options(options: DecodeOptions) -> str:
         else f"threshold K={k},entropy<={options.tau:g}"
 
 
-def check_output_path(path: str, input_path: str | None, flag: str = "--output") -> None:
-    """Refuse, before any model is loaded, an output that cannot or must not be written: a
-    directory, or the request file itself (its requests would be replaced by the outputs)."""
+# a process's own descriptors: /dev/stdout resolves to the file, pipe or terminal behind fd 1
+_FD_PATH = re.compile(r"/(dev/(stdin|stdout|stderr|fd/\d+)|proc/(self|thread-self|\d+)/fd/\d+)")
+
+
+def _is_stream(path: str) -> bool:
+    """An existing output that is written into, never renamed over: a character device or FIFO
+    (/dev/null, a named pipe) or a descriptor (/dev/stdout, /dev/fd/N: renaming a file over what
+    it resolves to would drop the output, or replace a log it appends to)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISDIR(mode):
+        return False
+    return not stat.S_ISREG(mode) or _FD_PATH.fullmatch(os.path.abspath(path)) is not None
+
+
+def check_output_path(path: str, input_path: str | None, flag: str = "--output",
+                      probe: bool = True) -> None:
+    """Refuse, before any model is loaded, an output that cannot or must not be written: an
+    empty path, a directory, the request file itself (its requests would be replaced by the
+    outputs), a path under a file, or one whose directory cannot be written. With `probe` the
+    output's directory is created if missing and a file is created and removed in it (only the
+    process that writes the outputs should probe)."""
+    if not path:
+        raise DecodeError(f"{flag} is empty; give a file path")
     if os.path.isdir(path):
         raise DecodeError(f"{flag} {path} is a directory; give a file path (in it, or elsewhere)")
     if (input_path is not None and os.path.exists(path) and os.path.exists(input_path)
             and os.path.samefile(path, input_path)):
         raise DecodeError(f"{flag} {path} is the input file; write the outputs elsewhere")
+    if not probe:
+        return
+    if _is_stream(path):
+        if not os.access(path, os.W_OK):
+            raise DecodeError(f"{flag} {path} is not writable")
+        return
+    target = os.path.realpath(path)  # a symlink's target is written: the link stays
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:  # FileExistsError / NotADirectoryError: a file where a directory must be
+        raise DecodeError(f"{flag} {path}: cannot make its directory {parent} "
+                          f"({e.strerror or e})") from None
+    trial = os.path.join(parent, f".tmp-{os.path.basename(target)}-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        os.close(os.open(trial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.unlink(trial)
+    except OSError as e:
+        raise DecodeError(f"{flag} {path} cannot be written: {e.strerror or e} in {parent}") from None
 
 
 def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer) -> None:
+    """One JSON line per request: id, output_ids, text (when there is a tokenizer) and stats.
+
+    A regular file is written atomically (temporary sibling + rename); through a symlink, its
+    target is (the link stays). A device, FIFO or /dev/stdout is written into instead."""
     lines = []
     for rec, out, st in zip(records, outputs, stats):
         row = {"id": rec["id"], "output_ids": out}
@@ -160,4 +238,9 @@ def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer)
             row["text"] = tokenizer.decode(out, skip_special_tokens=True)
         row["stats"] = st
         lines.append(json.dumps(row))
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    if _is_stream(path):
+        with open(path, "a") as f:  # append: a /dev/stdout redirected with >> keeps what it had
+            f.write(text)
+    else:
+        atomic_write_text(os.path.realpath(path), text)

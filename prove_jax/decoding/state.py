@@ -55,11 +55,12 @@ def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, 
 
 
 def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, eos_ids: jax.Array,
-           hist_value: jax.Array) -> tuple[LoopState, jax.Array]:
+           hist_value: jax.Array | None = None) -> tuple[LoopState, jax.Array]:
     """Append the first n_commit[b] tokens of block[b] to each active row.
 
     Truncates at the first EOS (kept), at the row's max_new budget and at the buffer end, and
     marks rows done. Returns the new state and the number of tokens actually committed [B].
+    accept_hist counts the step under `hist_value[b]`, or under the tokens committed when None.
     """
     b, width = block.shape
     n_slots = state.tokens.shape[1]
@@ -85,6 +86,7 @@ def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, eos_ids: jax
         col = jnp.where(active, state.forwards, step_commits.shape[1])
         step_commits = step_commits.at[jnp.arange(b), col].set(n, mode="drop")
     k1 = state.accept_hist.shape[1]
+    hist_value = n if hist_value is None else hist_value
     hist = state.accept_hist + (active[:, None] & (jnp.arange(k1)[None, :] == hist_value[:, None]))
     new = state.replace(tokens=tokens, length=length, done=done,
                         forwards=state.forwards + active, accept_hist=hist.astype(jnp.int32),

@@ -79,10 +79,13 @@ def threshold_step(model, state, eos_ids, *, block_size, mask_id, tau, conf_kind
 
 
 def _commit_proposal(state, cache, block, n, eos_ids, vcache=None, verified=False):
+    """Commit the first n[b] tokens of each row's block. accept_hist counts steps by the tokens
+    actually committed, after the cut at EOS or max_new_tokens, so that sum(i * hist[i]) is the
+    tokens generated (the accepted length n would overcount the last step)."""
     n_pending = state.length - state.cache_len
     active = ~state.done
     state = state.replace(cache=cache, cache_len=state.cache_len + jnp.where(active, n_pending, 0))
-    state, n_done = commit(state, block, n, eos_ids, hist_value=n)
+    state, n_done = commit(state, block, n, eos_ids)  # the histogram counts n_done
     if verified:
         state = state.replace(vcache=vcache, vcache_len=state.vcache_len + n_done,
                               verifier_forwards=state.verifier_forwards + active)
