@@ -2,7 +2,8 @@
 
 Every example becomes one row of `max_length` tokens with two masks:
 - `loss_mask` True for trained tokens: the response (+ EOS) of a prompt/response pair, every
-  token of plain text, and the EOS padding up to a multiple of `block_size` (MARS trains it);
+  token of plain text, and the EOS padding up to a multiple of `block_size` (MARS trains it;
+  the trainer passes block_size 1, no padding, for every other objective);
 - `valid` True for real tokens including that EOS padding; False for the right padding.
 
 Rows are tokenized once, up front, so that truncation is counted before training starts and

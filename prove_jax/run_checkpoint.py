@@ -1,7 +1,8 @@
 """Run checkpoints: train state (params, optimizer, step) + data iterator + metadata, via orbax.
 
 Lives in RUN_DIR/checkpoints/<step>/ with items `state` (sharded arrays, each host writes its
-shards), `data` (the grain iterator position, one JSON per host) and `meta` (JSON). Saves are
+shards), `data` (the grain iterator position, one JSON per host, each the same global batch
+index, so a relaunch on another number of hosts resumes at the same batch) and `meta` (JSON). Saves are
 asynchronous (training continues while arrays are written) and orbax keeps the last N. A run
 resumes from the newest checkpoint that restores; one that does not (a crash mid-write on a
 filesystem without atomic rename, a deleted shard) is moved aside to RUN_DIR/corrupt/ with a
@@ -15,7 +16,9 @@ original config still resumes.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from typing import Callable
 
@@ -74,6 +77,23 @@ def has_checkpoints(run_dir: str) -> bool:
     return os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
 
 
+def saved_run_meta(run_dir: str) -> dict | None:
+    """The `meta` item (model config, objective) of the newest step that has a readable one,
+    read as the JSON file it is, without a checkpoint manager; None when there is none."""
+    ckpt_dir = os.path.join(run_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(ckpt_dir):
+        return None
+    for step in sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True):
+        try:
+            with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict):
+            return meta
+    return None
+
+
 class RunCheckpoints:
     def __init__(self, run_dir: str, keep: int = 3, async_save: bool = True,
                  log: Callable[[str], None] = print):
@@ -101,11 +121,10 @@ class RunCheckpoints:
         expected = leaf_shapes(abstract_state)
         for i, step in enumerate(steps):
             args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
-            if data_iter is not None:
-                args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
             try:
                 with restore_attempt(os.path.join(self.dir, str(step))):
                     self._check_structure(step, expected)  # a config change raises, moves nothing
+                    data_state = self._data_state(step) if data_iter is not None else None
                     restored = self.manager.restore(step, args=ocp.args.Composite(**args))
             except RunCheckpointMismatch:
                 raise
@@ -117,11 +136,33 @@ class RunCheckpoints:
                             else "no older checkpoint to fall back to"))
                 self._move_aside(step)
                 continue
+            if data_iter is not None:
+                data_iter.set_state(data_state)
+                if hasattr(data_iter, "start_prefetch"):  # as grain's own restore does
+                    data_iter.start_prefetch()
             return step, restored["state"], restored["meta"]
         if steps:
             raise RunCheckpointError(f"no checkpoint in {self.dir} could be restored "
                                      f"(tried steps {steps}); remove the folder to start over")
         return None
+
+    def _data_state(self, step: int) -> dict:
+        """The step's data-iterator state. grain names each host's file
+        process_{i}-of-{N}.json and its own restore reads only the name of the current process
+        count, so a relaunch on another number of hosts found none and took every checkpoint
+        for damaged. The state is global (the next global batch index: `data.make_dataset`),
+        the same in every host's file, so any of them serves when this process's is missing."""
+        folder = os.path.join(self.dir, str(step), "data")
+        own = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"process_\d+-of-\d+\.json", n))
+        if not names:
+            raise FileNotFoundError(f"no data-iterator state in {folder}")
+        if own not in names:
+            self.log(f"checkpoint step {step} was saved by "
+                     f"{names[0].split('-of-')[1].removesuffix('.json')} process(es), this launch "
+                     f"has {jax.process_count()}: resuming the data at the same global batch")
+        with open(os.path.join(folder, own if own in names else names[0])) as f:
+            return json.load(f)
 
     def _check_structure(self, step: int, expected: dict[str, tuple]) -> None:
         """Compare the step's stored array paths and shapes (its metadata file, no array data)

@@ -105,19 +105,67 @@ class TrainConfig:
             raise TrainConfigError(
                 f"optimizer.grad_accum={self.optimizer.grad_accum} must divide "
                 f"global_batch_size={self.global_batch_size}")
-        if len(self.mesh) != 3:
-            raise TrainConfigError(f"mesh must be [data, fsdp, tensor], got {self.mesh}")
+        self.mesh = _check_mesh(self.mesh)
         _check_optimizer(self.optimizer)
-        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
-            raise TrainConfigError(f"run_dir {self.run_dir} is a file; it must be a directory (new or a "
-                                   f"run to resume)")
+        _check_paths(self)
         sources = [k for k in ("hf_dir", "checkpoint", "preset", "config")
                    if getattr(self.model, k) is not None]
         if len(sources) != 1:
             raise TrainConfigError(
                 f"set exactly one of model.hf_dir / model.checkpoint / model.preset / "
                 f"model.config (got {sources or 'none'})")
+        # (commit_head reads the verifier's tokenizer or tokenizer.path, never a BPE)
+        if (self.tokenizer.bpe_vocab_size and sources[0] in ("hf_dir", "checkpoint")
+                and self.objective != "commit_head"):
+            raise TrainConfigError(
+                f"tokenizer.bpe_vocab_size trains a new vocabulary, but model.{sources[0]} weights "
+                f"read token ids as their own tokenizer assigns them: set "
+                f"tokenizer.bpe_vocab_size=null (the model's tokenizer), or build the model from "
+                f"model.preset / model.config")
         return self
+
+
+def _check_mesh(mesh: list) -> list[int]:
+    """[data, fsdp, tensor]: three whole numbers, each >= 1 or -1 (the remaining devices)."""
+    def size(v):
+        try:
+            v = fieldtypes.conform(v, "int")  # 2.0 -> 2; a bool, text, null or 1.5 is refused
+        except fieldtypes.AnnotationMismatch:
+            return None
+        return v if v >= 1 or v == -1 else None
+    sizes = [size(v) for v in mesh]
+    if len(mesh) != 3 or None in sizes:
+        raise TrainConfigError(f"mesh must be [data, fsdp, tensor], each a whole number >= 1 or -1 "
+                               f"(the remaining devices), got {mesh}")
+    return sizes
+
+
+def _check_paths(cfg: "TrainConfig") -> None:
+    """run_dir and data are non-empty paths; run_dir can be a directory (it is one, or its
+    nearest existing ancestor is, not a file it would have to be created below) and lies
+    outside a data folder (whose files are all read as data)."""
+    for name in ("run_dir", "data"):
+        value = getattr(cfg, name)
+        if value is not None and not value.strip():
+            raise TrainConfigError(f"{name} must be a path, got {value!r}")
+    run_dir = cfg.run_dir
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise TrainConfigError(f"run_dir {run_dir} is a file; it must be a directory (new or a "
+                               f"run to resume)")
+    ancestor = os.path.dirname(os.path.abspath(run_dir))
+    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise TrainConfigError(f"run_dir {run_dir} cannot be created: {ancestor} is a file, not a "
+                               f"directory")
+    data = cfg.data
+    if data is not None and os.path.isdir(data):
+        inside = os.path.realpath(data)
+        if os.path.commonpath([inside, os.path.realpath(run_dir)]) == inside:
+            raise TrainConfigError(
+                f"run_dir {run_dir} is inside the data folder {data}: every .jsonl and text file "
+                f"below it is read as training data, the run's own files (metrics.jsonl) included "
+                f"on a relaunch; put run_dir outside the data folder")
 
 
 def _check_model_source(src: ModelSource) -> None:

@@ -1,10 +1,11 @@
 """The training loop: config -> mesh, tokenizer, model, data, optimizer -> steps -> checkpoints.
 
-Start-up order matters for resumption: the model config and tokenizer are derived the same
-way on every launch (the `<|mask|>` token included), so the abstract train state, and with it
-the restore target, is known before any weights are read. A fresh run loads the initial
-weights (HF dir, prove_jax checkpoint, or random init); a resumed run reads only its own
-latest checkpoint (params, optimizer, step, data position).
+Start-up order matters for resumption: the model config and tokenizer are known before any
+weights are read (a fresh run's from its model source, the `<|mask|>` token included; a
+resumed run's from its own checkpoint metadata and RUN_DIR/tokenizer), so the abstract train
+state, and with it the restore target, is too. A fresh run loads the initial weights (HF dir,
+prove_jax checkpoint, or random init); a resumed run reads only its own latest checkpoint
+(params, optimizer, step, data position), and only operational settings may change.
 
 At the end the trained model is exported as a prove_jax model checkpoint at RUN_DIR/model
 (config with mask_token_id + tokenizer files), the input of `infer.generate --model`, with
@@ -32,7 +33,7 @@ from prove_jax.config import ModelConfig, preset
 from prove_jax.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.optim import make_optimizer
 from prove_jax.run_checkpoint import (RunCheckpointError, RunCheckpointMismatch, RunCheckpoints,
-                                      has_checkpoints)
+                                      has_checkpoints, saved_run_meta)
 from prove_jax.train_config import TrainConfig, TrainConfigError, inline_model_config, to_dict
 from prove_jax.train_step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state, jit_step,
                                   make_loss_fn, state_layout)
@@ -97,6 +98,19 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
         model_cfg = inline_model_config(src.config)
     overrides = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
     return model_cfg.replace(**overrides)
+
+
+def run_model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model config of this launch: a resumed run's is the one saved with its checkpoints
+    (the train state restored is the run's own, so the initial weights' directory is not read
+    and need not be there any more); a fresh run's is `source_model_config`'s."""
+    saved = saved_run_meta(cfg.run_dir) if has_checkpoints(cfg.run_dir) else None
+    if saved is None or not isinstance(saved.get("model_config"), dict):
+        return source_model_config(cfg)
+    src = cfg.model
+    overrides = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
+    return ModelConfig.from_json_dict(saved["model_config"],
+                                      where=f"the model config saved in {cfg.run_dir}").replace(**overrides)
 
 
 def _training_texts(path: str):
@@ -244,11 +258,19 @@ def _require_data(path: str | None) -> None:
         raise TrainError(f"data not found: {path}")
 
 
+def data_block_size(cfg: TrainConfig) -> int:
+    """The block the data pads each row's end to with trained EOS: MARS's (its mask stream
+    predicts whole blocks, the last one included). Other objectives get 1, no padding: an AR
+    loss over made-up EOS-after-EOS targets would depend on block_size, and the commit head's
+    contexts (cut at trained tokens) would end inside such padding."""
+    return cfg.block_size if cfg.objective == "mars" else 1
+
+
 def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
     from prove_jax import data as data_lib
     _require_data(cfg.data)
     it = data_lib.make_dataset(
-        cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
+        cfg.data, tokenizer, max_length=cfg.max_length, block_size=data_block_size(cfg),
         global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True, num_epochs=None,
         process_index=jax.process_index(), process_count=jax.process_count(), chat=cfg.chat)
     stats = getattr(it, "stats", None)
@@ -350,6 +372,51 @@ def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
+# Settings a resumed run may change: how long it runs, how it logs and saves, how the same
+# computation is laid out. Any other change (objective, data, batch, lengths, seed, model,
+# tokenizer, optimizer) would make the relaunch no continuation of the run it resumes.
+OPERATIONAL_SETTINGS = frozenset({
+    "steps", "log_every", "save_every", "keep", "export_every_save", "async_save", "target_chip",
+    "mesh", "optimizer.grad_accum", "model.remat", "model.shape_preset", "proposer_shape_preset",
+    "run_dir",  # a run dir moved elsewhere
+    "model.hf_dir", "model.checkpoint"})  # a resumed run reads no initial weights
+
+
+def check_continuation(run_dir: str, cfg: TrainConfig) -> None:
+    """A relaunch into a run dir with checkpoints continues that run: only operational settings
+    may differ from its train_config.json (settings the file does not have, from an older
+    version, are not compared)."""
+    try:
+        with open(os.path.join(run_dir, "train_config.json")) as f:
+            old = _flat(json.load(f))
+    except (OSError, ValueError, AttributeError):
+        return
+    new = _flat(json.loads(json.dumps(to_dict(cfg))))
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old.keys() & new.keys())
+               if old[k] != new[k] and k not in OPERATIONAL_SETTINGS]
+    if changed:
+        raise TrainConfigError(
+            f"run_dir {run_dir} holds a run made with other settings ({', '.join(changed)}); "
+            f"relaunch with its settings to resume it, or set a new run_dir to start over "
+            f"(only {', '.join(sorted(OPERATIONAL_SETTINGS))} may change on resume)")
+
+
+def check_tokenizer_matches_weights(cfg: TrainConfig, tokenizer, where: str,
+                                    model_cfg: ModelConfig) -> None:
+    """Pretrained weights (model.checkpoint / model.hf_dir) read token ids as their own
+    tokenizer assigns them: a configured tokenizer must map every token to the same id (and fit
+    the embedding rows), or the embeddings are read with wrong ids."""
+    src = cfg.model.checkpoint or cfg.model.hf_dir
+    if src is None or os.path.abspath(where) == os.path.abspath(src):
+        return
+    from prove_jax import vocab
+    own = checkpoint.load_tokenizer(src) if os.path.isdir(src) else None
+    try:
+        vocab.check_shared_vocabulary(tokenizer, where, [("model", src, model_cfg.vocab_size, own)])
+    except vocab.VocabError as e:
+        raise TrainConfigError(f"{e}; leave tokenizer.path unset to use the model's own tokenizer") from None
+
+
 def restore_run(ckpts: RunCheckpoints, layout, data_iter, cfg: TrainConfig):
     """(step, state) of the run's newest usable checkpoint, or None for a fresh run. A config
     whose train state no longer fits the checkpoints, or whose `steps` ends before them, is
@@ -393,14 +460,22 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
+    resuming = has_checkpoints(run_dir)
+    if resuming:
+        check_continuation(run_dir, cfg)
+    model_cfg = run_model_config(cfg)  # bad model keys/dtypes fail before BPE training
+    if cfg.max_length > model_cfg.max_position_embeddings:  # its position buffers end there
+        raise TrainConfigError(f"max_length={cfg.max_length} is longer than the model's context, "
+                               f"max_position_embeddings={model_cfg.max_position_embeddings}")
     mesh = config_mesh(cfg, log)
 
-    model_cfg = source_model_config(cfg)  # bad model keys/dtypes fail before BPE training
     bpe = cfg.tokenizer.bpe_vocab_size
-    if bpe and bpe > model_cfg.vocab_size and not has_checkpoints(run_dir):
+    if bpe and bpe > model_cfg.vocab_size and not resuming:
         raise TrainConfigError(f"tokenizer.bpe_vocab_size={bpe} is larger than the model's "
                                f"vocab_size={model_cfg.vocab_size}")
     tokenizer, tok_where = resolve_tokenizer(cfg)
+    if not resuming:
+        check_tokenizer_matches_weights(cfg, tokenizer, tok_where, model_cfg)
     if cfg.chat and not getattr(tokenizer, "chat_template", None):
         raise TrainConfigError(f"chat=true but the tokenizer in {tok_where} has no chat template; "
                                f"use a tokenizer with one or set chat=false")

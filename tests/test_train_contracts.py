@@ -279,6 +279,30 @@ def test_a_row_trained_only_on_its_eos_block_padding_is_kept():
     assert rows.valid[0].tolist() == [True] * 4 + [False] * 4
 
 
+def test_only_mars_pads_rows_to_a_block_with_trained_eos(tmp_path):
+    """The EOS padding up to a block multiple is MARS's (its mask stream predicts whole
+    blocks); objective=ar padded too, so its loss had up to block_size - 1 made-up
+    EOS-after-EOS targets per row and depended on block_size."""
+    import json
+    from prove_jax.trainer import make_data_iterator
+    from tests.tokenizers_fixture import make_tokenizer
+    from tests.train_helpers import tiny_config
+    data = tmp_path / "ids.jsonl"  # 3 prompt + 2 trained tokens (the second an EOS) per row
+    data.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8 + i, 0]}) + "\n"
+                            for i in range(8)))
+    tok = make_tokenizer(300)
+
+    def rows(objective, block_size):
+        cfg = tiny_config(tmp_path, f"{objective}{block_size}", data=str(data), objective=objective,
+                          block_size=block_size)
+        batch = next(make_data_iterator(cfg, tok, lambda _: None))
+        return (batch["loss_mask"] & batch["valid"]).sum(axis=1).tolist(), batch["valid"].sum(axis=1).tolist()
+    assert rows("ar", 4) == rows("ar", 8) == ([2] * 8, [5] * 8)
+    assert rows("commit_head", 8) == ([2] * 8, [5] * 8)
+    assert rows("mars", 4) == ([5] * 8, [8] * 8)  # padded to 8: 3 trained EOS
+    assert rows("mars", 8) == ([5] * 8, [8] * 8)
+
+
 # ---- conversion -------------------------------------------------------------------------------
 
 def _torch_and_ours(hf_model, ckpt, tokens):

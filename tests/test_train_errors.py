@@ -174,8 +174,16 @@ def test_values_that_used_to_fail_mid_run_are_config_errors(tmp_path, capsys):
         ("ar_weight=-1", "ar_weight must be a finite number >= 0, got -1"),
         ("model.dtype=float8", "model.dtype must be one of float32, bfloat16, float16 or null"),
         ("model.config={hidden_sise: 8}", "unknown model.config keys ['hidden_sise']"),
+        # the model's position buffers end at its context (evaluate refused it already)
+        ("max_length=512", "max_length=512 is longer than the model's context, "
+                           "max_position_embeddings=256"),
+        # a new BPE's ids mean nothing to pretrained weights
+        (("model.checkpoint=/nowhere", "tokenizer.bpe_vocab_size=64"),
+         "tokenizer.bpe_vocab_size trains a new vocabulary, but model.checkpoint weights read "
+         "token ids as their own"),
     ]:
-        assert main(["--config", cfg_path, f"run_dir={run_dir}", override]) == 2, override
+        overrides = [override] if isinstance(override, str) else list(override)
+        assert main(["--config", cfg_path, f"run_dir={run_dir}", *overrides]) == 2, override
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err, (override, err)
         assert not run_dir.exists()
@@ -297,3 +305,66 @@ def test_a_real_ctrl_c_mid_run_exits_130_not_by_a_crash(tmp_path):
     err = "".join(seen) + proc.stderr.read()
     assert proc.wait(timeout=120) == 130, err[-3000:]
     assert "interrupted; rerun the same command to resume" in err and "Fatal Python error" not in err
+
+
+def test_bad_meshes_paths_and_overrides_after_an_option_are_config_errors(tmp_path, capsys):
+    """Mesh entries that are not whole sizes, an empty run_dir or data, a run_dir below a file
+    or inside the data folder: one error line each from the config check, before any compile
+    (they were tracebacks, or trained into the working directory / into the data)."""
+    cfg_path = write_config(tmp_path)
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("not a folder")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text")
+    for override, message in [
+        ("mesh=[1,a,1]", "mesh must be [data, fsdp, tensor], each a whole number >= 1 or -1"),
+        ("mesh=[1,null,1]", "got [1, None, 1]"),
+        ("mesh=[1,.nan,1]", "got [1, nan, 1]"),
+        ("mesh=[1,1e400,1]", "got [1, '1e400', 1]"),
+        ("mesh=[1.5,1,1]", "got [1.5, 1, 1]"),
+        ("mesh=[0,1,1]", "got [0, 1, 1]"),
+        ("mesh=[1,true,1]", "got [1, True, 1]"),
+        ("mesh=[1,1]", "got [1, 1]"),
+        ("run_dir=", "run_dir must be a path, got ''"),
+        ("run_dir= ", "run_dir must be a path, got ' '"),
+        ("data=", "data must be a path, got ''"),
+        (f"run_dir={a_file}/sub", f"run_dir {a_file}/sub cannot be created: {a_file} is a file"),
+        (f"run_dir={a_file}/sub/deeper", f"{a_file} is a file, not a directory"),
+        (f"data={folder}", "is inside the data folder"),
+    ]:
+        extra = [f"run_dir={folder}/run"] if override.startswith("data=") and "corpus" in override else []
+        assert main(["--config", cfg_path, *extra, override]) == 2, override
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, (override, err)
+    assert load_config(cfg_path, ["mesh=[1.0,-1,1]"]).mesh == [1, -1, 1]
+    assert sorted(os.listdir(folder)) == ["a.txt"] and a_file.read_text() == "not a folder"
+    # overrides after an option flag are still overrides (argparse refused them)
+    assert main(["--config", cfg_path, "steps=2", "--no-progress", "mesh=[1,a,1]"]) == 2
+    assert "error: mesh must be" in capsys.readouterr().err
+
+
+def test_a_tokenizer_that_disagrees_with_the_pretrained_weights_is_refused(tmp_path, capsys):
+    """tokenizer.path with model.checkpoint trained silently with other ids than the weights'
+    own tokenizer: now refused before compiling; a tokenizer with the same ids passes."""
+    from prove_jax.checkpoint import save_model
+    from prove_jax.config import ModelConfig
+    from prove_jax.params import create_model
+    from prove_jax.trainer import check_tokenizer_matches_weights, source_model_config
+    from tests.train_helpers import TINY_MODEL, write_tokenizer
+    cfg_path = write_config(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, create_model(ModelConfig(**TINY_MODEL), seed=0),
+               tokenizer_dir=write_tokenizer(tmp_path))
+    other = str(tmp_path / "other_tok")
+    make_tokenizer(300, modules=("textwrap",)).save_pretrained(other)
+    run_dir = tmp_path / "run"
+    assert main(["--config", cfg_path, f"run_dir={run_dir}", "model.config=null",
+                 f"model.checkpoint={ckpt}", f"tokenizer.path={other}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: the model's tokenizer") and "is not the one in" in err, err
+    assert "leave tokenizer.path unset" in err and not run_dir.exists()
+    same = load_config(cfg_path, ["model.config=null", f"model.checkpoint={ckpt}"])
+    tokenizer, where = resolve_tokenizer(same)  # tokenizer.path: a copy of the model's own
+    assert where != ckpt
+    check_tokenizer_matches_weights(same, tokenizer, where, source_model_config(same))

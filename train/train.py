@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # intermixed: overrides may come after an option (`steps=2 --dry-run run_dir=X`)
+    args = build_parser().parse_intermixed_args(argv)
     from prove_jax.trainer import user_errors
     cfg = None
     try:
