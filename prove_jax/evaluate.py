@@ -6,8 +6,9 @@ ProVe-lossless reproduces the proposer's greedy output exactly, so any change to
     python -m prove_jax.evaluate --model CKPT [--model CKPT2 ...] \\
         --data runs/demo/corpus/heldout.jsonl [--max-length 256] [--max-rows 256] [--mesh 1,4,2]
 
-`--data` is anything the training loader reads (text, a folder, JSONL). Every token of every
-row counts once (token-weighted mean, unlike the per-sequence training loss). A proposer too
+`--data` is anything the training loader reads (text, a folder, JSONL). Every trained token of
+every row counts once (all of plain text, the response of prompt/response records; a
+token-weighted mean, unlike the per-sequence training loss). A proposer too
 large for one device is read straight into the shards of `--mesh data,fsdp,tensor` (the rows
 of each batch split over data x fsdp, the model as training splits it); on several hosts the
 same command runs on each (`--coordinator/--num-processes/--process-id` off TPU) and process 0

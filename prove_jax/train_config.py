@@ -93,6 +93,9 @@ class TrainConfig:
                      "save_every", "keep"):
             if getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tokenizer.bpe_vocab_size is not None and self.tokenizer.bpe_vocab_size <= 0:
+            raise TrainConfigError(f"tokenizer.bpe_vocab_size must be positive (or null: no BPE), "
+                                   f"got {self.tokenizer.bpe_vocab_size}")
         if self.max_length % self.block_size:  # rows are padded to whole blocks (data.py)
             raise TrainConfigError(f"max_length={self.max_length} must be a multiple of "
                                    f"block_size={self.block_size}")

@@ -170,6 +170,7 @@ def test_values_that_used_to_fail_mid_run_are_config_errors(tmp_path, capsys):
     for override, message in [
         ("block_size=5", "max_length=32 must be a multiple of block_size=5"),
         ("seed=-1", "seed must be in [0, 2**32), got -1"),
+        ("tokenizer.bpe_vocab_size=0", "tokenizer.bpe_vocab_size must be positive (or null: no BPE), got 0"),
         ("ar_weight=nan", "ar_weight must be a finite number >= 0, got nan"),
         ("ar_weight=-1", "ar_weight must be a finite number >= 0, got -1"),
         ("model.dtype=float8", "model.dtype must be one of float32, bfloat16, float16 or null"),
