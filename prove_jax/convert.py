@@ -158,6 +158,9 @@ def plan_hf_to_ours(infos: dict[str, st.TensorInfo], cfg: ModelConfig) -> list[s
     wanted = []
     for name, info in infos.items():
         if check_hf_tensor(name, info.shape, cfg) is not None:
+            if info.dtype.kind != "f":  # e.g. a quantized export's packed integers
+                raise WeightError(f"weight {name} is stored as {info.dtype.name}, not floating point "
+                                  f"(a quantized checkpoint?); convert the float weights")
             wanted.append(info)
     missing = [k for k in expected_hf_keys(cfg) if k not in infos]
     if missing:

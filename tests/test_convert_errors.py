@@ -105,6 +105,15 @@ def test_unmapped_key(capsys, hf_dir, tmp_path):
           needles=("unmapped weight 'model.layers.0.self_attn.extra.weight'", "(3, 4)"))
 
 
+def test_integer_weights_are_refused(capsys, hf_dir, tmp_path):
+    """A weight stored as integers (a quantized export's packed values) is not cast to float."""
+    def to_int(t):
+        t["model.norm.weight"] = t["model.norm.weight"].astype("int32")
+    rewrite(hf_dir / "model.safetensors", to_int)
+    fails(capsys, tmp_path / "out", "hf-to-flax", "--hf-dir", str(hf_dir),
+          needles=("weight model.norm.weight is stored as int32, not floating point",))
+
+
 def test_wrong_shape_names_key_and_both_shapes(capsys, hf_dir, tmp_path):
     cfg_path = hf_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
