@@ -29,6 +29,7 @@ def test_records_keep_their_ids_and_missing_ids_get_their_index(tmp_path):
     (["{nope"], r"in.jsonl:1: not valid JSON"),
     ([{"id": "a"}], r"in.jsonl:1: a record needs 'prompt' \(text\) or 'prompt_ids'"),
     ([[1, 2]], r"in.jsonl:1: a record needs"),
+    ([[{"id": "a", "prompt": "x"}]], r"in.jsonl:1: a JSON array of records; JSON Lines has one record"),
     ([{"id": "a", "prompt": "x", "prompt_ids": [1]}], r"in.jsonl:1: give 'prompt' or 'prompt_ids', not both"),
     ([{"id": "a", "prompt": [1, 2]}], r"in.jsonl:1: 'prompt' must be a string"),
     ([{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}], r"in.jsonl:3: duplicate id 'a' \(first on line 1\)"),

@@ -30,6 +30,9 @@ def read_requests(path: str) -> list[dict]:
     records, line_of_id, defaulted = [], {}, set()
     for lineno, rec in read_jsonl(path, DecodeError):
         where = f"{path}:{lineno}"
+        if isinstance(rec, list) and rec and all(isinstance(r, dict) for r in rec):
+            raise DecodeError(f"{where}: a JSON array of records; JSON Lines has one record "
+                              f"(a JSON object) per line")
         if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
             raise DecodeError(f"{where}: a record needs 'prompt' (text) or 'prompt_ids'")
         if "prompt" in rec and "prompt_ids" in rec:
