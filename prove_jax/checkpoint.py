@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from typing import Mapping
@@ -88,8 +89,32 @@ def atomic_dir(final_path: str):
     return _Atomic()
 
 
+# a process's own descriptors: /dev/stdout resolves to the file, pipe or terminal behind fd 1
+_FD_PATH = re.compile(r"/(dev/(stdin|stdout|stderr|fd/\d+)|proc/(self|thread-self|\d+)/fd/\d+)")
+
+
+def is_stream(path: str) -> bool:
+    """An existing output that is written into, never renamed over: a character device or FIFO
+    (/dev/null, a named pipe) or a descriptor (/dev/stdout, /dev/fd/N: renaming a file over what
+    it resolves to would drop the output, or replace a log it appends to)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISDIR(mode):
+        return False
+    return not stat.S_ISREG(mode) or _FD_PATH.fullmatch(os.path.abspath(path)) is not None
+
+
 def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file via a temporary name + rename (never a half-written file)."""
+    """Write a text file via a temporary name + rename (never a half-written file). Through a
+    symlink its target is written (the link stays); a stream (`is_stream`: /dev/stdout, a FIFO,
+    /dev/null) is written into, appending, as there is no file to rename over."""
+    if is_stream(path):
+        with open(path, "a") as f:  # append: a /dev/stdout redirected with >> keeps what it had
+            f.write(text)
+        return
+    path = os.path.realpath(path)
     if os.path.isdir(path):  # else the rename fails, naming the temporary file
         raise IsADirectoryError(f"{path} is a directory; give a file path")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import stat
 import sys
 import uuid
 from typing import Sequence
 
-from prove_jax.checkpoint import atomic_write_text
+from prove_jax.checkpoint import atomic_write_text, is_stream
 from prove_jax.decoding.engine import BatchResult, DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.jsonl import read_jsonl
@@ -177,23 +175,6 @@ def describe_options(options: DecodeOptions) -> str:
         else f"threshold K={k},entropy<={options.tau:g}"
 
 
-# a process's own descriptors: /dev/stdout resolves to the file, pipe or terminal behind fd 1
-_FD_PATH = re.compile(r"/(dev/(stdin|stdout|stderr|fd/\d+)|proc/(self|thread-self|\d+)/fd/\d+)")
-
-
-def _is_stream(path: str) -> bool:
-    """An existing output that is written into, never renamed over: a character device or FIFO
-    (/dev/null, a named pipe) or a descriptor (/dev/stdout, /dev/fd/N: renaming a file over what
-    it resolves to would drop the output, or replace a log it appends to)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    if stat.S_ISDIR(mode):
-        return False
-    return not stat.S_ISREG(mode) or _FD_PATH.fullmatch(os.path.abspath(path)) is not None
-
-
 def check_output_path(path: str, input_path: str | None, flag: str = "--output",
                       probe: bool = True) -> None:
     """Refuse, before any model is loaded, an output that cannot or must not be written: an
@@ -210,7 +191,7 @@ def check_output_path(path: str, input_path: str | None, flag: str = "--output",
         raise DecodeError(f"{flag} {path} is the input file; write the outputs elsewhere")
     if not probe:
         return
-    if _is_stream(path):
+    if is_stream(path):
         if not os.access(path, os.W_OK):
             raise DecodeError(f"{flag} {path} is not writable")
         return
@@ -241,9 +222,4 @@ def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer)
             row["text"] = tokenizer.decode(out, skip_special_tokens=True)
         row["stats"] = st
         lines.append(json.dumps(row))
-    text = "\n".join(lines) + "\n"
-    if _is_stream(path):
-        with open(path, "a") as f:  # append: a /dev/stdout redirected with >> keeps what it had
-            f.write(text)
-    else:
-        atomic_write_text(os.path.realpath(path), text)
+    atomic_write_text(path, "\n".join(lines) + "\n")
