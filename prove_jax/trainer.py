@@ -282,6 +282,10 @@ def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
                 f"were truncated")
         if stats.dropped:
             log(f"warning: {stats.dropped} sequence(s) dropped (no trained token within max_length)")
+        if stats.steps_per_epoch == 0:
+            log(f"warning: {stats.sequences} sequence(s) fill less than one global batch of "
+                f"{cfg.global_batch_size}: each batch repeats them (more data, or a smaller "
+                f"global_batch_size)")
     return it
 
 

@@ -303,6 +303,26 @@ def test_only_mars_pads_rows_to_a_block_with_trained_eos(tmp_path):
     assert rows("mars", 8) == ([5] * 8, [8] * 8)
 
 
+def test_data_smaller_than_one_batch_is_a_warning(tmp_path):
+    """Fewer sequences than one global batch train the same rows repeated in every batch."""
+    import json
+    from prove_jax.trainer import make_data_iterator
+    from tests.tokenizers_fixture import make_tokenizer
+    from tests.train_helpers import tiny_config
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [5, 6], "response_ids": [8, 0]}) + "\n"
+                            for _ in range(3)))
+
+    def warnings(batch):
+        cfg = tiny_config(tmp_path, f"b{batch}", data=str(data), objective="ar", global_batch_size=batch)
+        log = []
+        make_data_iterator(cfg, make_tokenizer(300), log.append)
+        return [m for m in log if "less than one global batch" in m]
+    assert warnings(4) == ["warning: 3 sequence(s) fill less than one global batch of 4: each batch "
+                           "repeats them (more data, or a smaller global_batch_size)"]
+    assert warnings(2) == []
+
+
 # ---- conversion -------------------------------------------------------------------------------
 
 def _torch_and_ours(hf_model, ckpt, tokens):
