@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
 
 from prove_jax import assets, distributed
+from prove_jax.checkpoint import load_tokenizer
 from prove_jax.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
@@ -148,10 +150,13 @@ def main(argv=None) -> int:
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
                   "so it changes nothing", file=sys.stderr)
-        verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
-        decoder, tokenizer = build_decoder(args.model, options, verifier_path=verifier,
-                                           dtype=args.dtype, mesh_shape=args.mesh)
+        # text prompts are encoded before any weight is read: a missing tokenizer or chat
+        # template fails in a second, not after loading the model
+        tokenizer = load_tokenizer(args.model) if os.path.isdir(args.model) else None
         prompts = encode_prompts(records, tokenizer, chat=args.chat)
+        verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
+        decoder, _ = build_decoder(args.model, options, verifier_path=verifier,
+                                   dtype=args.dtype, mesh_shape=args.mesh)
         ids = [r["id"] for r in records]
         if args.calibrate:
             decoder.check_prompts(prompts, args.max_new_tokens, names=ids)

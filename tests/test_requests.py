@@ -166,8 +166,34 @@ def test_chat_with_only_token_id_prompts_says_it_changes_nothing(tmp_path, capsy
 def test_prompt_ids_must_be_ints_not_booleans():
     from prove_jax.decoding.requests import encode_prompts
     assert encode_prompts([{"id": "a", "prompt_ids": [4, 5]}], None) == [[4, 5]]
-    with pytest.raises(DecodeError, match=r"request 'a': prompt_ids must be a list of ints"):
+    with pytest.raises(DecodeError, match=r"request 'a': 'prompt_ids' must be a list of integers"):
         encode_prompts([{"id": "a", "prompt_ids": [True, 5]}], None)  # JSON true is not token 1
+
+
+def test_chat_without_a_chat_template_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Text prompts are encoded before any weight is read: a tokenizer without a chat template
+    failed with transformers' message only after the model had loaded."""
+    import shutil
+    from infer import generate
+    from prove_jax import assets
+
+    def build(*a, **k):
+        raise DecodeError("stop before loading")
+    monkeypatch.setattr(generate, "build_decoder", build)
+    model = tmp_path / "model"  # the demo proposer's config and tokenizer, no chat template
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(assets.DEMO_PROPOSER, name), model / name)
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    text = _write(tmp_path, [{"id": "a", "prompt": "x"}])
+    out = str(tmp_path / "out.jsonl")
+    assert generate.main(["--model", str(model), "--input", text, "--output", out, "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "--chat: the checkpoint's tokenizer has no chat template" in err and "stop before" not in err
+    assert generate.main(["--model", str(model), "--input", text, "--output", out]) == 2
+    assert "stop before loading" in capsys.readouterr().err  # without --chat it gets that far
 
 
 def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():

@@ -80,16 +80,18 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False) -> li
     prompts = []
     for rec in records:
         if "prompt_ids" in rec:
-            ids = rec["prompt_ids"]
-            # bool is an int subclass: `true` would decode as token 1
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise DecodeError(f"request {rec['id']!r}: prompt_ids must be a list of ints")
-            prompts.append(ids)
+            problem = prompt_ids_problem(rec["prompt_ids"])
+            if problem:
+                raise DecodeError(f"request {rec['id']!r}: {problem}")
+            prompts.append(rec["prompt_ids"])
             continue
         if tokenizer is None:
             raise DecodeError(f"request {rec['id']!r} has a text prompt but the checkpoint has no "
                               f"tokenizer; give prompt_ids instead")
         text = rec["prompt"]
+        if chat and not getattr(tokenizer, "chat_template", None):
+            raise DecodeError("--chat: the checkpoint's tokenizer has no chat template; drop --chat "
+                              "or give prompts already in the model's chat format")
         if chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                 add_generation_prompt=True, tokenize=True)
