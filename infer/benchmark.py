@@ -237,9 +237,13 @@ def main(argv=None) -> int:
         from prove_jax.decoding.requests import check_output_path
         # every output is checked before anything loads: a bad path found after an hour's run
         # lost the report (only the .partial files without pass@1 were left)
+        outputs = {}
         for flag, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
             if path != "none":
                 check_output_path(path, None, flag=flag)
+                same = outputs.setdefault(os.path.realpath(path), flag)
+                if same != flag:  # the later report would replace the earlier one
+                    raise bench_lib.BenchError(f"{same} and {flag} name the same file {path}")
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not args.peers:
             modes = [m for m in modes if m not in bench_lib.PEER_MODES]
@@ -252,6 +256,9 @@ def main(argv=None) -> int:
         if "threshold" in modes and not taus:
             raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
                                        "or drop the mode")
+        if "lossless" in modes and not any(s.mode == "lossless" for s in settings):
+            raise bench_lib.BenchError("--lossless-blocks is empty and --no-adaptive is set but "
+                                       "lossless is in --modes: give a block or drop the mode")
         peers_on = any(s.is_peer for s in settings)
         if peers_on and args.inflate:  # they would run the checkpoint on disk, not the inflated one
             raise bench_lib.BenchError(f"the transformers peers run the checkpoint as stored, not "

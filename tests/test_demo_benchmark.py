@@ -229,9 +229,13 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     # peers would time the 4M-parameter checkpoint on disk against our inflated 0.5B shape
     (["--inflate", "qwen2.5-0.5b", "--modes", "ar,hf_greedy"], "not inflated to qwen2.5-0.5b: add --no-peers"),
     (["--modes", "ar,threshold", "--taus", ""], "--taus is empty but threshold is in --modes"),
+    # no lossless setting left: it ran ar alone without a word
+    (["--modes", "ar,lossless", "--lossless-blocks", "", "--no-adaptive"],
+     "--lossless-blocks is empty and --no-adaptive is set but lossless is in --modes"),
     (["--humaneval", "200"], "HumanEval has 164 problems; asked for 200"),
     (["--md", "{tmp}"], "is a directory"),  # found before the run, not after it
     (["--png", "{tmp}"], "is a directory"),
+    (["--md", "{tmp}/b.json"], "--json and --md name the same file"),  # the JSON replaced the report
 ])
 def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, argv, message):
     args = ["--model", pair[0], "--verifier", pair[1], "--humaneval", "1", "--json",
