@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             result = {"model": path, **heldout_metrics(model, rows_by_tokenizer[key], args.batch_size, mesh)}
             if result["tokens"] == 0:  # else nll 0, perplexity 1: a perfect score over nothing
                 raise DataError(f"no tokens to evaluate in {args.data} at --max-length "
-                                f"{args.max_length} (every row is shorter than two tokens)")
+                                f"{args.max_length}: no row has a trained token after its first (text "
+                                f"shorter than two tokens, or prompts that fill --max-length)")
             if main_process:
                 print(f"{path}: nll {result['nll']:.4f}, perplexity {result['perplexity']:.2f}, top-1 "
                       f"{result['top1_accuracy']:.3f} over {result['tokens']} tokens "

@@ -195,6 +195,15 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
     with pytest.raises(ValueError, match="no row of the batch has a trained .* within its first "
                                          "max_length - block_size = 28 tokens"):
         train_commit_head(cfg, show_bar=False)
+    # a one-token block has nothing to judge (it trained nothing, loss 0, and exported the
+    # untrained head); max_length = block_size leaves no context (an XLA reshape traceback)
+    for shape, expect in ((["max_length=32", "block_size=1"], "needs block_size >= 2"),
+                          (["max_length=4", "block_size=4"], "needs max_length > block_size")):
+        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                          common + ["steps=1"] + shape + [f"run_dir={tmp_path / 'bad'}"])
+        with pytest.raises(ValueError, match=expect):
+            train_commit_head(cfg, show_bar=False)
+        assert not (tmp_path / "bad").exists()
 
 
 def test_pairs_sharing_a_tokenizer_may_differ_in_padded_rows_other_vocabularies_are_refused(

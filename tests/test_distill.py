@@ -62,6 +62,13 @@ def test_errors_leave_no_output(tmp_path, ckpt, capsys):
         err = capsys.readouterr().err
         assert expect in err and "Traceback" not in err, err
         assert not out.exists()
+    # a bad prompt is named by its request id, not by its index in the shuffled sample
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n"
+                           for i, p in enumerate([[3, 4], [5, 6], [3, 10**6], [7, 8]])))
+    assert distill.main(["--model", ckpt, "--prompts", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "request 'r2' has token id 1000000 outside the vocabulary" in err and not out.exists(), err
     assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err  # was a traceback after the whole decode
     assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(inp)]) == 2

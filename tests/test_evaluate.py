@@ -59,10 +59,15 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
     [sharded] = json.loads(capsys.readouterr().out)
     assert sharded["nll"] == pytest.approx(expected["nll"], rel=1e-5)
     assert (sharded["top1_accuracy"], sharded["tokens"]) == (expected["top1_accuracy"], expected["tokens"])
+    long_prompts = tmp_path / "long_prompts.jsonl"
+    long_prompts.write_text(json.dumps({"prompt": data.read_text()[:400], "response": "x = 1"}) + "\n")
     for args, expect in [(["--model", str(tmp_path / "nope"), "--data", str(data)], "nope"),
                          (["--model", ckpt, "--data", str(tmp_path / "missing.txt")], "data path not found"),
                          (["--model", no_tok, "--data", str(data)], "has no tokenizer"),
                          (["--model", ckpt, "--data", str(data), "--max-length", "1"], "no tokens to evaluate"),
+                         # the message said "every row is shorter than two tokens" here too
+                         (["--model", ckpt, "--data", str(long_prompts), "--max-length", "8"],
+                          "prompts that fill --max-length"),
                          (["--model", ckpt, "--data", str(data), "--max-length", "100000"],
                           "--max-length 100000 is past"),
                          (["--model", ckpt, "--data", str(data), "--mesh", "16,1,1"], "needs 16 devices")]:
