@@ -273,6 +273,10 @@ def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
     assert main(["--config", cfg_path]) == 130
     err = capsys.readouterr().err
     assert "interrupted; rerun the same command to resume" in err and "Traceback" not in err
+    monkeypatch.setattr("prove_jax.commit_head.train_commit_head", interrupted)
+    assert main(["--config", cfg_path, "objective=commit_head"]) == 130
+    err = capsys.readouterr().err  # it has no checkpoints to resume from
+    assert "interrupted; the commit head keeps no checkpoints: rerun the same command" in err
 
 
 def test_a_real_ctrl_c_mid_run_exits_130_not_by_a_crash(tmp_path):

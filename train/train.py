@@ -63,9 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # checkpoints are written atomically: the newest finished one stands
         from prove_jax.cli import INTERRUPTED
         from prove_jax.run_checkpoint import CHECKPOINT_DIR
-        print("interrupted" + (f"; rerun the same command to resume from the newest checkpoint in "
-                               f"{os.path.join(cfg.run_dir, CHECKPOINT_DIR)}" if cfg is not None else ""),
-              file=sys.stderr)
+        if cfg is None:
+            how = ""
+        elif cfg.objective == "commit_head":  # a few minutes' run that keeps no checkpoints
+            how = "; the commit head keeps no checkpoints: rerun the same command to train it again"
+        else:
+            how = (f"; rerun the same command to resume from the newest checkpoint in "
+                   f"{os.path.join(cfg.run_dir, CHECKPOINT_DIR)}")
+        print("interrupted" + how, file=sys.stderr)
         return INTERRUPTED
 
 
