@@ -253,6 +253,8 @@ def main(argv=None) -> int:
             modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
             tau_vs=_float_list(args.tau_vs, "--tau-vs"))
+        if args.repeats < 1:  # found before the models load, not after
+            raise bench_lib.BenchError(f"--repeats must be >= 1, got {args.repeats}")
         if "threshold" in modes and not taus:
             raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
                                        "or drop the mode")

@@ -222,6 +222,7 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
 
 @pytest.mark.parametrize("argv, message", [
     (["--batch-sizes", "0"], "--batch-sizes must be positive"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--modes", "ar,fast"], "unknown mode(s) ['fast']"),
     (["--lossless-blocks", "4y"], "lossless block spec '4y'"),
     (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),
