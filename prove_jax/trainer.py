@@ -377,8 +377,10 @@ def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
 
 
 # Settings a resumed run may change: how long it runs, how it logs and saves, how the same
-# computation is laid out. Any other change (objective, data, batch, lengths, seed, model,
-# tokenizer, optimizer) would make the relaunch no continuation of the run it resumes.
+# computation is laid out; and, said in a log line, the optimizer's hyperparameters (continuing
+# with a lower learning rate is ordinary; one that changes the optimizer's state, clipping on or
+# off, is refused by the train-state check). Any other change (objective, data, batch, lengths,
+# seed, model, tokenizer) would make the relaunch no continuation of the run it resumes.
 OPERATIONAL_SETTINGS = frozenset({
     "steps", "log_every", "save_every", "keep", "export_every_save", "async_save", "target_chip",
     "mesh", "optimizer.grad_accum", "model.remat", "model.shape_preset", "proposer_shape_preset",
@@ -386,23 +388,31 @@ OPERATIONAL_SETTINGS = frozenset({
     "model.hf_dir", "model.checkpoint"})  # a resumed run reads no initial weights
 
 
-def check_continuation(run_dir: str, cfg: TrainConfig) -> None:
+RETUNABLE_PREFIX = "optimizer."
+
+
+def check_continuation(run_dir: str, cfg: TrainConfig) -> list[str]:
     """A relaunch into a run dir with checkpoints continues that run: only operational settings
-    may differ from its train_config.json (settings the file does not have, from an older
-    version, are not compared)."""
+    and optimizer hyperparameters may differ from its train_config.json (settings the file does
+    not have, from an older version, are not compared). Returns the retuned optimizer settings
+    as "key: old -> new", for the log."""
     try:
         with open(os.path.join(run_dir, "train_config.json")) as f:
             old = _flat(json.load(f))
     except (OSError, ValueError, AttributeError):
-        return
+        return []
     new = _flat(json.loads(json.dumps(to_dict(cfg))))
-    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old.keys() & new.keys())
-               if old[k] != new[k] and k not in OPERATIONAL_SETTINGS]
+    differ = [k for k in sorted(old.keys() & new.keys())
+              if old[k] != new[k] and k not in OPERATIONAL_SETTINGS]
+    retuned = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in differ if k.startswith(RETUNABLE_PREFIX)]
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in differ if not k.startswith(RETUNABLE_PREFIX)]
     if changed:
         raise TrainConfigError(
             f"run_dir {run_dir} holds a run made with other settings ({', '.join(changed)}); "
             f"relaunch with its settings to resume it, or set a new run_dir to start over "
-            f"(only {', '.join(sorted(OPERATIONAL_SETTINGS))} may change on resume)")
+            f"(only {', '.join(sorted(OPERATIONAL_SETTINGS))} and the optimizer's "
+            f"hyperparameters may change on resume)")
+    return retuned
 
 
 def check_tokenizer_matches_weights(cfg: TrainConfig, tokenizer, where: str,
@@ -465,8 +475,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
     resuming = has_checkpoints(run_dir)
-    if resuming:
-        check_continuation(run_dir, cfg)
+    retuned = check_continuation(run_dir, cfg) if resuming else []
     model_cfg = run_model_config(cfg)  # bad model keys/dtypes fail before BPE training
     if cfg.max_length > model_cfg.max_position_embeddings:  # its position buffers end there
         raise TrainConfigError(f"max_length={cfg.max_length} is longer than the model's context, "
@@ -512,6 +521,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     if restored is not None:
         start, state = restored
         log(f"resumed from {ckpts.dir}/{start}")
+        if retuned:
+            log(f"resumed with retuned optimizer settings: {', '.join(retuned)}")
     else:
         start = 0
         from_scratch = cfg.model.preset is not None or cfg.model.config is not None
