@@ -158,7 +158,8 @@ def plan_hf_to_ours(infos: dict[str, st.TensorInfo], cfg: ModelConfig) -> list[s
     wanted = []
     for name, info in infos.items():
         if check_hf_tensor(name, info.shape, cfg) is not None:
-            if info.dtype.kind != "f":  # e.g. a quantized export's packed integers
+            # integers or bools, e.g. a quantized export's packed values (bfloat16 is kind "V")
+            if info.dtype.kind in "iub":
                 raise WeightError(f"weight {name} is stored as {info.dtype.name}, not floating point "
                                   f"(a quantized checkpoint?); convert the float weights")
             wanted.append(info)
