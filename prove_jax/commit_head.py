@@ -300,26 +300,11 @@ def build_head_step(layout: HeadLayout, tx: optax.GradientTransformation, *, see
     return step
 
 
-def check_head_shapes(cfg) -> None:
-    """The head judges D_1..D_{K-1} after a context of up to max_length - block_size tokens: a
-    block of one token leaves nothing to learn (loss 0, an untrained head exported), and
-    max_length = block_size leaves no room for a context."""
-    from prove_jax.train_config import TrainConfigError
-    if cfg.block_size < 2:
-        raise TrainConfigError(f"objective=commit_head needs block_size >= 2 (got {cfg.block_size}): "
-                               f"the head judges tokens D_1..D_(K-1) of each K-token block")
-    if cfg.max_length <= cfg.block_size:
-        raise TrainConfigError(f"objective=commit_head needs max_length > block_size (got "
-                               f"{cfg.max_length} and {cfg.block_size}): each row's context is at most "
-                               f"max_length - block_size tokens")
-
-
 def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int):
     """The train config's head step (`build_head_step`), jitted with explicit shardings; the
     head's state is donated (updated in place)."""
     from prove_jax.sharding import shardings_of
     from prove_jax.train_step import batch_shardings
-    check_head_shapes(cfg)
     step = build_head_step(layout, tx, seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
                            block_size=cfg.block_size, mask_id=mask_id)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -395,7 +380,6 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
         raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
     if not cfg.model.checkpoint:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
-    check_head_shapes(cfg)
     mesh = config_mesh(cfg)
     # everything that can be wrong with the inputs, before minutes of reading weights
     proposer_cfg, verifier_cfg = load_config(cfg.proposer), load_config(cfg.model.checkpoint)

@@ -96,6 +96,18 @@ class TrainConfig:
         if self.tokenizer.bpe_vocab_size is not None and self.tokenizer.bpe_vocab_size <= 0:
             raise TrainConfigError(f"tokenizer.bpe_vocab_size must be positive (or null: no BPE), "
                                    f"got {self.tokenizer.bpe_vocab_size}")
+        if self.objective == "commit_head":
+            # the head judges D_1..D_(K-1) of a K-token block after a context of up to
+            # max_length - block_size tokens: a one-token block leaves nothing to learn (loss 0,
+            # an untrained head exported), max_length = block_size no room for a context
+            if self.block_size < 2:
+                raise TrainConfigError(f"objective=commit_head needs block_size >= 2 (got "
+                                       f"{self.block_size}): the head judges tokens D_1..D_(K-1) of "
+                                       f"each K-token block")
+            if self.max_length <= self.block_size:
+                raise TrainConfigError(f"objective=commit_head needs max_length > block_size (got "
+                                       f"{self.max_length} and {self.block_size}): each row's context "
+                                       f"is at most max_length - block_size tokens")
         if self.max_length % self.block_size:  # rows are padded to whole blocks (data.py)
             raise TrainConfigError(f"max_length={self.max_length} must be a multiple of "
                                    f"block_size={self.block_size}")

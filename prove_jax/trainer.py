@@ -364,16 +364,23 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
-    """`key: old -> new` for every setting that differs from the run's train_config.json."""
+def _setting_changes(run_dir: str, cfg: TrainConfig, shared_only: bool = False) -> dict[str, str]:
+    """{key: "key: old -> new"} for every setting that differs from the run's train_config.json
+    (with `shared_only`, only keys both have), sorted by key; {} without a readable file."""
     try:
         with open(os.path.join(run_dir, "train_config.json")) as f:
             old = _flat(json.load(f))
     except (OSError, ValueError, AttributeError):
-        return []
+        return {}
     new = _flat(json.loads(json.dumps(to_dict(cfg))))  # tuples -> lists, as the file has them
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)]
+    keys = old.keys() & new.keys() if shared_only else old.keys() | new.keys()
+    return {k: f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(keys)
+            if old.get(k) != new.get(k)}
+
+
+def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
+    """`key: old -> new` for every setting that differs from the run's train_config.json."""
+    return list(_setting_changes(run_dir, cfg).values())
 
 
 # Settings a resumed run may change: how long it runs, how it logs and saves, how the same
@@ -396,16 +403,10 @@ def check_continuation(run_dir: str, cfg: TrainConfig) -> list[str]:
     and optimizer hyperparameters may differ from its train_config.json (settings the file does
     not have, from an older version, are not compared). Returns the retuned optimizer settings
     as "key: old -> new", for the log."""
-    try:
-        with open(os.path.join(run_dir, "train_config.json")) as f:
-            old = _flat(json.load(f))
-    except (OSError, ValueError, AttributeError):
-        return []
-    new = _flat(json.loads(json.dumps(to_dict(cfg))))
-    differ = [k for k in sorted(old.keys() & new.keys())
-              if old[k] != new[k] and k not in OPERATIONAL_SETTINGS]
-    retuned = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in differ if k.startswith(RETUNABLE_PREFIX)]
-    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in differ if not k.startswith(RETUNABLE_PREFIX)]
+    differ = {k: change for k, change in _setting_changes(run_dir, cfg, shared_only=True).items()
+              if k not in OPERATIONAL_SETTINGS}
+    retuned = [change for k, change in differ.items() if k.startswith(RETUNABLE_PREFIX)]
+    changed = [change for k, change in differ.items() if not k.startswith(RETUNABLE_PREFIX)]
     if changed:
         raise TrainConfigError(
             f"run_dir {run_dir} holds a run made with other settings ({', '.join(changed)}); "

@@ -199,10 +199,10 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
     # untrained head); max_length = block_size leaves no context (an XLA reshape traceback)
     for shape, expect in ((["max_length=32", "block_size=1"], "needs block_size >= 2"),
                           (["max_length=4", "block_size=4"], "needs max_length > block_size")):
-        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                          common + ["steps=1"] + shape + [f"run_dir={tmp_path / 'bad'}"])
-        with pytest.raises(ValueError, match=expect):
-            train_commit_head(cfg, show_bar=False)
+        with pytest.raises(ValueError, match=expect):  # refused by the config check
+            train_commit_head(load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                                          common + ["steps=1"] + shape + [f"run_dir={tmp_path / 'bad'}"]),
+                              show_bar=False)
         assert not (tmp_path / "bad").exists()
 
 
