@@ -155,8 +155,8 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(args.model) if os.path.isdir(args.model) else None
         prompts = encode_prompts(records, tokenizer, chat=args.chat)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
-        decoder, _ = build_decoder(args.model, options, verifier_path=verifier,
-                                   dtype=args.dtype, mesh_shape=args.mesh)
+        decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
+                                   mesh_shape=args.mesh, tokenizer=tokenizer)
         ids = [r["id"] for r in records]
         if args.calibrate:
             decoder.check_prompts(prompts, args.max_new_tokens, names=ids)

@@ -89,6 +89,15 @@ def atomic_dir(final_path: str):
     return _Atomic()
 
 
+def nearest_existing(path: str) -> str:
+    """`path`'s nearest ancestor that exists (what a directory to be created below it depends
+    on: a file there, or one that cannot be written, stops it)."""
+    parent = os.path.dirname(os.path.realpath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent
+
+
 # a process's own descriptors: /dev/stdout resolves to the file, pipe or terminal behind fd 1
 _FD_PATH = re.compile(r"/(dev/(stdin|stdout|stderr|fd/\d+)|proc/(self|thread-self|\d+)/fd/\d+)")
 

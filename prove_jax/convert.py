@@ -59,9 +59,8 @@ def _check_out_dir(out: str, overwrite: bool) -> None:
     the output is written under a temporary sibling name, which an OSError would name instead."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
         raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.realpath(out))
-    while not os.path.exists(parent):  # atomic_dir creates the missing ones
-        parent = os.path.dirname(parent)
+    from prove_jax.checkpoint import nearest_existing
+    parent = nearest_existing(out)  # atomic_dir creates the missing ones
     if not os.path.isdir(parent):
         raise ConfigError(f"cannot create output {out}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -167,9 +167,8 @@ def _check_paths(cfg: "TrainConfig") -> None:
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise TrainConfigError(f"run_dir {run_dir} is a file; it must be a directory (new or a "
                                f"run to resume)")
-    ancestor = os.path.dirname(os.path.abspath(run_dir))
-    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
-        ancestor = os.path.dirname(ancestor)
+    from prove_jax.checkpoint import nearest_existing
+    ancestor = nearest_existing(run_dir)
     if not os.path.isdir(ancestor):
         raise TrainConfigError(f"run_dir {run_dir} cannot be created: {ancestor} is a file, not a "
                                f"directory")

@@ -30,12 +30,14 @@ def parse_mesh(spec: str | None):
 
 
 def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | None = None,
-                  dtype: str = "float32", mesh_shape: str | None = None, mesh=None):
-    """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier."""
+                  dtype: str = "float32", mesh_shape: str | None = None, mesh=None, tokenizer=None):
+    """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier;
+    `tokenizer`: the checkpoint's, when the caller has already loaded it."""
     if not os.path.isdir(model_path):
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     mesh = mesh if mesh is not None else parse_mesh(mesh_shape)
-    tokenizer = load_tokenizer(model_path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_path)
     if options.mode == "verify":
         if verifier_path is None or not os.path.isdir(verifier_path):
             raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
