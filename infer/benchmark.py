@@ -67,8 +67,11 @@ def parse_args(argv=None):
         f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS),
                     help="lossless: comma-separated K or KxG (group cap) settings (default %(default)s)")
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                    help="lossless: also run adaptive (K<=4, the platform table) and calibrated "
+                    help="lossless: also run adaptive (K<=8, the platform table) and calibrated "
                          "(K<=8, layout measured here per batch size) settings")
+    ap.add_argument("--calibrated", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --adaptive: also the calibrated setting (--no-calibrated skips it: "
+                         "calibrating compiles every candidate layout, minutes at a real model's size)")
     ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
                     help="verify/prob: comma-separated verifier probability thresholds (default 0.3,0.1); "
                          "top1 and (when the verifier has commit_head/) head always run")
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
         settings = bench_lib.sweep_settings(
             modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
-            tau_vs=_float_list(args.tau_vs, "--tau-vs"))
+            tau_vs=_float_list(args.tau_vs, "--tau-vs"), calibrated=args.calibrated)
         if args.repeats < 1:  # found before the models load, not after
             raise bench_lib.BenchError(f"--repeats must be >= 1, got {args.repeats}")
         if "threshold" in modes and not taus:

@@ -161,11 +161,14 @@ def parse_lossless_blocks(text: str) -> tuple[tuple[int, int | None], ...]:
 def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
                    torch_threads: Sequence[int] = (1,), taus: Sequence[float] = DEFAULT_TAUS,
                    lossless: Sequence[tuple[int, int | None]] = DEFAULT_LOSSLESS,
-                   adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS) -> list[Setting]:
+                   adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS,
+                   calibrated: bool = True) -> list[Setting]:
     """The benchmark's sweep for the named modes (`ar` always comes first).
 
     `block_size` is the proposal length of `threshold` / `verify` (the proposer's MARS block);
     `lossless` lists (K, group cap); each peer runs once per entry of `torch_threads`.
+    `adaptive` adds the platform table's adaptive setting and, with `calibrated`, the calibrated
+    one (its measurements compile every candidate layout: minutes at a real model's size).
     """
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
@@ -176,7 +179,9 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     if "lossless" in modes:
         out += [lossless_setting(k, g) for k, g in lossless]
         if adaptive:
-            out += [lossless_setting(4, adaptive=True), calibrated_setting(8)]
+            out.append(lossless_setting(8, adaptive=True))  # K<=8: as infer.generate --adaptive
+            if calibrated:
+                out.append(calibrated_setting(8))
     if "verify" in modes:
         out.append(verify_setting("top1", block_size))
         out += [verify_setting("prob", block_size, t) for t in tau_vs]

@@ -224,6 +224,21 @@ def test_benchmark_calibrated_setting(tmp_path):
     assert "| lossless | calibrated,K<=3 (" in bench_lib.markdown_table(records)
 
 
+def test_benchmark_sweep_adaptive_as_the_cli_and_calibrated_optional():
+    """The benchmark's adaptive setting caps K at 8, as `infer.generate --adaptive` does (K=4
+    capped the GPU/TPU table's K=8 rows); `calibrated=False` (`--no-calibrated`) leaves out the
+    calibrated setting, whose measurements compile every candidate layout."""
+    from prove_jax import bench_lib
+    from infer.generate import decode_options, parse_args
+    cli_k = decode_options(parse_args(["--mode", "lossless", "--adaptive", "--input", "i", "--output", "o"])).block_size
+    by_label = {s.label: s for s in bench_lib.sweep_settings(["lossless"], False, lossless=[])}
+    assert list(by_label)[1:] == [f"adaptive,K<={cli_k}", f"calibrated,K<={cli_k}"] and cli_k == 8
+    assert by_label[f"adaptive,K<={cli_k}"].options.block_size == 8
+    assert not by_label[f"adaptive,K<={cli_k}"].calibrate
+    labels = [s.label for s in bench_lib.sweep_settings(["lossless"], False, lossless=[], calibrated=False)]
+    assert labels[1:] == ["adaptive,K<=8"]
+
+
 def test_fastest_interleaved_warms_up_interleaves_and_keeps_the_fastest():
     calls = []
     times = {"a": iter([9.0, 3.0, 5.0]), "b": iter([9.0, 4.0, 2.0])}  # warm-up, round 1, round 2
