@@ -1,16 +1,20 @@
 """What reading the KV buffer in chunks, only as far as the batch's longest row, saves.
 
 The engine's decode steps (AR and lossless K=6,G=2) with 200 committed tokens per row in
-buffers of several lengths, timed side by side in one run: committed KV read chunk by chunk
-(`model.cache_chunk`, the default: on CPU chunks of at least 128 slots from
-`model.CPU_SHORT_CHUNK_ROWS` batch rows up, else 256), read in chunks of at least 256 slots at
-every batch size (the rule before the short chunks; `CPU_SHORT_CHUNK_ROWS` raised past the
-batch), and read in one pass over the whole buffer (what the engine did before chunks;
-`model.CACHE_CHUNK` raised past the buffer). The demo proposer's shapes at batch 1, 4 and 16.
-Writes benchmarks/cache_chunks.{json,md}.
+buffers of several lengths, timed side by side in one run: committed KV read by the engine's
+rule (`model.cache_chunk`: chunk by chunk, on CPU chunks of at least 128 slots from
+`model.CPU_SHORT_CHUNK_ROWS` batch rows up, else 256; on a GPU in one pass below
+`model.GPU_CHUNKED_MIN_ROWS` rows), read in one pass over the whole buffer (what the engine did
+before chunks; `model.CACHE_CHUNK` raised past the buffer) and, where the rule differs by batch
+size, as the rule did before: on CPU chunks of at least 256 slots at every batch size
+(`CPU_SHORT_CHUNK_ROWS` raised past the batch), on a GPU chunks at every batch size
+(`GPU_CHUNKED_MIN_ROWS` = 1). A read that comes to the same chunking as one already compiled
+times that same program again (their ratio is the run's noise). The demo proposer's shapes at
+batch 1, 4 and 16, or with `--preset` a real Qwen2.5 shape (random weights: the cost does not
+depend on the values). Writes cache_chunks.{json,md} (with --preset cache_chunks_PRESET.*).
 
     .venv/bin/python benchmarks/bench_cache_chunks.py [--repeats 7] [--buffers 640,1024]
-        [--batch-sizes 1,16] [--steps 30] [--out-dir DIR]
+        [--batch-sizes 1,16] [--steps 30] [--preset qwen2.5-1.5b] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -29,40 +33,59 @@ import jax
 from prove_jax import assets, bench_lib, model as model_lib
 from prove_jax.bench_lib import cpu_description
 from prove_jax.checkpoint import atomic_write_text, load_config
+from prove_jax.config import PRESETS, preset
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
 from prove_jax.params import create_model
 
 BUFFERS = (384, 640, 1024, 2048)  # 384: one pass below CPU_SHORT_CHUNK_ROWS rows; 2048: 256-slot chunks at any batch
 FILLED = 200
 LAYOUT = (6, 2)
-# (model.CACHE_CHUNK, model.CPU_SHORT_CHUNK_ROWS) during the trace
-DEFAULT = (model_lib.CACHE_CHUNK, model_lib.CPU_SHORT_CHUNK_ROWS)
-READS = {"chunked": DEFAULT, "256-slot chunks": (DEFAULT[0], 1 << 30), "one pass": (1 << 30, 1 << 30)}
+# (model.CACHE_CHUNK, model.CPU_SHORT_CHUNK_ROWS, model.GPU_CHUNKED_MIN_ROWS) during the trace
+RULE = ("CACHE_CHUNK", "CPU_SHORT_CHUNK_ROWS", "GPU_CHUNKED_MIN_ROWS")
+DEFAULT = tuple(getattr(model_lib, name) for name in RULE)
+NEVER = 1 << 30
+READS = {"chunked": DEFAULT,
+         "256-slot chunks": (DEFAULT[0], NEVER, DEFAULT[2]),  # CPU: the rule before short chunks
+         "always chunked": DEFAULT[:2] + (1,),  # GPU: the rule before one pass at small batch
+         "one pass": (NEVER, NEVER, NEVER)}
+# the read that shows this backend's previous rule (the other one is the engine's own program)
+PREVIOUS = {"cpu": "256-slot chunks", "gpu": "always chunked"}
 
 
 def reads() -> dict:
-    """READS this device distinguishes: off CPU the shorter chunks never apply, so the
-    256-slot rule is the engine's own program and is not timed twice."""
-    return {k: v for k, v in READS.items() if jax.default_backend() == "cpu" or k != "256-slot chunks"}
+    """READS this device distinguishes (a TPU has only the chunked rule and one pass)."""
+    previous = PREVIOUS.get(jax.default_backend())
+    return {k: v for k, v in READS.items() if k not in PREVIOUS.values() or k == previous}
+
+
+def _set_rule(values) -> None:
+    for name, value in zip(RULE, values):
+        setattr(model_lib, name, value)
 
 
 def step_runs(model, batch: int, slots: int, steps: int) -> dict:
-    """{(read, step): callable} for AR and the lossless layout, each compiled under its read."""
-    runs = {}
-    for read, (chunk, short_rows) in reads().items():
-        model_lib.CACHE_CHUNK, model_lib.CPU_SHORT_CHUNK_ROWS = chunk, short_rows
-        try:
-            for key, run in decode_step_runs(model, batch, [LAYOUT], slots=slots, filled=FILLED,
-                                             steps=steps).items():
-                run()  # traced and compiled now, under this read
+    """{(read, step): callable} for AR and the lossless layout, each compiled under its read;
+    a read that chunks these buffers as an earlier one did reuses its programs."""
+    runs, compiled = {}, {}
+    for read, rule in reads().items():
+        _set_rule(rule)
+        try:  # the AR step's buffer has one slot more (decode_step_runs)
+            chunking = tuple(model_lib.cache_chunk(n, rows=batch) for n in (slots, slots + 1))
+            if chunking not in compiled:
+                compiled[chunking] = decode_step_runs(model, batch, [LAYOUT], slots=slots,
+                                                      filled=FILLED, steps=steps)
+                for run in compiled[chunking].values():
+                    run()  # traced and compiled now, under this read
+            for key, run in compiled[chunking].items():
                 runs[(read, layout_name(key))] = run
         finally:
-            model_lib.CACHE_CHUNK, model_lib.CPU_SHORT_CHUNK_ROWS = DEFAULT
+            _set_rule(DEFAULT)
     return runs
 
 
 def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
     model = create_model(cfg, seed=0)
+    bench_lib.log(f"{cfg.num_params / 1e6:.0f}M parameters, reads: {', '.join(reads())}")
     rows = []
     for batch in batches:
         for slots in buffers:
@@ -79,30 +102,41 @@ def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
     return rows
 
 
+READ_TEXT = {
+    "256-slot chunks": f"chunks of at least {model_lib.CACHE_CHUNK} slots at every batch size (the "
+                       f"CPU rule before the shorter chunks)",
+    "always chunked": f"chunks at every batch size (the GPU rule before one pass below "
+                      f"{model_lib.GPU_CHUNKED_MIN_ROWS} rows)",
+    "one pass": "the whole buffer every step"}
+
+
 def markdown(result: dict) -> list[str]:
-    lines = [f"# KV buffer read in chunks vs in one pass ({result['cpu']}, jax {result['jax']}, float32)", "",
-             f"Demo proposer ({result['params'] / 1e6:.1f}M parameters); {FILLED} committed tokens per "
+    others = [r for r in result["reads"] if r != "chunked"]
+    model = (f"The {result['preset']} shape, random weights" if result.get("preset")
+             else "Demo proposer")
+    lines = [f"# KV buffer read in chunks vs in one pass ({result['cpu'] or result['device']}, "
+             f"jax {result['jax']}, float32)", "",
+             f"{model} ({result['params'] / 1e6:.1f}M parameters); {FILLED} committed tokens per "
              f"row; decode steps of a jitted loop, fastest of {result['repeats']} interleaved rounds, "
-             f"all in one run. *Chunked*: committed KV read `model.cache_chunk` slots at a time, up "
-             f"to the batch's longest row (the engine's default: on CPU chunks of at least "
+             f"all in one run. *Chunked*: the engine's rule, `model.cache_chunk` (KV read a chunk at "
+             f"a time up to the batch's longest row: on CPU chunks of at least "
              f"{model_lib.CACHE_CHUNK // 2} slots from {model_lib.CPU_SHORT_CHUNK_ROWS} rows up, else "
-             f"{model_lib.CACHE_CHUNK}; a buffer that cannot hold two chunks is one pass, and where the "
-             f"columns run the same program their ratio is this run's noise). *256-slot chunks*: "
-             f"chunks of at least {model_lib.CACHE_CHUNK} slots at every batch size (the rule before "
-             f"the shorter chunks). *One pass*: the whole buffer every step. Ratio > 1: chunked is faster."]
+             f"{model_lib.CACHE_CHUNK}; on a GPU one pass below {model_lib.GPU_CHUNKED_MIN_ROWS} rows; "
+             f"a buffer that cannot hold two chunks is one pass). "
+             + " ".join(f"*{r[0].upper() + r[1:]}*: {READ_TEXT[r]}." for r in others)
+             + " Where two columns come to the same chunking they time the same program, and their "
+             "ratio is this run's noise. Ratio > 1: the engine's rule is faster."]
     for step in (layout_name(AR), layout_name(LAYOUT)):
         lines += ["", f"{step} step:", "",
-                  "| batch | buffer | AR chunk | chunked | 256-slot chunks | one pass | 256-slot / chunked "
-                  "| one pass / chunked |", "|---|---|---|---|---|---|---|---|"]
+                  "| batch | buffer | AR chunk | chunked | " + " | ".join(others) + " | "
+                  + " | ".join(f"{r} / chunked" for r in others) + " |",
+                  "|---|---|---|---|" + "---|" * (2 * len(others))]
         for r in result["rows"]:
             ms = r["step_ms"]
-            long_only = ms.get(f"256-slot chunks/{step}")  # off CPU: the engine's own program
             lines.append(f"| {r['batch_size']} | {r['buffer_slots']} | {r['ar_chunk']} | "
                          f"{ms[f'chunked/{step}']:.3f} ms | "
-                         + ("- | " if long_only is None else f"{long_only:.3f} ms | ")
-                         + f"{ms[f'one pass/{step}']:.3f} ms | "
-                         + ("- | " if long_only is None else f"{r[f'256-slot chunks_over_chunked/{step}']:.2f}x | ")
-                         + f"{r[f'one pass_over_chunked/{step}']:.2f}x |")
+                         + " | ".join(f"{ms[f'{o}/{step}']:.3f} ms" for o in others) + " | "
+                         + " | ".join(f"{r[f'{o}_over_chunked/{step}']:.2f}x" for o in others) + " |")
     return lines
 
 
@@ -115,6 +149,8 @@ def main(argv=None) -> None:
                     default=BUFFERS, help="buffer lengths in slots (default %(default)s)")
     ap.add_argument("--batch-sizes", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--batch-sizes")),
                     default=(1, 4, 16), help="rows per step (default %(default)s)")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help="time this real Qwen2.5 shape (random weights) instead of the demo proposer's")
     ap.add_argument("--out-dir", default=HERE, help="where cache_chunks.{json,md} go (default benchmarks/)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
@@ -122,13 +158,16 @@ def main(argv=None) -> None:
     if min(args.buffers) <= FILLED:
         ap.error(f"--buffers: every buffer must be longer than the {FILLED} committed tokens")
     os.makedirs(args.out_dir, exist_ok=True)
-    cfg = load_config(assets.DEMO_PROPOSER).replace(param_dtype="float32", dtype="float32")
+    cfg = preset(args.preset) if args.preset else load_config(assets.DEMO_PROPOSER)
+    cfg = cfg.replace(param_dtype="float32", dtype="float32")
     rows = measure(cfg, args.batch_sizes, args.buffers, args.repeats, args.steps)
     result = {"device": str(jax.devices()[0]), "machine": platform.machine(), "cpu": cpu_description(),
               "cpu_count": os.cpu_count(), "jax": jax.__version__, "params": cfg.num_params,
-              "repeats": args.repeats, "steps": args.steps, "filled": FILLED, "rows": rows}
-    atomic_write_text(os.path.join(args.out_dir, "cache_chunks.json"), json.dumps(result, indent=1) + "\n")
-    atomic_write_text(os.path.join(args.out_dir, "cache_chunks.md"), "\n".join(markdown(result)) + "\n")
+              "preset": args.preset, "reads": list(reads()), "repeats": args.repeats,
+              "steps": args.steps, "filled": FILLED, "rows": rows}
+    name = "cache_chunks" + (f"_{args.preset}" if args.preset else "")
+    atomic_write_text(os.path.join(args.out_dir, name + ".json"), json.dumps(result, indent=1) + "\n")
+    atomic_write_text(os.path.join(args.out_dir, name + ".md"), "\n".join(markdown(result)) + "\n")
 
 
 if __name__ == "__main__":

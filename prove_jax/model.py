@@ -330,16 +330,26 @@ def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: in
 # half as long (benchmarks/cache_chunks.md: the demo proposer at batch 16 with 200 of 384 slots
 # filled, AR steps 1.24x and K=6,G=2 1.10x faster than with 256-slot chunks, about even in
 # longer buffers; at batch 8 no gain in a scratch run).
+# On a GPU every trip of a `while_loop` waits for its predicate on the host, once per layer per
+# step for the chunk loop, so below GPU_CHUNKED_MIN_ROWS rows per device the buffer is read in
+# one pass (benchmarks/h200/cache_chunks*.md, an H200, 200 of 4096 slots filled: at batch 1 one
+# pass made the Qwen2.5-1.5B shape's AR step 1.38x and K=6,G=2 1.26x faster than chunks, the demo
+# proposer's 1.90x / 1.59x; at batch 16 chunks beat one pass, 1.13x / 1.21x at 1.5B). A TPU
+# runs the loop on the device and keeps the chunks (not measured).
 CACHE_CHUNK = 256
 CACHE_CHUNKS_MAX = 8
 CPU_SHORT_CHUNK_ROWS = 16
+GPU_CHUNKED_MIN_ROWS = 16
 
 
 def cache_chunk(slots: int, rows: int = 1) -> int:
     """Slots per chunk of a KV buffer of `slots` read by `rows` batch rows on one device
     (== slots: read in one pass)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and rows < GPU_CHUNKED_MIN_ROWS:
+        return slots
     shortest = CACHE_CHUNK
-    if rows >= CPU_SHORT_CHUNK_ROWS and jax.default_backend() == "cpu":
+    if rows >= CPU_SHORT_CHUNK_ROWS and backend == "cpu":
         shortest = CACHE_CHUNK // 2
     chunks = max(1, min(CACHE_CHUNKS_MAX, slots // shortest))
     return -(-slots // chunks)

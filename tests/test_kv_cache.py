@@ -98,6 +98,21 @@ def test_short_chunks_only_for_a_large_batch_on_cpu(monkeypatch):
     assert cache_chunk(2049) == cache_chunk(2049, rows=16) == 257
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert cache_chunk(385, rows=16) == 385
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert cache_chunk(385, rows=16) == 385
+    assert cache_chunk(4096, rows=1) == cache_chunk(4096, rows=64) == 512
+
+
+def test_one_pass_below_a_batch_of_16_on_gpu(monkeypatch):
+    """On a GPU each trip of the chunk loop is a host round trip per layer: below
+    GPU_CHUNKED_MIN_ROWS rows per device a buffer of any length is read in one pass; from there
+    up it is chunked as on a TPU."""
+    from prove_jax.model import GPU_CHUNKED_MIN_ROWS, cache_chunk
+    assert GPU_CHUNKED_MIN_ROWS == 16
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert cache_chunk(4096) == cache_chunk(4096, rows=15) == 4096
+    assert cache_chunk(4096, rows=16) == cache_chunk(4096, rows=64) == 512
+    assert cache_chunk(2049, rows=16) == 257
 
 
 def test_chunk_rule_counts_the_rows_of_one_device():
