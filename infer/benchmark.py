@@ -36,6 +36,9 @@ from prove_jax.config import DTYPES, PRESETS
 DEFAULT_OUT = "benchmarks/decode"
 
 
+DEFAULT_MODES = ",".join(bench_lib.ALL_MODES)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +55,7 @@ def parse_args(argv=None):
                      help="use N held-out CPython stdlib function prompts instead of HumanEval")
     src.add_argument("--humaneval", type=int, default=None, metavar="N",
                      help="number of HumanEval prompts (the default prompt set; default 16)")
-    ap.add_argument("--modes", default=",".join(bench_lib.ALL_MODES),
+    ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"comma-separated modes to run (ar always runs); default all: "
                          f"{','.join(bench_lib.ALL_MODES)}")
     ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
@@ -135,7 +138,9 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
     import jax
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "proposer": os.path.abspath(args.model), "verifier": os.path.abspath(args.verifier),
+        "proposer": os.path.abspath(args.model),
+        # only when a mode ran it (verify, or hf_assisted's draft)
+        "verifier": os.path.abspath(args.verifier) if pair.verifier is not None else None,
         "proposer_config": _config_summary(pair.proposer.cfg),
         "verifier_config": _config_summary(pair.verifier.cfg) if pair.verifier is not None else None,
         "prompts": prompts_desc, "num_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
@@ -194,7 +199,8 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
     return (
         "# Decoding benchmark (`python -m infer.benchmark`)\n\n"
         + partial_note(meta) +
-        f"Proposer `{meta['proposer']}`, verifier `{meta['verifier']}`; {meta['prompts']}, "
+        f"Proposer `{meta['proposer']}`"
+        + (f", verifier `{meta['verifier']}`" if meta.get("verifier") else "") + f"; {meta['prompts']}, "
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
         f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
         f"{meta['compute_dtype']}; {meta['date']}.\n\n"
@@ -249,6 +255,10 @@ def main(argv=None) -> int:
                     raise bench_lib.BenchError(f"{same} and {flag} name the same file {path}")
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not args.peers:
+            named = [m for m in modes if m in bench_lib.PEER_MODES]
+            if named and args.modes != DEFAULT_MODES:  # asked for by name, not by the default
+                raise bench_lib.BenchError(f"--modes names {', '.join(named)} but --no-peers leaves "
+                                           f"the peers out: drop one or the other")
             modes = [m for m in modes if m not in bench_lib.PEER_MODES]
         have_head = bench_lib.has_commit_head(args.verifier) and "verify" in modes
         taus = _float_list(args.taus, "--taus")
@@ -307,8 +317,11 @@ def main(argv=None) -> int:
             from prove_jax.plot import trade_off_figure  # figure first: the likeliest to fail
             trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
                                                       f"{prompts_desc}, {args.max_new_tokens} new tokens")
-        atomic_write_text(args.md, markdown_report(meta, records))
+        # both rendered before either is written, the JSON (the record the report is rendered
+        # from: infer.benchmark.markdown_report) first
+        report = markdown_report(meta, records)
         atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        atomic_write_text(args.md, report)
         for path in (args.json + PARTIAL, args.md + PARTIAL):
             if os.path.exists(path):
                 os.remove(path)

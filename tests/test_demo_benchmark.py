@@ -121,6 +121,8 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
     assert rc == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["meta"]["num_prompts"] == 2 and doc["meta"]["torch_threads"] == [1]
+    # no mode here ran the verifier (nor hf_assisted's draft): the report does not name it
+    assert doc["meta"]["verifier"] is None and "verifier `" not in (tmp_path / "bench.md").read_text()
     recs = doc["records"]
     assert [(r["mode"], r["batch_size"]) for r in recs] == [
         ("ar", 1), ("lossless", 1), ("hf_greedy", 1), ("ar", 2), ("lossless", 2), ("hf_greedy", 2)]
@@ -237,6 +239,8 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     (["--md", "{tmp}"], "is a directory"),  # found before the run, not after it
     (["--png", "{tmp}"], "is a directory"),
     (["--md", "{tmp}/b.json"], "--json and --md name the same file"),  # the JSON replaced the report
+    # the peers named in --modes were dropped without a word
+    (["--modes", "ar,hf_greedy", "--no-peers"], "--modes names hf_greedy but --no-peers leaves the peers out"),
 ])
 def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, argv, message):
     args = ["--model", pair[0], "--verifier", pair[1], "--humaneval", "1", "--json",
