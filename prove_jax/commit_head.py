@@ -413,8 +413,11 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     records = []
     bar_every = max(1, cfg.log_every)
     context_len = cfg.max_length - cfg.block_size
-    with open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a") if main else contextlib.nullcontext() as log, \
-            jax.set_mesh(mesh):
+    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    # a head run never resumes: a rerun replaces the records, from its first one on (a rerun
+    # that fails before any step leaves the last run's file as it was)
+    with contextlib.ExitStack() as files, jax.set_mesh(mesh):
+        log = None
         for i in range(1, cfg.steps + 1):
             batch = data_lib.to_global_batch(next(data), mesh, BATCH_SPEC)
             _require_contexts(batch["loss_mask"], batch["valid"], context_len, i, cfg)
@@ -423,7 +426,10 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
                 rec = {"step": i} | {name: float(value) for name, value in metrics.items()}
                 records.append(rec)
                 if main:
+                    if log is None:
+                        log = files.enter_context(open(metrics_path, "w"))
                     log.write(json.dumps(rec) + "\n")
+                    log.flush()
                 if show_bar and main:
                     print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
                           f"{rec['length_accuracy']:.2f}, AR-match length {rec['ar_match_length']:.2f}, "

@@ -182,9 +182,14 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
               f"tokenizer.path={tmp_path / 'tok'}"]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
                       common + ["steps=2", "optimizer.warmup_ratio=1.0", "optimizer.lr=1e-2"])
+    metrics = tmp_path / "run" / "metrics.jsonl"  # an earlier run's: a rerun appended to it
+    metrics.parent.mkdir()
+    metrics.write_text(json.dumps({"step": 7, "loss": 9.0}) + "\n")
     result = train_commit_head(cfg, show_bar=False)
     losses = [r["loss"] for r in result["records"]]
     assert len(losses) == 2 and all(loss > 0.01 for loss in losses), losses
+    logged = metrics.read_text()
+    assert [json.loads(line)["step"] for line in logged.splitlines()] == [1, 2]
     initial = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
     trained = load_commit_head(result["model_dir"])
     assert not np.allclose(np.asarray(trained.out_proj.kernel[...]), np.asarray(initial.out_proj.kernel[...]))
@@ -195,6 +200,7 @@ def test_commit_head_trains_on_prompt_response_data(tmp_path, proposer, verifier
     with pytest.raises(ValueError, match="no row of the batch has a trained .* within its first "
                                          "max_length - block_size = 28 tokens"):
         train_commit_head(cfg, show_bar=False)
+    assert metrics.read_text() == logged  # a rerun that failed before its first record
     # a one-token block has nothing to judge (it trained nothing, loss 0, and exported the
     # untrained head); max_length = block_size leaves no context (an XLA reshape traceback)
     for shape, expect in ((["max_length=32", "block_size=1"], "needs block_size >= 2"),
