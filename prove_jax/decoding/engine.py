@@ -117,8 +117,8 @@ def default_prefill_chunk() -> int:
 #   compute bound and the width shrinks (the MARS deferred-KV sampler reached 1.0x at batch 64).
 #   Measured on an H200 with the shipped proposer inflated to the Qwen2.5-1.5B shape
 #   (benchmarks/h200/decode_adaptive.md): 2.94x AR at batch 1 (K=8/8 groups), 1.52x at batch 4
-#   (K=6/4), 1.15x at batch 16 (K=4/2), where the batch-1 row's K=8/8 groups ran 0.92x
-#   (decode_b16.md). Batch 8 and 32 rows are not measured.
+#   (K=6/4), 1.15x at batch 16 (K=4/2); at batch 16 the batch-1 row's layout (K=8, 8 groups)
+#   ran 0.92x (decode_b16.md). The batch 8 and 32 rows are not measured.
 # - CPU: even with weight-major matmuls (`model.dense`) a whole lossless step at batch 1 costs
 #   1.8x (K=2) to 6.5x (K=8, 3 groups) an AR step for the demo proposer and 1.4x to 2.6x at the
 #   Qwen2.5-0.5B shape, on 2 cores (benchmarks/step_cost.md, an AVX-512 EPYC). Whether lossless
