@@ -104,7 +104,7 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
     """The model config of this launch: a resumed run's is the one saved with its checkpoints
     (the train state restored is the run's own, so the initial weights' directory is not read
     and need not be there any more); a fresh run's is `source_model_config`'s."""
-    saved = saved_run_meta(cfg.run_dir) if has_checkpoints(cfg.run_dir) else None
+    saved = saved_run_meta(cfg.run_dir)  # None without checkpoints
     if saved is None or not isinstance(saved.get("model_config"), dict):
         return source_model_config(cfg)
     src = cfg.model
