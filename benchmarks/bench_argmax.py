@@ -50,7 +50,7 @@ def reduction_runs(rows: int, vocab: int) -> dict:
     import jax
     import jax.numpy as jnp
     from prove_jax.decoding.calibrate import timed
-    from prove_jax.model import greedy_tokens
+    from prove_jax.models.qwen2 import greedy_tokens
 
     logits = jax.random.normal(jax.random.PRNGKey(0), (rows, vocab), jnp.float32)
     runs = {}
@@ -78,7 +78,7 @@ def step_runs(model) -> dict:
 
 
 def main(argv=None) -> int:
-    from prove_jax.config import PRESETS
+    from prove_jax.models.config import PRESETS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", action="append", default=[], choices=sorted(PRESETS),
                     help="also time a real Qwen2.5 shape (random weights)")
@@ -89,10 +89,12 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
 
     import jax
-    from prove_jax import assets, bench_lib
-    from prove_jax.checkpoint import atomic_write_text, load_model
+    from prove_jax import assets
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.files import atomic_write_text
+    from prove_jax.checkpoints.checkpoint import load_model
     from prove_jax.decoding.calibrate import AR, fastest_interleaved, layout_name
-    from prove_jax.params import create_model
+    from prove_jax.models.params import create_model
 
     shapes = [("demo proposer", load_model(assets.DEMO_PROPOSER, dtype="float32", param_dtype="float32"))]
     shapes += [(name, create_model(PRESETS[name].replace(param_dtype="float32", dtype="float32"), seed=0))

@@ -30,12 +30,15 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax:
 
 import jax
 
-from prove_jax import assets, bench_lib, model as model_lib
-from prove_jax.bench_lib import cpu_description
-from prove_jax.checkpoint import atomic_write_text, load_config
-from prove_jax.config import PRESETS, preset
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.models import qwen2 as model_lib
+from prove_jax.evaluation.benchmark import cpu_description
+from prove_jax.files import atomic_write_text
+from prove_jax.checkpoints.checkpoint import load_config
+from prove_jax.models.config import PRESETS, preset
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
-from prove_jax.params import create_model
+from prove_jax.models.params import create_model
 
 BUFFERS = (384, 640, 1024, 2048)  # 384: one pass below CPU_SHORT_CHUNK_ROWS rows; 2048: 256-slot chunks at any batch
 FILLED = 200

@@ -4,7 +4,7 @@
 
 1. transformers builds a random-init Qwen2ForCausalLM with the 0.5B shapes and `save_pretrained`s
    it in its default dtype (float32: ~2 GB of safetensors).
-2. `python -m prove_jax.convert hf-to-flax` and then `flax-to-hf` run as subprocesses; wall time
+2. `python -m prove_jax.checkpoints.convert hf-to-flax` and then `flax-to-hf` run as subprocesses; wall time
    and peak RSS come from `os.wait4` (that child only). Target: peak RSS < 2x checkpoint size.
 3. Forward latency, batch 1 x T tokens, median after a warm-up: our jitted model (loaded from the
    converted checkpoint) vs transformers on torch CPU (same weights, same tokens).
@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)  # for prove_jax: the script runs from anywhere
 
-from prove_jax.config import PRESETS
+from prove_jax.models.config import PRESETS
 
 
 def run_child(args: list[str]) -> dict:
@@ -66,7 +66,7 @@ def interleaved_seconds(fns: dict, runs: int) -> dict[str, list[float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS),
-                   help="prove_jax.config preset giving the shapes")
+                   help="prove_jax.models.config preset giving the shapes")
     p.add_argument("--tokens", type=int, default=128, help="sequence length of the latency input (batch 1)")
     p.add_argument("--runs", type=int, default=9, help="timed forward runs per framework after one warm-up")
     p.add_argument("--out", default=HERE, help="folder for convert.json / convert.md (default benchmarks/)")
@@ -80,7 +80,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from prove_jax.checkpoint import atomic_write_text
+    from prove_jax.files import atomic_write_text
 
     cfg = PRESETS[args.preset]
     work = tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir)
@@ -98,10 +98,10 @@ def main() -> None:
                        if f.endswith(".safetensors"))
 
         print("hf-to-flax ...", file=sys.stderr, flush=True)
-        to_flax = run_child(["-m", "prove_jax.convert", "hf-to-flax", "--hf-dir", hf_dir, "--out", ckpt])
+        to_flax = run_child(["-m", "prove_jax.checkpoints.convert", "hf-to-flax", "--hf-dir", hf_dir, "--out", ckpt])
         to_flax["output_bytes"] = dir_bytes(ckpt)
         print("flax-to-hf ...", file=sys.stderr, flush=True)
-        to_hf = run_child(["-m", "prove_jax.convert", "flax-to-hf", "--ckpt", ckpt, "--out", back])
+        to_hf = run_child(["-m", "prove_jax.checkpoints.convert", "flax-to-hf", "--ckpt", ckpt, "--out", back])
         to_hf["output_bytes"] = dir_bytes(back)
         for r in (to_flax, to_hf):
             r["peak_rss_over_checkpoint"] = round(r["peak_rss_bytes"] / hf_bytes, 3)
@@ -111,8 +111,8 @@ def main() -> None:
         import jax.numpy as jnp
         from flax import nnx
 
-        from prove_jax.checkpoint import load_model
-        from prove_jax.model import causal_mask
+        from prove_jax.checkpoints.checkpoint import load_model
+        from prove_jax.models.qwen2 import causal_mask
 
         tokens = np.random.RandomState(0).randint(0, 151_643, (1, args.tokens)).astype(np.int32)
         model = load_model(ckpt)

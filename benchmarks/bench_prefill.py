@@ -26,12 +26,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _ints(what: str):
-    from prove_jax import bench_lib
+    from prove_jax.evaluation import benchmark as bench_lib
     return bench_lib.arg_type(lambda text: bench_lib.positive_ints(text, what))
 
 
 def parse_args(argv=None):
-    from prove_jax.config import PRESETS
+    from prove_jax.models.config import PRESETS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=_ints("--chunks"), default=[16, 32, 64], help="prefill chunk sizes (default 16,32,64)")
     p.add_argument("--inflate", default="qwen2.5-0.5b", choices=sorted(PRESETS) + ["none"],
@@ -51,8 +51,10 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from prove_jax import assets, bench_lib, humaneval
-    from prove_jax.checkpoint import atomic_write_text
+    from prove_jax import assets
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation import humaneval
+    from prove_jax.files import atomic_write_text
     from prove_jax.decoding.calibrate import fastest_interleaved
     from prove_jax.decoding.engine import DecodeOptions, default_prefill_chunk
     from prove_jax.decoding.requests import encode_prompts

@@ -32,15 +32,18 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax:
 import jax
 import jax.numpy as jnp
 
-from prove_jax import assets, bench_lib
-from prove_jax.bench_lib import cpu_description
-from prove_jax.checkpoint import atomic_write_text, load_config
-from prove_jax.config import PRESETS
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation.benchmark import cpu_description
+from prove_jax.files import atomic_write_text
+from prove_jax.checkpoints.checkpoint import load_config
+from prove_jax.models.config import PRESETS
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.steps import head_in_one_pass, lm_head_one_pass
-from prove_jax.model import CPU_DECODE_MAX_ROWS, decode_matmul, default_cpu_form, dense, dot_row_padding
-from prove_jax.params import create_model
+from prove_jax.models.qwen2 import (CPU_DECODE_MAX_ROWS, decode_matmul, default_cpu_form, dense,
+                                    dot_row_padding)
+from prove_jax.models.params import create_model
 
 WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see LosslessLayout.width)
 LAYOUTS = ((2, 2), (3, 3), (4, 2), (4, 4), (6, 2), (8, 2), (8, 3))  # (K, G) as benchmarked in decode.md

@@ -38,13 +38,16 @@ import jax
 import jax.numpy as jnp
 
 from bench_step_cost import dense_matmul_runs, layer_kernels
-from prove_jax import assets, bench_lib, model as model_lib
-from prove_jax.bench_lib import cpu_description
-from prove_jax.checkpoint import atomic_write_text, load_config
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.models import qwen2 as model_lib
+from prove_jax.evaluation.benchmark import cpu_description
+from prove_jax.files import atomic_write_text
+from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
 from prove_jax.decoding.engine import DecodeOptions, step_shape
-from prove_jax.model import default_cpu_form, dense
-from prove_jax.params import create_model
+from prove_jax.models.qwen2 import default_cpu_form, dense
+from prove_jax.models.params import create_model
 
 LAYOUTS = ((4, 2), (6, 2))  # lossless K, G; with AR
 

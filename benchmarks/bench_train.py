@@ -3,7 +3,7 @@
     nice .venv/bin/python benchmarks/bench_train.py [--steps 8] [--batch 8] [--length 128]
 
 Both objectives run the real jitted train step (forward + backward + AdamW update, donated
-state) of prove_jax.train_step on one device, float32, on a batch of real text (CPython
+state) of prove_jax.training.step on one device, float32, on a batch of real text (CPython
 stdlib source, byte-level BPE built here). MARS forwards 2L positions (clean + masked stream),
 so it should cost about 2x the AR step (a bit more from the 4x larger attention matrix), never
 far more. Reports the median step time after a warm-up, tokens/s counted in input tokens
@@ -52,13 +52,16 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from prove_jax import data as data_lib, params as params_lib, sharding, train_step as ts
-    from prove_jax.checkpoint import atomic_write_text
-    from prove_jax.config import ModelConfig
-    from prove_jax.corpus import list_source_files, read_source_files
-    from prove_jax.optim import make_optimizer
-    from prove_jax.tokenizer_build import to_transformers, train_bpe
-    from prove_jax.train_config import OptimizerConfig
+    from prove_jax.data import pipeline as data_lib
+    from prove_jax.models import params as params_lib
+    from prove_jax.models import sharding
+    from prove_jax.training import step as ts
+    from prove_jax.files import atomic_write_text
+    from prove_jax.models.config import ModelConfig
+    from prove_jax.data.corpus import list_source_files, read_source_files
+    from prove_jax.training.optimizer import make_optimizer
+    from prove_jax.data.tokenizer import to_transformers, train_bpe
+    from prove_jax.training.config import OptimizerConfig
 
     print("building tokenizer and batch ...", file=sys.stderr, flush=True)
     files, _ = read_source_files(list_source_files()[:60])

@@ -28,10 +28,12 @@ import shutil
 import sys
 import tempfile
 
-from prove_jax import assets, bench_lib, humaneval
-from prove_jax.checkpoint import atomic_write_text
-from prove_jax.cli import INTERRUPTED
-from prove_jax.config import DTYPES, PRESETS
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation import humaneval
+from prove_jax.files import atomic_write_text
+from prove_jax.cli.runner import INTERRUPTED
+from prove_jax.models.config import DTYPES, PRESETS
 
 DEFAULT_OUT = "benchmarks/decode"
 
@@ -119,7 +121,7 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
     if args.heldout is not None:
         if args.heldout < 1:
             raise bench_lib.BenchError(f"--heldout must be >= 1, got {args.heldout}")
-        from prove_jax.corpus import build_corpus, heldout_prompts
+        from prove_jax.data.corpus import build_corpus, heldout_prompts
         records = heldout_prompts(build_corpus().heldout, limit=args.heldout)
         return records, f"{len(records)} held-out CPython stdlib function prompts"
     n = 16 if args.humaneval is None else args.humaneval
@@ -314,7 +316,7 @@ def main(argv=None) -> int:
                                       pair.eos_ids)
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
         if args.png != "none":
-            from prove_jax.plot import trade_off_figure  # figure first: the likeliest to fail
+            from prove_jax.evaluation.plot import trade_off_figure  # figure first: the likeliest to fail
             trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
                                                       f"{prompts_desc}, {args.max_new_tokens} new tokens")
         # both rendered before either is written, the JSON (the record the report is rendered
@@ -341,5 +343,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

@@ -13,7 +13,9 @@ import sys
 
 import jax
 
-from prove_jax import assets, bench_lib, humaneval
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation import humaneval
 
 COLOURS = ("\x1b[1;32m", "\x1b[1;35m")  # bold green / bold magenta, alternating per step
 RESET, DIM = "\x1b[0m", "\x1b[2m"
@@ -122,5 +124,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

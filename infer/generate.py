@@ -21,8 +21,8 @@ import sys
 import jax
 
 from prove_jax import assets, distributed
-from prove_jax.checkpoint import load_tokenizer
-from prove_jax.config import DTYPES
+from prove_jax.checkpoints.checkpoint import load_tokenizer
+from prove_jax.models.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
@@ -176,5 +176,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

@@ -1,4 +1,4 @@
-"""Train the project's byte-level BPE tokenizer on a corpus written by `python -m prove_jax.corpus`.
+"""Train the project's byte-level BPE tokenizer on a corpus written by `python -m prove_jax.data.corpus`.
 
     python scripts/train_tokenizer.py --corpus runs/corpus --out runs/tokenizer --vocab-size 4096
 
@@ -14,9 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prove_jax.corpus import CorpusError, iter_texts  # noqa: E402
-from prove_jax.tokenizer_build import (DEFAULT_VOCAB_SIZE, TokenizerBuildError,  # noqa: E402
-                                       build_tokenizer)
+from prove_jax.data.corpus import CorpusError, iter_texts  # noqa: E402
+from prove_jax.data.tokenizer import DEFAULT_VOCAB_SIZE, TokenizerBuildError, build_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from prove_jax import assets
-from prove_jax.checkpoint import save_model
-from prove_jax.corpus import build_corpus, heldout_prompts
-from prove_jax.checkpoint import load_tokenizer
+from prove_jax.checkpoints.checkpoint import save_model
+from prove_jax.data.corpus import build_corpus, heldout_prompts
+from prove_jax.checkpoints.checkpoint import load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding import calibrate as cal
 from prove_jax.decoding.engine import check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.params import create_model
+from prove_jax.models.params import create_model
 from tests.test_decoding import CFG, _prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,7 +210,7 @@ def test_cli_calibrate(tmp_path):
 
 
 def test_benchmark_calibrated_setting(tmp_path):
-    from prove_jax import bench_lib
+    from prove_jax.evaluation import benchmark as bench_lib
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, create_model(CFG, seed=3))
     pair = bench_lib.load_pair(ckpt)
@@ -228,7 +228,7 @@ def test_benchmark_sweep_adaptive_as_the_cli_and_calibrated_optional():
     """The benchmark's adaptive setting caps K at 8, as `infer.generate --adaptive` does (K=4
     capped the GPU/TPU table's K=8 rows); `calibrated=False` (`--no-calibrated`) leaves out the
     calibrated setting, whose measurements compile every candidate layout."""
-    from prove_jax import bench_lib
+    from prove_jax.evaluation import benchmark as bench_lib
     from infer.generate import decode_options, parse_args
     cli_k = decode_options(parse_args(["--mode", "lossless", "--adaptive", "--input", "i", "--output", "o"])).block_size
     by_label = {s.label: s for s in bench_lib.sweep_settings(["lossless"], False, lossless=[])}
@@ -265,7 +265,7 @@ def test_calibrate_decoder_measures_the_rows_generate_decodes_within_the_group_c
     """On a 2-way data axis a batch of 1 decodes 2 rows: the table must be measured and keyed
     there, or `generate` never finds it and silently runs AR. The --groups cap bounds the
     layouts it may choose, and a batch size below 1 is an error, not a trace-time crash."""
-    from prove_jax.sharding import make_mesh
+    from prove_jax.models.sharding import make_mesh
     from tests.test_decoding import load_or_shard
     seen = {}
 

@@ -13,14 +13,15 @@ import pytest
 from flax import nnx
 
 from infer import generate
-from prove_jax.checkpoint import CheckpointError, save_model
-from prove_jax.commit_head import (CommitHead, head_examples, head_loss, load_commit_head,
-                                   propose_and_label, sample_contexts, save_commit_head,
-                                   train_commit_head, verifier_inputs)
-from prove_jax.config import ModelConfig
+from prove_jax.checkpoints.checkpoint import CheckpointError, save_model
+from prove_jax.models.commit_head import CommitHead
+from prove_jax.training.commit_head import (head_examples, head_loss, propose_and_label,
+                                            sample_contexts, train_commit_head, verifier_inputs)
+from prove_jax.checkpoints.commit_head import load_commit_head, save_commit_head
+from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
-from prove_jax.params import create_model
-from prove_jax.train_config import load_config
+from prove_jax.models.params import create_model
+from prove_jax.training.config import load_config
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 from tests.vocab_helpers import with_rows
 
@@ -287,7 +288,8 @@ def test_a_commit_head_step_that_cannot_fit_is_refused_before_any_weight_is_read
         tmp_path, capsys, monkeypatch, proposer, verifier):
     """A 32B proposer takes minutes to read: the step is compiled and its memory (both frozen
     models, their forwards, the head) checked from the configs first."""
-    from prove_jax import checkpoint, memory
+    from prove_jax import memory
+    from prove_jax.checkpoints import checkpoint
     _save_pair(tmp_path, proposer, verifier)
     monkeypatch.setattr(memory, "free_device_memory", lambda device: 1024)
 

@@ -1,7 +1,7 @@
 """Bad converter input: each case is one clear `error: ...` line, exit code 2, no output left.
 
 Most cases call the CLI entry point in-process (`convert.main`, same argparse and error
-handling); one runs the real `python -m prove_jax.convert` subprocess end to end.
+handling); one runs the real `python -m prove_jax.checkpoints.convert` subprocess end to end.
 """
 
 import json
@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 
 from hf_models import make_hf_qwen2
-from prove_jax import convert
+from prove_jax.checkpoints import convert
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,7 +175,7 @@ def test_cli_subprocess_exit_code_2(hf_dir, tmp_path):
     os.truncate(hf_dir / "model.safetensors", os.path.getsize(hf_dir / "model.safetensors") // 2)
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-m", "prove_jax.convert", "hf-to-flax", "--hf-dir", str(hf_dir),
+    r = subprocess.run([sys.executable, "-m", "prove_jax.checkpoints.convert", "hf-to-flax", "--hf-dir", str(hf_dir),
                         "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "truncated file" in r.stderr
@@ -195,7 +195,7 @@ def test_directions_mixed_up_say_which_command_to_use(capsys, hf_dir, tmp_path):
 def test_a_checkpoint_replaces_only_an_earlier_checkpoint(hf_dir, tmp_path):
     """save_params replaces its target whole: a new, empty or earlier checkpoint directory, or
     any directory with the converter's --overwrite; never another directory by mistake."""
-    from prove_jax.checkpoint import CheckpointError, load_model, save_model
+    from prove_jax.checkpoints.checkpoint import CheckpointError, load_model, save_model
     assert convert.main(["hf-to-flax", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "ckpt"), "--quiet"]) == 0
     model = load_model(str(tmp_path / "ckpt"))
     save_model(str(tmp_path / "ckpt"), model)  # an earlier checkpoint: replaced
@@ -346,7 +346,7 @@ def test_a_stored_parameter_the_config_does_not_expect_is_named(capsys, ckpt, tm
 
 
 def test_restore_error_reason_names_the_parameter_from_the_spec():
-    from prove_jax.checkpoint import restore_error_reason
+    from prove_jax.checkpoints.checkpoint import restore_error_reason
     spec = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
             "details: <bound method spec of TensorStore({\n  'kvstore': {\n    'driver': 'file',\n"
             "    'path': '/ck/params/layers.0.attn.k_bias/',\n  },\n})>.")
@@ -371,7 +371,7 @@ def test_closed_abandoned_reads_stay_quiet(monkeypatch):
     its path; anything else, and the same error for another path, passes."""
     import sys
     import types
-    from prove_jax import checkpoint
+    from prove_jax.checkpoints import checkpoint
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
     monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())

@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from hf_models import make_hf_qwen2
-from prove_jax import convert
-from prove_jax.checkpoint import load_model
-from prove_jax.config import ConfigError
+from prove_jax.checkpoints import convert
+from prove_jax.checkpoints.checkpoint import load_model
+from prove_jax.models.config import ConfigError
 from test_parity import _tokens, our_logits, reload_hf, torch_logits
 
 

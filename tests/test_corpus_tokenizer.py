@@ -11,10 +11,10 @@ import unicodedata
 
 import pytest
 
-from prove_jax import corpus
-from prove_jax.tokenizer_build import (EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, MASK_TOKEN,
-                                       QWEN2_SPLIT_REGEX, SPECIAL_TOKENS, TokenizerBuildError,
-                                       build_tokenizer, train_bpe)
+from prove_jax.data import corpus
+from prove_jax.data.tokenizer import (EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, MASK_TOKEN,
+                                      QWEN2_SPLIT_REGEX, SPECIAL_TOKENS, TokenizerBuildError,
+                                      build_tokenizer, train_bpe)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BYTES = 2_500_000   # a hash-ordered sample of the stdlib: enough for a 2048-token BPE
@@ -239,7 +239,7 @@ def test_tokenizer_loads_offline_as_qwen2_with_special_tokens(trained):
                                    add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # The project's checkpoint loader finds it too.
-    from prove_jax.checkpoint import load_tokenizer
+    from prove_jax.checkpoints.checkpoint import load_tokenizer
     assert load_tokenizer(str(out)).encode("import os\n") == tok.encode("import os\n")
 
 

@@ -9,9 +9,10 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from prove_jax.data import (DataError, iterator_restore_args, iterator_save_args, load_examples,
-                            make_dataset, to_global_batch, tokenize_examples)
-from prove_jax.sharding import make_mesh
+from prove_jax.data.pipeline import (DataError, iterator_restore_args, iterator_save_args,
+                                     load_examples, make_dataset, to_global_batch,
+                                     tokenize_examples)
+from prove_jax.models.sharding import make_mesh
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 
 
@@ -160,7 +161,7 @@ def test_text_rows_pack_or_split(tok, pack):
 def test_truncation_is_counted_and_warned(tok, caplog):
     long = {"prompt": "def f(x):", "response": " return x" * 40}
     examples = [long, {"prompt": "a", "response": "b"}, {"prompt": "x = 1\n" * 40, "response": "y"}]
-    with caplog.at_level(logging.WARNING, logger="prove_jax.data"):
+    with caplog.at_level(logging.WARNING, logger="prove_jax.data.pipeline"):
         it = make_dataset(examples, tok, max_length=16, block_size=4, global_batch_size=1, seed=0)
     assert it.stats.truncated == 2 and it.stats.dropped == 1 and it.stats.sequences == 2
     assert "2 sequences longer than max_length 16 were truncated" in caplog.text

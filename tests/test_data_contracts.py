@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prove_jax import corpus
-from prove_jax.data import DataError, load_examples, make_dataset, tokenize_examples
-from prove_jax.objectives import mars_loss
+from prove_jax.data import corpus
+from prove_jax.data.pipeline import DataError, load_examples, make_dataset, tokenize_examples
+from prove_jax.training.objectives import mars_loss
 from tests.tokenizers_fixture import IM_END, make_tokenizer, stdlib_text
 
 # ---- the MARS loss, on logits chosen by hand -------------------------------------------------
@@ -280,7 +280,7 @@ def test_a_function_with_a_line_left_of_its_indent_is_skipped_not_mangled():
 
 @pytest.fixture(scope="module")
 def saved_bpe(tmp_path_factory):
-    from prove_jax.tokenizer_build import save_tokenizer, train_bpe
+    from prove_jax.data.tokenizer import save_tokenizer, train_bpe
     bpe, _, _ = train_bpe(stdlib_text(("textwrap",)).splitlines(keepends=True), vocab_size=300)
     out = tmp_path_factory.mktemp("bpe") / "tok"
     save_tokenizer(bpe, str(out))
@@ -288,7 +288,7 @@ def saved_bpe(tmp_path_factory):
 
 
 def test_bpe_settings_that_cannot_train_are_errors():
-    from prove_jax.tokenizer_build import SPECIAL_TOKENS, TokenizerBuildError, train_bpe
+    from prove_jax.data.tokenizer import SPECIAL_TOKENS, TokenizerBuildError, train_bpe
     floor = len(SPECIAL_TOKENS) + 256   # 4 special tokens + 256 bytes: no room for a merge
     with pytest.raises(TokenizerBuildError, match=f"must exceed {floor}"):
         train_bpe(["abc abc"], vocab_size=floor)
@@ -297,13 +297,13 @@ def test_bpe_settings_that_cannot_train_are_errors():
 
 
 def test_the_pipeline_normalizes_to_nfc_as_qwen2():
-    from prove_jax.tokenizer_build import qwen2_pipeline
+    from prove_jax.data.tokenizer import qwen2_pipeline
     text = "\ufb01le caf\u0065\u0301 \u212b \u2460"   # ligature, e + combining accent, angstrom, circled 1
     assert qwen2_pipeline().normalizer.normalize_str(text) == unicodedata.normalize("NFC", text)
 
 
 def test_verification_catches_a_wrong_pad_token_and_disagreeing_ids(saved_bpe, tmp_path):
-    from prove_jax.tokenizer_build import TokenizerBuildError, qwen2_pipeline, verify_tokenizer_dir
+    from prove_jax.data.tokenizer import TokenizerBuildError, qwen2_pipeline, verify_tokenizer_dir
     bpe, out = saved_bpe
     text = "\ufb01x = 'a b'\n"
     verify_tokenizer_dir(str(out), bpe, [text])    # the real folder passes
@@ -332,8 +332,8 @@ def test_verification_catches_a_wrong_pad_token_and_disagreeing_ids(saved_bpe, t
 def test_a_grown_vocabulary_holds_the_mask_id_at_the_next_multiple_of_64():
     """The new id lands exactly on a multiple of 64 (a 320-token tokenizer): the rows must grow
     to the smallest multiple of 64 above it (384), not stay at 320 with the id outside."""
-    from prove_jax.config import ModelConfig
-    from prove_jax.vocab import ensure_mask_token
+    from prove_jax.models.config import ModelConfig
+    from prove_jax.checkpoints.vocab import ensure_mask_token
     tok = make_tokenizer(320)
     assert len(tok) == 320
     cfg = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -344,9 +344,9 @@ def test_a_grown_vocabulary_holds_the_mask_id_at_the_next_multiple_of_64():
 
 
 def test_growing_embeddings_refuses_any_other_config_change():
-    from prove_jax.config import ModelConfig
-    from prove_jax.params import create_model
-    from prove_jax.vocab import VocabError, grow_embeddings
+    from prove_jax.models.config import ModelConfig
+    from prove_jax.models.params import create_model
+    from prove_jax.checkpoints.vocab import VocabError, grow_embeddings
     cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0)
     model = create_model(cfg, seed=0)

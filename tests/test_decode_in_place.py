@@ -19,10 +19,10 @@ import pytest
 
 from flax import nnx
 
-from prove_jax.config import ModelConfig
+from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
-from prove_jax.model import MATMUL_FORMS, decode_matmul
-from prove_jax.params import create_model
+from prove_jax.models.qwen2 import MATMUL_FORMS, decode_matmul
+from prove_jax.models.params import create_model
 
 # head_dim 24 keeps cache buffers [B, K, S, 24] from sharing a shape with any score tensor
 # [B, K, G, T, S] of the layouts below or of the 16-token prefill chunks.
@@ -112,7 +112,7 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
 def test_chunked_cache_read_never_copies_the_kv_cache(models, options, width):
     """A buffer long enough to be read in chunks (`model.cache_chunk`): the chunks are sliced
     from the buffer inside a loop of every layer, and the buffer is still never copied whole."""
-    from prove_jax.model import cache_chunk
+    from prove_jax.models.qwen2 import cache_chunk
     decoder = Decoder(models[0], [1], options)
     prompts = [list(range(2, 2 + n)) for n in (3, 5, 4, 6)]
     result = decoder.generate(prompts, 500, batch_size=2)

@@ -14,11 +14,11 @@ import subprocess
 import numpy as np
 
 from prove_jax import assets
-from prove_jax.checkpoint import save_model
-from prove_jax.config import ModelConfig
+from prove_jax.checkpoints.checkpoint import save_model
+from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.params import create_model
+from prove_jax.models.params import create_model
 from tests.multihost import joining, run_two_processes
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
@@ -112,7 +112,7 @@ def test_a_host_that_fails_stops_the_job_and_the_other_says_so(tmp_path):
 def test_restore_failure_blames_a_timeout_on_several_hosts_on_the_other_hosts(monkeypatch):
     import jax
 
-    from prove_jax.checkpoint import restore_failure
+    from prove_jax.checkpoints.checkpoint import restore_failure
     timeout = RuntimeError("UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out")
     assert "(a damaged or incomplete checkpoint): UNKNOWN" in restore_failure("/ckpt/params", timeout)
     monkeypatch.setattr(jax, "process_count", lambda: 2)

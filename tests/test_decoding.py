@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from prove_jax.checkpoint import load_model, save_model
-from prove_jax.config import ConfigError, ModelConfig
-from prove_jax.convert import hf_to_flax
+from prove_jax.checkpoints.checkpoint import load_model, save_model
+from prove_jax.models.config import ConfigError, ModelConfig
+from prove_jax.checkpoints.convert import hf_to_flax
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.steps import head_in_one_pass
-from prove_jax.model import Qwen2
-from prove_jax.params import create_model
-from prove_jax.sharding import make_mesh
+from prove_jax.models.qwen2 import Qwen2
+from prove_jax.models.params import create_model
+from prove_jax.models.sharding import make_mesh
 from tests.hf_models import hf_greedy, make_hf_qwen2
 from tests.vocab_helpers import with_rows
 
@@ -93,7 +93,7 @@ def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
     """A buffer long enough to be read in chunks (`model.cache_chunk`: 512 slots and the step's
     width, two chunks) is attended chunk by chunk up to the batch's longest row; rows of 480, 40
     and 450 prompt tokens still decode exactly as transformers does, and lossless equals AR."""
-    from prove_jax.model import cache_chunk
+    from prove_jax.models.qwen2 import cache_chunk
     hf = make_hf_qwen2(tmp_path / "hf", seed=4, eos_token_id=5)
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
@@ -114,7 +114,7 @@ def test_a_large_batch_reads_a_short_buffer_in_short_chunks(tmp_path):
     prompt tokens decode exactly as transformers does, the compiled loop slices chunks of that
     size from the cache, and lossless equals AR."""
     import re
-    from prove_jax.model import CPU_SHORT_CHUNK_ROWS, cache_chunk
+    from prove_jax.models.qwen2 import CPU_SHORT_CHUNK_ROWS, cache_chunk
     hf = make_hf_qwen2(tmp_path / "hf", seed=6, eos_token_id=5)
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
@@ -355,7 +355,7 @@ def test_compiled_once_per_shape(model):
 
 
 def test_sharded_decoding_equals_single_device(model, ar_out, monkeypatch):
-    from prove_jax import model as model_lib
+    from prove_jax.models import qwen2 as model_lib
     mesh = make_mesh((4, 1, 2))
     sharded = load_or_shard(model, mesh)
     prompts = _prompts() * 2
@@ -377,7 +377,7 @@ def test_sharded_decoding_equals_single_device(model, ar_out, monkeypatch):
 def load_or_shard(model, mesh):
     import jax
     from flax import nnx
-    from prove_jax import sharding
+    from prove_jax.models import sharding
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, sharding.state_shardings(state, mesh))
     return nnx.merge(graphdef, state)

@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prove_jax import assets, humaneval
-from prove_jax.checkpoint import load_model, load_tokenizer
+from prove_jax import assets
+from prove_jax.evaluation import humaneval
+from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, adapt_for_batch
 from prove_jax.decoding import calibrate as cal
 from prove_jax.decoding import requests
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import causal_mask
-from prove_jax.params import create_model
+from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.params import create_model
 from tests.test_decoding import CFG, _prompts, _tau_in_widest_middle_gap
 
 PROMPTS = _prompts(6, (20, 3, 9, 2, 17))

@@ -19,11 +19,11 @@ import sys
 import pytest
 
 from infer import benchmark, demo
-from prove_jax import bench_lib
-from prove_jax.checkpoint import save_model
-from prove_jax.config import ModelConfig
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.checkpoints.checkpoint import save_model
+from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions
-from prove_jax.params import create_model
+from prove_jax.models.params import create_model
 from tests.tokenizers_fixture import make_tokenizer
 
 REQUIRED = ("mode", "setting", "batch_size", "tokens_per_forward", "tokens_per_second",

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prove_jax import model as model_lib
-from prove_jax.checkpoint import CheckpointError, load_model, params_pure_dict, save_params
-from prove_jax.config import ModelConfig
-from prove_jax.model import MATMUL_FORMS, causal_mask, decode_matmul, dense
-from prove_jax.params import create_model
+from prove_jax.models import qwen2 as model_lib
+from prove_jax.checkpoints.checkpoint import (CheckpointError, load_model, params_pure_dict,
+                                              save_params)
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.qwen2 import MATMUL_FORMS, causal_mask, decode_matmul, dense
+from prove_jax.models.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)

@@ -1,15 +1,15 @@
-"""Self-distillation data (`python -m prove_jax.distill`): records are the model's greedy AR."""
+"""Self-distillation data (`python -m prove_jax.training.distill`): records are the model's greedy AR."""
 
 import json
 
 import pytest
 
-from prove_jax import distill
-from prove_jax.checkpoint import save_model
-from prove_jax.corpus import write_corpus
-from prove_jax.data import load_examples
+from prove_jax.training import distill
+from prove_jax.checkpoints.checkpoint import save_model
+from prove_jax.data.corpus import write_corpus
+from prove_jax.data.pipeline import load_examples
 from prove_jax.decoding import DecodeOptions, Decoder
-from prove_jax.params import create_model
+from prove_jax.models.params import create_model
 from tests.test_decoding import CFG, _prompts
 
 

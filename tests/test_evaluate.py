@@ -1,4 +1,4 @@
-"""Held-out evaluation (`python -m prove_jax.evaluate`): oracle is transformers' own loss."""
+"""Held-out evaluation (`python -m prove_jax.evaluation.heldout`): oracle is transformers' own loss."""
 
 import json
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from prove_jax import evaluate
-from prove_jax.checkpoint import load_model, load_tokenizer, save_model
-from prove_jax.convert import hf_to_flax
-from prove_jax.data import TokenizedRows, tokenize_examples
+from prove_jax.evaluation import heldout as evaluate
+from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
+from prove_jax.checkpoints.convert import hf_to_flax
+from prove_jax.data.pipeline import TokenizedRows, tokenize_examples
 from tests.hf_models import make_hf_qwen2
 from tests.tokenizers_fixture import stdlib_text
 from tests.train_helpers import write_tokenizer

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prove_jax.model import greedy_tokens
+from prove_jax.models.qwen2 import greedy_tokens
 
 
 @pytest.mark.parametrize("shape", [(7,), (1, 1), (3, 5, 33), (16, 4096)])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hf_models import make_hf_qwen2
-from prove_jax import humaneval, peers
+from prove_jax.evaluation import humaneval
+from prove_jax.evaluation import peers
 
 # ----------------------------------------------------------------------------------------------
 # HumanEval
@@ -230,8 +231,9 @@ def test_peer_input_errors(models, tmp_path):
 def test_only_records_holding_a_tasks_own_prompt_are_scored_as_that_task():
     """A --prompts record reusing a HumanEval task id for other tokens must not be scored
     against that task's tests."""
-    from prove_jax import assets, bench_lib
-    from prove_jax.checkpoint import load_tokenizer
+    from prove_jax import assets
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.checkpoints.checkpoint import load_tokenizer
     tok = load_tokenizer(assets.DEMO_PROPOSER)
     problems = humaneval.load_problems(limit=2)
     real = tok.encode(problems[1]["prompt"], add_special_tokens=False)

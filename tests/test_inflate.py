@@ -1,4 +1,4 @@
-"""Inflation (`prove_jax.inflate`): a model embedded in a larger shape computes what it computed.
+"""Inflation (`prove_jax.models.inflate`): a model embedded in a larger shape computes what it computed.
 
 Oracle: transformers. The inflated weights, exported with our flax-to-hf, must give torch the
 logits torch gives for the source weights, and our decoder on the inflated model must
@@ -8,11 +8,13 @@ reproduce transformers' greedy `generate` of the source model.
 import numpy as np
 import pytest
 
-from prove_jax import assets, bench_lib, convert
-from prove_jax.checkpoint import load_model, save_model
-from prove_jax.config import ConfigError, ModelConfig, preset
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.checkpoints import convert
+from prove_jax.checkpoints.checkpoint import load_model, save_model
+from prove_jax.models.config import ConfigError, ModelConfig, preset
 from prove_jax.decoding import DecodeOptions, Decoder
-from prove_jax.inflate import inflate, inflated_config
+from prove_jax.models.inflate import inflate, inflated_config
 from tests.hf_models import hf_greedy, make_hf_qwen2
 from tests.test_parity import our_logits, reload_hf, torch_logits
 
@@ -83,7 +85,7 @@ def test_benchmark_loads_the_demo_proposer_inflated_to_a_preset():
 def test_inflating_a_bfloat16_model_keeps_every_weight_bfloat16():
     """The scaled norms and q weights were promoted to float32 (bfloat16 x a float32 factor)."""
     import jax.numpy as jnp
-    from prove_jax.params import create_model, flat_params
+    from prove_jax.models.params import create_model, flat_params
     src = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, param_dtype="bfloat16")
     big = inflate(create_model(src, seed=0), SHAPE)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prove_jax.config import ModelConfig
-from prove_jax.model import KVCache, StepMask, causal_mask
-from prove_jax.params import create_model
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.qwen2 import KVCache, StepMask, causal_mask
+from prove_jax.models.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
@@ -91,7 +91,7 @@ def test_short_chunks_only_for_a_large_batch_on_cpu(monkeypatch):
     """`cache_chunk`: 256-slot chunks at least, so a 385-slot buffer is one pass; on CPU from
     CPU_SHORT_CHUNK_ROWS rows up 128-slot ones (three of 129); at most 8 chunks either way;
     never shorter on an accelerator, where each chunk costs kernel launches per layer."""
-    from prove_jax.model import CPU_SHORT_CHUNK_ROWS, cache_chunk
+    from prove_jax.models.qwen2 import CPU_SHORT_CHUNK_ROWS, cache_chunk
     assert CPU_SHORT_CHUNK_ROWS == 16
     assert cache_chunk(385) == cache_chunk(385, rows=15) == 385
     assert cache_chunk(385, rows=16) == cache_chunk(385, rows=64) == 129
@@ -107,7 +107,7 @@ def test_one_pass_below_a_batch_of_16_on_gpu(monkeypatch):
     """On a GPU each trip of the chunk loop is a host round trip per layer: below
     GPU_CHUNKED_MIN_ROWS rows per device a buffer of any length is read in one pass; from there
     up it is chunked as on a TPU."""
-    from prove_jax.model import GPU_CHUNKED_MIN_ROWS, cache_chunk
+    from prove_jax.models.qwen2 import GPU_CHUNKED_MIN_ROWS, cache_chunk
     assert GPU_CHUNKED_MIN_ROWS == 16
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert cache_chunk(4096) == cache_chunk(4096, rows=15) == 4096
@@ -118,7 +118,7 @@ def test_one_pass_below_a_batch_of_16_on_gpu(monkeypatch):
 def test_chunk_rule_counts_the_rows_of_one_device():
     """`sharding.rows_per_device`: under a mesh the batch is split over data x fsdp, unless it
     does not divide (then it is replicated); outside a mesh one device has every row."""
-    from prove_jax.sharding import make_mesh, rows_per_device
+    from prove_jax.models.sharding import make_mesh, rows_per_device
     assert rows_per_device(16) == 16
     with jax.set_mesh(make_mesh((2, 2, 2))):
         assert rows_per_device(16) == 4
@@ -131,7 +131,7 @@ def test_long_buffer_read_in_chunks_matches_full_forward():
     """A long buffer is read chunk by chunk (701 slots: two chunks of 351, the second starting
     at 350 and overlapping the first by one slot). Rows of 600, 100 and 300 committed tokens:
     the longest spans both chunks, the shortest sees the second fully masked."""
-    from prove_jax.model import cache_chunk
+    from prove_jax.models.qwen2 import cache_chunk
     slots = 701
     assert cache_chunk(slots) == 351  # the chunked path, with an uneven tail
     model = create_model(CFG, seed=5)
@@ -161,7 +161,7 @@ def test_chunked_cache_attention_reads_only_as_far_as_the_longest_row():
     weight of 0 times NaN). A row's result is the same bit for bit whatever the other rows'
     lengths (chunks of masked slots change nothing), and equals one softmax over the row's
     committed slots and its own tokens."""
-    from prove_jax import model as model_lib
+    from prove_jax.models import qwen2 as model_lib
     rng = np.random.RandomState(2)
     b, t, kv, g, dh, slots = 2, 3, 2, 2, 8, 1024  # 4 chunks of 256
     q = jnp.asarray(rng.randn(b, t, kv, g, dh), jnp.float32)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prove_jax.config import ModelConfig
-from prove_jax.objectives import (LOSS_FNS, ObjectiveError, ar_loss, make_loss_fn,
-                                  mars_attention_mask, mars_inputs, mars_loss)
-from prove_jax.params import create_model
+from prove_jax.models.config import ModelConfig
+from prove_jax.training.objectives import (LOSS_FNS, ObjectiveError, ar_loss, make_loss_fn,
+                                           mars_attention_mask, mars_inputs, mars_loss)
+from prove_jax.models.params import create_model
 
 MASK_ID = 63
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

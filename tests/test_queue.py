@@ -3,7 +3,7 @@
 import pytest
 
 from prove_jax.decoding import DecodeOptions, Decoder
-from prove_jax.sharding import make_mesh
+from prove_jax.models.sharding import make_mesh
 from tests.test_decoding import _prompts, load_or_shard
 from tests.test_decoding import model  # noqa: F401 (shared fixture)
 

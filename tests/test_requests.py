@@ -201,7 +201,7 @@ def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
     actually decoded: adaptive lossless chose AR on CPU, which mode alone does not say."""
     from prove_jax.decoding import DecodeOptions, Decoder
     from prove_jax.decoding.requests import run_requests
-    from prove_jax.params import create_model
+    from prove_jax.models.params import create_model
     from tests.test_decoding import CFG
     dec = Decoder(create_model(CFG, seed=3), [1], DecodeOptions("lossless", 4, adaptive=True))
     with pytest.raises(DecodeError, match=r"request 'second' is empty"):

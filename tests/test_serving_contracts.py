@@ -22,8 +22,10 @@ import jax
 import numpy as np
 import pytest
 
-from prove_jax import assets, checkpoint, distributed, dry_run as dr
-from prove_jax.config import ModelConfig
+from prove_jax import assets, distributed, files
+from prove_jax.checkpoints import checkpoint
+from prove_jax.training import dry_run as dr
+from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions
 from prove_jax.decoding import requests
 from prove_jax.decoding.engine import BatchResult
@@ -128,7 +130,7 @@ def test_a_full_queue_takes_the_steps_its_requests_need_and_no_more():
     """Once the last request is admitted a finished row stays idle: it must not be handed a
     request past the end of the queue (which reads as the last one again and runs it twice)."""
     from prove_jax.decoding import Decoder
-    from prove_jax.params import create_model
+    from prove_jax.models.params import create_model
     from tests.test_decoding import CFG, _prompts
     model = create_model(CFG, seed=3)
     prompts = _prompts(4, (5, 2, 8, 3))
@@ -170,7 +172,7 @@ def test_build_decoder_dtype_sets_the_parameters_dtype_too():
 
 def test_a_checkpoint_without_eos_ids_stops_at_its_tokenizers_eos(tmp_path, demo_tok):
     from prove_jax.decoding.loading import build_decoder
-    from prove_jax.params import create_model
+    from prove_jax.models.params import create_model
     cfg = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16, eos_token_ids=(), pad_token_id=None)
     path = str(tmp_path / "ckpt")
@@ -205,12 +207,12 @@ def umask_022():
 
 def test_atomic_text_gets_the_umask_mode_and_leaves_nothing_behind_on_error(tmp_path, umask_022):
     out = tmp_path / "sub" / "out.txt"  # the parent is made
-    checkpoint.atomic_write_text(str(out), "one\n")
+    files.atomic_write_text(str(out), "one\n")
     plain = tmp_path / "plain.txt"
     plain.write_text("x")
     assert out.read_text() == "one\n" and _mode(out) == _mode(plain) == 0o644
     with pytest.raises(UnicodeEncodeError):
-        checkpoint.atomic_write_text(str(out), "two \ud800\n")  # fails mid-write
+        files.atomic_write_text(str(out), "two \ud800\n")  # fails mid-write
     assert out.read_text() == "one\n" and os.listdir(out.parent) == ["out.txt"]
 
 
@@ -218,21 +220,21 @@ def test_atomic_dir_mode_replacement_failure_and_symlinks(tmp_path, umask_022):
     base = tmp_path / "base"
     base.mkdir()
     final = base / "out"
-    with checkpoint.atomic_dir(str(final)) as tmp:
+    with files.atomic_dir(str(final)) as tmp:
         open(os.path.join(tmp, "a"), "w").close()
     os.mkdir(tmp_path / "plain")
     assert _mode(final) == _mode(tmp_path / "plain") == 0o755
-    with checkpoint.atomic_dir(str(final)) as tmp:  # replaces the earlier output whole
+    with files.atomic_dir(str(final)) as tmp:  # replaces the earlier output whole
         open(os.path.join(tmp, "b"), "w").close()
     assert os.listdir(final) == ["b"] and os.listdir(base) == ["out"]
     with pytest.raises(RuntimeError):
-        with checkpoint.atomic_dir(str(final)) as tmp:
+        with files.atomic_dir(str(final)) as tmp:
             open(os.path.join(tmp, "c"), "w").close()
             raise RuntimeError("crash mid-write")
     assert os.listdir(final) == ["b"] and os.listdir(base) == ["out"]
     # a symlinked output is followed: the link stays, its target gets the new contents
     os.symlink(final, tmp_path / "link")
-    with checkpoint.atomic_dir(str(tmp_path / "link")) as tmp:
+    with files.atomic_dir(str(tmp_path / "link")) as tmp:
         open(os.path.join(tmp, "d"), "w").close()
     assert os.path.islink(tmp_path / "link") and os.listdir(final) == ["d"]
     assert os.listdir(base) == ["out"]
@@ -241,7 +243,7 @@ def test_atomic_dir_mode_replacement_failure_and_symlinks(tmp_path, umask_022):
 def test_an_empty_directory_may_be_the_output():
     import tempfile
     with tempfile.TemporaryDirectory() as empty:
-        checkpoint.check_replaceable(empty, "params", "a checkpoint", checkpoint.CheckpointError)
+        files.check_replaceable(empty, "params", "a checkpoint", checkpoint.CheckpointError)
 
 
 def test_tokenizer_files_carry_the_chat_template(tmp_path, demo_tok):
@@ -356,12 +358,12 @@ def test_only_a_multi_host_tpu_slice_joins_without_arguments(joined, monkeypatch
 # ---- Ctrl-C ---------------------------------------------------------------------------------
 
 def test_ctrl_c_exits_130_with_one_line_on_stderr():
-    code = ("from prove_jax.cli import run_cli\n"
+    code = ("from prove_jax.cli.runner import run_cli\n"
             "def main():\n    raise KeyboardInterrupt\n"
             "run_cli(main)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout, r.stderr.strip()) == (130, "", "interrupted")
-    r = subprocess.run([sys.executable, "-c", "from prove_jax.cli import run_cli\nrun_cli(lambda: 3)\n"],
+    r = subprocess.run([sys.executable, "-c", "from prove_jax.cli.runner import run_cli\nrun_cli(lambda: 3)\n"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 3
 
@@ -377,7 +379,7 @@ def hf_target(tmp_path_factory):
     baseline must not do: a repetition penalty and a minimum length."""
     import torch
     from tests.hf_models import make_hf_qwen2
-    from prove_jax import peers
+    from prove_jax.evaluation import peers
     path = tmp_path_factory.mktemp("hf") / "target"
     model = make_hf_qwen2(path, seed=0)
     model.generation_config.repetition_penalty = 3.0
@@ -407,7 +409,7 @@ PEER_PROMPTS = [[5, 9, 14, 3], [200, 17, 45, 99, 8, 120, 33], [7, 8, 9, 10, 7, 8
 
 
 def test_the_models_saved_generation_config_does_not_change_the_baseline(hf_target):
-    from prove_jax import peers
+    from prove_jax.evaluation import peers
     _, model = hf_target
     assert model.generation_config.repetition_penalty == 3.0  # it was loaded
     free = [_greedy_by_hand(model, p, MAX_NEW, eos=-1) for p in PEER_PROMPTS]
@@ -419,7 +421,7 @@ def test_the_models_saved_generation_config_does_not_change_the_baseline(hf_targ
 
 
 def test_a_token_id_equal_to_the_vocab_size_is_outside_it(hf_target):
-    from prove_jax import peers
+    from prove_jax.evaluation import peers
     _, model = hf_target
     with pytest.raises(peers.PeerError, match="outside the vocabulary"):
         peers.hf_greedy(model, [[3, model.config.vocab_size]], 4, eos_token_id=1, warmup=False)
@@ -429,7 +431,7 @@ def test_assisted_with_a_perfect_draft_drafts_a_constant_number_of_tokens(hf_tar
     """num_assistant_tokens=n with the constant schedule: every target forward checks n drafted
     tokens and, all right, commits n + 1, so MAX_NEW tokens take ceil(MAX_NEW / (n + 1))
     forwards (the heuristic schedule, growing by 2 after each full acceptance, takes fewer)."""
-    from prove_jax import peers
+    from prove_jax.evaluation import peers
     path, model = hf_target
     draft = peers.load_hf_model(path)
     draft.generation_config.num_assistant_tokens_schedule = "heuristic"  # as a saved config may ask
@@ -443,7 +445,7 @@ def test_assisted_with_a_perfect_draft_drafts_a_constant_number_of_tokens(hf_tar
 
 def test_prompt_lookup_and_dtype_settings_reach_transformers(hf_target, monkeypatch):
     import torch
-    from prove_jax import peers
+    from prove_jax.evaluation import peers
     path, model = hf_target
     seen = []
     real = model.generate

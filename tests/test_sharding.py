@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from prove_jax import sharding
-from prove_jax.checkpoint import load_model, save_model
-from prove_jax.config import ModelConfig
-from prove_jax.model import causal_mask
-from prove_jax.params import create_model, flat_params, param_logical_axes
+from prove_jax.models import sharding
+from prove_jax.checkpoints.checkpoint import load_model, save_model
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.params import create_model, flat_params, param_logical_axes
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
@@ -124,7 +124,7 @@ def test_damaged_checkpoint_config_and_metadata_are_named(tmp_path):
     import json
     import os
     import shutil
-    from prove_jax.checkpoint import CheckpointError, load_config
+    from prove_jax.checkpoints.checkpoint import CheckpointError, load_config
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     save_model(str(tmp_path / "ok"), create_model(cfg, seed=0))

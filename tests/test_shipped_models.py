@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from prove_jax import assets, humaneval
-from prove_jax.checkpoint import load_config, load_tokenizer
-from prove_jax.corpus import build_corpus, heldout_prompts
+from prove_jax import assets
+from prove_jax.evaluation import humaneval
+from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer
+from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.decoding import DecodeOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
@@ -69,7 +70,7 @@ def test_shipped_lossless_equals_ar_as_an_accelerator_runs_it(monkeypatch):
     adaptive table's layouts, the widest first (K=8 with a group per acceptance length: a
     64-token step). A trained proposer, so steps accept partial blocks and use middle groups."""
     from prove_jax.decoding import engine
-    from prove_jax.model import decode_matmul
+    from prove_jax.models.qwen2 import decode_matmul
     monkeypatch.setattr(engine, "PREFILL_CHUNK", {})  # every backend: PREFILL_CHUNK_ACCELERATOR
     table = engine.ADAPTIVE_TABLES["gpu"]
     monkeypatch.setitem(engine.ADAPTIVE_TABLES, "cpu", table)

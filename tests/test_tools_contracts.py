@@ -21,12 +21,17 @@ import pytest
 import torch
 from jax.sharding import PartitionSpec as P
 
-from prove_jax import distill, evaluate, humaneval, memory, metrics, sharding
-from prove_jax.checkpoint import load_model, load_tokenizer, save_model
-from prove_jax.config import ModelConfig
-from prove_jax.convert import hf_to_flax
-from prove_jax.data import TokenizedRows, tokenize_examples
-from prove_jax.params import abstract_model, create_model, flat_params
+from prove_jax import memory
+from prove_jax.training import distill
+from prove_jax.evaluation import heldout as evaluate
+from prove_jax.evaluation import humaneval
+from prove_jax.training import metrics
+from prove_jax.models import sharding
+from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
+from prove_jax.models.config import ModelConfig
+from prove_jax.checkpoints.convert import hf_to_flax
+from prove_jax.data.pipeline import TokenizedRows, tokenize_examples
+from prove_jax.models.params import abstract_model, create_model, flat_params
 from tests.hf_models import make_hf_qwen2
 from tests.tokenizers_fixture import stdlib_text
 from tests.train_helpers import write_tokenizer

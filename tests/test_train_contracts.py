@@ -18,10 +18,13 @@ import optax
 import pytest
 from flax import nnx
 
-from prove_jax import objectives, params as params_lib, sharding, train_step as ts
-from prove_jax.config import ModelConfig
-from prove_jax.optim import lr_schedule, make_optimizer
-from prove_jax.train_config import OptimizerConfig
+from prove_jax.training import objectives
+from prove_jax.models import params as params_lib
+from prove_jax.models import sharding
+from prove_jax.training import step as ts
+from prove_jax.models.config import ModelConfig
+from prove_jax.training.optimizer import lr_schedule, make_optimizer
+from prove_jax.training.config import OptimizerConfig
 
 MASK_ID = 63
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -70,7 +73,7 @@ def _hand_batch():
 
 
 def _global_batch(batch, mesh):
-    from prove_jax import data as data_lib
+    from prove_jax.data import pipeline as data_lib
     return data_lib.to_global_batch(batch, mesh, ts.BATCH_SPEC)
 
 
@@ -141,8 +144,8 @@ def test_trainer_weights_the_ar_stream_saves_the_final_step_and_keeps_the_newest
     """steps=3, save_every=2, keep=1: saves at 2 and at the final step 3 (which is not a multiple
     of save_every), keeps only 3; every logged loss is CE(masked) + ar_weight x CE(clean) with
     the configured ar_weight; the train state counts its updates."""
-    from prove_jax.run_checkpoint import CHECKPOINT_DIR
-    from prove_jax.trainer import train
+    from prove_jax.training.run_checkpoint import CHECKPOINT_DIR
+    from prove_jax.training.loop import train
     from tests.train_helpers import tiny_config
     cfg = tiny_config(tmp_path, "mut", steps=3, save_every=2, keep=1, ar_weight=0.25, log_every=1,
                       global_batch_size=4)
@@ -165,8 +168,8 @@ def test_verifier_inputs_are_the_verifiers_ar_view_of_each_next_token():
     """METHOD.md 3d: the verifier reads [context, D] causally and its logits at D_i judge D_{i+1}
     (decoding/steps.py feeds the head hidden[:, :-1], i.e. D_0..D_{K-2}). Oracle: a plain causal
     forward over [context, D], whose position of D_i sees exactly context + D_0..D_i."""
-    from prove_jax.commit_head import verifier_inputs
-    from prove_jax.model import causal_mask
+    from prove_jax.training.commit_head import verifier_inputs
+    from prove_jax.models.qwen2 import causal_mask
     verifier = params_lib.create_model(HEAD_CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
     rng = np.random.default_rng(3)
     context = jnp.asarray(rng.integers(5, 290, size=(2, 6)), jnp.int32)
@@ -187,7 +190,7 @@ def test_verifier_inputs_are_the_verifiers_ar_view_of_each_next_token():
 
 
 def test_predicted_length_is_one_plus_the_accepted_prefix():
-    from prove_jax.commit_head import predicted_length
+    from prove_jax.models.commit_head import predicted_length
     accept = jnp.asarray([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], bool)
     assert predicted_length(accept).tolist() == [3, 1, 5, 1]
 
@@ -198,8 +201,8 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
     those. Oracle: for each row's context (one full-length row, one left-padded), plain causal
     forwards: the proposer's block after [context, MASK x (K-1)], the verifier's hidden state at
     D_0..D_{K-2} of [context, D], and the proposer's greedy AR on [context, D] for the labels."""
-    from prove_jax import commit_head as ch
-    from prove_jax.model import causal_mask, greedy_tokens
+    from prove_jax.training import commit_head as ch
+    from prove_jax.models.qwen2 import causal_mask, greedy_tokens
     proposer = params_lib.create_model(HEAD_CFG, seed=11)
     verifier = params_lib.create_model(HEAD_CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
     k, context_len, mask_id = 4, 8, HEAD_CFG.mask_token_id
@@ -245,7 +248,7 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
 
 def test_a_context_may_end_at_any_trained_position_from_1_to_context_len():
     """commit_head.cut_points: a context is ids[:p] for a trained p in [1, context_len]."""
-    from prove_jax.commit_head import sample_contexts
+    from prove_jax.training.commit_head import sample_contexts
     context_len = 6
     ids = jnp.arange(1, 41, dtype=jnp.int32).reshape(4, 10)
     trained = np.zeros((4, 10), bool)
@@ -266,7 +269,7 @@ def test_a_row_trained_only_on_its_eos_block_padding_is_kept():
     """data.py: the EOS padding up to a block multiple is trained, so a pair with an empty
     response still teaches "EOS after this prompt"; at a block multiple there is no padding and
     the row trains nothing (dropped)."""
-    from prove_jax.data import tokenize_examples
+    from prove_jax.data.pipeline import tokenize_examples
     from tests.tokenizers_fixture import make_tokenizer
     tok = make_tokenizer(300)
     eos, pad = tok.eos_token_id, tok.pad_token_id
@@ -284,7 +287,7 @@ def test_only_mars_pads_rows_to_a_block_with_trained_eos(tmp_path):
     blocks); objective=ar padded too, so its loss had up to block_size - 1 made-up
     EOS-after-EOS targets per row and depended on block_size."""
     import json
-    from prove_jax.trainer import make_data_iterator
+    from prove_jax.training.loop import make_data_iterator
     from tests.tokenizers_fixture import make_tokenizer
     from tests.train_helpers import tiny_config
     data = tmp_path / "ids.jsonl"  # 3 prompt + 2 trained tokens (the second an EOS) per row
@@ -306,7 +309,7 @@ def test_only_mars_pads_rows_to_a_block_with_trained_eos(tmp_path):
 def test_data_smaller_than_one_batch_is_a_warning(tmp_path):
     """Fewer sequences than one global batch train the same rows repeated in every batch."""
     import json
-    from prove_jax.trainer import make_data_iterator
+    from prove_jax.training.loop import make_data_iterator
     from tests.tokenizers_fixture import make_tokenizer
     from tests.train_helpers import tiny_config
     data = tmp_path / "ids.jsonl"
@@ -327,8 +330,8 @@ def test_data_smaller_than_one_batch_is_a_warning(tmp_path):
 
 def _torch_and_ours(hf_model, ckpt, tokens):
     import torch
-    from prove_jax.checkpoint import load_model
-    from prove_jax.model import causal_mask
+    from prove_jax.checkpoints.checkpoint import load_model
+    from prove_jax.models.qwen2 import causal_mask
     with torch.no_grad():
         ref = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
     b, t = tokens.shape
@@ -343,7 +346,7 @@ def test_tied_checkpoint_with_a_stray_head_copy_and_a_large_norm_eps_round_trips
     written back (1e-6, the default everywhere else in the suite, would hide either)."""
     import safetensors.torch
     import transformers
-    from prove_jax import convert
+    from prove_jax.checkpoints import convert
     from tests.hf_models import make_hf_qwen2
     hf = make_hf_qwen2(tmp_path / "hf", seed=6, tie_word_embeddings=True, rms_norm_eps=0.05)
     weights = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
@@ -366,7 +369,7 @@ def test_safetensors_writer_aligns_tensor_data_and_the_reference_reader_agrees(t
     library writes it, for aligned zero-copy reads), whatever the names' lengths."""
     import ml_dtypes
     import safetensors.torch
-    from prove_jax import safetensors_io as st
+    from prove_jax.checkpoints import safetensors_io as st
     rng = np.random.default_rng(0)
     for n in range(1, 9):  # name lengths that put the unpadded header at every offset mod 8
         arrays = {"w" * n: rng.standard_normal((3, 5)).astype(np.float32),
@@ -389,10 +392,10 @@ def test_a_bfloat16_hf_checkpoint_converts_to_bfloat16_bit_for_bit(tmp_path):
     """convert.hf_to_flax: the stored dtype defaults to the HF config's; the BF16 tensors torch
     wrote are read exactly (the oracle is torch's own state dict)."""
     import torch
-    from prove_jax import convert
-    from prove_jax.checkpoint import load_model
-    from prove_jax.hf_weights import ours_to_hf
-    from prove_jax.params import flat_params
+    from prove_jax.checkpoints import convert
+    from prove_jax.checkpoints.checkpoint import load_model
+    from prove_jax.checkpoints.hf_weights import ours_to_hf
+    from prove_jax.models.params import flat_params
     from tests.hf_models import make_hf_qwen2
     hf = make_hf_qwen2(tmp_path / "f32", seed=8).to(torch.bfloat16)
     hf.save_pretrained(str(tmp_path / "hf"))

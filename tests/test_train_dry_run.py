@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from prove_jax.dry_run import DryRunError, GIB, dry_run
-from prove_jax.train_config import load_config
+from prove_jax.training.dry_run import DryRunError, GIB, dry_run
+from prove_jax.training.config import load_config
 from train.train import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,8 +48,8 @@ def test_dry_run_needs_a_known_chip_and_explicit_mesh(capsys):
 def test_activation_estimate_counts_replicated_dimensions_whole():
     """sharding.logical_to_spec replicates a dimension the tensor axis does not divide, so such
     activations are whole on every device: the estimate must not divide them either."""
-    from prove_jax.config import ModelConfig
-    from prove_jax.dry_run import activation_bytes
+    from prove_jax.models.config import ModelConfig
+    from prove_jax.training.dry_run import activation_bytes
     odd = ModelConfig(vocab_size=101, hidden_size=40, intermediate_size=75, num_layers=2, num_heads=5,
                       num_kv_heads=5, head_dim=8)
     assert activation_bytes(odd, 2, 64, tensor=2, remat=False) == activation_bytes(odd, 2, 64, tensor=1, remat=False)

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from prove_jax.train_config import TrainConfigError, load_config, valid_keys
-from prove_jax.trainer import make_data_iterator, resolve_tokenizer
+from prove_jax.training.config import TrainConfigError, load_config, valid_keys
+from prove_jax.training.loop import make_data_iterator, resolve_tokenizer
 from tests.tokenizers_fixture import make_tokenizer
 from tests.train_helpers import write_config
 from train.train import main
@@ -74,7 +74,7 @@ def test_values_of_the_wrong_type_are_named(tmp_path, capsys):
 def test_both_config_kinds_read_a_value_by_the_same_rule(tmp_path):
     """The training YAML and the model's config.json take the same value alike: an integral float
     is an int, an int is a float, a bool is never a number, null only where the field allows it."""
-    from prove_jax.config import ConfigError, ModelConfig
+    from prove_jax.models.config import ConfigError, ModelConfig
     from tests.train_helpers import TINY_MODEL
     cfg_path = write_config(tmp_path)
     cfg = load_config(cfg_path, ["steps=2.0", "optimizer.lr=1", "optimizer.grad_accum=1e0"])
@@ -240,7 +240,7 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     with pytest.raises(TrainConfigError, match="mesh must be list, got '1e3'"):
         load_config(str(cfg_path))
     # the inline model config too (PyYAML hands it '1e6'), and a bad value is named before any run
-    from prove_jax.trainer import source_model_config
+    from prove_jax.training.loop import source_model_config
     from tests.train_helpers import TINY_MODEL
     theta = write_config(tmp_path, "theta", model={"config": dict(TINY_MODEL, rope_theta="1e6")})
     assert source_model_config(load_config(theta)).rope_theta == 1e6
@@ -251,7 +251,7 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
 def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path):
     """RUN_DIR/tokenizer from a launch that never saved a step must not override a corrected
     tokenizer config; once a step is saved it is the run's tokenizer and wins."""
-    from prove_jax.trainer import _save_run_tokenizer
+    from prove_jax.training.loop import _save_run_tokenizer
     cfg = load_config(write_config(tmp_path))
     own = os.path.join(cfg.run_dir, "tokenizer")
     make_tokenizer(280).save_pretrained(own)  # an earlier launch's, since corrected
@@ -264,7 +264,7 @@ def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path
 
 
 def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
-    from prove_jax import trainer
+    from prove_jax.training import loop as trainer
 
     def interrupted(cfg, show_bar=True):
         raise KeyboardInterrupt
@@ -273,7 +273,7 @@ def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
     assert main(["--config", cfg_path]) == 130
     err = capsys.readouterr().err
     assert "interrupted; rerun the same command to resume" in err and "Traceback" not in err
-    monkeypatch.setattr("prove_jax.commit_head.train_commit_head", interrupted)
+    monkeypatch.setattr("prove_jax.training.commit_head.train_commit_head", interrupted)
     assert main(["--config", cfg_path, "objective=commit_head"]) == 130
     err = capsys.readouterr().err  # it has no checkpoints to resume from
     assert "interrupted; the commit head keeps no checkpoints: rerun the same command" in err
@@ -352,10 +352,10 @@ def test_bad_meshes_paths_and_overrides_after_an_option_are_config_errors(tmp_pa
 def test_a_tokenizer_that_disagrees_with_the_pretrained_weights_is_refused(tmp_path, capsys):
     """tokenizer.path with model.checkpoint trained silently with other ids than the weights'
     own tokenizer: now refused before compiling; a tokenizer with the same ids passes."""
-    from prove_jax.checkpoint import save_model
-    from prove_jax.config import ModelConfig
-    from prove_jax.params import create_model
-    from prove_jax.trainer import check_tokenizer_matches_weights, source_model_config
+    from prove_jax.checkpoints.checkpoint import save_model
+    from prove_jax.models.config import ModelConfig
+    from prove_jax.models.params import create_model
+    from prove_jax.training.loop import check_tokenizer_matches_weights, source_model_config
     from tests.train_helpers import TINY_MODEL, write_tokenizer
     cfg_path = write_config(tmp_path)
     ckpt = str(tmp_path / "ckpt")

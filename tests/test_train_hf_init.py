@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prove_jax import checkpoint, data as data_lib
-from prove_jax.trainer import resolve_tokenizer, train
+from prove_jax.checkpoints import checkpoint
+from prove_jax.data import pipeline as data_lib
+from prove_jax.training.loop import resolve_tokenizer, train
 from tests.hf_models import make_hf_qwen2
 from tests.train_helpers import tiny_config
 

@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 
-from prove_jax import data as data_lib
-from prove_jax.train_config import load_config
-from prove_jax.trainer import resolve_tokenizer
+from prove_jax.data import pipeline as data_lib
+from prove_jax.training.config import load_config
+from prove_jax.training.loop import resolve_tokenizer
 from tests.train_helpers import write_config, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,9 +14,9 @@ import os
 import jax
 import numpy as np
 
-from prove_jax import checkpoint
-from prove_jax.train_config import load_config
-from prove_jax.trainer import train
+from prove_jax.checkpoints import checkpoint
+from prove_jax.training.config import load_config
+from prove_jax.training.loop import train
 from tests.multihost import REPO, joining, run_two_processes
 from tests.train_helpers import write_config
 
@@ -29,8 +29,8 @@ assert distributed.initialize(f"127.0.0.1:{{port}}", 2, pid, heartbeat_timeout_s
                               init_timeout_s=90)
 import jax
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-from prove_jax.train_config import load_config
-from prove_jax.trainer import train
+from prove_jax.training.config import load_config
+from prove_jax.training.loop import train
 cfg = load_config(cfg_path)
 first = train(cfg, show_bar=False, stop_after=2)
 second = train(cfg, show_bar=False)
@@ -73,10 +73,11 @@ def test_commit_head_trains_on_two_hosts_like_on_one(tmp_path):
     batch, and the losses and the exported head equal a one-device run's."""
     from flax import nnx
 
-    from prove_jax.checkpoint import save_model
-    from prove_jax.commit_head import load_commit_head, train_commit_head
-    from prove_jax.config import ModelConfig
-    from prove_jax.params import create_model
+    from prove_jax.checkpoints.checkpoint import save_model
+    from prove_jax.checkpoints.commit_head import load_commit_head
+    from prove_jax.training.commit_head import train_commit_head
+    from prove_jax.models.config import ModelConfig
+    from prove_jax.models.params import create_model
     from tests.train_helpers import write_text, write_tokenizer
 
     cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

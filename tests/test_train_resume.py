@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from prove_jax import checkpoint
-from prove_jax.trainer import train
+from prove_jax.checkpoints import checkpoint
+from prove_jax.training.loop import train
 from tests.train_helpers import tiny_config
 
 
@@ -87,9 +87,9 @@ def test_config_change_is_refused_not_treated_as_damage(tmp_path, monkeypatch):
     """Resuming with a config whose train state differs (no clipping stage in the optimizer)
     or whose `steps` ends before the checkpoints is an error that leaves the run as it was;
     the original config then resumes."""
-    from prove_jax.run_checkpoint import RunCheckpointError
-    from prove_jax.train_config import TrainConfigError
-    from prove_jax.trainer import TrainError
+    from prove_jax.training.run_checkpoint import RunCheckpointError
+    from prove_jax.training.config import TrainConfigError
+    from prove_jax.training.loop import TrainError
     cfg = tiny_config(tmp_path, "cc", steps=4, save_every=2)
     train(cfg, show_bar=False)
     run_dir = cfg.run_dir
@@ -116,7 +116,7 @@ def test_config_change_is_refused_not_treated_as_damage(tmp_path, monkeypatch):
     assert open(os.path.join(run_dir, "train_config.json")).read() == saved_config
     # a resumed run reads only its own checkpoint: the initial weights' source (its model
     # config included) need not be there any more
-    from prove_jax import trainer
+    from prove_jax.training import loop as trainer
 
     def gone(cfg):
         raise FileNotFoundError("the initial weights were read on resume")
@@ -131,7 +131,7 @@ def test_config_change_is_refused_not_treated_as_damage(tmp_path, monkeypatch):
 def test_an_export_cut_short_is_redone_on_relaunch(tmp_path, monkeypatch):
     """RUN_DIR/model from an earlier save (export_every_save) must not pass for the final model
     when the final export was interrupted after the last checkpoint."""
-    from prove_jax import trainer
+    from prove_jax.training import loop as trainer
     cfg = tiny_config(tmp_path, "ex", steps=4, save_every=2, export_every_save=True)
     real_export = trainer.export_model
     calls = []
@@ -157,7 +157,7 @@ def test_an_export_cut_short_is_redone_on_relaunch(tmp_path, monkeypatch):
 def test_a_diverged_state_is_never_checkpointed(tmp_path):
     """With save_every not a multiple of log_every the loss used to be checked only at logged
     steps, so a NaN state was saved (and a relaunch resumed from it)."""
-    from prove_jax.trainer import TrainError
+    from prove_jax.training.loop import TrainError
     cfg = tiny_config(tmp_path, "nan", ["optimizer.lr=1e30", "optimizer.clip_norm=null"], steps=6,
                       log_every=5, save_every=2)
     with pytest.raises(TrainError, match="at step 2; stopping"):

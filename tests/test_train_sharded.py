@@ -12,10 +12,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from prove_jax import data as data_lib, params as params_lib, sharding, train_step as ts
-from prove_jax.config import ModelConfig
-from prove_jax.optim import make_optimizer
-from prove_jax.train_config import OptimizerConfig
+from prove_jax.data import pipeline as data_lib
+from prove_jax.models import params as params_lib
+from prove_jax.models import sharding
+from prove_jax.training import step as ts
+from prove_jax.models.config import ModelConfig
+from prove_jax.training.optimizer import make_optimizer
+from prove_jax.training.config import OptimizerConfig
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 
 CFG = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -136,9 +139,9 @@ def test_a_mesh_whose_hosts_share_batch_rows_is_refused():
     hold different rows for one replicated shard. Two hosts are simulated on the 8 CPU devices
     (devices 0-3 on host 0, 4-7 on host 1), laid out as make_mesh lays them."""
     import jax
-    from prove_jax.sharding import make_mesh
-    from prove_jax.train_config import TrainConfigError
-    from prove_jax.trainer import check_hosts_split_the_batch
+    from prove_jax.models.sharding import make_mesh
+    from prove_jax.training.config import TrainConfigError
+    from prove_jax.training.loop import check_hosts_split_the_batch
     host = lambda d: d.id // 4
     for shape in ((2, 1, 4), (1, 2, 4), (8, 1, 1), (2, 2, 2)):  # hosts along data / fsdp: fine
         check_hosts_split_the_batch(make_mesh(shape, devices=jax.devices()), host)

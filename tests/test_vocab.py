@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from prove_jax.checkpoint import load_config, load_tokenizer, save_model
-from prove_jax.config import ModelConfig
-from prove_jax.model import causal_mask
-from prove_jax.params import create_model, flat_params
-from prove_jax.sharding import make_mesh
-from prove_jax.vocab import MASK_TOKEN, VocabError, ensure_mask_token, grow_embeddings, save_tokenizer
+from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer, save_model
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.params import create_model, flat_params
+from prove_jax.models.sharding import make_mesh
+from prove_jax.checkpoints.vocab import (MASK_TOKEN, VocabError, ensure_mask_token,
+                                         grow_embeddings, save_tokenizer)
 from tests.tokenizers_fixture import make_tokenizer
 
 

@@ -6,7 +6,7 @@ import os
 
 import yaml
 
-from prove_jax.train_config import load_config
+from prove_jax.training.config import load_config
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 
 TINY_MODEL = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from prove_jax.params import create_model, flat_params, set_flat_params
+from prove_jax.models.params import create_model, flat_params, set_flat_params
 
 
 def with_rows(model, rows: int, copy_of: int = 5, scale: float = 1.0):

@@ -36,22 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # intermixed: overrides may come after an option (`steps=2 --dry-run run_dir=X`)
     args = build_parser().parse_intermixed_args(argv)
-    from prove_jax.trainer import user_errors
+    from prove_jax.training.loop import user_errors
     cfg = None
     try:
-        from prove_jax.train_config import load_config
+        from prove_jax.training.config import load_config
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            from prove_jax.dry_run import dry_run
+            from prove_jax.training.dry_run import dry_run
             report = dry_run(cfg, chip=args.chip)
             print(report.describe())
             return 0
         distributed.initialize_from_args(args)
         if cfg.objective == "commit_head":
-            from prove_jax.commit_head import train_commit_head
+            from prove_jax.training.commit_head import train_commit_head
             train_commit_head(cfg, show_bar=not args.no_progress)
             return 0
-        from prove_jax.trainer import train  # noqa: after initialize
+        from prove_jax.training.loop import train  # noqa: after initialize
         result = train(cfg, show_bar=not args.no_progress)
         last = result.records[-1] if result.records else None
         if last is not None:
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written atomically: the newest finished one stands
-        from prove_jax.cli import INTERRUPTED
-        from prove_jax.run_checkpoint import CHECKPOINT_DIR
+        from prove_jax.cli.runner import INTERRUPTED
+        from prove_jax.training.run_checkpoint import CHECKPOINT_DIR
         if cfg is None:
             how = ""
         elif cfg.objective == "commit_head":  # a few minutes' run that keeps no checkpoints
@@ -75,5 +75,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

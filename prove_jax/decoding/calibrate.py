@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import KVCache, StepMask, causal_mask
+from prove_jax.models.qwen2 import KVCache, StepMask, causal_mask
 
 # (K, group cap) tried by default: the widths that have paid off somewhere (benchmarks/).
 DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (

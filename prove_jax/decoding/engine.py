@@ -25,8 +25,8 @@ from prove_jax import memory
 from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, initial_state
-from prove_jax.model import KVCache, StepMask, causal_mask, readable_tokens
-from prove_jax.sharding import batch_shards
+from prove_jax.models.qwen2 import KVCache, StepMask, causal_mask, readable_tokens
+from prove_jax.models.sharding import batch_shards
 
 MODES = ("ar", "threshold", "lossless", "verify")
 # Prompts are prefilled in chunks of this many tokens inside the compiled program, as many as

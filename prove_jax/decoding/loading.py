@@ -6,10 +6,11 @@ import os
 
 import jax
 
-from prove_jax.checkpoint import CheckpointError, load_config, load_model, load_tokenizer
+from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
+                                              load_tokenizer)
 from prove_jax.decoding.engine import DecodeError, DecodeOptions, Decoder
-from prove_jax.sharding import make_mesh
-from prove_jax.vocab import check_shared_vocabulary
+from prove_jax.models.sharding import make_mesh
+from prove_jax.checkpoints.vocab import check_shared_vocabulary
 
 
 def parse_mesh(spec: str | None):
@@ -50,7 +51,7 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
     if options.mode == "verify":
         verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
         if options.commit_rule == "head":
-            from prove_jax.commit_head import load_commit_head
+            from prove_jax.checkpoints.commit_head import load_commit_head
             head = load_commit_head(verifier_path, mesh=mesh)
     cfg = model.cfg
     eos = list(cfg.eos_token_ids)

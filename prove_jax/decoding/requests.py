@@ -8,10 +8,10 @@ import sys
 import uuid
 from typing import Sequence
 
-from prove_jax.checkpoint import atomic_write_text, is_stream
+from prove_jax.files import atomic_write_text, is_stream
 from prove_jax.decoding.engine import BatchResult, DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.jsonl import read_jsonl
+from prove_jax.data.jsonl import read_jsonl
 
 
 def read_requests(path: str) -> list[dict]:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from prove_jax.model import KVCache
+from prove_jax.models.qwen2 import KVCache
 
 
 @struct.dataclass

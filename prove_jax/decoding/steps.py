@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.state import LoopState, commit
-from prove_jax.model import StepMask, causal_mask, greedy_tokens, readable_tokens
+from prove_jax.models.qwen2 import StepMask, causal_mask, greedy_tokens, readable_tokens
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:

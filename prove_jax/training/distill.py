@@ -15,7 +15,7 @@ still learns the greedy continuations. Four such rounds, each distilling the cur
 (lossless K=4: 1.44 -> 3.45 tokens per forward, held-out perplexity 25.6 -> 25.3); see the
 README's "Self-distillation" section.
 
-    python -m prove_jax.distill --model CKPT --corpus CORPUS_DIR --out distill.jsonl \\
+    python -m prove_jax.training.distill --model CKPT --corpus CORPUS_DIR --out distill.jsonl \\
         [--num-prompts 2048] [--max-new-tokens 128] [--batch-size 32] [--mix-corpus-chars 2000000] \\
         [--mesh 4,1,2]
 
@@ -24,7 +24,7 @@ README's "Self-distillation" section.
 (`--coordinator/--num-processes/--process-id` off TPU), and process 0 alone logs and writes.
 
 Prompts are the documented functions of the corpus's *train* split (signature + docstring,
-as in `prove_jax.corpus`), or any `{"id", "prompt"}` JSONL given with `--prompts`.
+as in `prove_jax.data.corpus`), or any `{"id", "prompt"}` JSONL given with `--prompts`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 from typing import Sequence
 
 from prove_jax import distributed
-from prove_jax.corpus import CorpusError, function_prompts, iter_source_files, iter_texts
+from prove_jax.data.corpus import CorpusError, function_prompts, iter_source_files, iter_texts
 
 
 def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> list[dict]:
@@ -46,7 +46,7 @@ def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> lis
     path = os.path.join(corpus_dir, "train.jsonl")
     if not os.path.isfile(path):
         raise CorpusError(f"{path} not found: --corpus must be a directory written by "
-                          f"`python -m prove_jax.corpus`")
+                          f"`python -m prove_jax.data.corpus`")
     records = []
     for source in iter_source_files(path):
         records += function_prompts(source, max_prompt_chars=max_prompt_chars)
@@ -87,11 +87,11 @@ def distill_records(decoder, prompt_ids: Sequence[Sequence[int]], ids: Sequence[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prove_jax.distill", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m prove_jax.training.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="proposer checkpoint whose greedy output is the target")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", help="corpus directory (prove_jax.corpus): prompts from its train split")
+    src.add_argument("--corpus", help="corpus directory (prove_jax.data.corpus): prompts from its train split")
     src.add_argument("--prompts", help='JSONL of {"id", "prompt"} records')
     ap.add_argument("--out", required=True, help="output JSONL (written atomically)")
     ap.add_argument("--num-prompts", type=int, default=None, help="sample this many prompts (default: all)")
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
 
-    from prove_jax.checkpoint import CheckpointError, atomic_write_text
+    from prove_jax.checkpoints.checkpoint import CheckpointError
+    from prove_jax.files import atomic_write_text
     from prove_jax.decoding.engine import DecodeError, DecodeOptions
     from prove_jax.decoding.loading import build_decoder
     from prove_jax.decoding.requests import check_output_path, encode_prompts, read_requests
@@ -152,5 +153,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

@@ -26,7 +26,7 @@ A target is trained when it is a `loss_mask` token (response / text / EOS block 
 sequence over its trained targets, then over the sequences that have any; loss = CE(masked) +
 ar_weight * CE(clean). The clean half is exactly the AR loss of the same batch.
 
-Batch arrays (from prove_jax.data): `input_ids` int32 [B, L], `loss_mask` bool [B, L],
+Batch arrays (from prove_jax.data.pipeline): `input_ids` int32 [B, L], `loss_mask` bool [B, L],
 `valid` bool [B, L]; L a multiple of block_size.
 """
 
@@ -38,7 +38,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from prove_jax.model import causal_mask
+from prove_jax.models.qwen2 import causal_mask
 
 OBJECTIVES = ("ar", "mars")
 
@@ -181,6 +181,6 @@ def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id
         raise ObjectiveError(f"objective 'mars' needs a positive block_size, got {block_size}")
     if mask_token_id is None:
         raise ObjectiveError("objective 'mars' needs mask_token_id (add <|mask|> with "
-                             "prove_jax.vocab.ensure_mask_token)")
+                             "prove_jax.checkpoints.vocab.ensure_mask_token)")
     return functools.partial(mars_loss, block_size=int(block_size), mask_token_id=int(mask_token_id),
                              ar_weight=float(ar_weight))

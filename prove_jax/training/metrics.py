@@ -72,7 +72,7 @@ class MetricsLogger:
             return
         with open(self.path) as f:
             keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        from prove_jax.checkpoint import atomic_write_text
+        from prove_jax.files import atomic_write_text
         atomic_write_text(self.path, "".join(keep))
 
     def record(self, step: int, metrics: dict) -> dict:

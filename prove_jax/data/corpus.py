@@ -7,7 +7,7 @@ interpreter: files are sorted by relative path, and whether a file is held out d
 a SHA-256 hash of that path, so a shrunken corpus (`max_bytes`) holds out a subset of the full
 corpus's held-out files and never leaks them into training.
 
-CLI: `python -m prove_jax.corpus --out DIR [--max-bytes N] [--heldout-fraction F]` writes
+CLI: `python -m prove_jax.data.corpus --out DIR [--max-bytes N] [--heldout-fraction F]` writes
 DIR/train.jsonl, DIR/heldout.jsonl (records `{"path", "text"}`), DIR/heldout_prompts.jsonl
 (records `{"id", "prompt", "reference"}`) and DIR/manifest.json.
 """
@@ -25,7 +25,7 @@ import sys
 import sysconfig
 from typing import Iterable, Iterator
 
-from prove_jax.jsonl import read_jsonl
+from prove_jax.data.jsonl import read_jsonl
 
 # Directory names skipped anywhere in the tree: test suites, installed third-party packages,
 # byte code, compiled extensions, build configuration and pydoc's generated topic strings.
@@ -269,7 +269,7 @@ def write_corpus(out_dir: str, root: str | None = None,
                  heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, max_bytes: int | None = None,
                  max_prompts: int | None = 256) -> dict:
     """Build the corpus and write it to `out_dir` atomically; returns the manifest."""
-    from prove_jax.checkpoint import atomic_dir, check_replaceable  # imported here: they pull in jax
+    from prove_jax.files import atomic_dir, check_replaceable  # imported here: they pull in jax
     check_replaceable(out_dir, "manifest.json", "a corpus written by this tool", CorpusError)
     if max_prompts is not None and max_prompts < 0:
         raise CorpusError(f"max_prompts must be >= 0, got {max_prompts}")
@@ -300,7 +300,7 @@ def write_corpus(out_dir: str, root: str | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m prove_jax.corpus",
+        prog="python -m prove_jax.data.corpus",
         description="Write the CPython standard library source as a train / held-out JSONL corpus.")
     parser.add_argument("--out", required=True,
                         help="output directory: new, empty, or an earlier corpus (replaced atomically)")
@@ -327,5 +327,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

@@ -3,7 +3,7 @@
 ProVe-lossless reproduces the proposer's greedy output exactly, so any change to the proposer
 (MARS fine-tuning, self-distillation) must be checked for what it does to the model itself:
 
-    python -m prove_jax.evaluate --model CKPT [--model CKPT2 ...] \\
+    python -m prove_jax.evaluation.heldout --model CKPT [--model CKPT2 ...] \\
         --data runs/demo/corpus/heldout.jsonl [--max-length 256] [--max-rows 256] [--mesh 1,4,2]
 
 `--data` is anything the training loader reads (text, a folder, JSONL). Every trained token of
@@ -31,11 +31,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from prove_jax import distributed
-from prove_jax.data import load_examples, tokenize_examples
-from prove_jax.model import causal_mask
-from prove_jax.objectives import next_token_targets, token_nll
-from prove_jax.sharding import batch_shards
-from prove_jax.train_step import BATCH_SPEC
+from prove_jax.data.pipeline import load_examples, tokenize_examples
+from prove_jax.models.qwen2 import causal_mask
+from prove_jax.training.objectives import next_token_targets, token_nll
+from prove_jax.models.sharding import batch_shards
+from prove_jax.training.step import BATCH_SPEC
 
 
 def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
@@ -78,7 +78,7 @@ def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prove_jax.evaluate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m prove_jax.evaluation.heldout", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", required=True, help="checkpoint (repeatable)")
     ap.add_argument("--data", required=True, help="held-out text, folder or JSONL")
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
 
-    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
-    from prove_jax.data import DataError
+    from prove_jax.checkpoints.checkpoint import CheckpointError, load_model, load_tokenizer
+    from prove_jax.data.pipeline import DataError
     from prove_jax.decoding.loading import parse_mesh
     main_process = True
     try:
@@ -138,5 +138,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

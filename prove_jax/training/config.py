@@ -167,7 +167,7 @@ def _check_paths(cfg: "TrainConfig") -> None:
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise TrainConfigError(f"run_dir {run_dir} is a file; it must be a directory (new or a "
                                f"run to resume)")
-    from prove_jax.checkpoint import nearest_existing
+    from prove_jax.files import nearest_existing
     ancestor = nearest_existing(run_dir)
     if not os.path.isdir(ancestor):
         raise TrainConfigError(f"run_dir {run_dir} cannot be created: {ancestor} is a file, not a "
@@ -184,7 +184,7 @@ def _check_paths(cfg: "TrainConfig") -> None:
 
 def _check_model_source(src: ModelSource) -> None:
     """What can be told from the config alone: dtype names and inline model.config keys."""
-    from prove_jax.config import DTYPES
+    from prove_jax.models.config import DTYPES
     for name in ("dtype", "param_dtype"):
         value = getattr(src, name)
         if value is not None and value not in DTYPES:
@@ -199,7 +199,7 @@ def inline_model_config(config: dict):
     strings become numbers here; every other check (known keys, each value of its field's type)
     is ModelConfig.from_json_dict's, so a bad value fails at load and not inside the first
     forward."""
-    from prove_jax.config import ConfigError, ModelConfig
+    from prove_jax.models.config import ConfigError, ModelConfig
     annotations = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
     d = {k: _yaml_number(v, annotations[k]) if k in annotations else v for k, v in config.items()}
     try:

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from prove_jax.config import ModelConfig
-from prove_jax.sharding import constrain, rows_per_device
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.sharding import constrain, rows_per_device
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 

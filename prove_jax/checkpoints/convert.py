@@ -1,7 +1,7 @@
 """Convert Qwen2 checkpoints between HF safetensors and our orbax format, tensor by tensor.
 
-    python -m prove_jax.convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16]
-    python -m prove_jax.convert flax-to-hf --ckpt CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
+    python -m prove_jax.checkpoints.convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16]
+    python -m prove_jax.checkpoints.convert flax-to-hf --ckpt CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
 
 Memory: hf-to-flax reads one HF tensor at a time into its own buffer and keeps only the
 converted tree (one copy of the model); flax-to-hf plans each safetensors header from the config,
@@ -23,9 +23,10 @@ from typing import Iterator
 
 import numpy as np
 
-from prove_jax import safetensors_io as st
-from prove_jax.config import ConfigError, ModelConfig
-from prove_jax.hf_weights import WeightError, check_hf_tensor, expected_hf_keys, hf_shape, hf_to_ours, ours_to_hf
+from prove_jax.checkpoints import safetensors_io as st
+from prove_jax.models.config import ConfigError, ModelConfig
+from prove_jax.checkpoints.hf_weights import (WeightError, check_hf_tensor, expected_hf_keys,
+                                              hf_shape, hf_to_ours, ours_to_hf)
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -59,7 +60,7 @@ def _check_out_dir(out: str, overwrite: bool) -> None:
     the output is written under a temporary sibling name, which an OSError would name instead."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
         raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to replace it)")
-    from prove_jax.checkpoint import nearest_existing
+    from prove_jax.files import nearest_existing
     parent = nearest_existing(out)  # atomic_dir creates the missing ones
     if not os.path.isdir(parent):
         raise ConfigError(f"cannot create output {out}: {parent} is a file, not a directory")
@@ -188,7 +189,7 @@ def convert_hf_to_ours(hf_dir: str, cfg: ModelConfig, progress: bool = False) ->
 
 def _check_against_model(flat: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     """Our tree must be exactly the model's parameter set (guards the table, shapes included)."""
-    from prove_jax.params import abstract_model, flat_params  # jax import only when needed
+    from prove_jax.models.params import abstract_model, flat_params  # jax import only when needed
 
     want = {k: tuple(v.shape) for k, v in flat_params(abstract_model(cfg)).items()}
     missing = sorted(set(want) - set(flat))
@@ -208,7 +209,7 @@ def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: s
     float32: float16 sources are stored as float32), `compute_dtype` the matmul
     dtype recorded in our config (default float32; `load_model(dtype=...)` can override it).
     """
-    from prove_jax.checkpoint import save_params
+    from prove_jax.checkpoints.checkpoint import save_params
 
     if not os.path.isdir(hf_dir):
         raise st.SafetensorsError(f"HF model directory not found: {hf_dir}")
@@ -246,8 +247,9 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
                progress: bool = False) -> list[str]:
     """Our checkpoint -> HF dir that `AutoModelForCausalLM.from_pretrained` loads. Returns the
     safetensors file names written."""
-    from prove_jax.checkpoint import atomic_dir, copy_tokenizer_files, load_config, load_model
-    from prove_jax.params import flat_params
+    from prove_jax.files import atomic_dir
+    from prove_jax.checkpoints.checkpoint import copy_tokenizer_files, load_config, load_model
+    from prove_jax.models.params import flat_params
 
     cfg = load_config(ckpt)
     out_dtype = dtype or cfg.param_dtype
@@ -316,7 +318,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m prove_jax.convert", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prove_jax.checkpoints.convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-flax", help="HF Qwen2 safetensors dir -> prove-jax orbax checkpoint")
     a.add_argument("--hf-dir", required=True, help="HF model dir: config.json + model.safetensors "
@@ -339,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prove_jax.checkpoint import CheckpointError
+    from prove_jax.checkpoints.checkpoint import CheckpointError
 
     args = build_parser().parse_args(argv)
     start = time.monotonic()
@@ -364,5 +366,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

@@ -28,13 +28,13 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from prove_jax import params as params_lib
-from prove_jax.config import PRESETS, ModelConfig, preset
-from prove_jax.optim import make_optimizer
-from prove_jax.sharding import MESH_AXES, logical_to_spec, shard_shape
-from prove_jax.train_config import TrainConfig
-from prove_jax.train_step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
-                                  make_loss_fn, state_layout)
+from prove_jax.models import params as params_lib
+from prove_jax.models.config import PRESETS, ModelConfig, preset
+from prove_jax.training.optimizer import make_optimizer
+from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
+from prove_jax.training.config import TrainConfig
+from prove_jax.training.step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
+                                     make_loss_fn, state_layout)
 
 GIB = 1024 ** 3
 CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
@@ -110,7 +110,7 @@ def _model_config_for(cfg: TrainConfig) -> ModelConfig:
     """Shapes only: the weights (often an HF dir on another machine) are never read."""
     import os
 
-    from prove_jax.trainer import source_model_config
+    from prove_jax.training.loop import source_model_config
     src = cfg.model
     if src.shape_preset and not (src.hf_dir and os.path.isdir(src.hf_dir)) \
             and not (src.checkpoint and os.path.isdir(src.checkpoint)):
@@ -231,7 +231,7 @@ def _proposer_config_for(cfg: TrainConfig) -> ModelConfig:
     else `proposer_shape_preset`."""
     import os
 
-    from prove_jax.checkpoint import load_config
+    from prove_jax.checkpoints.checkpoint import load_config
     if cfg.proposer and os.path.isdir(cfg.proposer):
         return load_config(cfg.proposer)
     if not cfg.proposer_shape_preset:
@@ -249,8 +249,8 @@ def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunRepo
     """The commit head's step (two forwards of the frozen proposer and one of the frozen
     verifier, both float32, and the small head's update), lowered for TPU on an abstract
     mesh: the frozen models are counted exactly from their shards, the forwards estimated."""
-    from prove_jax.commit_head import (FROZEN_DTYPE, abstract_step_number, frozen_config,
-                                       head_layout, head_optimizer, jit_head_step)
+    from prove_jax.training.commit_head import (FROZEN_DTYPE, abstract_step_number, frozen_config,
+                                                head_layout, head_optimizer, jit_head_step)
     chip, hbm, axis_sizes, mesh, dp, micro = _abstract_mesh(cfg, chip)
     proposer_cfg, verifier_cfg = _proposer_config_for(cfg), _model_config_for(cfg)
     tx = head_optimizer(cfg)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from prove_jax.config import ModelConfig
+from prove_jax.models.config import ModelConfig
 
 
 class WeightError(ValueError):

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from prove_jax import sharding
+from prove_jax.models import sharding
 
 BATCH_SPEC = P(("data", "fsdp"))  # rows of every batch array are split over data x fsdp
 LossFn = Callable  # (model, batch) -> (loss scalar, metrics dict)
@@ -33,8 +33,8 @@ COUNT_METRICS = ("tokens", "sequences")  # summed over micro-batches; every othe
 def make_loss_fn(objective: str, *, block_size: int, mask_token_id: int | None,
                  ar_weight: float = 1.0) -> LossFn:
     """The (model, batch) -> (loss, metrics) function of an objective from objectives.py."""
-    from prove_jax import objectives
-    from prove_jax.train_config import TrainConfigError
+    from prove_jax.training import objectives
+    from prove_jax.training.config import TrainConfigError
     if objective == "ar":
         return objectives.ar_loss
     if objective == "mars":
@@ -62,8 +62,8 @@ class StateLayout:
 
 def state_layout(abstract_model, tx: optax.GradientTransformation, mesh) -> StateLayout:
     """Shardings of params (logical-axis table), optimizer moments (follow params), step."""
-    from prove_jax.optim import opt_state_shardings
-    from prove_jax.params import abstract_sharded
+    from prove_jax.training.optimizer import opt_state_shardings
+    from prove_jax.models.params import abstract_sharded
     graphdef, abs_params = abstract_sharded(abstract_model, mesh)
     param_sh = sharding.shardings_of(abs_params)
     opt_sh, abs_opt = opt_state_shardings(tx, abs_params, param_sh, mesh)

@@ -35,7 +35,7 @@ import jax
 
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.model import default_cpu_form
+from prove_jax.models.qwen2 import default_cpu_form
 
 OUR_MODES = ("ar", "threshold", "lossless", "verify")
 PEER_MODES = ("hf_greedy", "hf_assisted", "hf_prompt_lookup")
@@ -221,21 +221,21 @@ class ModelPair:
 
 
 def has_commit_head(verifier_path: str | None) -> bool:
-    from prove_jax.commit_head import HEAD_DIR
+    from prove_jax.models.commit_head import HEAD_DIR
     return verifier_path is not None and os.path.isdir(os.path.join(verifier_path, HEAD_DIR))
 
 
 def load_pair(model_path: str, verifier_path: str | None = None, dtype: str = "float32",
               with_head: bool = False, inflate_to: str | None = None) -> ModelPair:
     """Load checkpoints once (bfloat16 storage is restored as `dtype`). `inflate_to`, a preset
-    name: run the proposer embedded in that shape (`prove_jax.inflate`), same outputs."""
-    from prove_jax.checkpoint import CheckpointError, load_model, load_tokenizer
+    name: run the proposer embedded in that shape (`prove_jax.models.inflate`), same outputs."""
+    from prove_jax.checkpoints.checkpoint import CheckpointError, load_model, load_tokenizer
     if not os.path.isdir(model_path):
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     proposer = load_model(model_path, dtype=dtype, param_dtype=dtype)
     if inflate_to is not None:
-        from prove_jax.config import preset
-        from prove_jax.inflate import inflate
+        from prove_jax.models.config import preset
+        from prove_jax.models.inflate import inflate
         proposer = inflate(proposer, preset(inflate_to))
     verifier = head = None
     if verifier_path is not None:
@@ -243,7 +243,7 @@ def load_pair(model_path: str, verifier_path: str | None = None, dtype: str = "f
             raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
         verifier = load_model(verifier_path, dtype=dtype, param_dtype=dtype)
         if with_head:
-            from prove_jax.commit_head import load_commit_head
+            from prove_jax.checkpoints.commit_head import load_commit_head
             head = load_commit_head(verifier_path)
     tokenizer = load_tokenizer(model_path)
     eos = list(proposer.cfg.eos_token_ids)
@@ -379,7 +379,7 @@ class PeerRunner:
 
     def __init__(self, hf_models: dict, setting: Setting, prompts, max_new_tokens: int,
                  batch_size: int, eos_ids: list[int], pad_id: int):
-        from prove_jax import peers
+        from prove_jax.evaluation import peers
         self.setting, self.prompts, self.max_new, self.batch = setting, prompts, max_new_tokens, batch_size
         self.eos_ids, self.pad_id = eos_ids, pad_id
         kw = dict(setting.peer_kwargs)
@@ -504,7 +504,7 @@ def score_pass_at_1(records: list[dict], measurements: list[Measurement], proble
     Only prompts whose id is a HumanEval task count; each distinct (task, completion) pair is
     executed once across all settings (lossless rows share AR's completions).
     """
-    from prove_jax import humaneval
+    from prove_jax.evaluation import humaneval
     by_id = {p["task_id"]: p for p in problems}
     idx = [i for i, pid in enumerate(prompt_ids) if pid in by_id]
     if not idx:
@@ -529,8 +529,8 @@ def score_pass_at_1(records: list[dict], measurements: list[Measurement], proble
 def convert_for_peers(pair: ModelPair, out_dir: str, need_draft: bool,
                       progress: Callable[[str], None] = log) -> dict:
     """HF copies (float32) of our checkpoints via our flax-to-hf converter, loaded in torch."""
-    from prove_jax import peers
-    from prove_jax.convert import flax_to_hf
+    from prove_jax.evaluation import peers
+    from prove_jax.checkpoints.convert import flax_to_hf
     peers._torch()  # a clear error when torch is missing
     out = {}
     names = [("proposer", pair.proposer_path)] + ([("verifier", pair.verifier_path)] if need_draft else [])

@@ -13,9 +13,7 @@ import logging
 import os
 import re
 import shutil
-import stat
 import sys
-import uuid
 from typing import Mapping
 
 import jax
@@ -23,10 +21,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from prove_jax import sharding
-from prove_jax.config import ConfigError, ModelConfig
-from prove_jax.model import Qwen2
-from prove_jax.params import abstract_model, abstract_sharded, dotted_path
+from prove_jax.files import atomic_dir, check_replaceable
+from prove_jax.models import sharding
+from prove_jax.models.config import ConfigError, ModelConfig
+from prove_jax.models.qwen2 import Qwen2
+from prove_jax.models.params import abstract_model, abstract_sharded, dotted_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
@@ -35,109 +34,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or unreadable."""
-
-
-def check_replaceable(path: str, marker: str, what: str, error: type[Exception]) -> None:
-    """Raise `error` unless the output directory `path`, about to be replaced whole, may be.
-
-    It may be new, empty, or an earlier output of the same kind (it holds `marker`); anything
-    else (a file, a source tree given as --out by mistake) is kept.
-    """
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise error(f"output {path} is a file; give a directory")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, marker)):
-        raise error(f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
-                    f"choose a new directory")
-
-
-def _temp_sibling(path: str) -> str:
-    """A fresh hidden name beside `path` for writing it under before the rename: on the same
-    filesystem (so the rename is atomic) and recognisable as ours (.tmp-NAME-...)."""
-    return os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
-
-
-def atomic_dir(final_path: str):
-    """Context manager yielding a temp dir next to `final_path`, renamed onto it on success.
-
-    A symlinked `final_path` is followed, so the output lands where the link points (and the
-    rename stays on that filesystem). The temp dir is made with `os.mkdir`, so the output gets
-    the umask's permissions like any other directory (`tempfile.mkdtemp` would make it 0700).
-    """
-    class _Atomic:
-        def __enter__(self):
-            self.final = os.path.realpath(final_path)
-            os.makedirs(os.path.dirname(self.final), exist_ok=True)
-            self.tmp = _temp_sibling(self.final)
-            os.mkdir(self.tmp)
-            return self.tmp
-
-        def __exit__(self, exc_type, exc, tb):
-            if exc_type is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                return False
-            if os.path.lexists(self.final):
-                old = self.tmp + ".old"
-                os.rename(self.final, old)
-                os.rename(self.tmp, self.final)
-                if os.path.isdir(old):
-                    shutil.rmtree(old, ignore_errors=True)
-                else:  # a file given --overwrite
-                    os.unlink(old)
-            else:
-                os.rename(self.tmp, self.final)
-            return False
-    return _Atomic()
-
-
-def nearest_existing(path: str) -> str:
-    """`path`'s nearest ancestor that exists (what a directory to be created below it depends
-    on: a file there, or one that cannot be written, stops it)."""
-    parent = os.path.dirname(os.path.realpath(path))
-    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    return parent
-
-
-# a process's own descriptors: /dev/stdout resolves to the file, pipe or terminal behind fd 1
-_FD_PATH = re.compile(r"/(dev/(stdin|stdout|stderr|fd/\d+)|proc/(self|thread-self|\d+)/fd/\d+)")
-
-
-def is_stream(path: str) -> bool:
-    """An existing output that is written into, never renamed over: a character device or FIFO
-    (/dev/null, a named pipe) or a descriptor (/dev/stdout, /dev/fd/N: renaming a file over what
-    it resolves to would drop the output, or replace a log it appends to)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    if stat.S_ISDIR(mode):
-        return False
-    return not stat.S_ISREG(mode) or _FD_PATH.fullmatch(os.path.abspath(path)) is not None
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file via a temporary name + rename (never a half-written file). Through a
-    symlink its target is written (the link stays); a stream (`is_stream`: /dev/stdout, a FIFO,
-    /dev/null) is written into, appending, as there is no file to rename over."""
-    if is_stream(path):
-        with open(path, "a") as f:  # append: a /dev/stdout redirected with >> keeps what it had
-            f.write(text)
-        return
-    path = os.path.realpath(path)
-    if os.path.isdir(path):  # else the rename fails, naming the temporary file
-        raise IsADirectoryError(f"{path} is a directory; give a file path")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = _temp_sibling(os.path.abspath(path))
-    # os.open with 0o666: the umask's permissions, like any file (mkstemp's are 0600)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
@@ -361,7 +257,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     if not os.path.isdir(params_dir):
         if any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise CheckpointError(f"{path} is a Hugging Face model directory, not a prove-jax checkpoint; "
-                                  f"convert it first: python -m prove_jax.convert hf-to-flax "
+                                  f"convert it first: python -m prove_jax.checkpoints.convert hf-to-flax "
                                   f"--hf-dir {path} --out CKPT")
         raise CheckpointError(f"checkpoint {path} has no params/ directory (incomplete or not a "
                               f"prove-jax checkpoint)")

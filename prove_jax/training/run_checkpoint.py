@@ -28,8 +28,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from prove_jax import distributed
-from prove_jax.checkpoint import restore_attempt, restore_error_reason
-from prove_jax.params import dotted_path
+from prove_jax.checkpoints.checkpoint import restore_attempt, restore_error_reason
+from prove_jax.models.params import dotted_path
 
 
 class RunCheckpointError(RuntimeError):

@@ -34,9 +34,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from prove_jax.config import ConfigError, ModelConfig
-from prove_jax.model import Qwen2
-from prove_jax.params import abstract_model, flat_params, set_flat_params
+from prove_jax.models.config import ConfigError, ModelConfig
+from prove_jax.models.qwen2 import Qwen2
+from prove_jax.models.params import abstract_model, flat_params, set_flat_params
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 

@@ -11,7 +11,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from prove_jax.train_config import OptimizerConfig
+from prove_jax.training.config import OptimizerConfig
 
 
 def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

@@ -8,9 +8,9 @@ from typing import Mapping
 import jax
 from flax import nnx
 
-from prove_jax import sharding
-from prove_jax.config import ModelConfig
-from prove_jax.model import Qwen2
+from prove_jax.models import sharding
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.qwen2 import Qwen2
 
 
 def abstract_model(cfg: ModelConfig, remat: bool = False) -> Qwen2:

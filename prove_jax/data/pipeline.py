@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from prove_jax.jsonl import read_jsonl
+from prove_jax.data.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 

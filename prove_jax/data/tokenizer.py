@@ -117,13 +117,13 @@ def to_transformers(tok, model_max_length: int = 32768):
 
 
 def _check_replaceable(out_dir: str) -> None:
-    from prove_jax.checkpoint import check_replaceable
+    from prove_jax.files import check_replaceable
     check_replaceable(out_dir, "tokenizer.json", "a tokenizer folder", TokenizerBuildError)
 
 
 def save_tokenizer(tok, out_dir: str, model_max_length: int = 32768) -> None:
     """Write the HF tokenizer folder atomically (tokenizer.json, tokenizer_config.json, ...)."""
-    from prove_jax.checkpoint import atomic_dir
+    from prove_jax.files import atomic_dir
     _check_replaceable(out_dir)
     hf = to_transformers(tok, model_max_length)
     with atomic_dir(out_dir) as tmp:

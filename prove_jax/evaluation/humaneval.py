@@ -147,16 +147,16 @@ def evaluate(problems: Sequence[Mapping], raw_completions: Sequence[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m prove_jax.humaneval --out prompts.jsonl [--limit N]`: write prompt records."""
+    """`python -m prove_jax.evaluation.humaneval --out prompts.jsonl [--limit N]`: write prompt records."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m prove_jax.humaneval",
+    parser = argparse.ArgumentParser(prog="python -m prove_jax.evaluation.humaneval",
                                      description="Write HumanEval prompts as {id, prompt} JSONL.")
     parser.add_argument("--out", required=True, help="output JSONL path")
     parser.add_argument("--limit", type=int, default=None, help="first N problems only")
     args = parser.parse_args(argv)
     try:
         records = prompt_records(load_problems(limit=args.limit))
-        from prove_jax.checkpoint import atomic_write_text
+        from prove_jax.files import atomic_write_text
         atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in records))
     except (HumanEvalError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -166,5 +166,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from prove_jax.cli import run_cli
+    from prove_jax.cli.runner import run_cli
     run_cli(main)

@@ -28,15 +28,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from prove_jax import checkpoint, distributed, memory, params as params_lib, sharding
-from prove_jax.config import ModelConfig, preset
-from prove_jax.metrics import MetricsLogger, train_flops_per_step
-from prove_jax.optim import make_optimizer
-from prove_jax.run_checkpoint import (RunCheckpointError, RunCheckpointMismatch, RunCheckpoints,
-                                      has_checkpoints, saved_run_meta)
-from prove_jax.train_config import TrainConfig, TrainConfigError, inline_model_config, to_dict
-from prove_jax.train_step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state, jit_step,
-                                  make_loss_fn, state_layout)
+from prove_jax import distributed, files, memory
+from prove_jax.checkpoints import checkpoint
+from prove_jax.models import params as params_lib
+from prove_jax.models import sharding
+from prove_jax.models.config import ModelConfig, preset
+from prove_jax.training.metrics import MetricsLogger, train_flops_per_step
+from prove_jax.training.optimizer import make_optimizer
+from prove_jax.training.run_checkpoint import (RunCheckpointError, RunCheckpointMismatch,
+                                               RunCheckpoints, has_checkpoints, saved_run_meta)
+from prove_jax.training.config import TrainConfig, TrainConfigError, inline_model_config, to_dict
+from prove_jax.training.step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state,
+                                     jit_step, make_loss_fn, state_layout)
 
 
 class TrainError(RuntimeError):
@@ -58,13 +61,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (CLI: `error: ...`, exit 2), not a bug."""
     import importlib
     found = [TrainError, TrainConfigError, RunCheckpointError, FileNotFoundError]
-    for module, name in (("prove_jax.config", "ConfigError"), ("prove_jax.checkpoint", "CheckpointError"),
-                         ("prove_jax.data", "DataError"), ("prove_jax.objectives", "ObjectiveError"),
-                         ("prove_jax.vocab", "VocabError"), ("prove_jax.distributed", "DistributedError"),
-                         ("prove_jax.tokenizer_build", "TokenizerBuildError"),
-                         ("prove_jax.hf_weights", "WeightError"),
-                         ("prove_jax.safetensors_io", "SafetensorsError"),
-                         ("prove_jax.dry_run", "DryRunError"), ("prove_jax.sharding", "MeshError")):
+    for module, name in (("prove_jax.models.config", "ConfigError"), ("prove_jax.checkpoints.checkpoint", "CheckpointError"),
+                         ("prove_jax.data.pipeline", "DataError"), ("prove_jax.training.objectives", "ObjectiveError"),
+                         ("prove_jax.checkpoints.vocab", "VocabError"), ("prove_jax.distributed", "DistributedError"),
+                         ("prove_jax.data.tokenizer", "TokenizerBuildError"),
+                         ("prove_jax.checkpoints.hf_weights", "WeightError"),
+                         ("prove_jax.checkpoints.safetensors_io", "SafetensorsError"),
+                         ("prove_jax.training.dry_run", "DryRunError"), ("prove_jax.models.sharding", "MeshError")):
         try:
             exc = getattr(importlib.import_module(module), name, None)
         except ImportError:
@@ -86,7 +89,7 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
     """The model config of the initial weights, without reading any weights."""
     src = cfg.model
     if src.hf_dir is not None:
-        from prove_jax import convert
+        from prove_jax.checkpoints import convert
         if not os.path.isdir(src.hf_dir):
             raise TrainError(f"model.hf_dir not found: {src.hf_dir}")
         model_cfg = convert.read_hf_config(src.hf_dir)
@@ -114,7 +117,7 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
 
 
 def _training_texts(path: str):
-    from prove_jax import data as data_lib
+    from prove_jax.data import pipeline as data_lib
     for ex in data_lib.load_examples(path):
         if "text" in ex:
             yield ex["text"]
@@ -126,7 +129,7 @@ def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
     """(tokenizer, directory it was read from). A run's own saved tokenizer wins on resume;
     without a checkpoint it is only a leftover of an earlier launch, and the configured
     tokenizer (or a freshly trained BPE) is used, so a corrected tokenizer config counts."""
-    from prove_jax.tokenizer_build import build_tokenizer, load_tokenizer_dir
+    from prove_jax.data.tokenizer import build_tokenizer, load_tokenizer_dir
     resuming = has_checkpoints(cfg.run_dir)
     own = os.path.join(cfg.run_dir, "tokenizer")
     if resuming and os.path.isfile(os.path.join(own, "tokenizer.json")):
@@ -169,7 +172,7 @@ def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
     own = os.path.join(run_dir, "tokenizer")
     keep = has_checkpoints(run_dir) and os.path.isfile(os.path.join(own, "tokenizer.json"))
     if distributed.is_main_process() and not keep:
-        with checkpoint.atomic_dir(own) as tmp:
+        with files.atomic_dir(own) as tmp:
             tokenizer.save_pretrained(tmp)
     distributed.barrier("tokenizer_saved")
     return own
@@ -181,7 +184,7 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     """The starting weights of a fresh run, each array placed in its sharding."""
     src = cfg.model
     if src.hf_dir is not None:
-        from prove_jax import convert
+        from prove_jax.checkpoints import convert
         log_main(f"converting HF weights from {src.hf_dir}")
         tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=distributed.is_main_process())
         graphdef, placed = params_lib.abstract_sharded(params_lib.abstract_model(model_cfg, src.remat),
@@ -198,7 +201,7 @@ def _with_mask_token(cfg: TrainConfig, tokenizer, model_cfg: ModelConfig):
     """(tokenizer, model config, grown): MARS needs `<|mask|>`; AR runs leave the vocab alone."""
     if cfg.objective != "mars" and model_cfg.mask_token_id is None:
         return tokenizer, model_cfg, False
-    from prove_jax import vocab
+    from prove_jax.checkpoints import vocab
     return vocab.ensure_mask_token(tokenizer, model_cfg)
 
 
@@ -218,7 +221,7 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
         ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
     if distributed.is_main_process():
         checkpoint.copy_tokenizer_files(tokenizer_dir, path)
-        checkpoint.atomic_write_text(os.path.join(path, "config.json"),
+        files.atomic_write_text(os.path.join(path, "config.json"),
                                      json.dumps(model_cfg.to_json_dict(), indent=2))
     distributed.barrier("export_done")
     return path
@@ -244,7 +247,7 @@ def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: Mode
     """export_model, then the step record; written last, so a cut-short export has none."""
     export_model(path, graphdef, params, model_cfg, tokenizer_dir)
     if distributed.is_main_process():
-        checkpoint.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
+        files.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
     distributed.barrier("export_marked")
     return path
 
@@ -267,7 +270,7 @@ def data_block_size(cfg: TrainConfig) -> int:
 
 
 def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
-    from prove_jax import data as data_lib
+    from prove_jax.data import pipeline as data_lib
     _require_data(cfg.data)
     it = data_lib.make_dataset(
         cfg.data, tokenizer, max_length=cfg.max_length, block_size=data_block_size(cfg),
@@ -424,7 +427,7 @@ def check_tokenizer_matches_weights(cfg: TrainConfig, tokenizer, where: str,
     src = cfg.model.checkpoint or cfg.model.hf_dir
     if src is None or os.path.abspath(where) == os.path.abspath(src):
         return
-    from prove_jax import vocab
+    from prove_jax.checkpoints import vocab
     own = checkpoint.load_tokenizer(src) if os.path.isdir(src) else None
     try:
         vocab.check_shared_vocabulary(tokenizer, where, [("model", src, model_cfg.vocab_size, own)])
@@ -517,7 +520,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
         raise
     # written once the checkpoints are known to fit, so it names the config they were made with
     if distributed.is_main_process():
-        checkpoint.atomic_write_text(os.path.join(run_dir, "train_config.json"),
+        files.atomic_write_text(os.path.join(run_dir, "train_config.json"),
                                      json.dumps(to_dict(cfg), indent=2))
     if restored is not None:
         start, state = restored
@@ -533,7 +536,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
         else:
             model = load_initial_model(cfg, model_cfg, mesh)
             if grown:
-                from prove_jax import vocab
+                from prove_jax.checkpoints import vocab
                 model = vocab.grow_embeddings(model, train_cfg)
         state = init_state(model, tx, layout)
         del model
@@ -549,7 +552,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     records = []
     try:
         with jax.set_mesh(mesh):
-            from prove_jax import data as data_lib
+            from prove_jax.data import pipeline as data_lib
             for step in range(start, end):
                 batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
                 state, metrics = step_fn(state, batch)

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from prove_jax import sharding
-from prove_jax.config import ModelConfig
-from prove_jax.model import Qwen2
-from prove_jax.params import abstract_model, flat_params, set_flat_params
+from prove_jax.models import sharding
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.qwen2 import Qwen2
+from prove_jax.models.params import abstract_model, flat_params, set_flat_params
 
 MASK_TOKEN = "<|mask|>"
 VOCAB_MULTIPLE = 64

@@ -27,39 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from prove_jax.model import causal_mask, greedy_tokens, readable_tokens
-from prove_jax.optim import lr_schedule
+from prove_jax.models.qwen2 import causal_mask, greedy_tokens, readable_tokens
+from prove_jax.training.optimizer import lr_schedule
 
-HEAD_DIR = "commit_head"
-
-
-class CommitHead(nnx.Module):
-    def __init__(self, hidden_size: int, width: int = 64, threshold: float = 0.5, *, rngs: nnx.Rngs):
-        self.hidden_size, self.width, self.threshold = hidden_size, width, threshold
-        self.in_proj = nnx.Linear(hidden_size + 3, width, rngs=rngs)
-        self.out_proj = nnx.Linear(width, 1, rngs=rngs)
-
-    @staticmethod
-    def features(hidden, vlogits, nxt):
-        """[B, J, D + 3] from verifier hidden [B,J,D], logits [B,J,V] and next tokens [B,J]."""
-        logp = jax.nn.log_softmax(vlogits.astype(jnp.float32), axis=-1)
-        lp_next = jnp.take_along_axis(logp, nxt[..., None], axis=-1)
-        top1 = (greedy_tokens(logp) == nxt)[..., None].astype(jnp.float32)
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1, keepdims=True)
-        return jnp.concatenate([hidden.astype(jnp.float32), lp_next, top1, entropy], axis=-1)
-
-    def __call__(self, hidden, vlogits, nxt) -> jax.Array:
-        """Accept logits [B, J]."""
-        h = jax.nn.gelu(self.in_proj(self.features(hidden, vlogits, nxt)))
-        return self.out_proj(h)[..., 0]
-
-    def accept(self, hidden, vlogits, nxt, threshold: float | None = None) -> jax.Array:
-        """Commit D_{i+1} while the head's probability >= threshold (default: its own)."""
-        t = self.threshold if threshold is None else threshold
-        return jax.nn.sigmoid(self(hidden, vlogits, nxt)) >= t
+from prove_jax.models.commit_head import CommitHead, predicted_length
+from prove_jax.checkpoints.commit_head import save_commit_head
 
 
 # ---- labels ----------------------------------------------------------------------------------
@@ -134,72 +108,6 @@ def sample_contexts(ids, loss_mask, valid, context_len: int, key):
     return context, src >= 0, jnp.any(ok, axis=1)
 
 
-def predicted_length(accept) -> jax.Array:
-    return 1 + jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
-
-
-# ---- save / load -----------------------------------------------------------------------------
-
-def save_commit_head(model_dir: str, head: CommitHead) -> str:
-    """MODEL_DIR/commit_head: params (orbax) and config.json. One process: written in a temp
-    dir and renamed into place. Several: every host joins orbax's save (itself atomic: a temp
-    folder the primary host finalises), then host 0 writes the config, which `load_commit_head`
-    looks for first, so a save cut short reads as no head."""
-    from prove_jax.checkpoint import atomic_dir, atomic_write_text
-    path = os.path.join(model_dir, HEAD_DIR)
-    params = nnx.to_pure_dict(nnx.state(head, nnx.Param))
-    meta = json.dumps({"hidden_size": head.hidden_size, "width": head.width, "threshold": head.threshold})
-    if jax.process_count() == 1:
-        with atomic_dir(path) as tmp:
-            with ocp.StandardCheckpointer() as ckptr:  # closing waits for the write to finish
-                ckptr.save(os.path.join(tmp, "params"), params)
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                f.write(meta)
-        return path
-    from prove_jax import distributed
-    if distributed.is_main_process() and os.path.exists(os.path.join(path, "config.json")):
-        os.remove(os.path.join(path, "config.json"))  # an older head's: no longer its params
-    distributed.barrier("commit_head_unmarked")
-    with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's part
-        ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
-    if distributed.is_main_process():
-        atomic_write_text(os.path.join(path, "config.json"), meta)
-    distributed.barrier("commit_head_saved")
-    return path
-
-
-def load_commit_head(model_dir: str, mesh=None) -> CommitHead:
-    """The commit head saved beside a verifier; with a mesh, replicated on all its devices
-    (which may be other hosts': the restore must be told, or orbax refuses the topology)."""
-    from prove_jax.checkpoint import CheckpointError
-    path = os.path.join(model_dir, HEAD_DIR)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{model_dir} has no trained commit head ({HEAD_DIR}/); train one with "
-                              f"objective=commit_head")
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            meta = json.load(f)
-        head = CommitHead(int(meta["hidden_size"]), int(meta["width"]), float(meta["threshold"]),
-                          rngs=nnx.Rngs(0))
-    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
-        what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) else str(e).splitlines()[0][:200]
-        raise CheckpointError(f"bad commit head config {path}/config.json: {what}") from None
-    state = nnx.state(head, nnx.Param)
-    where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
-             else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
-                          nnx.to_pure_dict(state))
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            restored = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
-    except Exception as e:  # orbax raises many types
-        from prove_jax.checkpoint import restore_failure
-        raise CheckpointError(restore_failure(f"commit head {path}", e, what="damaged or incomplete")) from None
-    nnx.replace_by_pure_dict(state, restored)
-    nnx.update(head, state)
-    return head
-
-
 # ---- training --------------------------------------------------------------------------------
 
 class HeadExamples(NamedTuple):
@@ -258,7 +166,7 @@ def frozen_config(model_cfg):
 
 def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, mesh, seed: int = 0) -> HeadLayout:
     """The `HeadLayout` of a proposer/verifier pair on `mesh` (a real or an abstract one)."""
-    from prove_jax.params import abstract_model, abstract_sharded
+    from prove_jax.models.params import abstract_model, abstract_sharded
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     frozen, defs = {}, {}
     for name, cfg in (("proposer", proposer_cfg), ("verifier", verifier_cfg)):
@@ -303,8 +211,8 @@ def build_head_step(layout: HeadLayout, tx: optax.GradientTransformation, *, see
 def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int):
     """The train config's head step (`build_head_step`), jitted with explicit shardings; the
     head's state is donated (updated in place)."""
-    from prove_jax.sharding import shardings_of
-    from prove_jax.train_step import batch_shardings
+    from prove_jax.models.sharding import shardings_of
+    from prove_jax.training.step import batch_shardings
     step = build_head_step(layout, tx, seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
                            block_size=cfg.block_size, mask_id=mask_id)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -320,7 +228,7 @@ def abstract_step_number(mesh) -> jax.ShapeDtypeStruct:
 def _require_contexts(loss_mask, valid, context_len: int, step: int, cfg) -> None:
     """A batch without a single usable context would train on nothing (loss 0): say why.
     Checked on the global batch, so every host comes to the same answer."""
-    from prove_jax.train_config import TrainConfigError
+    from prove_jax.training.config import TrainConfigError
     if not bool(_any_cut_point(loss_mask, valid, context_len)):
         raise TrainConfigError(
             f"commit head step {step}: no row of the batch has a trained (response) token within "
@@ -344,8 +252,8 @@ def compile_head_step(layout: HeadLayout, tx, mesh, cfg, mask_id: int, log):
     import time
 
     from prove_jax import memory
-    from prove_jax.train_step import abstract_batch
-    from prove_jax.trainer import TrainError
+    from prove_jax.training.step import abstract_batch
+    from prove_jax.training.loop import TrainError
     step = jit_head_step(cfg, layout, tx, mesh, mask_id)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
@@ -369,12 +277,14 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     from the configs, then the two frozen models are read straight into their shardings (a
     32B proposer is 128 GB in float32); each host feeds its own rows of the global batch, and
     the small head and its optimizer state are replicated."""
-    from prove_jax import data as data_lib, distributed
-    from prove_jax.checkpoint import CheckpointError, load_config, load_model, load_tokenizer
-    from prove_jax.train_config import TrainConfigError
-    from prove_jax.train_step import BATCH_SPEC
-    from prove_jax.trainer import config_mesh, export_model, log_main, make_data_iterator
-    from prove_jax.vocab import check_shared_vocabulary
+    from prove_jax import distributed
+    from prove_jax.data import pipeline as data_lib
+    from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
+                                                  load_tokenizer)
+    from prove_jax.training.config import TrainConfigError
+    from prove_jax.training.step import BATCH_SPEC
+    from prove_jax.training.loop import config_mesh, export_model, log_main, make_data_iterator
+    from prove_jax.checkpoints.vocab import check_shared_vocabulary
 
     if not cfg.proposer:
         raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
