@@ -12,8 +12,10 @@ import os
 
 import jax
 
+from prove_jax.errors import ProveJaxError
 
-class DistributedError(ValueError):
+
+class DistributedError(ProveJaxError, ValueError):
     """Inconsistent multi-host launch arguments."""
 
 

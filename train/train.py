@@ -15,6 +15,7 @@ import os
 import sys
 
 from prove_jax import distributed
+from prove_jax.errors import ProveJaxError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # intermixed: overrides may come after an option (`steps=2 --dry-run run_dir=X`)
     args = build_parser().parse_intermixed_args(argv)
-    from prove_jax.training.loop import user_errors
     cfg = None
     try:
         from prove_jax.training.config import load_config
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if last is not None:
             print(f"step {result.final_step}: loss {last['loss']:.4f}; run dir {result.run_dir}")
         return 0
-    except user_errors() as e:
+    except (ProveJaxError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written atomically: the newest finished one stands

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.files import atomic_dir, check_replaceable
 from prove_jax.models import sharding
 from prove_jax.models.config import ConfigError, ModelConfig
@@ -32,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "chat_template.jinja")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ProveJaxError, ValueError):
     """A checkpoint that is missing, incomplete or unreadable."""
 
 

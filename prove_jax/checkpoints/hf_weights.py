@@ -12,10 +12,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.models.config import ModelConfig
 
 
-class WeightError(ValueError):
+class WeightError(ProveJaxError, ValueError):
     """A tensor that does not fit the model: unmapped, missing, duplicate or misshapen."""
 
 

@@ -19,6 +19,8 @@ from typing import BinaryIO, Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from prove_jax.errors import ProveJaxError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
@@ -32,7 +34,7 @@ DTYPES: dict[str, np.dtype] = {
 _CODE_OF = {v: k for k, v in DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(ProveJaxError, ValueError):
     """A safetensors file or index that is missing, truncated or corrupt."""
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.qwen2 import Qwen2
@@ -27,7 +28,7 @@ MASK_TOKEN = "<|mask|>"
 VOCAB_MULTIPLE = 64
 
 
-class VocabError(ValueError):
+class VocabError(ProveJaxError, ValueError):
     """A tokenizer and model config that disagree about the mask token."""
 
 

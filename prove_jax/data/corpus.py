@@ -25,6 +25,7 @@ import sys
 import sysconfig
 from typing import Iterable, Iterator
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.data.jsonl import read_jsonl
 
 # Directory names skipped anywhere in the tree: test suites, installed third-party packages,
@@ -36,7 +37,7 @@ EXCLUDED_FILE_PREFIXES = ("_sysconfigdata",)
 DEFAULT_HELDOUT_FRACTION = 0.05
 
 
-class CorpusError(ValueError):
+class CorpusError(ProveJaxError, ValueError):
     """Bad corpus options or an unreadable corpus directory."""
 
 

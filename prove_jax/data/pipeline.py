@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.data.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 Example = dict
 
 
-class DataError(ValueError):
+class DataError(ProveJaxError, ValueError):
     """Training data that cannot be read or turned into batches."""
 
 

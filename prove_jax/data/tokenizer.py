@@ -25,6 +25,8 @@ import os
 import time
 from typing import Iterable
 
+from prove_jax.errors import ProveJaxError
+
 EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
@@ -42,7 +44,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-class TokenizerBuildError(ValueError):
+class TokenizerBuildError(ProveJaxError, ValueError):
     """Bad tokenizer-training input, or a saved tokenizer that does not behave as trained."""
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from prove_jax.errors import ProveJaxError
 from prove_jax import memory
 from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
@@ -53,7 +54,7 @@ DEFAULT_TAU = {"prob": 0.9, "margin": 0.8, "entropy": 0.5}
 MAX_STEP_WIDTH = 4096
 
 
-class DecodeError(ValueError):
+class DecodeError(ProveJaxError, ValueError):
     """A decoding request that cannot be served (bad prompt, mode, or model pairing)."""
 
 

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.models.qwen2 import default_cpu_form
@@ -43,7 +44,7 @@ ALL_MODES = OUR_MODES + PEER_MODES
 BATCH1_ONLY = ("hf_assisted", "hf_prompt_lookup")  # transformers supports batch 1 only
 
 
-class BenchError(ValueError):
+class BenchError(ProveJaxError, ValueError):
     """Bad benchmark options (unknown mode, empty prompt set, bad batch size...)."""
 
 

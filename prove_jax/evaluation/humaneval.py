@@ -24,6 +24,8 @@ import subprocess
 import sys
 from typing import Iterable, Mapping, Sequence
 
+from prove_jax.errors import ProveJaxError
+
 # Where a completion of a HumanEval function body ends: the Codex paper's stop sequences
 # (Chen et al. 2021, section 2.3), exactly. Any line at column 0 starting so ends the body,
 # e.g. a top-level `if` test the model appends, which would otherwise run with the solution.
@@ -31,7 +33,7 @@ STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 DEFAULT_TIMEOUT_S = 3.0
 
 
-class HumanEvalError(ValueError):
+class HumanEvalError(ProveJaxError, ValueError):
     """Missing package, unknown task id, or a harness run that did not complete."""
 
 

@@ -28,10 +28,12 @@ import os
 import time
 from typing import Sequence
 
+from prove_jax.errors import ProveJaxError
+
 PEER_MODES = ("hf_greedy", "hf_assisted", "hf_prompt_lookup")
 
 
-class PeerError(ValueError):
+class PeerError(ProveJaxError, ValueError):
     """torch missing, a model directory that does not load, or bad run options."""
 
 

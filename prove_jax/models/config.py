@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+from prove_jax.errors import ProveJaxError
 from prove_jax import fieldtypes
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
@@ -15,7 +16,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2",)
 DTYPES = ("float32", "bfloat16", "float16")  # what `dtype` / `param_dtype` may name
 
 
-class ConfigError(ValueError):
+class ConfigError(ProveJaxError, ValueError):
     """A configuration that this project cannot build a model from."""
 
 

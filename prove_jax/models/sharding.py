@@ -15,10 +15,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from prove_jax.errors import ProveJaxError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
-class MeshError(ValueError):
+class MeshError(ProveJaxError, ValueError):
     """A mesh shape these devices cannot form."""
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)

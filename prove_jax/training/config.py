@@ -16,10 +16,11 @@ from typing import Any
 
 import yaml
 
+from prove_jax.errors import ProveJaxError
 from prove_jax import fieldtypes
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(ProveJaxError, ValueError):
     """A training configuration that cannot be used as written."""
 
 

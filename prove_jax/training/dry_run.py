@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.models import params as params_lib
 from prove_jax.models.config import PRESETS, ModelConfig, preset
 from prove_jax.training.optimizer import make_optimizer
@@ -41,7 +42,7 @@ CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 1
 HEADROOM = 0.9  # fraction of HBM the estimate may use
 
 
-class DryRunError(ValueError):
+class DryRunError(ProveJaxError, ValueError):
     """A dry run that cannot be set up (unknown chip, mesh with -1, no model shapes)."""
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from prove_jax.errors import ProveJaxError
 from prove_jax import distributed, files, memory
 from prove_jax.checkpoints import checkpoint
 from prove_jax.models import params as params_lib
@@ -35,14 +36,14 @@ from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig, preset
 from prove_jax.training.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.training.optimizer import make_optimizer
-from prove_jax.training.run_checkpoint import (RunCheckpointError, RunCheckpointMismatch,
+from prove_jax.training.run_checkpoint import (RunCheckpointMismatch,
                                                RunCheckpoints, has_checkpoints, saved_run_meta)
 from prove_jax.training.config import TrainConfig, TrainConfigError, inline_model_config, to_dict
 from prove_jax.training.step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state,
                                      jit_step, make_loss_fn, state_layout)
 
 
-class TrainError(RuntimeError):
+class TrainError(ProveJaxError, RuntimeError):
     """A run that cannot start or continue, with a message naming the cause."""
 
 
@@ -55,26 +56,6 @@ class TrainResult:
     model_cfg: ModelConfig
     state: dict  # final train state (params, opt_state, step)
     model_dir: str | None  # the exported model checkpoint
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean bad input (CLI: `error: ...`, exit 2), not a bug."""
-    import importlib
-    found = [TrainError, TrainConfigError, RunCheckpointError, FileNotFoundError]
-    for module, name in (("prove_jax.models.config", "ConfigError"), ("prove_jax.checkpoints.checkpoint", "CheckpointError"),
-                         ("prove_jax.data.pipeline", "DataError"), ("prove_jax.training.objectives", "ObjectiveError"),
-                         ("prove_jax.checkpoints.vocab", "VocabError"), ("prove_jax.distributed", "DistributedError"),
-                         ("prove_jax.data.tokenizer", "TokenizerBuildError"),
-                         ("prove_jax.checkpoints.hf_weights", "WeightError"),
-                         ("prove_jax.checkpoints.safetensors_io", "SafetensorsError"),
-                         ("prove_jax.training.dry_run", "DryRunError"), ("prove_jax.models.sharding", "MeshError")):
-        try:
-            exc = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if isinstance(exc, type) and issubclass(exc, BaseException):
-            found.append(exc)
-    return tuple(found)
 
 
 def log_main(msg: str) -> None:

@@ -38,12 +38,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from prove_jax.errors import ProveJaxError
 from prove_jax.models.qwen2 import causal_mask
 
 OBJECTIVES = ("ar", "mars")
 
 
-class ObjectiveError(ValueError):
+class ObjectiveError(ProveJaxError, ValueError):
     """An objective that cannot be built from the given settings."""
 
 

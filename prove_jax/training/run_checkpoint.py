@@ -27,12 +27,13 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from prove_jax.errors import ProveJaxError
 from prove_jax import distributed
 from prove_jax.checkpoints.checkpoint import restore_attempt, restore_error_reason
 from prove_jax.models.params import dotted_path
 
 
-class RunCheckpointError(RuntimeError):
+class RunCheckpointError(ProveJaxError, RuntimeError):
     """No usable checkpoint where one was expected."""
 
 
