@@ -23,7 +23,6 @@ G = H // K query heads per kv head, Dh head dim, F mlp width, V vocab.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from prove_jax.models.config import ModelConfig
+from prove_jax.models.kernels import DEFAULT_KERNELS, MATMUL_FORMS, KernelOptions
 from prove_jax.models.sharding import constrain, rows_per_device
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -46,11 +46,9 @@ CPU_DECODE_MAX_ROWS = 64
 # The forms `dense` can give those rows. weight_major: w @ x^T, the weight as the dot's left
 # operand. input_major: x @ w^T with w transposed to [*in, *out] once (the transpose is
 # loop-invariant, so XLA hoists it out of the decode loop). plain: x @ w^T as written.
-MATMUL_FORMS = ("weight_major", "input_major", "plain")
 # Environment override of the CPU decode form (one of MATMUL_FORMS): input_major for small
 # models on CPUs where it measures faster (see `default_cpu_form`), or a CPU not measured here.
 MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"
-_form_override: tuple[str, int] | None = None  # set by `decode_matmul`
 # XLA:CPU's dot kernels time as if they covered the weight-major product's columns (the token
 # rows) in tiles of 8 (measured, not documented): a ragged last tile past 4 rows costs about as
 # much as a whole extra tile or more (2-core AVX2 EPYC, benchmarks/step_cost.md as of 399fbc0:
@@ -60,7 +58,6 @@ _form_override: tuple[str, int] | None = None  # set by `decode_matmul`
 # rows (AR steps at small batch) run as they are: 1 row costs half of 8.
 DOT_ROW_TILE = 8
 DOT_UNPADDED_MAX_ROWS = 4
-_pad_dot_rows = True  # set by `dot_row_padding`
 
 
 def default_cpu_form() -> str:
@@ -82,17 +79,19 @@ def default_cpu_form() -> str:
     return "weight_major"
 
 
-def decode_matmul_form() -> tuple[str, int]:
-    """(form, most token rows it is used for) that `dense` applies now: the `decode_matmul`
-    override, else the CPU default for up to CPU_DECODE_MAX_ROWS rows; accelerators: plain."""
-    if _form_override is not None:
-        return _form_override
+def decode_matmul_form(kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[str, int]:
+    """(form, most token rows it is used for) that `dense` applies under `kernels`: its explicit
+    choice, else the CPU default for up to CPU_DECODE_MAX_ROWS rows; accelerators: plain."""
+    if kernels.matmul_form is not None:
+        max_rows = CPU_DECODE_MAX_ROWS if kernels.matmul_max_rows is None else kernels.matmul_max_rows
+        return kernels.matmul_form, max_rows
     if jax.default_backend() == "cpu":
-        return default_cpu_form(), CPU_DECODE_MAX_ROWS
+        max_rows = CPU_DECODE_MAX_ROWS if kernels.matmul_max_rows is None else kernels.matmul_max_rows
+        return default_cpu_form(), max_rows
     return "plain", 0
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
     """x [..., *in] times w [*out, *in] -> [..., *out]; w stores output features major, as HF does.
 
     For the few rows of a decode step, XLA:CPU's dot kernels run much faster in another form
@@ -111,14 +110,14 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     w_in = tuple(range(w.ndim - n_in, w.ndim))
     lead = x.shape[:x.ndim - n_in]
     rows = math.prod(lead)
-    form, max_rows = decode_matmul_form()
+    form, max_rows = decode_matmul_form(kernels)
     if rows > max_rows or form == "plain":
         return jnp.tensordot(x, w, axes=(x_in, w_in))
     if form == "input_major":
         w_t = jax.lax.optimization_barrier(jnp.transpose(w, w_in + tuple(range(w.ndim - n_in))))
         return jnp.tensordot(x, w_t, axes=(x_in, tuple(range(n_in))))
     x_rows = x.reshape(rows, *x.shape[x.ndim - n_in:])  # [R, *in]
-    padded = padded_dot_rows(rows)
+    padded = padded_dot_rows(rows, kernels)
     if padded != rows:
         x_rows = jnp.pad(x_rows, ((0, padded - rows),) + ((0, 0),) * n_in)
     y = jax.lax.optimization_barrier(  # [*out, R']
@@ -127,38 +126,11 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     return y.reshape(*lead, *y.shape[1:])
 
 
-def padded_dot_rows(rows: int) -> int:
+def padded_dot_rows(rows: int, kernels: KernelOptions = DEFAULT_KERNELS) -> int:
     """Token rows a weight-major product of `rows` rows runs with (see DOT_ROW_TILE)."""
-    if not _pad_dot_rows or rows <= DOT_UNPADDED_MAX_ROWS:
+    if not kernels.pad_dot_rows or rows <= DOT_UNPADDED_MAX_ROWS:
         return rows
     return -(-rows // DOT_ROW_TILE) * DOT_ROW_TILE
-
-
-@contextlib.contextmanager
-def dot_row_padding(enabled: bool):
-    """Turn the tile padding of weight-major rows on or off, for side-by-side benchmarks. Read
-    at trace time, like `decode_matmul`."""
-    global _pad_dot_rows
-    old, _pad_dot_rows = _pad_dot_rows, enabled
-    try:
-        yield
-    finally:
-        _pad_dot_rows = old
-
-
-@contextlib.contextmanager
-def decode_matmul(form: str, max_rows: int = CPU_DECODE_MAX_ROWS):
-    """Run `dense` in `form` (one of MATMUL_FORMS) for at most `max_rows` rows on any platform,
-    for side-by-side benchmarks and tests. Read at trace time: a function jitted inside keeps
-    the form it was traced with."""
-    global _form_override
-    if form not in MATMUL_FORMS:
-        raise ValueError(f"unknown matmul form {form!r}; choose one of {', '.join(MATMUL_FORMS)}")
-    old, _form_override = _form_override, (form, max_rows)
-    try:
-        yield
-    finally:
-        _form_override = old
 
 
 def _param(rngs, shape, axes, dtype, init="normal"):
@@ -241,13 +213,13 @@ class Attention(nnx.Module):
         self.v_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
         self.o_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
 
-    def __call__(self, x, cos, sin, attn_mask, kv=None):
+    def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
         """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh]."""
         cfg = self.cfg
         dt = x.dtype
-        q = dense(x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
-        k = dense(x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
-        v = dense(x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+        q = dense(x, self.q_kernel[...].astype(dt), kernels=kernels) + self.q_bias[...].astype(dt)
+        k = dense(x, self.k_kernel[...].astype(dt), kernels=kernels) + self.k_bias[...].astype(dt)
+        v = dense(x, self.v_kernel[...].astype(dt), kernels=kernels) + self.v_bias[...].astype(dt)
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
 
@@ -273,7 +245,7 @@ class Attention(nnx.Module):
             kv = (cache_k, cache_v)
             out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        out = dense(out, self.o_kernel[...].astype(dt), n_in=2)
+        out = dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels)
         return out, kv
 
 
@@ -421,12 +393,12 @@ class MLP(nnx.Module):
         self.up_kernel = _param(rngs, (f, d), ("mlp", "embed"), pd)
         self.down_kernel = _param(rngs, (d, f), ("embed", "mlp"), pd)
 
-    def __call__(self, x):
+    def __call__(self, x, kernels: KernelOptions = DEFAULT_KERNELS):
         dt = x.dtype
-        gate = dense(x, self.gate_kernel[...].astype(dt))
-        up = dense(x, self.up_kernel[...].astype(dt))
+        gate = dense(x, self.gate_kernel[...].astype(dt), kernels=kernels)
+        up = dense(x, self.up_kernel[...].astype(dt), kernels=kernels)
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        return dense(h, self.down_kernel[...].astype(dt))
+        return dense(h, self.down_kernel[...].astype(dt), kernels=kernels)
 
 
 class DecoderLayer(nnx.Module):
@@ -437,10 +409,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, attn_mask, kv=None):
-        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv)
+    def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
+        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv, kernels)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + self.mlp(self.post_attn_norm(x), kernels)
         return constrain(x, ("batch", "sequence", "embed")), kv
 
 
@@ -457,7 +429,8 @@ class Qwen2(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
 
-    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None):
+    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None,
+                      kernels: KernelOptions = DEFAULT_KERNELS):
         """Final-norm hidden states [B, T, D] and the updated cache.
 
         attn_mask: bool [B, T, T] without a cache; a `StepMask` with one.
@@ -479,29 +452,30 @@ class Qwen2(nnx.Module):
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             if self.remat and cache is None:
-                x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, attn_mask)
+                x, kv = nnx.remat(lambda lyr, *a: lyr(*a, kernels=kernels))(layer, x, cos, sin, attn_mask)
             else:
-                x, kv = layer(x, cos, sin, attn_mask, kv)
+                x, kv = layer(x, cos, sin, attn_mask, kv, kernels)
             if cache is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         x = self.final_norm(x)
         return x, (None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v)))
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
         """LM head, float32 logits [..., V]."""
         dt = hidden.dtype
         w = self.embed if self.cfg.tie_word_embeddings else self.lm_head
-        out = dense(hidden, w[...].astype(dt))
+        out = dense(hidden, w[...].astype(dt), kernels=kernels)
         return out.astype(jnp.float32)
 
-    def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None):
+    def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         """tokens, positions [B, T] int32; attn_mask bool [B, T, T] (no cache) or a StepMask.
 
         Returns (logits [B, T, V] float32, updated cache or None).
         """
-        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache)
-        return self.logits(hidden), cache
+        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, kernels)
+        return self.logits(hidden, kernels), cache
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
