@@ -1,4 +1,4 @@
-"""The greedy-token reduction, jnp.argmax vs `model.greedy_tokens`, alone and inside decode steps.
+"""The greedy-token reduction, jnp.argmax vs `tokens.greedy_tokens`, alone and inside decode steps.
 
     .venv/bin/python benchmarks/bench_argmax.py [--preset qwen2.5-0.5b] [--repeats 9]
 
@@ -50,7 +50,7 @@ def reduction_runs(rows: int, vocab: int) -> dict:
     import jax
     import jax.numpy as jnp
     from prove_jax.decoding.calibrate import timed
-    from prove_jax.models.qwen2 import greedy_tokens
+    from prove_jax.models.tokens import greedy_tokens
 
     logits = jax.random.normal(jax.random.PRNGKey(0), (rows, vocab), jnp.float32)
     runs = {}
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     cpu = bench_lib.cpu_description() or str(jax.devices()[0])
     doc = {"device": cpu, "jax": jax.__version__, "repeats": args.repeats, "reductions": reductions,
            "decode_steps": steps}
-    md = ["# Greedy-token reduction: jnp.argmax vs `model.greedy_tokens` (`benchmarks/bench_argmax.py`)", "",
+    md = ["# Greedy-token reduction: jnp.argmax vs `tokens.greedy_tokens` (`benchmarks/bench_argmax.py`)", "",
           f"{cpu}, jax {jax.__version__}; fastest of {args.repeats} interleaved rounds (decode steps at "
           "a preset shape: a third of them, at least 3). Both reductions return the same tokens.", "",
           "The reduction alone, per call:", "",

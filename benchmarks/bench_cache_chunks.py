@@ -2,10 +2,10 @@
 
 The engine's decode steps (AR and lossless K=6,G=2) with 200 committed tokens per row in
 buffers of several lengths, timed side by side in one run: committed KV read by the engine's
-rule (`model.cache_chunk`: chunk by chunk, on CPU chunks of at least 128 slots from
-`model.CPU_SHORT_CHUNK_ROWS` batch rows up, else 256; on a GPU in one pass below
-`model.GPU_CHUNKED_MIN_ROWS` rows), read in one pass over the whole buffer (what the engine did
-before chunks; `model.CACHE_CHUNK` raised past the buffer) and, where the rule differs by batch
+rule (`attention.cache_chunk`: chunk by chunk, on CPU chunks of at least 128 slots from
+`attention.CPU_SHORT_CHUNK_ROWS` batch rows up, else 256; on a GPU in one pass below
+`attention.GPU_CHUNKED_MIN_ROWS` rows), read in one pass over the whole buffer (what the engine did
+before chunks; `attention.CACHE_CHUNK` raised past the buffer) and, where the rule differs by batch
 size, as the rule did before: on CPU chunks of at least 256 slots at every batch size
 (`CPU_SHORT_CHUNK_ROWS` raised past the batch), on a GPU chunks at every batch size
 (`GPU_CHUNKED_MIN_ROWS` = 1). A read that comes to the same chunking as one already compiled
@@ -32,7 +32,7 @@ import jax
 
 from prove_jax import assets
 from prove_jax.evaluation import benchmark as bench_lib
-from prove_jax.models import qwen2 as model_lib
+from prove_jax.models import attention
 from prove_jax.evaluation.benchmark import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
@@ -43,9 +43,9 @@ from prove_jax.models.params import create_model
 BUFFERS = (384, 640, 1024, 2048)  # 384: one pass below CPU_SHORT_CHUNK_ROWS rows; 2048: 256-slot chunks at any batch
 FILLED = 200
 LAYOUT = (6, 2)
-# (model.CACHE_CHUNK, model.CPU_SHORT_CHUNK_ROWS, model.GPU_CHUNKED_MIN_ROWS) during the trace
+# (attention.CACHE_CHUNK, attention.CPU_SHORT_CHUNK_ROWS, attention.GPU_CHUNKED_MIN_ROWS) during the trace
 RULE = ("CACHE_CHUNK", "CPU_SHORT_CHUNK_ROWS", "GPU_CHUNKED_MIN_ROWS")
-DEFAULT = tuple(getattr(model_lib, name) for name in RULE)
+DEFAULT = tuple(getattr(attention, name) for name in RULE)
 NEVER = 1 << 30
 READS = {"chunked": DEFAULT,
          "256-slot chunks": (DEFAULT[0], NEVER, DEFAULT[2]),  # CPU: the rule before short chunks
@@ -63,7 +63,7 @@ def reads() -> dict:
 
 def _set_rule(values) -> None:
     for name, value in zip(RULE, values):
-        setattr(model_lib, name, value)
+        setattr(attention, name, value)
 
 
 def step_runs(model, batch: int, slots: int, steps: int) -> dict:
@@ -73,7 +73,7 @@ def step_runs(model, batch: int, slots: int, steps: int) -> dict:
     for read, rule in reads().items():
         _set_rule(rule)
         try:  # the AR step's buffer has one slot more (decode_step_runs)
-            chunking = tuple(model_lib.cache_chunk(n, rows=batch) for n in (slots, slots + 1))
+            chunking = tuple(attention.cache_chunk(n, rows=batch) for n in (slots, slots + 1))
             if chunking not in compiled:
                 compiled[chunking] = decode_step_runs(model, batch, [LAYOUT], slots=slots,
                                                       filled=FILLED, steps=steps)
@@ -95,7 +95,7 @@ def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
             best = fastest_interleaved(step_runs(model, batch, slots, steps), repeats, warm_up=False)
             ms = {f"{read}/{step}": seconds / steps * 1e3 for (read, step), seconds in best.items()}
             row = {"batch_size": batch, "buffer_slots": slots, "step_ms": ms,  # the AR cache: buffer + 1 slot
-                   "ar_chunk": model_lib.cache_chunk(slots + 1, rows=batch)}
+                   "ar_chunk": attention.cache_chunk(slots + 1, rows=batch)}
             for step in (layout_name(AR), layout_name(LAYOUT)):
                 for read in (r for r in reads() if r != "chunked"):  # READS order: stable JSON
                     row[f"{read}_over_chunked/{step}"] = ms[f"{read}/{step}"] / ms[f"chunked/{step}"]
@@ -106,10 +106,10 @@ def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
 
 
 READ_TEXT = {
-    "256-slot chunks": f"chunks of at least {model_lib.CACHE_CHUNK} slots at every batch size (the "
+    "256-slot chunks": f"chunks of at least {attention.CACHE_CHUNK} slots at every batch size (the "
                        f"CPU rule before the shorter chunks)",
     "always chunked": f"chunks at every batch size (the GPU rule before one pass below "
-                      f"{model_lib.GPU_CHUNKED_MIN_ROWS} rows)",
+                      f"{attention.GPU_CHUNKED_MIN_ROWS} rows)",
     "one pass": "the whole buffer every step"}
 
 
@@ -121,10 +121,10 @@ def markdown(result: dict) -> list[str]:
              f"jax {result['jax']}, float32)", "",
              f"{model} ({result['params'] / 1e6:.1f}M parameters); {FILLED} committed tokens per "
              f"row; decode steps of a jitted loop, fastest of {result['repeats']} interleaved rounds, "
-             f"all in one run. *Chunked*: the engine's rule, `model.cache_chunk` (KV read a chunk at "
+             f"all in one run. *Chunked*: the engine's rule, `attention.cache_chunk` (KV read a chunk at "
              f"a time up to the batch's longest row: on CPU chunks of at least "
-             f"{model_lib.CACHE_CHUNK // 2} slots from {model_lib.CPU_SHORT_CHUNK_ROWS} rows up, else "
-             f"{model_lib.CACHE_CHUNK}; on a GPU one pass below {model_lib.GPU_CHUNKED_MIN_ROWS} rows; "
+             f"{attention.CACHE_CHUNK // 2} slots from {attention.CPU_SHORT_CHUNK_ROWS} rows up, else "
+             f"{attention.CACHE_CHUNK}; on a GPU one pass below {attention.GPU_CHUNKED_MIN_ROWS} rows; "
              f"a buffer that cannot hold two chunks is one pass). "
              + " ".join(f"*{r[0].upper() + r[1:]}*: {READ_TEXT[r]}." for r in others)
              + " Where two columns come to the same chunking they time the same program, and their "

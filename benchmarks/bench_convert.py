@@ -4,7 +4,7 @@
 
 1. transformers builds a random-init Qwen2ForCausalLM with the 0.5B shapes and `save_pretrained`s
    it in its default dtype (float32: ~2 GB of safetensors).
-2. `python -m prove_jax.checkpoints.convert hf-to-flax` and then `flax-to-hf` run as subprocesses; wall time
+2. `python -m prove_jax convert hf-to-flax` and then `flax-to-hf` run as subprocesses; wall time
    and peak RSS come from `os.wait4` (that child only). Target: peak RSS < 2x checkpoint size.
 3. Forward latency, batch 1 x T tokens, median after a warm-up: our jitted model (loaded from the
    converted checkpoint) vs transformers on torch CPU (same weights, same tokens).
@@ -98,10 +98,10 @@ def main() -> None:
                        if f.endswith(".safetensors"))
 
         print("hf-to-flax ...", file=sys.stderr, flush=True)
-        to_flax = run_child(["-m", "prove_jax.checkpoints.convert", "hf-to-flax", "--hf-dir", hf_dir, "--out", ckpt])
+        to_flax = run_child(["-m", "prove_jax", "convert", "hf-to-flax", "--hf-dir", hf_dir, "--out", ckpt])
         to_flax["output_bytes"] = dir_bytes(ckpt)
         print("flax-to-hf ...", file=sys.stderr, flush=True)
-        to_hf = run_child(["-m", "prove_jax.checkpoints.convert", "flax-to-hf", "--ckpt", ckpt, "--out", back])
+        to_hf = run_child(["-m", "prove_jax", "convert", "flax-to-hf", "--ckpt", ckpt, "--out", back])
         to_hf["output_bytes"] = dir_bytes(back)
         for r in (to_flax, to_hf):
             r["peak_rss_over_checkpoint"] = round(r["peak_rss_bytes"] / hf_bytes, 3)
@@ -112,7 +112,7 @@ def main() -> None:
         from flax import nnx
 
         from prove_jax.checkpoints.checkpoint import load_model
-        from prove_jax.models.qwen2 import causal_mask
+        from prove_jax.models.attention import causal_mask
 
         tokens = np.random.RandomState(0).randint(0, 151_643, (1, args.tokens)).astype(np.int32)
         model = load_model(ckpt)

@@ -56,13 +56,13 @@ def main(argv=None) -> int:
     from prove_jax.evaluation import humaneval
     from prove_jax.files import atomic_write_text
     from prove_jax.decoding.calibrate import fastest_interleaved
-    from prove_jax.decoding.engine import DecodeOptions, default_prefill_chunk
+    from prove_jax.decoding.options import DecodeOptions, default_prefill_chunk
     from prove_jax.decoding.requests import encode_prompts
 
     inflate = None if args.inflate == "none" else args.inflate
     pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
     records = humaneval.prompt_records(humaneval.load_problems(limit=args.humaneval))
-    prompts = encode_prompts(records, pair.tokenizer)  # as infer.benchmark and infer.generate do
+    prompts = encode_prompts(records, pair.tokenizer)  # as `prove-jax benchmark` and `prove-jax generate` do
     lengths = np.array([len(p) for p in prompts])
     rows = []
     for b in args.batch_sizes:
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
             "default_chunk": default_prefill_chunk()}
     atomic_write_text(os.path.join(args.out, "prefill.json"), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     shape = f"inflated to the {inflate} shape" if inflate else "at its own shape"
-    md = [f"# Prefill by chunk size (`benchmarks/bench_prefill.py`)", "",
+    md = ["# Prefill by chunk size (`benchmarks/bench_prefill.py`)", "",
           f"The shipped proposer {shape}; the first {len(prompts)} HumanEval prompts "
           f"({lengths.min()}-{lengths.max()} tokens, {lengths.sum()} in all); `ar` with one new token "
           f"per prompt; {meta['device']}, jax {jax.__version__}. Fastest of {args.repeats} interleaved "

@@ -19,6 +19,7 @@ Writes benchmarks/step_cost.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -40,9 +41,9 @@ from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.models.config import PRESETS
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name, time_step_widths, timed
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.decoding.steps import head_in_one_pass, lm_head_one_pass
-from prove_jax.models.qwen2 import (CPU_DECODE_MAX_ROWS, decode_matmul, default_cpu_form, dense,
-                                    dot_row_padding)
+from prove_jax.decoding.steps import head_in_one_pass
+from prove_jax.models.kernels import KernelOptions
+from prove_jax.models.matmul import CPU_DECODE_MAX_ROWS, default_cpu_form, dense
 from prove_jax.models.params import create_model
 
 WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see LosslessLayout.width)
@@ -80,6 +81,11 @@ class Form(NamedTuple):
     suffix: str
     title: str
 
+    @property
+    def kernels(self) -> KernelOptions:
+        """The kernel options that trace `model.dense` in this form, on any platform."""
+        return KernelOptions(matmul_form=self.matmul, matmul_max_rows=CPU_DECODE_MAX_ROWS, pad_dot_rows=self.pad)
+
 
 FORMS = {"weight_major": Form("weight_major", True, "_weight_major", "weight-major"),
          "unpadded": Form("weight_major", False, "_unpadded", "weight-major, rows unpadded"),
@@ -87,46 +93,28 @@ FORMS = {"weight_major": Form("weight_major", True, "_weight_major", "weight-maj
          "plain": Form("plain", False, "_plain", "plain")}
 
 
-def under_form(run, form: str):
-    """`run`, traced and called with `model.dense` in `form` (see FORMS)."""
-    f = FORMS[form]
-
-    def call():
-        with decode_matmul(f.matmul, CPU_DECODE_MAX_ROWS), dot_row_padding(f.pad):
-            return run()
-    return call
-
-
-def two_head_passes(run):
-    """`run`, traced with the lossless step's LM head in two passes (`steps.lm_head_one_pass`)."""
-    def call():
-        with lm_head_one_pass(False):
-            return run()
-    return call
-
-
 def dense_matmul_runs(model, batch: int, widths, steps: int, kernels=None, forms=FORMS) -> dict:
     """{(form, T): run} timing the decoder layers' matmuls alone (`model.dense` of x [B*T, in]
-    with every layer weight, or with `kernels`; no attention, norms or LM head) in each of
-    `forms`: isolates how XLA's dot kernels scale with T. (Reading one element of each product
-    times the same as reducing all of it: XLA drops no part of the dots.)"""
-    kernels = layer_kernels(model) if kernels is None else kernels
+    with every layer weight, or with the weight matrices `kernels`; no attention, norms or LM
+    head) in each of `forms`: isolates how XLA's dot kernels scale with T. (Reading one element
+    of each product times the same as reducing all of it: XLA drops no part of the dots.)"""
+    weights = layer_kernels(model) if kernels is None else kernels
 
-    def make():
+    def make(kernel_options: KernelOptions):
         @jax.jit
-        def run(kernels, x):
+        def run(weights, x):
             def body(_, acc):
                 xs = {d: v + acc for d, v in x.items()}  # inputs depend on the carry: nothing hoisted
-                return acc + sum(dense(xs[w.shape[1]], w)[0, 0] for w in kernels) * 1e-9
+                return acc + sum(dense(xs[w.shape[1]], w, kernels=kernel_options)[0, 0] for w in weights) * 1e-9
             return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
         return run
 
     runs = {}
     for form in forms:
-        run = make()  # one jitted function per form: each keeps the form it was traced with
+        run = make(FORMS[form].kernels)
         for t in widths:
-            x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in kernels}}
-            runs[(form, t)] = under_form(functools.partial(timed, run, kernels, x), form)
+            x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in weights}}
+            runs[(form, t)] = functools.partial(timed, run, weights, x)
     return runs
 
 
@@ -139,13 +127,14 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
             dense_matmul_runs(model, batch, widths, steps), repeats).items()}
         step_runs = {}
         for form in FORMS:  # all forms interleaved: ratios side by side
-            for key, run in decode_step_runs(model, batch, layouts, steps=steps).items():
-                step_runs[(form, layout_name(key))] = under_form(run, form)
-        one_pass = [key for key in layouts if head_in_one_pass(LosslessLayout.build(*key), batch)]
-        for key, run in decode_step_runs(model, batch, one_pass, steps=steps).items():
+            for key, run in decode_step_runs(model, batch, layouts, steps=steps, kernels=FORMS[form].kernels).items():
+                step_runs[(form, layout_name(key))] = run
+        default = FORMS[default_cpu_form()].kernels
+        one_pass = [key for key in layouts if head_in_one_pass(LosslessLayout.build(*key), batch, default)]
+        two_passes = dataclasses.replace(default, lm_head_one_pass=False)
+        for key, run in decode_step_runs(model, batch, one_pass, steps=steps, kernels=two_passes).items():
             if key != AR:  # the default form with the LM head forced to two passes
-                step_runs[("head_two_pass", layout_name(key))] = two_head_passes(
-                    under_form(run, default_cpu_form()))
+                step_runs[("head_two_pass", layout_name(key))] = run
         step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
         row = {"batch_size": batch, "forward_ms": {str(t): v * 1e3 for t, v in ms.items()},
                "forward_relative_to_T1": {str(t): v / ms[1] for t, v in ms.items()}}

@@ -6,7 +6,7 @@ decode step they run one after another, between attention, norms and the LM head
 KV cache. This script times, side by side in one run, for AR and two lossless layouts:
 
 - the engine's whole decode step (as in `bench_step_cost.py`);
-- the same step with every `model.dense` (the layers' matmuls and the LM head) replaced by an
+- the same step with every `matmul.dense` (the layers' matmuls and the LM head) replaced by an
   operation that keeps its output shape and its dependence on the input but does no
   arithmetic: the rest of the step (attention, norms, rotary, acceptance, commit);
 - those matmuls alone: every layer weight and the LM head times x [B*T, D], in a loop of their
@@ -40,20 +40,22 @@ import jax.numpy as jnp
 from bench_step_cost import dense_matmul_runs, layer_kernels
 from prove_jax import assets
 from prove_jax.evaluation import benchmark as bench_lib
-from prove_jax.models import qwen2 as model_lib
+from prove_jax.models import attention, qwen2
 from prove_jax.evaluation.benchmark import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
-from prove_jax.decoding.engine import DecodeOptions, step_shape
-from prove_jax.models.qwen2 import default_cpu_form, dense
+from prove_jax.decoding.options import DecodeOptions
+from prove_jax.decoding.program import step_shape
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.matmul import default_cpu_form, dense
 from prove_jax.models.params import create_model
 
 LAYOUTS = ((4, 2), (6, 2))  # lossless K, G; with AR
 
 
-def _free_dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    """`model.dense`'s output shape, no arithmetic: x's first feature broadcast over the output
+def _free_dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
+    """`matmul.dense`'s output shape, no arithmetic: x's first feature broadcast over the output
     features (so the step still depends on every layer) plus one weight element."""
     lead = x.shape[:x.ndim - n_in]
     out = w.shape[:w.ndim - n_in]
@@ -63,12 +65,15 @@ def _free_dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
 
 @contextlib.contextmanager
 def matmuls_free():
-    """Trace decode steps with `_free_dense` in place of `model.dense` (read at trace time)."""
-    model_lib.dense = _free_dense
+    """Trace decode steps with `_free_dense` in place of `matmul.dense` where the layers and the
+    LM head call it (read at trace time)."""
+    for module in (attention, qwen2):
+        module.dense = _free_dense
     try:
         yield
     finally:
-        model_lib.dense = dense
+        for module in (attention, qwen2):
+            module.dense = dense
 
 
 def _width(key) -> int:
@@ -120,7 +125,7 @@ def markdown(result: dict) -> list[str]:
              f"Demo proposer shapes ({result['params'] / 1e6:.1f}M parameters, random weights); 200 committed "
              f"tokens in a 384-slot KV cache; fastest of {result['repeats']} interleaved rounds of "
              f"{result['steps']} steps in one jitted loop, all in one run. *Step*: the engine's decode step. "
-             "*Without matmuls*: the same step with every `model.dense` (layer matmuls and LM head) doing no "
+             "*Without matmuls*: the same step with every `matmul.dense` (layer matmuls and LM head) doing no "
              "arithmetic. *Matmuls in step*: the difference (an estimate: without its matmuls the rest of the "
              "step may overlap differently on the CPU's threads). *Matmuls alone*: the same weights times x "
              "[B*T, D] in a loop of their own (`bench_step_cost.py` times the layers' part of this). "

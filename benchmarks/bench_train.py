@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     from prove_jax.models import params as params_lib
     from prove_jax.models import sharding
     from prove_jax.training import step as ts
+    from prove_jax.training.objectives import make_loss_fn
     from prove_jax.files import atomic_write_text
     from prove_jax.models.config import ModelConfig
     from prove_jax.data.corpus import list_source_files, read_source_files
@@ -88,8 +89,8 @@ def main(argv=None) -> int:
         model = params_lib.create_model(cfg)
         params_lib.set_flat_params(model, {k: np.copy(v) for k, v in init_params.items()})
         state = ts.init_state(model, tx, layout)
-        loss_fn = ts.make_loss_fn(objective, block_size=args.block_size,
-                                  mask_token_id=cfg.mask_token_id)
+        loss_fn = make_loss_fn(objective, block_size=args.block_size,
+                               mask_token_id=cfg.mask_token_id)
         step = ts.jit_step(ts.build_step_fn(layout.graphdef, tx, loss_fn), layout, mesh)
         times = []
         with jax.set_mesh(mesh):

@@ -71,7 +71,7 @@ else
     CHUNKS_PRESET=(--preset qwen2.5-1.5b --buffers 4096 --batch-sizes 1,16 --repeats 5 --steps 20)
 fi
 
-# flax <= 0.12.9 fails on import with jax 0.11 (README "Versions"): stop here rather than spend
+# flax <= 0.12.9 fails on import with jax 0.11 (docs/environment.md): stop here rather than spend
 # every stage's device time on the same traceback
 if ! stage env 60 $PY -c "import jax, flax, transformers; from flax import nnx; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"; then
     echo "the stack does not import ($RES/env.log); with jax 0.11 flax must be >= 0.12.10" | tee -a "$RES/stages.txt"

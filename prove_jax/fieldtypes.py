@@ -1,11 +1,10 @@
 """Config values checked against their dataclass field's annotation.
 
-Both config kinds (the model's config.json, `config.ModelConfig`, and the training YAML,
-`train_config.TrainConfig`) hold values read from JSON, YAML or a command line, where the
-type is whatever the writer typed. One rule for both, so the same value is accepted or refused
-alike in either file: a bool is never a number (JSON `true` is not 1); an integral float passes
-for an int (`1e3` steps) and an int for a float; `tuple[int, ...]` takes a list of ints.
-Annotations are the strings `from __future__ import annotations` leaves (`'int | None'`).
+Both config kinds (the model's config.json, `models.config.ModelConfig`, and the training YAML,
+`training.config.TrainConfig`) hold values typed by whoever wrote them, so one rule serves both:
+a bool is never a number; an integral float passes for an int (`1e3` steps) and an int for a
+float; `tuple[int, ...]` takes a list of ints. Annotations are the strings `from __future__
+import annotations` leaves (`'int | None'`).
 """
 
 from __future__ import annotations

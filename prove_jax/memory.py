@@ -1,11 +1,8 @@
 """Does a compiled program fit in device memory? Checked before it runs.
 
-XLA reports a compiled program's memory per device (arguments, temporaries, outputs) before
-anything is allocated. A decode program's memory beyond the weights is its KV caches and loop
-state, which grow with rows x buffer slots; a train step's is the state, gradients and
-activations. A program that cannot fit (say batch 64 x 32k slots of a 7B model on one GPU) is
-refused with the sizes and what to lower, instead of failing inside the run with an allocator
-error (GPU/TPU) or being killed by the kernel (CPU).
+XLA reports a compiled program's memory per device before anything is allocated, so a program
+that cannot fit is refused with the sizes and what to lower, instead of an allocator error
+inside the run (GPU/TPU) or the kernel's OOM killer (CPU).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Reproduce the shipped demo pair from scratch with the project's own CLIs.
 
-    python scripts/build_demo_models.py                # full recipe (see README for run time)
+    python scripts/build_demo_models.py                # full recipe (see docs/demo_models.md for run time)
     python scripts/build_demo_models.py --quick --work /tmp/w --out /tmp/demo   # smoke test
 
 Steps: CPython stdlib corpus (held-out split) -> byte-level BPE tokenizer -> proposer AR stage
 -> proposer MARS stage (block 8) -> self-distillation rounds: the proposer's own greedy
-continuations of train-split function prompts plus real text (`python -m prove_jax.training.distill`),
+continuations of train-split function prompts plus real text (`prove-jax distill`),
 then a MARS stage on them -> smaller AR verifier -> its commit head (labels from the final proposer) ->
 bfloat16 copies in prove_jax/demo_models/{proposer,verifier}.
 """
@@ -47,7 +47,7 @@ def run(cmd: list[str]) -> None:
 
 def train(config: str, run_dir: str, steps: int, *overrides: str, quick: bool) -> str:
     extra = QUICK_OVERRIDES if quick else []
-    run([sys.executable, "-m", "train.train", "--config", config, f"run_dir={run_dir}",
+    run([sys.executable, "-m", "prove_jax", "train", "--config", config, f"run_dir={run_dir}",
          f"steps={steps}", *overrides, *extra])
     return os.path.join(run_dir, "model")
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     w = os.path.abspath(args.work)
     t0 = time.time()
     corpus_args = ["--max-bytes", "1500000"] if args.quick else []
-    run([sys.executable, "-m", "prove_jax.data.corpus", "--out", f"{w}/corpus", *corpus_args])
+    run([sys.executable, "-m", "prove_jax", "corpus", "--out", f"{w}/corpus", *corpus_args])
     run([sys.executable, "scripts/train_tokenizer.py", "--corpus", f"{w}/corpus", "--out",
          f"{w}/tokenizer", "--vocab-size", "4096"])
     common = [f"tokenizer.path={w}/tokenizer", f"data={w}/corpus/train.jsonl"]
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     # far easier to predict several tokens ahead.
     for r in range(1 if args.quick else DISTILL_ROUNDS):
         data = f"{w}/distill_{r}.jsonl"
-        run([sys.executable, "-m", "prove_jax.training.distill", "--model", proposer, "--corpus", f"{w}/corpus",
+        run([sys.executable, "-m", "prove_jax", "distill", "--model", proposer, "--corpus", f"{w}/corpus",
              "--out", data, f"--seed={r}", *[f"--{k.replace('_', '-')}={v}" for k, v in d.items()]])
         proposer = train("configs/demo_proposer.yaml", f"{w}/proposer_distill_{r}", steps["proposer_distill"],
                          "objective=mars", "model.config=null", f"model.checkpoint={proposer}",

@@ -1,4 +1,4 @@
-"""Train the project's byte-level BPE tokenizer on a corpus written by `python -m prove_jax.data.corpus`.
+"""Train the project's byte-level BPE tokenizer on a corpus written by `prove-jax corpus`.
 
     python scripts/train_tokenizer.py --corpus runs/corpus --out runs/tokenizer --vocab-size 4096
 
@@ -14,8 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prove_jax.data.corpus import CorpusError, iter_texts  # noqa: E402
-from prove_jax.data.tokenizer import DEFAULT_VOCAB_SIZE, TokenizerBuildError, build_tokenizer
+from prove_jax.errors import ProveJaxError  # noqa: E402
+from prove_jax.data.corpus import iter_texts  # noqa: E402
+from prove_jax.data.tokenizer import DEFAULT_VOCAB_SIZE, build_tokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training BPE (vocab {args.vocab_size}) on {train_path} ...", file=sys.stderr)
         info = build_tokenizer(iter_texts(train_path), args.out, args.vocab_size,
                                sample_texts=samples, show_progress=sys.stderr.isatty())
-    except (CorpusError, TokenizerBuildError, OSError) as e:
+    except (ProveJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: vocab {info.vocab_size}, eos/pad {info.eos_token_id}, "

@@ -14,7 +14,7 @@ from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.checkpoints.checkpoint import load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding import calibrate as cal
-from prove_jax.decoding.engine import check_adaptive_table
+from prove_jax.decoding.adaptive import check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.models.params import create_model
@@ -136,14 +136,14 @@ def test_time_step_widths_is_positive():
 
 
 def test_time_decode_steps_times_the_engine_step_of_each_layout(monkeypatch):
-    from prove_jax.decoding import engine
+    from prove_jax.decoding import program
     traced = []
-    real = engine.decode_step
+    real = program.decode_step
 
     def spy(options, *a, **kw):
         traced.append((options.mode, options.block_size, options.max_groups))
         return real(options, *a, **kw)
-    monkeypatch.setattr(engine, "decode_step", spy)
+    monkeypatch.setattr(program, "decode_step", spy)
     costs = cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
                                   repeats=2, steps=4)
     assert set(costs) == {cal.AR, (2, 2), (4, 2)} and all(v > 0 for v in costs.values())
@@ -229,7 +229,7 @@ def test_benchmark_sweep_adaptive_as_the_cli_and_calibrated_optional():
     capped the GPU/TPU table's K=8 rows); `calibrated=False` (`--no-calibrated`) leaves out the
     calibrated setting, whose measurements compile every candidate layout."""
     from prove_jax.evaluation import benchmark as bench_lib
-    from infer.generate import decode_options, parse_args
+    from prove_jax.cli.generate import decode_options, parse_args
     cli_k = decode_options(parse_args(["--mode", "lossless", "--adaptive", "--input", "i", "--output", "o"])).block_size
     by_label = {s.label: s for s in bench_lib.sweep_settings(["lossless"], False, lossless=[])}
     assert list(by_label)[1:] == [f"adaptive,K<={cli_k}", f"calibrated,K<={cli_k}"] and cli_k == 8

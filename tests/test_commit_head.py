@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from infer import generate
+from prove_jax.cli import generate
 from prove_jax.checkpoints.checkpoint import CheckpointError, save_model
 from prove_jax.models.commit_head import CommitHead
 from prove_jax.training.commit_head import (head_examples, head_loss, propose_and_label,
@@ -277,8 +277,8 @@ def test_head_examples_read_a_draft_past_the_verifier_rows_as_decoding_does(prop
     block, ex = examples(eager, verifier)
     past = np.asarray(block[:, 1:]) >= 300  # drafts the verifier has no row for
     assert past.any()
-    assert np.isfinite(np.asarray(ex.hidden)).all() and np.isfinite(np.asarray(ex.vlogits)).all()
-    assert (np.asarray(ex.nxt) < 300).all()
+    assert np.isfinite(np.asarray(ex.hidden)).all() and np.isfinite(np.asarray(ex.verifier_logits)).all()
+    assert (np.asarray(ex.next_tokens) < 300).all()
     assert (np.asarray(ex.labels)[np.cumsum(past, axis=1) > 0] == 0).all()
     head = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
     assert np.isfinite(float(head_loss(head, ex)[0]))

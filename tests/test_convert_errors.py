@@ -1,7 +1,7 @@
 """Bad converter input: each case is one clear `error: ...` line, exit code 2, no output left.
 
 Most cases call the CLI entry point in-process (`convert.main`, same argparse and error
-handling); one runs the real `python -m prove_jax.checkpoints.convert` subprocess end to end.
+handling); one runs the real `python -m prove_jax convert` subprocess end to end.
 """
 
 import json
@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 
 from hf_models import make_hf_qwen2
-from prove_jax.checkpoints import convert
+from prove_jax.cli import convert
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,7 +175,7 @@ def test_cli_subprocess_exit_code_2(hf_dir, tmp_path):
     os.truncate(hf_dir / "model.safetensors", os.path.getsize(hf_dir / "model.safetensors") // 2)
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-m", "prove_jax.checkpoints.convert", "hf-to-flax", "--hf-dir", str(hf_dir),
+    r = subprocess.run([sys.executable, "-m", "prove_jax", "convert", "hf-to-flax", "--hf-dir", str(hf_dir),
                         "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "truncated file" in r.stderr

@@ -11,6 +11,7 @@ import unicodedata
 
 import pytest
 
+from prove_jax.cli import corpus as corpus_cli
 from prove_jax.data import corpus
 from prove_jax.data.tokenizer import (EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, MASK_TOKEN,
                                       QWEN2_SPLIT_REGEX, SPECIAL_TOKENS, TokenizerBuildError,
@@ -136,7 +137,7 @@ def _sha(path):
 
 def test_cli_writes_corpus_files_and_manifest(tmp_path, capsys):
     out = tmp_path / "corpus"
-    assert corpus.main(["--out", str(out), "--max-bytes", str(SMALL_BYTES)]) == 0
+    assert corpus_cli.main(["--out", str(out), "--max-bytes", str(SMALL_BYTES)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     for split in ("train", "heldout"):
         lines = (out / f"{split}.jsonl").read_text().splitlines()
@@ -156,17 +157,17 @@ def test_cli_writes_corpus_files_and_manifest(tmp_path, capsys):
         (out / "heldout.jsonl").read_text().splitlines()[0])["text"]
     # Deterministic: a second run writes identical files.
     out2 = tmp_path / "again"
-    assert corpus.main(["--out", str(out2), "--max-bytes", str(SMALL_BYTES)]) == 0
+    assert corpus_cli.main(["--out", str(out2), "--max-bytes", str(SMALL_BYTES)]) == 0
     assert _sha(out2 / "train.jsonl") == _sha(out / "train.jsonl")
     assert _sha(out2 / "heldout_prompts.jsonl") == _sha(out / "heldout_prompts.jsonl")
     # An earlier corpus is replaced whole; any other non-empty directory is refused untouched.
-    assert corpus.main(["--out", str(out2), "--max-bytes", str(SMALL_BYTES), "--max-prompts", "1"]) == 0
+    assert corpus_cli.main(["--out", str(out2), "--max-bytes", str(SMALL_BYTES), "--max-prompts", "1"]) == 0
     assert len((out2 / "heldout_prompts.jsonl").read_text().splitlines()) == 1
     precious = tmp_path / "src"
     precious.mkdir()
     (precious / "keep.py").write_text("x = 1\n")
     capsys.readouterr()
-    assert corpus.main(["--out", str(precious), "--max-bytes", str(SMALL_BYTES)]) == 2
+    assert corpus_cli.main(["--out", str(precious), "--max-bytes", str(SMALL_BYTES)]) == 2
     assert "is not a corpus written by this tool" in capsys.readouterr().err
     assert os.listdir(precious) == ["keep.py"]
 
@@ -180,7 +181,7 @@ def test_cli_writes_corpus_files_and_manifest(tmp_path, capsys):
 ])
 def test_cli_bad_input_is_one_clear_error(tmp_path, capsys, argv, needle):
     out = tmp_path / "c"
-    assert corpus.main(["--out", str(out)] + argv) == 2
+    assert corpus_cli.main(["--out", str(out)] + argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and needle in err[-1]
     assert not out.exists()          # nothing half-written

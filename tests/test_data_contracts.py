@@ -1,6 +1,6 @@
 """Data and objective contracts the rest of the suite let through: each test was written against
 a plausible bug (a mutant of the code) that every other test passed, and fails on it. The
-oracles are written out by hand from the documented contracts: METHOD.md section 2 (position p
+oracles are written out by hand from the documented contracts: docs/method.md section 2 (position p
 predicts token p + 1; a target is trained when it is a response/text token and real; EOS pads
 to a block multiple, then the row is right-padded), data.py's docstrings (truncation and drop
 counts, the stats, a finite run ending on the same step on every host, what a folder of data
@@ -41,7 +41,7 @@ def _fixed_logits_model(logits):
 
 
 def _hand_targets(ids, loss_mask, valid):
-    """METHOD.md section 2: stream position p predicts ids[p + 1], trained iff that token is a
+    """docs/method.md section 2: stream position p predicts ids[p + 1], trained iff that token is a
     loss_mask token and real (not right padding); the last position predicts nothing."""
     rows, length = ids.shape
     labels = np.zeros((rows, length), np.int64)
@@ -139,7 +139,7 @@ def tok():
 
 
 def test_block_padding_is_eos_and_right_padding_is_the_pad_token():
-    """METHOD.md: sequences are padded with EOS to a multiple of B (trained), then right-padded.
+    """docs/method.md: sequences are padded with EOS to a multiple of B (trained), then right-padded.
     Qwen2.5-Instruct's pad token is not its EOS; the fixture's is, which hid a swap."""
     tok = make_tokenizer()
     tok.pad_token = IM_END

@@ -21,7 +21,8 @@ from flax import nnx
 
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
-from prove_jax.models.qwen2 import MATMUL_FORMS, decode_matmul
+from prove_jax.models.attention import cache_chunk
+from prove_jax.models.kernels import MATMUL_FORMS, KernelOptions
 from prove_jax.models.params import create_model
 
 # head_dim 24 keeps cache buffers [B, K, S, 24] from sharing a shape with any score tensor
@@ -110,9 +111,8 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
                                            (DecodeOptions("lossless", 4, max_groups=2), 10)],
                          ids=["ar", "lossless"])
 def test_chunked_cache_read_never_copies_the_kv_cache(models, options, width):
-    """A buffer long enough to be read in chunks (`model.cache_chunk`): the chunks are sliced
+    """A buffer long enough to be read in chunks (`attention.cache_chunk`): the chunks are sliced
     from the buffer inside a loop of every layer, and the buffer is still never copied whole."""
-    from prove_jax.models.qwen2 import cache_chunk
     decoder = Decoder(models[0], [1], options)
     prompts = [list(range(2, 2 + n)) for n in (3, 5, 4, 6)]
     result = decoder.generate(prompts, 500, batch_size=2)
@@ -129,9 +129,9 @@ def test_decode_loop_never_moves_a_weight(models, form):
     """One row (so no activation in the loop has a weight's shape), in both CPU decode forms.
     (The plain form is not among them: XLA:CPU transposes the k/v kernels on every step.)"""
     proposer, _ = models
-    with decode_matmul(form):
-        decoder = Decoder(proposer, [1], DecodeOptions("lossless", 4, max_groups=2))
-        result = decoder.generate([[2, 3, 4]], 40, batch_size=1)
+    options = DecodeOptions("lossless", 4, max_groups=2, kernels=KernelOptions(matmul_form=form))
+    decoder = Decoder(proposer, [1], options)
+    result = decoder.generate([[2, 3, 4]], 40, batch_size=1)
     assert len(result.output_ids[0]) > 0
     (compiled, _), = decoder._compiled.values()
     hlo = compiled.as_text()

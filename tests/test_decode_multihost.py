@@ -82,7 +82,7 @@ def test_calibrate_is_refused_on_several_hosts(tmp_path, monkeypatch, capsys):
     across hosts deadlock. Refused before any model loads, with what to give instead."""
     import jax
 
-    from infer import generate
+    from prove_jax.cli import generate
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4]}) + "\n")

@@ -3,6 +3,7 @@
 Oracles: transformers `generate(do_sample=False)` for AR; our AR for the lossless modes.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,9 +18,11 @@ import torch
 from prove_jax.checkpoints.checkpoint import load_model, save_model
 from prove_jax.models.config import ConfigError, ModelConfig
 from prove_jax.checkpoints.convert import hf_to_flax
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, KernelOptions, program, queue
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.steps import head_in_one_pass
+from prove_jax.models.kernels import DEFAULT_KERNELS
+from prove_jax.models.attention import StepMask, causal_mask
 from prove_jax.models.qwen2 import Qwen2
 from prove_jax.models.params import create_model
 from prove_jax.models.sharding import make_mesh
@@ -57,9 +60,9 @@ def test_ar_matches_transformers_generate(tmp_path):
 
 def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     """Prompts spanning several prefill chunks (and rows needing different chunk counts)."""
-    from prove_jax.decoding import engine
-    monkeypatch.setattr(engine, "PREFILL_CHUNK", {jax.default_backend(): 8})
-    assert engine.default_prefill_chunk() == 8
+    from prove_jax.decoding import options as decode_options
+    monkeypatch.setattr(decode_options, "PREFILL_CHUNK", {jax.default_backend(): 8})
+    assert decode_options.default_prefill_chunk() == 8
     hf = make_hf_qwen2(tmp_path / "hf", seed=2, eos_token_id=5)
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
@@ -93,7 +96,7 @@ def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
     """A buffer long enough to be read in chunks (`model.cache_chunk`: 512 slots and the step's
     width, two chunks) is attended chunk by chunk up to the batch's longest row; rows of 480, 40
     and 450 prompt tokens still decode exactly as transformers does, and lossless equals AR."""
-    from prove_jax.models.qwen2 import cache_chunk
+    from prove_jax.models.attention import cache_chunk
     hf = make_hf_qwen2(tmp_path / "hf", seed=4, eos_token_id=5)
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
@@ -114,7 +117,7 @@ def test_a_large_batch_reads_a_short_buffer_in_short_chunks(tmp_path):
     prompt tokens decode exactly as transformers does, the compiled loop slices chunks of that
     size from the cache, and lossless equals AR."""
     import re
-    from prove_jax.models.qwen2 import CPU_SHORT_CHUNK_ROWS, cache_chunk
+    from prove_jax.models.attention import CPU_SHORT_CHUNK_ROWS, cache_chunk
     hf = make_hf_qwen2(tmp_path / "hf", seed=6, eos_token_id=5)
     hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = load_model(str(tmp_path / "ours"))
@@ -144,18 +147,21 @@ def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
 def test_lossless_reads_the_lm_head_once_where_few_extra_rows(model, ar_out, monkeypatch):
     """K=5, G=2 needs the head at 9 of its 13 slots: one pass over all 13 for one row (4 extra
     rows), two passes (the 5 verify slots, then the chosen group's 4) for four rows (16 extra).
-    With one group every slot is needed: one pass. All of them are AR."""
+    With one group every slot is needed: one pass. `KernelOptions(lm_head_one_pass=False)`
+    forces two passes for one row too. All of them are AR."""
     widths = []
     real = Qwen2.logits
 
-    def spy(self, hidden):
+    def spy(self, hidden, **kw):
         widths.append(hidden.shape[1])
-        return real(self, hidden)
+        return real(self, hidden, **kw)
     monkeypatch.setattr(Qwen2, "logits", spy)
-    for k, groups, rows, head_widths in [(5, 2, 1, [13]), (5, 2, 4, [5, 4]), (3, 1, 4, [5])]:
-        assert head_in_one_pass(LosslessLayout.build(k, groups), rows) == (len(head_widths) == 1)
+    two_passes = KernelOptions(lm_head_one_pass=False)
+    for k, groups, rows, kernels, head_widths in [(5, 2, 1, DEFAULT_KERNELS, [13]), (5, 2, 4, DEFAULT_KERNELS, [5, 4]),
+                                                  (3, 1, 4, DEFAULT_KERNELS, [5]), (5, 2, 1, two_passes, [5, 4])]:
+        assert head_in_one_pass(LosslessLayout.build(k, groups), rows, kernels) == (len(head_widths) == 1)
         widths.clear()
-        dec = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups))
+        dec = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups, kernels=kernels))
         assert dec.generate(_prompts(), 24, batch_size=rows).output_ids == ar_out.output_ids
         assert widths == head_widths
 
@@ -354,8 +360,94 @@ def test_compiled_once_per_shape(model):
     assert dec.trace_count == 2
 
 
+@pytest.mark.parametrize("kernels_a,kernels_b", [
+    (KernelOptions(matmul_form="weight_major"), KernelOptions(matmul_form="plain")),
+    (KernelOptions(lm_head_one_pass=True), KernelOptions(lm_head_one_pass=False)),
+], ids=["matmul-form", "lm-head-passes"])
+def test_kernel_options_key_the_compiled_program(model, ar_out, monkeypatch, kernels_a, kernels_b):
+    """Two DecodeOptions that differ only in their kernels, in one process: two traces, two
+    cache entries whose keys differ only there, two different compiled programs, the same
+    tokens. (When the kernels were module globals read at trace time, a decoder reused a
+    program compiled under one setting when asked for the other.)"""
+    traces = []
+    real = program.run_program
+    monkeypatch.setattr(program, "run_program", lambda *a, **kw: traces.append(a[3]) or real(*a, **kw))
+    base = DecodeOptions("lossless", 5, max_groups=2)  # at one row: the LM head in one pass by default
+    first = Decoder(model, [1], dataclasses.replace(base, kernels=kernels_a))
+    second = first.with_options(dataclasses.replace(base, kernels=kernels_b))
+    results = [dec.generate(_prompts(), 24, batch_size=1) for dec in (first, second)]
+    assert len(traces) == 2 and [dec.trace_count for dec in (first, second)] == [1, 1]
+    (key_a, (compiled_a, _)), = first._compiled.items()
+    (key_b, (compiled_b, _)), = second._compiled.items()
+    assert key_a != key_b and key_a[1:] == key_b[1:]
+    settings_a, settings_b = key_a[0], key_b[0]
+    assert (settings_a.options.kernels, settings_b.options.kernels) == (kernels_a, kernels_b)
+    assert dataclasses.replace(settings_a, options=dataclasses.replace(settings_a.options, kernels=kernels_b)) == settings_b
+    assert compiled_a.as_text() != compiled_b.as_text()
+    assert results[0].output_ids == results[1].output_ids == ar_out.output_ids
+    assert [r.options.kernels for r in results] == [kernels_a, kernels_b]
+
+
+def _queue_arrays(prompts, width=16, max_new=8):
+    """(prompts [Q, width], prompt_len [Q], max_new [Q]) as `Decoder.generate` lays them out."""
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return (jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
+            jnp.full((len(prompts),), max_new, jnp.int32))
+
+
+def test_prefill_then_one_step_gives_the_uncached_forwards_logits(model):
+    """`program.prefill` alone: prompts of 3-14 tokens written 4 at a time (1 to 4 chunks per
+    row). A one-token step of each prompt's last token against that cache gives the logits a
+    plain causal forward without a cache gives at that position, and the prompts' KV equals a
+    single-chunk prefill's."""
+    prompts, prompt_len, _ = _queue_arrays(_prompts(8, (3, 9, 14, 5)))
+    rows, width = prompts.shape
+    cache = program.prefill(model, prompts, prompt_len, 32, chunk_size=4, pad_id=0)
+    last = prompt_len - 1
+    hidden, _ = model.hidden_states(prompts[jnp.arange(rows), last][:, None], last[:, None],
+                                    StepMask(last, causal_mask(1, 1)), cache)
+    step_logits = model.logits(hidden)[:, 0]
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+    full_logits, _ = model(prompts, positions, causal_mask(rows, width))
+    np.testing.assert_allclose(step_logits, full_logits[jnp.arange(rows), last], rtol=1e-5, atol=1e-5)
+    one_chunk = program.prefill(model, prompts, prompt_len, 32, chunk_size=width, pad_id=0)
+    for chunked, whole in zip(cache.k + cache.v, one_chunk.k + one_chunk.v):  # [B, K, S, Dh]
+        for r, n in enumerate(prompt_len.tolist()):
+            np.testing.assert_allclose(chunked[r, :, :n], whole[r, :, :n], rtol=1e-5, atol=1e-6)
+
+
+def test_admitting_a_request_into_a_row_equals_starting_it_there(model):
+    """`program.admit` alone: a batch started with requests 0 and 1, then request 2 admitted
+    into row 1 (`queue.put_row`), holds the state of a batch started with requests 0 and 2:
+    tokens, lengths, budgets, counters, drafts exactly, and both caches over the prompts."""
+    prompts, prompt_len, max_new = _queue_arrays(_prompts(9, (5, 3, 14)))
+    options = DecodeOptions("verify", 4, record_steps=True).validate()
+    settings = program.ProgramSettings(options=options, num_rows=2, num_slots=64, eos_ids=(1,), pad_id=0,
+                                       mask_id=CFG.mask_token_id, prefill_chunk=4)
+    batch = program.start_rows(model, model, prompts[:2], prompt_len[:2], max_new[:2], settings)
+    row = program.admit(model, model, prompts, prompt_len, max_new, jnp.int32(2), settings)
+    admitted = queue.put_row(batch.replace(step=jnp.int32(5)), row, jnp.int32(1))
+    pick = jnp.asarray([0, 2])
+    fresh = program.start_rows(model, model, prompts[pick], prompt_len[pick], max_new[pick], settings)
+    assert int(admitted.step) == 5  # the loop counter is the batch's
+    admitted = admitted.replace(step=fresh.step)
+    for name in ("cache", "verifier_cache"):
+        got, want = getattr(admitted, name), getattr(fresh, name)
+        for a, b in zip(got.k + got.v, want.k + want.v):
+            for r, n in enumerate(prompt_len[pick].tolist()):  # past a prompt: padding, overwritten
+                np.testing.assert_allclose(a[r, :, :n], b[r, :, :n], rtol=1e-5, atol=1e-6)
+    rest = lambda state: state.replace(cache=None, verifier_cache=None)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(rest(admitted))
+    assert [path for path, _ in leaves] == [path for path, _ in jax.tree_util.tree_leaves_with_path(rest(fresh))]
+    assert len(leaves) >= 12
+    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(rest(fresh))):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
 def test_sharded_decoding_equals_single_device(model, ar_out, monkeypatch):
-    from prove_jax.models import qwen2 as model_lib
+    from prove_jax.models import attention as model_lib
     mesh = make_mesh((4, 1, 2))
     sharded = load_or_shard(model, mesh)
     prompts = _prompts() * 2
@@ -431,7 +523,7 @@ def test_free_device_memory_reads_the_allocator_or_the_host_never_host_ram_for_a
 
 
 def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, model, monkeypatch, capsys):
-    from infer import generate
+    from prove_jax.cli import generate
     from prove_jax import memory
     dec = Decoder(model, [1], DecodeOptions("lossless", 4))
     compiled = []
@@ -457,7 +549,7 @@ def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, 
 
 
 def test_cli_lossless_in_bfloat16_says_it_is_exact_only_up_to_rounding(tmp_path, model, capsys):
-    from infer import generate
+    from prove_jax.cli import generate
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, model)
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

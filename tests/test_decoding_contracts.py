@@ -2,7 +2,7 @@
 plausible bug (a mutant of the code) that every other test passed, and fails on it.
 
 Oracles: naive decoders built from plain full causal forwards of the same model (no KV cache,
-no step layouts, no loop state) that follow METHOD.md section 3 step by step; identities
+no step layouts, no loop state) that follow docs/method.md section 3 step by step; identities
 between a run's outputs and its stats; "an EOS only cuts the output"; and the documented
 errors, labels and defaults.
 """
@@ -26,7 +26,7 @@ from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, adapt_for_ba
 from prove_jax.decoding import calibrate as cal
 from prove_jax.decoding import requests
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import create_model
 from tests.test_decoding import CFG, _prompts, _tau_in_widest_middle_gap
 
@@ -152,7 +152,7 @@ def test_cli_block_size_defaults_and_calibrate_decodes_adaptively(tmp_path, monk
     """Documented defaults: K = 8, lossless 4, but --calibrate searches up to 8; --calibrate
     (like --adaptive) makes the decoder follow its per-batch table, or the table it installs
     would be ignored."""
-    from infer import generate
+    from prove_jax.cli import generate
     seen = []
 
     def build(path, options, **kw):
@@ -225,7 +225,7 @@ def test_calibrate_keeps_ar_unless_a_trial_decode_wins_by_the_margin(model, monk
     dec = Decoder(model, [1], DecodeOptions("lossless", 4, adaptive=True))
     monkeypatch.setattr(cal, "acceptance_profile", lambda *a: np.array([[0.1, 0.1, 0.1, 0.7]]))
     monkeypatch.setattr(cal, "time_decode_steps",
-                        lambda model, b, cands, keep=None: {cal.AR: 1.0} | {c: 1.0 for c in cands})
+                        lambda model, b, cands, keep=None, kernels=None: {cal.AR: 1.0} | {c: 1.0 for c in cands})
     measured = {}
     monkeypatch.setattr(cal, "trial_speedups", lambda d, p, layouts, b, n: {x: measured[x] for x in layouts})
     cands = [(2, 2), (4, 4)]
@@ -344,7 +344,7 @@ def test_eos_only_cuts_the_output_and_a_finished_row_stops_counting(model, verif
 # ---- lossless, step by step, against a naive ProVe-lossless ---------------------------------
 
 def _naive_lossless(greedy_fn, prompts, k: int, groups: int | None, max_new: int, mask_id: int, pad_id: int = 0):
-    """METHOD.md 3c with full forwards: per step, verify the drafts (greedy over [committed,
+    """docs/method.md 3c with full forwards: per step, verify the drafts (greedy over [committed,
     drafts]), accept their AR-matching prefix a and commit a + 1 tokens; the next drafts come
     from the group serving j = the largest served length <= a (a forward over [committed up to
     d_j, MASK x M]), shifted by a - j, the vacated tail repeating the last guess; a group serves

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from infer import benchmark, demo
+from prove_jax.cli import benchmark, demo
 from prove_jax.evaluation import benchmark as bench_lib
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.models.config import ModelConfig
@@ -277,6 +277,29 @@ def test_benchmark_interrupted_says_where_the_finished_batch_sizes_are(pair, tmp
     err = capsys.readouterr().err
     assert rc == 130 and "stopped" in err and "Traceback" not in err and "bench.json.partial" in err
     assert (tmp_path / "bench.json.partial").exists() and not (tmp_path / "bench.json").exists()
+
+
+def test_benchmark_reports_go_under_runs_unless_asked(pair, tmp_path, monkeypatch, capsys):
+    """A plain run never replaces a committed report: it writes runs/benchmark/decode.*
+    (git-ignored) under the working directory; `--out PREFIX` names the trio, and
+    --json/--md/--png still name one file each."""
+    args = benchmark.parse_args([])
+    assert (args.json, args.md, args.png) == tuple(
+        os.path.join("runs", "benchmark", f"decode.{ext}") for ext in ("json", "md", "png"))
+    args = benchmark.parse_args(["--out", "benchmarks/decode_x", "--md", "elsewhere.md"])
+    assert (args.json, args.md, args.png) == ("benchmarks/decode_x.json", "elsewhere.md",
+                                              "benchmarks/decode_x.png")
+    committed = os.path.join(REPO, "benchmarks")
+    before = {f: os.stat(os.path.join(committed, f)).st_mtime_ns for f in os.listdir(committed)}
+    monkeypatch.chdir(tmp_path)  # where runs/ does not exist yet
+    rc = benchmark.main(["--model", pair[0], "--verifier", pair[1], "--humaneval", "1",
+                         "--max-new-tokens", "2", "--batch-sizes", "1", "--repeats", "1",
+                         "--modes", "ar", "--no-peers"])
+    assert rc == 0, capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["runs"]
+    assert sorted(os.listdir(tmp_path / "runs" / "benchmark")) == ["decode.json", "decode.md", "decode.png"]
+    assert json.loads((tmp_path / "runs" / "benchmark" / "decode.json").read_text())["records"][0]["mode"] == "ar"
+    assert {f: os.stat(os.path.join(committed, f)).st_mtime_ns for f in os.listdir(committed)} == before
 
 
 def test_positive_ints_as_an_argparse_type_names_the_option():

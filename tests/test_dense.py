@@ -1,20 +1,25 @@
-"""`model.dense`: every matmul form computes the same thing, and each is used where it should be;
-checkpoints of the old [in, out] kernel layout, or missing a weight, are refused by name. (That
-the input-major weight transpose stays out of the decode loop is tests/test_decode_in_place.py.)"""
+"""`matmul.dense`: every matmul form computes the same thing, and each is used where it should be;
+each `KernelOptions` compiles its own program; checkpoints of the old [in, out] kernel layout, or
+missing a weight, are refused by name. (That the input-major weight transpose stays out of the
+decode loop is tests/test_decode_in_place.py.)"""
 
 import copy
+import functools
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from prove_jax.models import qwen2 as model_lib
 from prove_jax.checkpoints.checkpoint import (CheckpointError, load_model, params_pure_dict,
                                               save_params)
+from prove_jax.models import matmul
+from prove_jax.models.attention import causal_mask
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.qwen2 import MATMUL_FORMS, causal_mask, decode_matmul, dense
+from prove_jax.models.kernels import DEFAULT_KERNELS, MATMUL_FORMS, KernelOptions
+from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -45,13 +50,13 @@ def test_matmul_forms_agree_values_and_gradients(x_shape, w_shape, n_in):
     w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
     axes = (tuple(range(len(x_shape) - n_in, len(x_shape))), tuple(range(len(w_shape) - n_in, len(w_shape))))
     want = np.tensordot(np.asarray(x, np.float64), np.asarray(w, np.float64), axes=axes)
-    loss = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in)))
     results = {}
     for form in MATMUL_FORMS:
-        with decode_matmul(form, 10_000):
-            assert _has_barrier(lambda x, w: dense(x, w, n_in), x, w) == (form != "plain")
-            out = dense(x, w, n_in)
-            grads = jax.grad(loss, argnums=(0, 1))(x, w)
+        kernels = KernelOptions(matmul_form=form, matmul_max_rows=10_000)
+        loss = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in, kernels=kernels)))  # noqa: E731
+        assert _has_barrier(lambda x, w: dense(x, w, n_in, kernels=kernels), x, w) == (form != "plain")
+        out = dense(x, w, n_in, kernels=kernels)
+        grads = jax.grad(loss, argnums=(0, 1))(x, w)
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
         results[form] = grads
     for form in MATMUL_FORMS:
@@ -61,15 +66,15 @@ def test_matmul_forms_agree_values_and_gradients(x_shape, w_shape, n_in):
 
 @pytest.mark.parametrize("rows,want", [(1, 1), (4, 4), (5, 8), (8, 8), (10, 16), (16, 16), (29, 32)])
 def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
-    assert model_lib.padded_dot_rows(rows) == want
-    with model_lib.dot_row_padding(False):  # the benchmarks' side-by-side switch
-        assert model_lib.padded_dot_rows(rows) == rows
+    assert matmul.padded_dot_rows(rows) == want
+    # the benchmarks' side-by-side switch
+    assert matmul.padded_dot_rows(rows, KernelOptions(pad_dot_rows=False)) == rows
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((1, rows, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
-    with decode_matmul("weight_major"):
-        jaxpr = jax.make_jaxpr(dense)(x, w).jaxpr
-        out = dense(x, w)
+    kernels = KernelOptions(matmul_form="weight_major")
+    jaxpr = jax.make_jaxpr(lambda x, w: dense(x, w, kernels=kernels))(x, w).jaxpr
+    out = dense(x, w, kernels=kernels)
     pads = [e.outvars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "pad"]
     assert pads == ([] if want == rows else [(want, 16)])
     assert out.shape == (1, rows, 40)  # the zero rows are cut off again
@@ -78,22 +83,21 @@ def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
 
 def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert jax.default_backend() == "cpu"
-    monkeypatch.delenv(model_lib.MATMUL_FORM_ENV, raising=False)
-    form, limit = model_lib.decode_matmul_form()
+    monkeypatch.delenv(matmul.MATMUL_FORM_ENV, raising=False)
+    form, limit = matmul.decode_matmul_form()
     assert form == "weight_major"
-    assert limit == model_lib.CPU_DECODE_MAX_ROWS
+    assert limit == matmul.CPU_DECODE_MAX_ROWS
     w = jnp.ones((8, 16))
     assert _has_barrier(dense, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
     assert not _has_barrier(dense, jnp.ones((2, limit, 16)), w)  # prefill / training rows
-    monkeypatch.setenv(model_lib.MATMUL_FORM_ENV, "plain")  # the override for other CPUs
-    assert model_lib.decode_matmul_form() == ("plain", limit)
+    monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "plain")  # the override for other CPUs
+    assert matmul.decode_matmul_form() == ("plain", limit)
     assert not _has_barrier(dense, jnp.ones((2, 3, 16)), w)
-    monkeypatch.setenv(model_lib.MATMUL_FORM_ENV, "fastest")
+    monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "fastest")
     with pytest.raises(ValueError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major, input_major, plain"):
-        model_lib.decode_matmul_form()
+        matmul.decode_matmul_form()
     with pytest.raises(ValueError, match="unknown matmul form 'transposed'"):
-        with decode_matmul("transposed"):
-            pass
+        KernelOptions(matmul_form="transposed")
 
 
 def test_model_logits_equal_in_every_form():
@@ -102,10 +106,38 @@ def test_model_logits_equal_in_every_form():
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
     logits = {}
     for form in MATMUL_FORMS:
-        with decode_matmul(form):
-            logits[form] = np.asarray(model(tokens, positions, causal_mask(2, 9))[0])
+        kernels = KernelOptions(matmul_form=form)
+        logits[form] = np.asarray(model(tokens, positions, causal_mask(2, 9), kernels=kernels)[0])
     for form in MATMUL_FORMS:
         np.testing.assert_allclose(logits[form], logits["plain"], rtol=1e-5, atol=1e-5)
+
+
+def test_two_kernel_options_compile_two_programs():
+    """`kernels` is static in a jit: two options in one process are two programs (not a reuse of
+    whichever traced first) computing the same logits; equal options share one."""
+    graphdef, state = nnx.split(create_model(CFG, seed=2))
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames="kernels")
+    def forward(state, tokens, positions, mask, kernels=DEFAULT_KERNELS):
+        traces.append(kernels)
+        return nnx.merge(graphdef, state)(tokens, positions, mask, kernels=kernels)[0]
+
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 3)), jnp.int32)
+    args = (state, tokens, jnp.arange(3)[None], causal_mask(1, 3))
+    hlo, logits = {}, {}
+    for form in ("weight_major", "plain"):
+        kernels = KernelOptions(matmul_form=form)
+        hlo[form] = forward.lower(*args, kernels=kernels).as_text()
+        logits[form] = np.asarray(forward(*args, kernels=kernels))
+    assert hlo["weight_major"] != hlo["plain"]
+    # each weight-major projection is one barrier more (the rotary tables have one in both)
+    barriers = {form: text.count("stablehlo.optimization_barrier") for form, text in hlo.items()}
+    assert barriers["weight_major"] > barriers["plain"], barriers
+    np.testing.assert_allclose(logits["weight_major"], logits["plain"], rtol=1e-5, atol=1e-5)
+    traced = len(traces)
+    forward(*args, kernels=KernelOptions(matmul_form="plain"))  # an equal object: no new trace
+    assert len(traces) == traced and {k.matmul_form for k in traces} == {"weight_major", "plain"}
 
 
 def test_checkpoint_with_old_kernels_or_a_missing_weight_is_refused_by_name(tmp_path):

@@ -1,9 +1,10 @@
-"""Self-distillation data (`python -m prove_jax.training.distill`): records are the model's greedy AR."""
+"""Self-distillation data (`prove-jax distill`): records are the model's greedy AR."""
 
 import json
 
 import pytest
 
+from prove_jax.cli import distill as distill_cli
 from prove_jax.training import distill
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.data.corpus import write_corpus
@@ -25,7 +26,7 @@ def test_records_are_greedy_continuations(tmp_path, ckpt, capsys):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
     out = tmp_path / "out.jsonl"
-    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(out),
+    assert distill_cli.main(["--model", ckpt, "--prompts", str(inp), "--out", str(out),
                          "--max-new-tokens", "20", "--batch-size", "3", "--max-prompt-tokens", "10"]) == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
     kept = [(f"r{i}", p) for i, p in enumerate(prompts) if len(p) <= 10]  # the 14-token one is skipped
@@ -40,7 +41,7 @@ def test_records_are_greedy_continuations(tmp_path, ckpt, capsys):
     assert "wrote" in capsys.readouterr().err
     # the batch over 4 data shards, the model over 2 tensor shards: the same records
     sharded = tmp_path / "sharded.jsonl"
-    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(sharded), "--mesh", "4,1,2",
+    assert distill_cli.main(["--model", ckpt, "--prompts", str(inp), "--out", str(sharded), "--mesh", "4,1,2",
                          "--max-new-tokens", "20", "--batch-size", "3", "--max-prompt-tokens", "10"]) == 0
     assert sharded.read_text() == out.read_text()
 
@@ -58,7 +59,7 @@ def test_errors_leave_no_output(tmp_path, ckpt, capsys):
              (["--model", ckpt, "--prompts", str(inp), "--mix-corpus-chars", "-5"], "must be >= 0"),
              (["--model", ckpt, "--prompts", str(inp), "--mix-corpus-chars", "10"], "takes its text from --corpus")]
     for args, expect in cases:
-        assert distill.main([*args, "--out", str(out)]) == 2
+        assert distill_cli.main([*args, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert expect in err and "Traceback" not in err, err
         assert not out.exists()
@@ -66,12 +67,12 @@ def test_errors_leave_no_output(tmp_path, ckpt, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n"
                            for i, p in enumerate([[3, 4], [5, 6], [3, 10**6], [7, 8]])))
-    assert distill.main(["--model", ckpt, "--prompts", str(bad), "--out", str(out)]) == 2
+    assert distill_cli.main(["--model", ckpt, "--prompts", str(bad), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "request 'r2' has token id 1000000 outside the vocabulary" in err and not out.exists(), err
-    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(tmp_path)]) == 2
+    assert distill_cli.main(["--model", ckpt, "--prompts", str(inp), "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err  # was a traceback after the whole decode
-    assert distill.main(["--model", ckpt, "--prompts", str(inp), "--out", str(inp)]) == 2
+    assert distill_cli.main(["--model", ckpt, "--prompts", str(inp), "--out", str(inp)]) == 2
     assert "--out" in (err := capsys.readouterr().err) and "is the input file" in err
     assert json.loads(inp.read_text()) == {"id": 0, "prompt_ids": [3, 4]}  # the prompts are intact
 

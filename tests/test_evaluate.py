@@ -1,4 +1,4 @@
-"""Held-out evaluation (`python -m prove_jax.evaluation.heldout`): oracle is transformers' own loss."""
+"""Held-out evaluation (`prove-jax evaluate`): oracle is transformers' own loss."""
 
 import json
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from prove_jax.cli import evaluate as evaluate_cli
 from prove_jax.evaluation import heldout as evaluate
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
 from prove_jax.checkpoints.convert import hf_to_flax
@@ -44,7 +45,7 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
     _, no_tok, ckpt = pair
     data = tmp_path / "heldout.txt"
     data.write_text(stdlib_text(("fnmatch",)))
-    assert evaluate.main(["--model", ckpt, "--data", str(data), "--max-length", "32", "--max-rows", "5",
+    assert evaluate_cli.main(["--model", ckpt, "--data", str(data), "--max-length", "32", "--max-rows", "5",
                           "--batch-size", "2"]) == 0
     out = capsys.readouterr()
     [result] = json.loads(out.out)
@@ -54,7 +55,7 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
     assert result["nll"] == pytest.approx(expected["nll"], rel=1e-5) and result["rows"] == 5
     assert "perplexity" in out.err
     # sharded: rows over data x fsdp = 4 (the batch of 2 rounded up to 4), the model over tensor
-    assert evaluate.main(["--model", ckpt, "--data", str(data), "--max-length", "32", "--max-rows", "5",
+    assert evaluate_cli.main(["--model", ckpt, "--data", str(data), "--max-length", "32", "--max-rows", "5",
                           "--batch-size", "2", "--mesh", "2,2,2"]) == 0
     [sharded] = json.loads(capsys.readouterr().out)
     assert sharded["nll"] == pytest.approx(expected["nll"], rel=1e-5)
@@ -71,6 +72,6 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
                          (["--model", ckpt, "--data", str(data), "--max-length", "100000"],
                           "--max-length 100000 is past"),
                          (["--model", ckpt, "--data", str(data), "--mesh", "16,1,1"], "needs 16 devices")]:
-        assert evaluate.main(args) == 2
+        assert evaluate_cli.main(args) == 2
         err = capsys.readouterr().err
         assert expect in err and "Traceback" not in err, err

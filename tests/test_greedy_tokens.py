@@ -1,4 +1,4 @@
-"""`model.greedy_tokens` is jnp.argmax, bit for bit: the lossless modes' exactness rests on it."""
+"""`tokens.greedy_tokens` is jnp.argmax, bit for bit: the lossless modes' exactness rests on it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prove_jax.models.qwen2 import greedy_tokens
+from prove_jax.models.tokens import greedy_tokens
 
 
 @pytest.mark.parametrize("shape", [(7,), (1, 1), (3, 5, 33), (16, 4096)])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_models import make_hf_qwen2
+from prove_jax.cli import humaneval as humaneval_cli
 from prove_jax.evaluation import humaneval
 from prove_jax.evaluation import peers
 
@@ -94,14 +95,14 @@ def test_commented_out_exec_in_the_package_is_refused(monkeypatch):
 
 def test_prompts_cli(tmp_path, capsys):
     out = tmp_path / "he.jsonl"
-    assert humaneval.main(["--out", str(out), "--limit", "3"]) == 0
+    assert humaneval_cli.main(["--out", str(out), "--limit", "3"]) == 0
     lines = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     capsys.readouterr()
-    assert humaneval.main(["--out", str(tmp_path), "--limit", "3"]) == 2   # a directory
+    assert humaneval_cli.main(["--out", str(tmp_path), "--limit", "3"]) == 2   # a directory
     assert capsys.readouterr().err.strip() == f"error: {tmp_path} is a directory; give a file path"
     for bad in ("0", "-1"):  # -1 was a slice bound: all problems but the last
-        assert humaneval.main(["--out", str(out), "--limit", bad]) == 2
+        assert humaneval_cli.main(["--out", str(out), "--limit", bad]) == 2
         assert capsys.readouterr().err.strip() == f"error: limit must be >= 1, got {bad}"
     assert len(out.read_text().splitlines()) == 3  # the earlier output is untouched
 

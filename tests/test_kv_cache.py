@@ -11,7 +11,9 @@ import numpy as np
 from flax import nnx
 
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.qwen2 import KVCache, StepMask, causal_mask
+from prove_jax.models import attention
+from prove_jax.models.attention import (CPU_SHORT_CHUNK_ROWS, GPU_CHUNKED_MIN_ROWS, KVCache, StepMask,
+                                        cache_chunk, causal_mask)
 from prove_jax.models.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -91,7 +93,6 @@ def test_short_chunks_only_for_a_large_batch_on_cpu(monkeypatch):
     """`cache_chunk`: 256-slot chunks at least, so a 385-slot buffer is one pass; on CPU from
     CPU_SHORT_CHUNK_ROWS rows up 128-slot ones (three of 129); at most 8 chunks either way;
     never shorter on an accelerator, where each chunk costs kernel launches per layer."""
-    from prove_jax.models.qwen2 import CPU_SHORT_CHUNK_ROWS, cache_chunk
     assert CPU_SHORT_CHUNK_ROWS == 16
     assert cache_chunk(385) == cache_chunk(385, rows=15) == 385
     assert cache_chunk(385, rows=16) == cache_chunk(385, rows=64) == 129
@@ -107,7 +108,6 @@ def test_one_pass_below_a_batch_of_16_on_gpu(monkeypatch):
     """On a GPU each trip of the chunk loop is a host round trip per layer: below
     GPU_CHUNKED_MIN_ROWS rows per device a buffer of any length is read in one pass; from there
     up it is chunked as on a TPU."""
-    from prove_jax.models.qwen2 import GPU_CHUNKED_MIN_ROWS, cache_chunk
     assert GPU_CHUNKED_MIN_ROWS == 16
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert cache_chunk(4096) == cache_chunk(4096, rows=15) == 4096
@@ -131,7 +131,6 @@ def test_long_buffer_read_in_chunks_matches_full_forward():
     """A long buffer is read chunk by chunk (701 slots: two chunks of 351, the second starting
     at 350 and overlapping the first by one slot). Rows of 600, 100 and 300 committed tokens:
     the longest spans both chunks, the shortest sees the second fully masked."""
-    from prove_jax.models.qwen2 import cache_chunk
     slots = 701
     assert cache_chunk(slots) == 351  # the chunked path, with an uneven tail
     model = create_model(CFG, seed=5)
@@ -161,7 +160,6 @@ def test_chunked_cache_attention_reads_only_as_far_as_the_longest_row():
     weight of 0 times NaN). A row's result is the same bit for bit whatever the other rows'
     lengths (chunks of masked slots change nothing), and equals one softmax over the row's
     committed slots and its own tokens."""
-    from prove_jax.models import qwen2 as model_lib
     rng = np.random.RandomState(2)
     b, t, kv, g, dh, slots = 2, 3, 2, 2, 8, 1024  # 4 chunks of 256
     q = jnp.asarray(rng.randn(b, t, kv, g, dh), jnp.float32)
@@ -171,14 +169,14 @@ def test_chunked_cache_attention_reads_only_as_far_as_the_longest_row():
     for c in cache:
         c[:, :, 512:] = np.nan
     cache = tuple(jnp.asarray(c) for c in cache)
-    attend = jax.jit(model_lib._attend_cached)
+    attend = jax.jit(attention._attend_cached)
     short = np.asarray(attend(q, own, intra, cache, jnp.asarray([100, 300], jnp.int32)))
     longer = np.asarray(attend(q, own, intra, cache, jnp.asarray([100, 500], jnp.int32)))
     assert np.isfinite(short).all() and np.isfinite(longer).all()
     np.testing.assert_array_equal(short[0], longer[0])
     def one_pass(cache, lengths):  # one softmax over the whole buffer and the own tokens
         committed = jnp.arange(slots)[None, :] < jnp.asarray(lengths)[:, None]
-        return np.asarray(model_lib._attend(q, [(cache[0], cache[1], committed[:, None]), own + (intra,)]))
+        return np.asarray(attention._attend(q, [(cache[0], cache[1], committed[:, None]), own + (intra,)]))
     assert np.isnan(one_pass(cache, [100, 500])).any()  # what reading the whole buffer gives
     want = one_pass(tuple(jnp.nan_to_num(c) for c in cache), [100, 500])
     np.testing.assert_allclose(longer, want, atol=1e-5, rtol=1e-5)

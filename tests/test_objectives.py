@@ -15,7 +15,7 @@ MASK_ID = 63
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, rope_theta=10_000.0, mask_token_id=MASK_ID)
 
-# Hand-written from METHOD.md's four rules, L=6. Rows = queries, columns = keys;
+# Hand-written from docs/method.md's four rules, L=6. Rows = queries, columns = keys;
 # c0..c5 clean stream, m0..m5 masked stream.
 #                    c0 c1 c2 c3 c4 c5  m0 m1 m2 m3 m4 m5
 MASK_L6_B2 = np.array([
@@ -239,4 +239,6 @@ def test_make_loss_fn_errors():
         make_loss_fn("mars", block_size=4)
     with pytest.raises(ObjectiveError, match="block_size"):
         make_loss_fn("mars", mask_token_id=3)
+    with pytest.raises(ObjectiveError, match="objective=commit_head trains only the verifier's small head"):
+        make_loss_fn("commit_head", block_size=4, mask_token_id=3)
     assert make_loss_fn("ar") is ar_loss and set(LOSS_FNS) == {"ar", "mars"}

@@ -18,7 +18,7 @@ import transformers
 from hf_models import make_hf_qwen2
 from prove_jax.checkpoints import convert
 from prove_jax.checkpoints.checkpoint import load_model
-from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import flat_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +56,7 @@ def our_logits(model, tokens) -> np.ndarray:
 def run_cli(*args):
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "prove_jax.checkpoints.convert", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "prove_jax", "convert", *args], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=120)
 
 

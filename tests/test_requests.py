@@ -76,7 +76,7 @@ def test_missing_request_file(tmp_path):
 def test_an_output_that_is_a_directory_or_the_input_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     """Both used to be found only after decoding: a directory failed at the rename, and the
     request file itself was silently replaced by the outputs."""
-    from infer import generate
+    from prove_jax.cli import generate
     loaded = []
     monkeypatch.setattr(generate, "build_decoder", lambda *a, **k: loaded.append(a))
     path = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
@@ -135,7 +135,7 @@ def test_outputs_go_through_symlinks_and_into_fifos_and_devices(tmp_path):
 def test_adaptive_and_calibrated_lossless_default_to_the_widest_table_block():
     """--adaptive without --block-size ran K=4, which capped the GPU/TPU table's batch-1 row
     (K=8, 8 groups) at K=4; --calibrate already defaulted to 8."""
-    from infer import generate
+    from prove_jax.cli import generate
 
     def block(*argv):
         args = generate.parse_args(["--input", "in.jsonl", "--output", "out.jsonl", *argv])
@@ -150,7 +150,7 @@ def test_adaptive_and_calibrated_lossless_default_to_the_widest_table_block():
 
 
 def test_chat_with_only_token_id_prompts_says_it_changes_nothing(tmp_path, capsys, monkeypatch):
-    from infer import generate
+    from prove_jax.cli import generate
 
     def build(*a, **k):
         raise DecodeError("stop before loading")
@@ -174,7 +174,7 @@ def test_chat_without_a_chat_template_fails_before_the_model_loads(tmp_path, cap
     """Text prompts are encoded before any weight is read: a tokenizer without a chat template
     failed with transformers' message only after the model had loaded."""
     import shutil
-    from infer import generate
+    from prove_jax.cli import generate
     from prove_jax import assets
 
     def build(*a, **k):
@@ -226,7 +226,7 @@ def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
 ])
 def test_an_option_the_mode_does_not_read_is_refused(tmp_path, capsys, monkeypatch, extra, message):
     """They were accepted and ignored: `--mode lossless --tau 0.8` ran plain lossless."""
-    from infer import generate
+    from prove_jax.cli import generate
     loaded = []
     monkeypatch.setattr(generate, "build_decoder", lambda *a, **k: loaded.append(a))
     path = _write(tmp_path, [{"id": "a", "prompt_ids": [4, 5]}])
@@ -235,7 +235,7 @@ def test_an_option_the_mode_does_not_read_is_refused(tmp_path, capsys, monkeypat
 
 
 def test_options_of_the_mode_reach_the_decoder(tmp_path, monkeypatch):
-    from infer import generate
+    from prove_jax.cli import generate
     seen = []
 
     def build(path, options, **kw):

@@ -28,7 +28,7 @@ from prove_jax.training import dry_run as dr
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions
 from prove_jax.decoding import requests
-from prove_jax.decoding.engine import BatchResult
+from prove_jax.decoding import BatchResult
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,15 +149,16 @@ def test_a_full_queue_takes_the_steps_its_requests_need_and_no_more():
 
 def test_build_decoder_loads_the_verifier_and_its_head_from_the_verifier_checkpoint():
     from prove_jax.decoding.loading import build_decoder
-    vcfg = checkpoint.load_config(assets.DEMO_VERIFIER)
-    pcfg = checkpoint.load_config(assets.DEMO_PROPOSER)
-    assert (vcfg.num_layers, vcfg.hidden_size) != (pcfg.num_layers, pcfg.hidden_size)
+    verifier_cfg = checkpoint.load_config(assets.DEMO_VERIFIER)
+    proposer_cfg = checkpoint.load_config(assets.DEMO_PROPOSER)
+    assert (verifier_cfg.num_layers, verifier_cfg.hidden_size) != (proposer_cfg.num_layers, proposer_cfg.hidden_size)
     dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("verify", 4),
                            verifier_path=assets.DEMO_VERIFIER)
-    assert (dec.vcfg.num_layers, dec.vcfg.hidden_size) == (vcfg.num_layers, vcfg.hidden_size)
+    assert (dec.verifier_cfg.num_layers, dec.verifier_cfg.hidden_size) == (verifier_cfg.num_layers,
+                                                                          verifier_cfg.hidden_size)
     dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("verify", 4, commit_rule="head"),
                            verifier_path=assets.DEMO_VERIFIER)
-    assert dec.head_hidden_size == vcfg.hidden_size
+    assert dec.head_hidden_size == verifier_cfg.hidden_size
 
 
 def test_build_decoder_dtype_sets_the_parameters_dtype_too():

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from prove_jax.models import sharding
 from prove_jax.checkpoints.checkpoint import load_model, save_model
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import create_model, flat_params, param_logical_axes
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -13,7 +13,7 @@ from prove_jax import assets
 from prove_jax.evaluation import humaneval
 from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer
 from prove_jax.data.corpus import build_corpus, heldout_prompts
-from prove_jax.decoding import DecodeOptions
+from prove_jax.decoding import DecodeOptions, KernelOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.steps import head_in_one_pass
@@ -69,26 +69,27 @@ def test_shipped_lossless_equals_ar_as_an_accelerator_runs_it(monkeypatch):
     (`model.dense` uses the CPU forms only on CPU), the accelerator prefill chunk, and the
     adaptive table's layouts, the widest first (K=8 with a group per acceptance length: a
     64-token step). A trained proposer, so steps accept partial blocks and use middle groups."""
-    from prove_jax.decoding import engine
-    from prove_jax.models.qwen2 import decode_matmul
-    monkeypatch.setattr(engine, "PREFILL_CHUNK", {})  # every backend: PREFILL_CHUNK_ACCELERATOR
-    table = engine.ADAPTIVE_TABLES["gpu"]
-    monkeypatch.setitem(engine.ADAPTIVE_TABLES, "cpu", table)
-    with decode_matmul("plain"):
-        # one device: the suite's simulated ones would all go on the data axis (8 rows at least)
-        ar, tok = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar"), mesh_shape="1,1,1")
-        # HumanEval prompts, on which the proposer often accepts part of a block
-        prompts = [tok.encode(p["prompt"])[-96:] for p in humaneval.load_problems(limit=6)]
-        assert engine.default_prefill_chunk() == engine.PREFILL_CHUNK_ACCELERATOR > max(map(len, prompts))
-        ref = ar.generate(prompts, 48)
-        dec = ar.with_options(DecodeOptions("lossless", 8, adaptive=True))
-        for rows, layout in ((1, (8, 8)), (4, table[1][1:]), (6, table[2][1:])):
-            res = dec.generate(prompts, 48, batch_size=rows)
-            assert (res.options.block_size, res.options.max_groups) == layout
-            assert res.output_ids == ref.output_ids, (rows, layout)
-            if rows == 1:  # the middle groups (a partial acceptance) served some steps too
-                assert LosslessLayout.build(8, 8).width == 64
-                assert res.accept_hist[:, 1:7].sum() > 0, res.accept_hist.sum(0)
+    from prove_jax.decoding import adaptive
+    from prove_jax.decoding import options as decode_options
+    monkeypatch.setattr(decode_options, "PREFILL_CHUNK", {})  # every backend: PREFILL_CHUNK_ACCELERATOR
+    table = adaptive.ADAPTIVE_TABLES["gpu"]
+    monkeypatch.setitem(adaptive.ADAPTIVE_TABLES, "cpu", table)
+    plain = KernelOptions(matmul_form="plain")
+    # one device: the suite's simulated ones would all go on the data axis (8 rows at least)
+    ar, tok = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar", kernels=plain), mesh_shape="1,1,1")
+    # HumanEval prompts, on which the proposer often accepts part of a block
+    prompts = [tok.encode(p["prompt"])[-96:] for p in humaneval.load_problems(limit=6)]
+    assert decode_options.default_prefill_chunk() == decode_options.PREFILL_CHUNK_ACCELERATOR > max(map(len, prompts))
+    ref = ar.generate(prompts, 48)
+    dec = ar.with_options(DecodeOptions("lossless", 8, adaptive=True, kernels=plain))
+    for rows, layout in ((1, (8, 8)), (4, table[1][1:]), (6, table[2][1:])):
+        res = dec.generate(prompts, 48, batch_size=rows)
+        assert (res.options.block_size, res.options.max_groups) == layout
+        assert res.options.kernels == plain  # the adapted options keep the kernels
+        assert res.output_ids == ref.output_ids, (rows, layout)
+        if rows == 1:  # the middle groups (a partial acceptance) served some steps too
+            assert LosslessLayout.build(8, 8).width == 64
+            assert res.accept_hist[:, 1:7].sum() > 0, res.accept_hist.sum(0)
 
 
 def test_capped_layout_commits_every_verified_token():

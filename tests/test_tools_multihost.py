@@ -1,5 +1,5 @@
-"""The proposer's data and quality tools on several hosts: `prove_jax.training.distill` and
-`prove_jax.evaluation.heldout` run as two processes on loopback, 4 simulated CPU devices each, one mesh
+"""The proposer's data and quality tools on several hosts: `prove-jax distill` and
+`prove-jax evaluate` run as two processes on loopback, 4 simulated CPU devices each, one mesh
 over all 8 (as on a pod slice, the same command on every host). Their results must equal one
 process's; only process 0 writes and prints."""
 
@@ -33,7 +33,7 @@ def test_distill_and_evaluate_on_two_hosts_equal_one_process(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "distill.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
     hosts = run_two_processes(lambda i, port: [
-        "-m", "prove_jax.training.distill", "--model", ckpt, "--prompts", str(inp), "--out", str(out),
+        "-m", "prove_jax", "distill", "--model", ckpt, "--prompts", str(inp), "--out", str(out),
         "--mesh", "4,1,2", "--batch-size", "4", "--max-new-tokens", "16", *joining(i, port)])
     ar = Decoder(model, [0], DecodeOptions("ar")).generate(prompts, 16).output_ids
     records = {r["id"]: r["response_ids"] for r in map(json.loads, out.read_text().splitlines())}
@@ -43,7 +43,7 @@ def test_distill_and_evaluate_on_two_hosts_equal_one_process(tmp_path):
     data = tmp_path / "heldout.txt"
     data.write_text(stdlib_text(("fnmatch",)))
     hosts = run_two_processes(lambda i, port: [
-        "-m", "prove_jax.evaluation.heldout", "--model", ckpt, "--data", str(data), "--max-length", "32",
+        "-m", "prove_jax", "evaluate", "--model", ckpt, "--data", str(data), "--max-length", "32",
         "--max-rows", "6", "--batch-size", "4", "--mesh", "2,2,2", *joining(i, port)])
     rows = tokenize_examples([{"text": data.read_text()}], load_tokenizer(ckpt), max_length=32, block_size=1)
     rows = TokenizedRows(rows.input_ids[:6], rows.loss_mask[:6], rows.valid[:6], 0, 0)

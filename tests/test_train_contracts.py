@@ -1,8 +1,8 @@
 """Training contracts the rest of the suite let through: each test was written against a
 plausible bug (a mutant of the code) that every other test passed, and fails on it. The oracles
 are the documented contracts, written out by hand: the warmup + cosine schedule of optim.py's
-docstring (METHOD.md: "cosine, warmup 3%"), the clipped-AdamW update formula, MARS's loss =
-CE(masked) + ar_weight x CE(clean) (METHOD.md section 2), the commit head's "the verifier's
+docstring (docs/method.md: "cosine schedule, 3% warmup"), the clipped-AdamW update formula, MARS's loss =
+CE(masked) + ar_weight x CE(clean) (docs/method.md section 2), the commit head's "the verifier's
 state at D_i judges D_{i+1}", and the run directory's checkpoint contract (the final step is
 saved, `keep` newest are kept)."""
 
@@ -103,7 +103,7 @@ def test_train_step_is_clipped_adamw_on_the_weighted_mars_loss():
     np.testing.assert_allclose(float(loss_of(batch)), float(loss_of(without)), rtol=1e-6)
 
     state = ts.init_state(model, tx, layout)
-    loss_fn = ts.make_loss_fn("mars", block_size=4, mask_token_id=MASK_ID, ar_weight=ar_weight)
+    loss_fn = objectives.make_loss_fn("mars", block_size=4, mask_token_id=MASK_ID, ar_weight=ar_weight)
     step = ts.jit_step(ts.build_step_fn(layout.graphdef, tx, loss_fn), layout, mesh)
     with jax.set_mesh(mesh):
         state, metrics = step(state, _global_batch(batch, mesh))
@@ -165,11 +165,11 @@ HEAD_CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num
 
 
 def test_verifier_inputs_are_the_verifiers_ar_view_of_each_next_token():
-    """METHOD.md 3d: the verifier reads [context, D] causally and its logits at D_i judge D_{i+1}
+    """docs/method.md 3d: the verifier reads [context, D] causally and its logits at D_i judge D_{i+1}
     (decoding/steps.py feeds the head hidden[:, :-1], i.e. D_0..D_{K-2}). Oracle: a plain causal
     forward over [context, D], whose position of D_i sees exactly context + D_0..D_i."""
     from prove_jax.training.commit_head import verifier_inputs
-    from prove_jax.models.qwen2 import causal_mask
+    from prove_jax.models.attention import causal_mask
     verifier = params_lib.create_model(HEAD_CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
     rng = np.random.default_rng(3)
     context = jnp.asarray(rng.integers(5, 290, size=(2, 6)), jnp.int32)
@@ -182,10 +182,10 @@ def test_verifier_inputs_are_the_verifiers_ar_view_of_each_next_token():
         full, _ = verifier(x, jnp.broadcast_to(jnp.arange(n), (b, n)), causal_mask(b, n))
         return verifier_inputs(verifier, context, block)[1], full
 
-    vlogits, full = both(verifier, context, block)
-    assert vlogits.shape == (2, 3, HEAD_CFG.vocab_size)
+    verifier_logits, full = both(verifier, context, block)
+    assert verifier_logits.shape == (2, 3, HEAD_CFG.vocab_size)
     for i in range(3):  # D_i sits at position 6 + i
-        np.testing.assert_allclose(np.asarray(vlogits[:, i]), np.asarray(full[:, 6 + i]), atol=1e-5,
+        np.testing.assert_allclose(np.asarray(verifier_logits[:, i]), np.asarray(full[:, 6 + i]), atol=1e-5,
                                    err_msg=f"logits {i} are not the verifier's view after D_{i}")
 
 
@@ -202,7 +202,8 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
     forwards: the proposer's block after [context, MASK x (K-1)], the verifier's hidden state at
     D_0..D_{K-2} of [context, D], and the proposer's greedy AR on [context, D] for the labels."""
     from prove_jax.training import commit_head as ch
-    from prove_jax.models.qwen2 import causal_mask, greedy_tokens
+    from prove_jax.models.attention import causal_mask
+    from prove_jax.models.tokens import greedy_tokens
     proposer = params_lib.create_model(HEAD_CFG, seed=11)
     verifier = params_lib.create_model(HEAD_CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
     k, context_len, mask_id = 4, 8, HEAD_CFG.mask_token_id
@@ -227,7 +228,7 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
         c = len(context)
         _, logits = plain(proposer, context + [mask_id] * (k - 1))
         block = [int(t) for t in greedy_tokens(logits[c - 1:])]
-        np.testing.assert_array_equal(np.asarray(ex.nxt[row]), block[1:],
+        np.testing.assert_array_equal(np.asarray(ex.next_tokens[row]), block[1:],
                                       err_msg="the head must judge D_1..D_{K-1}, the block shifted by one")
         hidden, _ = plain(verifier, context + block)
         np.testing.assert_allclose(np.asarray(ex.hidden[row]), np.asarray(hidden[c: c + k - 1]),
@@ -239,7 +240,7 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
     # and the loss is the head's BCE on exactly those pairs
     head = ch.CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
     loss, logits = ch.head_loss(head, ex)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(head(ex.hidden, ex.vlogits, ex.nxt)), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(head(ex.hidden, ex.verifier_logits, ex.next_tokens)), atol=1e-6)
     p = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
     y = np.asarray(ex.labels, np.float64)
     bce = -(y * np.log(p) + (1 - y) * np.log(1 - p))
@@ -331,7 +332,7 @@ def test_data_smaller_than_one_batch_is_a_warning(tmp_path):
 def _torch_and_ours(hf_model, ckpt, tokens):
     import torch
     from prove_jax.checkpoints.checkpoint import load_model
-    from prove_jax.models.qwen2 import causal_mask
+    from prove_jax.models.attention import causal_mask
     with torch.no_grad():
         ref = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
     b, t = tokens.shape

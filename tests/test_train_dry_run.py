@@ -69,7 +69,7 @@ def test_dry_run_counts_the_gradient_sum_of_accumulation(tmp_path):
 
 VERIFIER = os.path.join(REPO, "configs", "verifier_qwen2.5_3b.yaml")
 COMMIT_HEAD = ["objective=commit_head", "proposer=runs/qwen32b-mars/model",
-               "model.checkpoint=runs/verifier-3b/model"]  # the README's recipe: not on this machine
+               "model.checkpoint=runs/verifier-3b/model"]  # docs/training.md's recipe: not on this machine
 
 
 def test_commit_head_recipe_fits_its_v5p_slice(capsys):

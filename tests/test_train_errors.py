@@ -1,5 +1,6 @@
 """Config loading and bad input: every shipped config takes the standard overrides; unknown
-keys, missing or empty data and over-long sequences give one clear message."""
+keys, missing or empty data and over-long sequences give one clear message. Every error class
+of the package is a ProveJaxError, which the train CLI prints as one line."""
 
 from __future__ import annotations
 
@@ -373,3 +374,60 @@ def test_a_tokenizer_that_disagrees_with_the_pretrained_weights_is_refused(tmp_p
     tokenizer, where = resolve_tokenizer(same)  # tokenizer.path: a copy of the model's own
     assert where != ckpt
     check_tokenizer_matches_weights(same, tokenizer, where, source_model_config(same))
+
+
+# Exception classes of the package that are not user-facing errors, each with the reason.
+INTERNAL_EXCEPTIONS = {
+    # raised by fieldtypes.conform and always caught by the config readers, which re-raise it as
+    # TrainConfigError / ConfigError naming the field
+    "prove_jax.fieldtypes.AnnotationMismatch",
+}
+
+
+def _package_exception_classes() -> dict[str, type]:
+    """Every exception class defined in a module of prove_jax, by its dotted name."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import prove_jax
+    found = {}
+    for info in pkgutil.walk_packages(prove_jax.__path__, "prove_jax."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == module.__name__:
+                found[f"{module.__name__}.{name}"] = obj
+    return found
+
+
+def test_every_error_class_of_the_package_is_a_prove_jax_error():
+    """The CLIs catch ProveJaxError alone: an error class outside it would be a traceback."""
+    from prove_jax.errors import ProveJaxError
+    classes = _package_exception_classes()
+    errors = {name for name in classes if name.rsplit(".", 1)[1].endswith("Error")}
+    for name in ("prove_jax.training.config.TrainConfigError", "prove_jax.data.pipeline.DataError",
+                 "prove_jax.checkpoints.checkpoint.CheckpointError", "prove_jax.models.config.ConfigError",
+                 "prove_jax.decoding.options.DecodeError"):
+        assert name in errors, sorted(errors)  # the walk reaches every sub-package
+    assert INTERNAL_EXCEPTIONS <= set(classes), "an internal exception was renamed or removed"
+    outside = sorted(name for name, cls in classes.items()
+                     if name not in INTERNAL_EXCEPTIONS and not issubclass(cls, ProveJaxError))
+    assert outside == [], f"not ProveJaxError subclasses: {outside}"
+
+
+def test_a_prove_jax_error_from_deep_inside_is_one_error_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """Any ProveJaxError, not only the classes the CLI knows by name, raised inside a run."""
+    from prove_jax.errors import ProveJaxError
+    from prove_jax.training import loop
+
+    class DeepError(ProveJaxError):  # a subclass of the base alone, no builtin beside it
+        pass
+
+    def fails(cfg):
+        raise DeepError("the weights at /nowhere are on fire; use others")
+    monkeypatch.setattr(loop, "run_model_config", fails)
+    assert main(["--config", write_config(tmp_path), "--no-progress"]) == 2
+    assert capsys.readouterr().err == "error: the weights at /nowhere are on fire; use others\n"
+    assert not os.path.exists(os.path.join(tmp_path, "run"))

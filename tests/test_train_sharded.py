@@ -16,6 +16,7 @@ from prove_jax.data import pipeline as data_lib
 from prove_jax.models import params as params_lib
 from prove_jax.models import sharding
 from prove_jax.training import step as ts
+from prove_jax.training.objectives import make_loss_fn
 from prove_jax.models.config import ModelConfig
 from prove_jax.training.optimizer import make_optimizer
 from prove_jax.training.config import OptimizerConfig
@@ -49,7 +50,7 @@ def _jitted_step(mesh_shape, objective="mars", grad_accum=1, remat=False, dtype=
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
     tx = make_optimizer(OptimizerConfig(lr=1e-3, eps=1e-6, warmup_ratio=0.0), total_steps=10)
     layout = ts.state_layout(params_lib.abstract_model(CFG.replace(dtype=dtype), remat), tx, mesh)
-    loss_fn = ts.make_loss_fn(objective, block_size=4, mask_token_id=CFG.mask_token_id)
+    loss_fn = make_loss_fn(objective, block_size=4, mask_token_id=CFG.mask_token_id)
     step = ts.jit_step(ts.build_step_fn(layout.graphdef, tx, loss_fn, grad_accum), layout, mesh)
     return mesh, tx, layout, step
 

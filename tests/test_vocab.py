@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 
 from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer, save_model
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import create_model, flat_params
 from prove_jax.models.sharding import make_mesh
 from prove_jax.checkpoints.vocab import (MASK_TOKEN, VocabError, ensure_mask_token,

@@ -62,18 +62,14 @@ def save_model(path: str, model: Qwen2, cfg: ModelConfig | None = None,
 
 def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | None = None,
                 replace_any: bool = False) -> str:
-    """Write a checkpoint from a pure-dict param tree (jax or numpy leaves) atomically.
+    """Write a checkpoint from a pure-dict param tree (jax or numpy leaves, the structure of
+    `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) atomically: the one writer of the format,
+    for `save_model` and the HF converter alike.
 
-    The one writer of the checkpoint format: `save_model` and the HF converter both use it, so a
-    converted checkpoint is exactly what `load_model` expects. `params` must have the structure
-    of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (layer indices as int keys).
-
-    Memory: a synchronous save without orbax's defensive deep copy of numpy leaves, and without
-    OCDBT (which buffers every array until the final commit), so writing costs ~0.2x the params
-    on top of the params themselves instead of ~1.9x. `load_model` reads either layout.
-
-    `path` is replaced whole: it must be new, empty or an earlier checkpoint, unless
-    `replace_any` (the converter's --overwrite).
+    Synchronous, without orbax's deep copy of numpy leaves and without OCDBT (which buffers
+    every array until the commit), to keep the converter's peak memory low (see
+    benchmarks/convert.md); `load_model` reads either layout. `path` must be new, empty or an
+    earlier checkpoint, unless `replace_any` (the converter's --overwrite).
     """
     if not replace_any:
         check_replaceable(path, "params", "a prove-jax checkpoint", CheckpointError)
@@ -105,11 +101,9 @@ def _parameter_of(text: str) -> str | None:
 
 
 def restore_error_reason(e: BaseException) -> str:
-    """The first line of an orbax/tensorstore restore error, without its TensorStore spec dump
-    (hundreds of characters of JSON after the reason). Orbax's "Encountered error while reading
-    array index ..." says only which slice failed: the cause (tensorstore's NOT_FOUND or
-    FAILED_PRECONDITION naming the file) is given instead, and the parameter is named from the
-    spec."""
+    """The first line of an orbax/tensorstore restore error, without its spec dump (hundreds of
+    characters of JSON). For orbax's "Encountered error while reading array index ...", which
+    names only a slice, the cause's reason is given, and the parameter is named from the spec."""
     text = str(e).strip()
     reason = text.splitlines()[0] if text else type(e).__name__
     for dump in (" See full TensorStore", " [tensorstore_spec="):
@@ -150,12 +144,10 @@ def _is_abandoned_read_error(exc: BaseException | None) -> bool:
 
 @contextlib.contextmanager
 def restore_attempt(path: str):
-    """Run an orbax restore of `path` inside this. Orbax closes its event loop as soon as a
-    restore fails, and a read it abandoned can call into the closed loop, or be closed with its
-    error ("Encountered error while reading array index ..."), before the exception has reached
-    the caller, too early for `quiet_abandoned_reads`. So those unraisables are held while the
-    restore runs: dropped (and `path` quieted) when it raises, passed on unchanged when it
-    returns. Anything else passes at once."""
+    """Run an orbax restore of `path` inside this. A failed restore's abandoned reads can report
+    into orbax's closed event loop before the exception reaches the caller, too early for
+    `quiet_abandoned_reads`, so those unraisables are held while the restore runs: dropped (and
+    `path` quieted) when it raises, passed on when it returns. Anything else passes at once."""
     held = []
     passed_on = sys.unraisablehook
 
@@ -180,14 +172,11 @@ def restore_attempt(path: str):
 
 
 def quiet_abandoned_reads(path: str) -> None:
-    """Called (by `restore_attempt`) when a restore of `path` failed. The reads orbax abandoned
-    still finish on tensorstore's threads after the restore returned: each failed one is logged when
-    garbage-collected ("Future exception was never retrieved", the same error again with its
-    spec dump), their callbacks into orbax's closed event loop print "Exception ignored ...
-    Event loop is closed", and orbax's read coroutines, closed unfinished, print "Exception
-    ignored ... Encountered error while reading array index" with the spec dump (one per chunk:
-    hundreds under load). Only those, the first and last only for this path, are dropped
-    (process-wide, since they arrive at any later time)."""
+    """Called (by `restore_attempt`) when a restore of `path` failed. Its abandoned reads finish
+    later on tensorstore's threads and print the same error again, per chunk (hundreds under
+    load): "Future exception was never retrieved", "Exception ignored ... Event loop is closed"
+    and "... Encountered error while reading array index". Only those (the first and last only
+    for this path) are dropped, process-wide, since they arrive at any later time."""
     if not _ABANDONED_READ_DIRS:
         logging.getLogger("asyncio").addFilter(_keep_unless_abandoned_read)
         previous_hook = sys.unraisablehook
@@ -228,10 +217,10 @@ def _without_ocdbt_merge_warning():
 def _streaming_handlers():
     """Orbax handlers for a synchronous save: numpy leaves written in place (no deepcopy; the
     copy only protects callers that mutate arrays during an async save)."""
-    th = ocp.type_handlers
-    return th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
-        (jax.Array, th.get_type_handler(jax.Array)))
+    handlers = ocp.type_handlers
+    return handlers.create_type_handler_registry(
+        (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, handlers.get_type_handler(jax.Array)))
 
 
 def load_config(path: str) -> ModelConfig:
@@ -258,7 +247,7 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     if not os.path.isdir(params_dir):
         if any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise CheckpointError(f"{path} is a Hugging Face model directory, not a prove-jax checkpoint; "
-                                  f"convert it first: python -m prove_jax.checkpoints.convert hf-to-flax "
+                                  f"convert it first: prove-jax convert hf-to-flax "
                                   f"--hf-dir {path} --out CKPT")
         raise CheckpointError(f"checkpoint {path} has no params/ directory (incomplete or not a "
                               f"prove-jax checkpoint)")

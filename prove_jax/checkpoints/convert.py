@@ -1,47 +1,41 @@
-"""Convert Qwen2 checkpoints between HF safetensors and our orbax format, tensor by tensor.
+"""Convert Qwen2 checkpoints between HF safetensors and our orbax format, tensor by tensor
+(the CLI: prove_jax/cli/convert.py; docs/conversion.md).
 
-    python -m prove_jax.checkpoints.convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16]
-    python -m prove_jax.checkpoints.convert flax-to-hf --ckpt CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
-
-Memory: hf-to-flax reads one HF tensor at a time into its own buffer and keeps only the
-converted tree (one copy of the model); flax-to-hf plans each safetensors header from the config,
-then streams tensors in HF layout one at a time. Every check that needs only headers (model_type,
-missing / unmapped / duplicate keys, shapes, truncation) runs before any tensor data is read.
-Outputs appear under their final name only when complete.
+One tensor is in flight at a time, so peak memory is about one copy of the model (see
+benchmarks/convert.md). Every check that needs only headers (keys, shapes, truncation) runs
+before any tensor data is read, and outputs appear under their final name only when complete.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from typing import Iterator
 
 import numpy as np
 
-from prove_jax.checkpoints import safetensors_io as st
+from prove_jax.checkpoints import safetensors_io
 from prove_jax.models.config import ConfigError, ModelConfig
 from prove_jax.checkpoints.hf_weights import (WeightError, check_hf_tensor, expected_hf_keys,
                                               hf_shape, hf_to_ours, ours_to_hf)
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-CONVERSION_ERRORS = (WeightError, ConfigError, st.SafetensorsError)  # + CheckpointError, see main
 
 
 def _np_dtype(name: str) -> np.dtype:
-    return st.DTYPES["BF16"] if name == "bfloat16" else np.dtype(name)
+    return safetensors_io.DTYPES["BF16"] if name == "bfloat16" else np.dtype(name)
 
 
 class _Progress:
     """Tensor count / bytes on stderr, at most once every `every` seconds, plus a final line."""
 
     def __init__(self, what: str, total_tensors: int, total_bytes: int, enabled: bool, every: float = 2.0):
-        self.what, self.n, self.total_bytes, self.enabled, self.every = what, total_tensors, total_bytes, enabled, every
+        self.what, self.total_tensors, self.total_bytes = what, total_tensors, total_bytes
+        self.enabled, self.every = enabled, every
         self.done = self.bytes = 0
         self.start = self.last = time.monotonic()
 
@@ -49,9 +43,9 @@ class _Progress:
         self.done += 1
         self.bytes += nbytes
         now = time.monotonic()
-        if self.enabled and (now - self.last >= self.every or self.done == self.n):
+        if self.enabled and (now - self.last >= self.every or self.done == self.total_tensors):
             self.last = now
-            print(f"{self.what}: {self.done}/{self.n} tensors, {self.bytes / 1e9:.2f}/"
+            print(f"{self.what}: {self.done}/{self.total_tensors} tensors, {self.bytes / 1e9:.2f}/"
                   f"{self.total_bytes / 1e9:.2f} GB, {now - self.start:.1f}s", file=sys.stderr, flush=True)
 
 
@@ -123,13 +117,13 @@ def _untie_if_the_head_differs(hf_dir: str, cfg: ModelConfig) -> ModelConfig:
     if not cfg.tie_word_embeddings:
         return cfg
     try:
-        infos = st.model_index(hf_dir)
+        infos = safetensors_io.model_index(hf_dir)
         if embed not in infos or head not in infos:
             return cfg
         if infos[embed].shape == infos[head].shape and np.array_equal(
-                st.read_tensor(infos[embed]), st.read_tensor(infos[head])):
+                safetensors_io.read_tensor(infos[embed]), safetensors_io.read_tensor(infos[head])):
             return cfg
-    except st.SafetensorsError:
+    except safetensors_io.SafetensorsError:
         return cfg
     print(f"note: {hf_dir}: config.json ties the word embeddings, but {head} differs from {embed}; "
           f"converting untied (with the file's head), as transformers loads it", file=sys.stderr, flush=True)
@@ -147,7 +141,8 @@ def _read_json(path: str) -> dict:
     return d
 
 
-def plan_hf_to_ours(infos: dict[str, st.TensorInfo], cfg: ModelConfig) -> list[st.TensorInfo]:
+def plan_hf_to_ours(infos: dict[str, safetensors_io.TensorInfo],
+                    cfg: ModelConfig) -> list[safetensors_io.TensorInfo]:
     """The tensors to convert, after checking every name and shape against `cfg` (headers only)."""
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     if cfg.tie_word_embeddings and embed not in infos and head in infos:
@@ -173,12 +168,12 @@ def plan_hf_to_ours(infos: dict[str, st.TensorInfo], cfg: ModelConfig) -> list[s
 def convert_hf_to_ours(hf_dir: str, cfg: ModelConfig, progress: bool = False) -> dict:
     """Read an HF safetensors checkpoint into our nested pure-dict param tree (numpy leaves)."""
     if not os.path.isdir(hf_dir):
-        raise st.SafetensorsError(f"HF model directory not found: {hf_dir}")
-    plan = plan_hf_to_ours(st.model_index(hf_dir), cfg)
+        raise safetensors_io.SafetensorsError(f"HF model directory not found: {hf_dir}")
+    plan = plan_hf_to_ours(safetensors_io.model_index(hf_dir), cfg)
     target = _np_dtype(cfg.param_dtype)
     report = _Progress("hf-to-flax", len(plan), sum(i.nbytes for i in plan), progress)
     flat: dict[str, np.ndarray] = {}
-    for info, array in st.iter_tensors(plan):
+    for info, array in safetensors_io.iter_tensors(plan):
         path, ours = hf_to_ours(info.name, array, cfg)
         del array  # the raw HF buffer; `ours` is a transposed copy (or a view for 1-D tensors)
         flat[path] = np.ascontiguousarray(ours.astype(target, copy=False))
@@ -212,7 +207,7 @@ def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: s
     from prove_jax.checkpoints.checkpoint import save_params
 
     if not os.path.isdir(hf_dir):
-        raise st.SafetensorsError(f"HF model directory not found: {hf_dir}")
+        raise safetensors_io.SafetensorsError(f"HF model directory not found: {hf_dir}")
     _check_out_dir(out, overwrite)
     cfg = read_hf_config(hf_dir)
     changes = {k: v for k, v in (("param_dtype", dtype), ("dtype", compute_dtype)) if v}
@@ -262,7 +257,7 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
     target = _np_dtype(out_dtype)
     entries = [(name, target, hf_shape(name, cfg)) for name in expected_hf_keys(cfg)]
     shards = plan_shards(entries, max_shard_size)
-    names = ([st.SINGLE_FILE] if len(shards) == 1 else
+    names = ([safetensors_io.SINGLE_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = sum(int(np.prod(s)) * target.itemsize for _, _, s in entries)
     report = _Progress("flax-to-hf", len(entries), total, progress)
@@ -277,11 +272,11 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
     hf_cfg = cfg.replace(param_dtype=out_dtype)
     with atomic_dir(out) as tmp:
         for name, shard in zip(names, shards):
-            st.write_file(os.path.join(tmp, name), shard, arrays)
+            safetensors_io.write_file(os.path.join(tmp, name), shard, arrays)
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {e[0]: n for n, shard in zip(names, shards) for e in shard}}
-            _write_json(os.path.join(tmp, st.INDEX_FILE), index)
+            _write_json(os.path.join(tmp, safetensors_io.INDEX_FILE), index)
         _write_json(os.path.join(tmp, "config.json"), hf_cfg.to_hf_dict())
         copy_tokenizer_files(ckpt, tmp)
         _write_generation_config(os.path.join(tmp, "generation_config.json"), hf_cfg)
@@ -302,69 +297,3 @@ def _write_generation_config(path: str, cfg: ModelConfig) -> None:
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
     gen.update({k: v for k, v in ours.items() if v is not None})
     _write_json(path, gen)
-
-
-# ---- CLI -----------------------------------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
-    unit = (m.group(2) or "B").upper()
-    base = 1024 if "I" in unit else 1000
-    power = "BKMGT".index(unit[0])
-    return int(float(m.group(1)) * base**power)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m prove_jax.checkpoints.convert", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("hf-to-flax", help="HF Qwen2 safetensors dir -> prove-jax orbax checkpoint")
-    a.add_argument("--hf-dir", required=True, help="HF model dir: config.json + model.safetensors "
-                   "or model.safetensors.index.json shards (+ tokenizer files, copied)")
-    a.add_argument("--out", required=True, help="checkpoint dir to create (must not exist or be empty)")
-    a.add_argument("--dtype", choices=DTYPES, help="stored parameter dtype (default: the HF config's "
-                   "dtype when it is float32 or bfloat16; float16 and other sources are stored as float32)")
-    a.add_argument("--compute-dtype", choices=DTYPES, help="matmul dtype recorded in the checkpoint "
-                   "config (default float32; bfloat16 is ~5x slower on CPU)")
-    b = sub.add_parser("flax-to-hf", help="prove-jax checkpoint -> HF dir loadable by transformers")
-    b.add_argument("--ckpt", required=True, help="prove-jax checkpoint dir (config.json + params/)")
-    b.add_argument("--out", required=True, help="HF dir to create (must not exist or be empty)")
-    b.add_argument("--dtype", choices=DTYPES, help="safetensors dtype (default: the checkpoint's param dtype)")
-    b.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
-                   help="split into model-0000X-of-0000N.safetensors + index above this size (default 5GB)")
-    for q in (a, b):
-        q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
-        q.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from prove_jax.checkpoints.checkpoint import CheckpointError
-
-    args = build_parser().parse_args(argv)
-    start = time.monotonic()
-    try:
-        if args.command == "hf-to-flax":
-            cfg = hf_to_flax(args.hf_dir, args.out, args.dtype, args.compute_dtype, args.overwrite,
-                             progress=not args.quiet)
-            what = f"{cfg.num_params / 1e6:.1f}M params, {cfg.param_dtype}"
-        else:
-            files = flax_to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, args.overwrite,
-                               progress=not args.quiet)
-            what = f"{len(files)} safetensors file(s)"
-    except (*CONVERSION_ERRORS, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
-        return 2
-    if not args.quiet:
-        print(f"{args.command}: wrote {args.out} ({what}) in {time.monotonic() - start:.1f}s", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    from prove_jax.cli.runner import run_cli
-    run_cli(main)

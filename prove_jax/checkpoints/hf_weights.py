@@ -29,59 +29,72 @@ class _Rule:
     to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
 
 
-def _ident(x, c):
+def _unchanged(x, cfg):
     return x
 
 
 # Our kernels keep HF's (torch's) [out, in] order, so every transform is a reshape: HF flattens
 # the head axes that we keep apart (q/k/v [N*Dh, D] <-> [N, Dh, D], o [D, H*Dh] <-> [D, H, Dh]).
-def _split_out(heads_of):  # HF [N*Dh, ...] -> ours [N, Dh, ...]
-    return lambda x, c: x.reshape(heads_of(c), c.head_dim, *x.shape[1:])
+def _split_heads(heads_of):  # HF [N*Dh, ...] -> ours [N, Dh, ...]
+    return lambda x, cfg: x.reshape(heads_of(cfg), cfg.head_dim, *x.shape[1:])
 
 
-def _merge_out(x, c):  # ours [N, Dh, ...] -> HF [N*Dh, ...]
+def _merge_heads(x, cfg):  # ours [N, Dh, ...] -> HF [N*Dh, ...]
     return x.reshape(-1, *x.shape[2:])
 
 
-def _o_in(x, c):  # HF [D, H*Dh] -> ours [D, H, Dh]
-    return x.reshape(c.hidden_size, c.num_heads, c.head_dim)
+def _split_o_heads(x, cfg):  # HF [D, H*Dh] -> ours [D, H, Dh]
+    return x.reshape(cfg.hidden_size, cfg.num_heads, cfg.head_dim)
 
 
-def _o_out(x, c):  # ours [D, H, Dh] -> HF [D, H*Dh]
+def _merge_o_heads(x, cfg):  # ours [D, H, Dh] -> HF [D, H*Dh]
     return x.reshape(x.shape[0], -1)
 
 
-_H = lambda c: c.num_heads
-_K = lambda c: c.num_kv_heads
-_L = r"model\.layers\.(?P<i>\d+)\."
+def _query_heads(cfg):
+    return cfg.num_heads
+
+
+def _kv_heads(cfg):
+    return cfg.num_kv_heads
+
+
+_LAYER = r"model\.layers\.(?P<i>\d+)\."  # the prefix of every per-layer tensor name
 
 RULES: tuple[_Rule, ...] = (
-    _Rule(r"model\.embed_tokens\.weight", "embed", lambda c: (c.vocab_size, c.hidden_size), _ident, _ident),
-    _Rule(r"model\.norm\.weight", "final_norm.weight", lambda c: (c.hidden_size,), _ident, _ident),
-    _Rule(r"lm_head\.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size), _ident, _ident),
-    _Rule(_L + r"input_layernorm\.weight", "layers.{i}.input_norm.weight", lambda c: (c.hidden_size,), _ident, _ident),
-    _Rule(_L + r"post_attention_layernorm\.weight", "layers.{i}.post_attn_norm.weight",
-          lambda c: (c.hidden_size,), _ident, _ident),
-    _Rule(_L + r"self_attn\.q_proj\.weight", "layers.{i}.attn.q_kernel",
-          lambda c: (c.num_heads * c.head_dim, c.hidden_size), _split_out(_H), _merge_out),
-    _Rule(_L + r"self_attn\.k_proj\.weight", "layers.{i}.attn.k_kernel",
-          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _split_out(_K), _merge_out),
-    _Rule(_L + r"self_attn\.v_proj\.weight", "layers.{i}.attn.v_kernel",
-          lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size), _split_out(_K), _merge_out),
-    _Rule(_L + r"self_attn\.q_proj\.bias", "layers.{i}.attn.q_bias",
-          lambda c: (c.num_heads * c.head_dim,), _split_out(_H), _merge_out),
-    _Rule(_L + r"self_attn\.k_proj\.bias", "layers.{i}.attn.k_bias",
-          lambda c: (c.num_kv_heads * c.head_dim,), _split_out(_K), _merge_out),
-    _Rule(_L + r"self_attn\.v_proj\.bias", "layers.{i}.attn.v_bias",
-          lambda c: (c.num_kv_heads * c.head_dim,), _split_out(_K), _merge_out),
-    _Rule(_L + r"self_attn\.o_proj\.weight", "layers.{i}.attn.o_kernel",
-          lambda c: (c.hidden_size, c.num_heads * c.head_dim), _o_in, _o_out),
-    _Rule(_L + r"mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_kernel",
-          lambda c: (c.intermediate_size, c.hidden_size), _ident, _ident),
-    _Rule(_L + r"mlp\.up_proj\.weight", "layers.{i}.mlp.up_kernel",
-          lambda c: (c.intermediate_size, c.hidden_size), _ident, _ident),
-    _Rule(_L + r"mlp\.down_proj\.weight", "layers.{i}.mlp.down_kernel",
-          lambda c: (c.hidden_size, c.intermediate_size), _ident, _ident),
+    _Rule(r"model\.embed_tokens\.weight", "embed",
+          lambda cfg: (cfg.vocab_size, cfg.hidden_size), _unchanged, _unchanged),
+    _Rule(r"model\.norm\.weight", "final_norm.weight",
+          lambda cfg: (cfg.hidden_size,), _unchanged, _unchanged),
+    _Rule(r"lm_head\.weight", "lm_head",
+          lambda cfg: (cfg.vocab_size, cfg.hidden_size), _unchanged, _unchanged),
+    _Rule(_LAYER + r"input_layernorm\.weight", "layers.{i}.input_norm.weight",
+          lambda cfg: (cfg.hidden_size,), _unchanged, _unchanged),
+    _Rule(_LAYER + r"post_attention_layernorm\.weight", "layers.{i}.post_attn_norm.weight",
+          lambda cfg: (cfg.hidden_size,), _unchanged, _unchanged),
+    _Rule(_LAYER + r"self_attn\.q_proj\.weight", "layers.{i}.attn.q_kernel",
+          lambda cfg: (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+          _split_heads(_query_heads), _merge_heads),
+    _Rule(_LAYER + r"self_attn\.k_proj\.weight", "layers.{i}.attn.k_kernel",
+          lambda cfg: (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+          _split_heads(_kv_heads), _merge_heads),
+    _Rule(_LAYER + r"self_attn\.v_proj\.weight", "layers.{i}.attn.v_kernel",
+          lambda cfg: (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+          _split_heads(_kv_heads), _merge_heads),
+    _Rule(_LAYER + r"self_attn\.q_proj\.bias", "layers.{i}.attn.q_bias",
+          lambda cfg: (cfg.num_heads * cfg.head_dim,), _split_heads(_query_heads), _merge_heads),
+    _Rule(_LAYER + r"self_attn\.k_proj\.bias", "layers.{i}.attn.k_bias",
+          lambda cfg: (cfg.num_kv_heads * cfg.head_dim,), _split_heads(_kv_heads), _merge_heads),
+    _Rule(_LAYER + r"self_attn\.v_proj\.bias", "layers.{i}.attn.v_bias",
+          lambda cfg: (cfg.num_kv_heads * cfg.head_dim,), _split_heads(_kv_heads), _merge_heads),
+    _Rule(_LAYER + r"self_attn\.o_proj\.weight", "layers.{i}.attn.o_kernel",
+          lambda cfg: (cfg.hidden_size, cfg.num_heads * cfg.head_dim), _split_o_heads, _merge_o_heads),
+    _Rule(_LAYER + r"mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_kernel",
+          lambda cfg: (cfg.intermediate_size, cfg.hidden_size), _unchanged, _unchanged),
+    _Rule(_LAYER + r"mlp\.up_proj\.weight", "layers.{i}.mlp.up_kernel",
+          lambda cfg: (cfg.intermediate_size, cfg.hidden_size), _unchanged, _unchanged),
+    _Rule(_LAYER + r"mlp\.down_proj\.weight", "layers.{i}.mlp.down_kernel",
+          lambda cfg: (cfg.hidden_size, cfg.intermediate_size), _unchanged, _unchanged),
 )
 _COMPILED = [(re.compile(r.hf + r"\Z"), r) for r in RULES]
 # HF checkpoints may carry buffers that are not weights.
@@ -95,7 +108,7 @@ def expected_hf_keys(cfg: ModelConfig) -> list[str]:
         keys.append("lm_head.weight")
     for rule in RULES:
         if "(?P<i>" in rule.hf:
-            template = rule.hf.replace(_L, "model.layers.{i}.").replace("\\.", ".")
+            template = rule.hf.replace(_LAYER, "model.layers.{i}.").replace("\\.", ".")
             keys += [template.format(i=i) for i in range(cfg.num_layers)]
     return keys
 

@@ -57,18 +57,18 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         head = f.read(8)
         if len(head) < 8:
             raise SafetensorsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        n = int.from_bytes(head, "little")
-        if n > _MAX_HEADER_BYTES or 8 + n > size:
-            raise SafetensorsError(f"{path}: corrupt safetensors header (header length {n} "
+        header_len = int.from_bytes(head, "little")
+        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+            raise SafetensorsError(f"{path}: corrupt safetensors header (header length {header_len} "
                                    f"does not fit in a {size}-byte file)")
-        raw = f.read(n)
+        raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
-    data_start, data_size = 8 + n, size - 8 - n
+    data_start, data_size = 8 + header_len, size - 8 - header_len
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":

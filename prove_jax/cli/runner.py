@@ -1,11 +1,10 @@
 """What every command-line entry point does around its `main`: Ctrl-C is one line and exit 130.
 
 An interrupt can come while XLA still runs work on its own threads (a dispatched train step, a
-compile). The interpreter's teardown then crashes in native code after our message (SIGSEGV,
-exit -11 instead of 130, in 3 of 3 tiny training runs stopped mid-run). Everything worth keeping
-is on disk by then (checkpoints are closed by the trainer, outputs are written atomically,
-benchmark partial reports are written after each batch size), so after an interrupt the process
-leaves without that teardown.
+compile). The interpreter's teardown can then crash in native code after our message (SIGSEGV,
+exit -11 instead of 130). Everything worth keeping is on disk by then (checkpoints are closed by
+the trainer, outputs are written atomically, benchmark partial reports are written after each
+batch size), so after an interrupt the process leaves without that teardown.
 """
 
 from __future__ import annotations

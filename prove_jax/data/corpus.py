@@ -7,14 +7,13 @@ interpreter: files are sorted by relative path, and whether a file is held out d
 a SHA-256 hash of that path, so a shrunken corpus (`max_bytes`) holds out a subset of the full
 corpus's held-out files and never leaks them into training.
 
-CLI: `python -m prove_jax.data.corpus --out DIR [--max-bytes N] [--heldout-fraction F]` writes
+CLI: `prove-jax corpus --out DIR [--max-bytes N] [--heldout-fraction F]` writes
 DIR/train.jsonl, DIR/heldout.jsonl (records `{"path", "text"}`), DIR/heldout_prompts.jsonl
 (records `{"id", "prompt", "reference"}`) and DIR/manifest.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import hashlib
@@ -297,36 +296,3 @@ def write_corpus(out_dir: str, root: str | None = None,
         with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
     return manifest
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m prove_jax.data.corpus",
-        description="Write the CPython standard library source as a train / held-out JSONL corpus.")
-    parser.add_argument("--out", required=True,
-                        help="output directory: new, empty, or an earlier corpus (replaced atomically)")
-    parser.add_argument("--root", default=None,
-                        help="source tree to read (default: this interpreter's stdlib)")
-    parser.add_argument("--max-bytes", type=int, default=None,
-                        help="cap on total corpus bytes (a hash-ordered sample of files)")
-    parser.add_argument("--heldout-fraction", type=float, default=DEFAULT_HELDOUT_FRACTION,
-                        help="fraction of files held out, chosen by a hash of the path")
-    parser.add_argument("--max-prompts", type=int, default=256,
-                        help="number of held-out completion prompts to write")
-    args = parser.parse_args(argv)
-    try:
-        print(f"reading {args.root or stdlib_root()} ...", file=sys.stderr)
-        m = write_corpus(args.out, args.root, args.heldout_fraction, args.max_bytes,
-                         args.max_prompts)
-    except (CorpusError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}: train {m['train']['files']} files / {m['train']['bytes']:,} bytes, "
-          f"held-out {m['heldout']['files']} files / {m['heldout']['bytes']:,} bytes, "
-          f"{m['heldout_prompts']['records']} prompts")
-    return 0
-
-
-if __name__ == "__main__":
-    from prove_jax.cli.runner import run_cli
-    run_cli(main)

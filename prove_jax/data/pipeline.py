@@ -1,17 +1,10 @@
 """Training data: load text / JSONL, tokenize into fixed-length rows, batch per host with grain.
 
-Every example becomes one row of `max_length` tokens with two masks:
-- `loss_mask` True for trained tokens: the response (+ EOS) of a prompt/response pair, every
-  token of plain text, and the EOS padding up to a multiple of `block_size` (MARS trains it;
-  the trainer passes block_size 1, no padding, for every other objective);
-- `valid` True for real tokens including that EOS padding; False for the right padding.
-
-Rows are tokenized once, up front, so that truncation is counted before training starts and
-each row is a cheap numpy lookup afterwards. The grain pipeline is a MapDataset over row
-indices: shuffle (reseeded each epoch) -> repeat -> host-sized batches -> every
-`process_count`-th batch from `process_index`. Host h's j-th batch is therefore rows
-h*b .. (h+1)*b-1 of the j-th global batch, so a multi-host run sees exactly the global batches
-of a single-process run with the same seed, and the iterator state is one integer.
+Each row has `loss_mask` (trained tokens: a response + EOS, all of plain text, and the EOS
+padding to a multiple of `block_size`) and `valid` (real tokens and that padding). Rows are
+tokenized once, up front, so truncation is counted before training. Host h takes every
+`process_count`-th host-sized batch of one shuffled order, so a multi-host run sees the global
+batches of a single-process run with the same seed, and the iterator state is one integer.
 """
 
 from __future__ import annotations
@@ -153,11 +146,9 @@ class TokenizedRows:
 def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     if not texts:
         return []
-    # split_special_tokens: a literal "<|endoftext|>" or "<|mask|>" in the data (code corpora,
-    # this repository's own source) is text, not an EOS inside a document or a mask in MARS's
-    # clean stream; special ids come only from the chat template and the EOS we append.
-    # verbose=False: a whole file is one document, longer than the tokenizer's model_max_length,
-    # and transformers warns that it "will result in indexing errors"; we cut it into rows.
+    # split_special_tokens: a literal "<|mask|>" or "<|endoftext|>" in the data is text; special
+    # ids come only from the chat template and the EOS we append. verbose=False: a whole file is
+    # one document, past model_max_length, and we cut it into rows ourselves.
     return list(tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
                           verbose=False)["input_ids"])
 

@@ -1,20 +1,11 @@
 """Train the project's byte-level BPE tokenizer and save it in Hugging Face (Qwen2) format.
 
-The pipeline is Qwen2's own, so the result loads as a `Qwen2Tokenizer` with the same ids in
-`tokenizers` and in transformers: NFC normalizer, a `Split` on Qwen2's pre-tokenizer regex,
-then `ByteLevel` without its own regex; decoder `ByteLevel`. Only the vocabulary is small
-(default 4096, CPU sized). Special tokens get the first ids:
-
-    0 `<|endoftext|>` (EOS and pad)   1 `<|im_start|>`   2 `<|im_end|>`   3 `<|mask|>` (MARS)
-
-transformers 5 rebuilds a `Qwen2Tokenizer` from the vocab and merges inside tokenizer.json
-(it ignores a `vocab_file=` argument, which would silently give a one-token tokenizer), so the
-folder is written by transformers' own `save_pretrained` from a tokenizer built with
-`vocab=`/`merges=`; `verify_tokenizer_dir` then reloads it with `AutoTokenizer` and checks that
-its ids equal the trained `tokenizers` pipeline's.
-
-NFC makes encoding lossy for text that is not NFC-normalised (as in real Qwen2); decoding
-returns the NFC form of such text and the exact text otherwise.
+The pipeline is Qwen2's own (NFC, so non-NFC text decodes to its NFC form; Qwen2's `Split`
+regex; `ByteLevel`), so the result loads as a `Qwen2Tokenizer` with the same ids in
+`tokenizers` and transformers; only the vocabulary is small. Special tokens get ids 0-3:
+`<|endoftext|>` (EOS and pad), `<|im_start|>`, `<|im_end|>`, `<|mask|>`. The folder is written
+by transformers' own `save_pretrained` from `vocab=`/`merges=` (transformers 5 ignores
+`vocab_file=`, silently giving a one-token tokenizer) and reloaded to check its ids.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """ProVe / MARS decoding: AR, threshold, lossless and verifier modes in one compiled loop."""
 
-from prove_jax.decoding.engine import (COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, BatchResult,
-                                       DecodeError, DecodeOptions, Decoder, adapt_for_batch)
+from prove_jax.decoding.adaptive import ADAPTIVE_TABLES, adapt_for_batch, check_adaptive_table
+from prove_jax.decoding.engine import BatchResult, Decoder
+from prove_jax.decoding.options import (COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MAX_STEP_WIDTH, MODES,
+                                        DecodeError, DecodeOptions, default_prefill_chunk)
+from prove_jax.models.kernels import KernelOptions
 
-__all__ = ["COMMIT_RULES", "CONFIDENCE_KINDS", "DEFAULT_TAU", "MODES", "BatchResult", "DecodeError",
-           "DecodeOptions", "Decoder", "adapt_for_batch"]
+__all__ = ["ADAPTIVE_TABLES", "COMMIT_RULES", "CONFIDENCE_KINDS", "DEFAULT_TAU", "MAX_STEP_WIDTH", "MODES",
+           "BatchResult", "DecodeError", "DecodeOptions", "Decoder", "KernelOptions", "adapt_for_batch",
+           "check_adaptive_table", "default_prefill_chunk"]

@@ -1,23 +1,11 @@
 """Calibrated adaptive lossless: pick (K, groups) per batch size from measurements on this device.
 
-ProVe-lossless wins when the tokens a step commits outweigh what the wider step costs, and both
-sides depend on things a fixed table cannot know: the proposer (how often its drafts match its
-own greedy) and the hardware (what a width-T forward costs against a one-token forward at this
-batch size). Calibration measures both, ranks the layouts by expected tokens per unit of
-AR-step time, confirms the best few with short real decodes against AR, and keeps the fastest
-(or plain AR when none wins by 5%).
-
-Acceptance is measured once, with the widest candidate and every group served: its histogram
-of accepted prefix lengths `a` gives every narrower layout too, because MARS drafts are causal
-(the first j masks of a group predict the same tokens whatever masks follow), so a layout with
-K' tokens accepts min(a, K'-1); one whose groups serve only some lengths commits as much but
-offers fewer fresh drafts next (see `expected_tokens_per_forward`). Acceptance is kept per
-prompt: a static batch steps until its slowest row is done, so at larger batches the prompts
-that accept least decide what a layout gains.
-
-Costs are those of the engine's whole decode step (forward, LM head, acceptance, commit), timed
-per layout and batch size on this device. The model ranks well but is optimistic for wide
-layouts (a real decode adds prefill, loop overhead and the batch's tail), hence the trials.
+Whether a wide lossless step pays depends on the proposer (how often its drafts match its own
+greedy) and on the hardware (what a wide step costs against an AR step at this batch size),
+which no fixed table knows. Calibration measures the acceptance profile once, times each
+layout's decode step, ranks the layouts by expected tokens per unit of AR-step time, confirms
+the best few with real decodes against AR, and keeps the fastest, or AR unless one wins by 5%
+(docs/decoding.md, "Adaptive and calibrated lossless").
 """
 
 from __future__ import annotations
@@ -34,8 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from prove_jax.decoding import program
+from prove_jax.decoding.adaptive import check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.models.qwen2 import KVCache, StepMask, causal_mask
+from prove_jax.decoding.options import DecodeError, DecodeOptions
+from prove_jax.decoding.state import initial_state
+from prove_jax.models.attention import KVCache, StepMask, causal_mask
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 
 # (K, group cap) tried by default: the widths that have paid off somewhere (benchmarks/).
 DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
@@ -74,7 +67,8 @@ def fastest_interleaved(runs: dict, repeats: int, keep=None, warm_up: bool = Tru
 
 
 def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384, filled: int = 200,
-                     repeats: int = 5, steps: int = 20) -> dict[int, float]:
+                     repeats: int = 5, steps: int = 20, kernels: KernelOptions = DEFAULT_KERNELS
+                     ) -> dict[int, float]:
     """Seconds per forward of T new tokens against a `slots`-slot KV cache, for each T.
 
     Each timing runs `steps` forwards inside one jitted `fori_loop` (the way the decode loop
@@ -87,22 +81,22 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
     vocab = model.cfg.vocab_size
 
     @jax.jit
-    def run(state, cache, toks, pos, mask):
-        m = nnx.merge(graphdef, state)
+    def run(state, cache, tokens, positions, mask):
+        merged = nnx.merge(graphdef, state)
 
         def body(i, carry):
             cache, acc = carry
-            logits, cache = m((toks + acc) % vocab, pos, mask, cache)
+            logits, cache = merged((tokens + acc) % vocab, positions, mask, cache, kernels=kernels)
             return cache, acc + jnp.argmax(logits[:, -1], -1).sum().astype(jnp.int32) % 2
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))[1]
 
     runs = {}
     for t in widths:
-        toks = jnp.zeros((batch, t), jnp.int32)
-        pos = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
+        tokens = jnp.zeros((batch, t), jnp.int32)
+        positions = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
         # `filled` committed slots, then the T new tokens (causal) written after them
         mask = StepMask(jnp.full((batch,), filled, jnp.int32), causal_mask(1, t))
-        runs[t] = functools.partial(timed, run, state, cache, toks, pos, mask)
+        runs[t] = functools.partial(timed, run, state, cache, tokens, positions, mask)
     return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
 
 
@@ -116,22 +110,21 @@ def layout_name(key: tuple[int, int]) -> str:
 
 def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
                       filled: int = 200, repeats: int = 5, steps: int = 20, seconds_per_timing: float = 0.5,
-                      keep=None) -> dict[tuple[int, int], float]:
+                      keep=None, kernels: KernelOptions = DEFAULT_KERNELS) -> dict[tuple[int, int], float]:
     """Seconds per decode-loop step of each lossless layout (K, groups), and of AR under key AR.
 
-    Times the engine's own step (`engine.decode_step`: forward, LM head on the rows it needs,
+    Times the engine's own step (`program.decode_step`: forward, LM head on the rows it needs,
     acceptance, commit), not the bare forward: the extra work of a lossless step is a sizeable
     part of its cost on small models. Rows sit at `filled` committed tokens of a `slots`-slot
     buffer; each step is reset there, so every step does the same work. Timings are
     interleaved across layouts; the fastest run is returned.
 
     Each layout is compiled, run for one step, and then timed over as many steps (up to
-    `steps`) as fill about `seconds_per_timing`: a wide layout at a large batch can take
-    seconds a step on a CPU, and 20 steps of each of the widest layouts made calibrating a
-    0.5B model at batch 16 take 15 minutes. `keep({layout: seconds per step})` is asked after
-    the first timed round which layouts to time `repeats` times (see `fastest_interleaved`).
+    `steps`) as fill about `seconds_per_timing`, since a wide layout at a large batch can take
+    seconds a step on a CPU. `keep({layout: seconds per step})` is asked after the first timed
+    round which layouts to time `repeats` times (see `fastest_interleaved`).
     """
-    runs = decode_step_runs(model, batch, layouts, slots, filled, steps)
+    runs = decode_step_runs(model, batch, layouts, slots, filled, steps, kernels)
     n_steps = {}
     for key, run in runs.items():
         run(1)  # compile and warm up
@@ -144,22 +137,20 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
 
 
 def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
-                     filled: int = 200, steps: int = 20) -> dict:
+                     filled: int = 200, steps: int = 20, kernels: KernelOptions = DEFAULT_KERNELS) -> dict:
     """{(K, groups) or AR: callable running decode steps (`steps` unless it is given a count)
     and returning their seconds}, for `time_decode_steps` or for timing alongside other runs
-    (benchmarks). The step count is an argument of one compiled loop per layout."""
-    from prove_jax.decoding.engine import DecodeOptions, step_shape
-    from prove_jax.decoding.state import initial_state
-
+    (benchmarks). The step count is an argument of one compiled loop per layout; every step
+    runs with `kernels`."""
     graphdef, params = nnx.split(model)
     cfg = model.cfg
     mask_id = 0 if cfg.mask_token_id is None else int(cfg.mask_token_id)
     keys = [AR] + [tuple(x) for x in layouts if tuple(x) != AR]
     runs = {}
     for key in keys:
-        options = (DecodeOptions("ar") if key == AR
-                   else DecodeOptions("lossless", key[0], max_groups=key[1])).validate()
-        width, n_drafts = step_shape(options)
+        options = (DecodeOptions("ar", kernels=kernels) if key == AR
+                   else DecodeOptions("lossless", key[0], max_groups=key[1], kernels=kernels)).validate()
+        width, n_drafts = program.step_shape(options)
         tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
         length = jnp.full((batch,), filled, jnp.int32)
         state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32),
@@ -173,16 +164,15 @@ def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slot
     return runs
 
 
-def _run_steps(graphdef, options, mask_id: int, params, state, steps):
-    """`steps` (traced) decode steps from `state`, each reset to the same row lengths (for timing)."""
-    from prove_jax.decoding.engine import decode_step
+def _run_steps(graphdef, options, mask_id: int, params, start, steps):
+    """`steps` (traced) decode steps from state `start`, each reset to its row lengths (for timing)."""
     model = nnx.merge(graphdef, params)
-    eos = jnp.asarray([-1], jnp.int32)  # no EOS: rows never finish
+    eos_ids = jnp.asarray([-1], jnp.int32)  # no EOS: rows never finish
 
-    def body(_, st):
-        st = decode_step(options, model, st, eos, mask_id=mask_id)
-        return st.replace(length=state.length, cache_len=state.cache_len, done=state.done)
-    return jax.lax.fori_loop(0, steps, body, state)
+    def body(_, state):
+        state = program.decode_step(options, model, state, eos_ids, mask_id=mask_id)
+        return state.replace(length=start.length, cache_len=start.cache_len, done=start.done)
+    return jax.lax.fori_loop(0, steps, body, start)
 
 
 def expected_tokens_per_forward(accept_probs: np.ndarray, k: int, groups: int | None) -> float:
@@ -353,8 +343,9 @@ def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[
     a shared machine only ever adds time. Lossless output equals AR, so the time ratio is the
     throughput ratio.
     """
-    from prove_jax.decoding.engine import DecodeOptions
-    settings = {AR: DecodeOptions("ar")} | {(k, g): DecodeOptions("lossless", k, max_groups=g) for k, g in layouts}
+    kernels = decoder.options.kernels
+    settings = {AR: DecodeOptions("ar", kernels=kernels)} | {
+        (k, g): DecodeOptions("lossless", k, max_groups=g, kernels=kernels) for k, g in layouts}
     decoders = {key: decoder.with_options(opts) for key, opts in settings.items()}
     runs = {key: (lambda d=d: d.generate(list(prompts), max_new_tokens, batch_size=batch_size).seconds)
             for key, d in decoders.items()}
@@ -365,8 +356,7 @@ def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[
 def acceptance_profile(decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        block_size: int) -> np.ndarray:
     """P(a) per prompt [R, K] from one lossless decode with K=block_size and every group served."""
-    from prove_jax.decoding.engine import DecodeOptions
-    probe = decoder.with_options(DecodeOptions("lossless", block_size))
+    probe = decoder.with_options(DecodeOptions("lossless", block_size, kernels=decoder.options.kernels))
     # accept_hist has K+1 bins (verify commits up to K); lossless accepts a <= K-1 drafts
     hist = probe.generate(list(prompts), max_new_tokens).accept_hist[:, :block_size].astype(np.float64)
     hist = hist[hist.sum(axis=1) > 0]
@@ -400,7 +390,7 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
     for b in sorted(set(batch_sizes)):
         keep = PromisingLayouts(rows, b, candidates, num_requests)
         with jax.set_mesh(decoder.mesh) if decoder.mesh is not None else contextlib.nullcontext():
-            cost = time_decode_steps(model, b, candidates, keep=keep)
+            cost = time_decode_steps(model, b, candidates, keep=keep, kernels=decoder.options.kernels)
         if log:
             log(f"calibrate: batch {b}: AR step {cost[AR] * 1e3:.1f} ms; layout steps in AR steps: "
                 + ", ".join(f"{layout_name((k, g))} {cost[(k, g)] / cost[AR]:.2f}" for k, g in candidates if (k, g) in cost))
@@ -440,7 +430,6 @@ def calibrate_decoder(decoder, prompts: Sequence[Sequence[int]], batch_size: int
     `num_requests`: how many requests each `generate` call will queue (default: all of
     `prompts`).
     """
-    from prove_jax.decoding.engine import DecodeError, check_adaptive_table
     if batch_size < 1:
         raise DecodeError(f"batch size must be >= 1, got {batch_size}")
     num_requests = len(prompts) if num_requests is None else num_requests

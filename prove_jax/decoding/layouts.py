@@ -1,13 +1,10 @@
 """Static per-step token layouts and their attention masks.
 
-Every decoding step feeds the model a fixed-width row of T tokens. A layout says, per slot of
-that row, which token goes there (pending committed token, draft, or `<|mask|>`), its position
-offset, and which other slots of the same step it may see. All layouts are static numpy tables
-built once per (mode, K, groups), so the compiled step has no data-dependent shapes.
-
-Cache convention shared by all modes: the model's KV cache holds the committed tokens
-[0, cache_len); the tokens of a step are written at slots cache_len + i (i = slot in the step
-row). Whatever is written past the new cache_len is garbage that the next step overwrites.
+A step feeds each row a fixed-width row of T tokens; a layout says which token sits in each
+slot (pending committed token, draft or `<|mask|>`), its position offset and which slots of
+the step it may see, so the compiled step has no data-dependent shapes. Every mode keeps the
+KV of committed tokens in [0, cache_len) and writes a step's slot i at cache_len + i; what lies
+past the new cache_len is garbage the next step overwrites (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import jax
 
 from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
                                               load_tokenizer)
-from prove_jax.decoding.engine import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding.engine import Decoder
+from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.models.sharding import make_mesh
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 

@@ -9,7 +9,8 @@ import uuid
 from typing import Sequence
 
 from prove_jax.files import atomic_write_text, is_stream
-from prove_jax.decoding.engine import BatchResult, DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding.engine import BatchResult, Decoder
+from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.data.jsonl import read_jsonl
 

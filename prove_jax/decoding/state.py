@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from prove_jax.models.qwen2 import KVCache
+from prove_jax.models.attention import KVCache
 
 
 @struct.dataclass
@@ -15,7 +15,7 @@ class LoopState:
 
     Invariants after every step: tokens[b, :length[b]] are committed; the proposer cache holds
     KV for [0, cache_len[b]) and the committed tokens [cache_len, length) are pending (their KV
-    is written by the next proposer forward); the verifier cache holds [0, vcache_len).
+    is written by the next proposer forward); the verifier cache holds [0, verifier_cache_len).
     """
     step: jax.Array  # scalar int32
     tokens: jax.Array  # [B, N] int32
@@ -27,8 +27,8 @@ class LoopState:
     cache_len: jax.Array  # [B]
     drafts: jax.Array  # [B, M] lossless drafts for the next step (M >= 1; unused otherwise)
     draft_len: jax.Array  # [B] how many of them are real predictions (the rest is filler)
-    vcache: KVCache | None
-    vcache_len: jax.Array  # [B]
+    verifier_cache: KVCache | None
+    verifier_cache_len: jax.Array  # [B]
     forwards: jax.Array  # [B] proposer forwards while the row was active
     verifier_forwards: jax.Array  # [B]
     accept_hist: jax.Array  # [B, K + 1] histogram of per-step AR-matching / committed lengths
@@ -38,7 +38,7 @@ class LoopState:
 
 
 def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, cache: KVCache,
-                  vcache: KVCache | None, *, num_drafts: int, block_size: int, pad_id: int,
+                  verifier_cache: KVCache | None, *, num_drafts: int, block_size: int, pad_id: int,
                   record_steps: bool = False) -> LoopState:
     """The loop state right after prefill: tokens [B, N] hold the prompts, whose last token is
     pending (its KV is written by the first step, which also predicts the first new token)."""
@@ -47,9 +47,9 @@ def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, 
     return LoopState(
         step=jnp.int32(0), tokens=tokens, length=prompt_len, prompt_len=prompt_len,
         max_new=max_new, done=max_new <= 0, cache=cache, cache_len=prompt_len - 1,
-        drafts=jnp.full((b, num_drafts), pad_id, jnp.int32), draft_len=zeros, vcache=vcache,
-        vcache_len=prompt_len, forwards=zeros, verifier_forwards=zeros,
-        accept_hist=jnp.zeros((b, block_size + 1), jnp.int32),
+        drafts=jnp.full((b, num_drafts), pad_id, jnp.int32), draft_len=zeros,
+        verifier_cache=verifier_cache, verifier_cache_len=prompt_len, forwards=zeros,
+        verifier_forwards=zeros, accept_hist=jnp.zeros((b, block_size + 1), jnp.int32),
         # every active step commits >= 1 token, so a row takes at most n_slots steps
         step_commits=jnp.zeros((b, n_slots), jnp.int32) if record_steps else None)
 

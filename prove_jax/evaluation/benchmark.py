@@ -1,6 +1,6 @@
 """Side-by-side decoding measurements: our modes and the transformers peers on one prompt set.
 
-Shared by `infer.demo` (four modes, batch 1, one pass) and `infer.benchmark` (sweeps, batch
+Shared by `prove-jax demo` (four modes, batch 1, one pass) and `prove-jax benchmark` (sweeps, batch
 sizes, peers, repeats). Conventions, so that every ratio in a table means the same thing:
 
 - **Outputs** are compared in one form: the new ids up to and including the first EOS (which
@@ -36,10 +36,10 @@ import jax
 from prove_jax.errors import ProveJaxError
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.models.qwen2 import default_cpu_form
+from prove_jax.evaluation.peers import PEER_MODES
+from prove_jax.models.matmul import default_cpu_form
 
 OUR_MODES = ("ar", "threshold", "lossless", "verify")
-PEER_MODES = ("hf_greedy", "hf_assisted", "hf_prompt_lookup")
 ALL_MODES = OUR_MODES + PEER_MODES
 BATCH1_ONLY = ("hf_assisted", "hf_prompt_lookup")  # transformers supports batch 1 only
 
@@ -180,7 +180,7 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     if "lossless" in modes:
         out += [lossless_setting(k, g) for k, g in lossless]
         if adaptive:
-            out.append(lossless_setting(8, adaptive=True))  # K<=8: as infer.generate --adaptive
+            out.append(lossless_setting(8, adaptive=True))  # K<=8: as `prove-jax generate --adaptive`
             if calibrated:
                 out.append(calibrated_setting(8))
     if "verify" in modes:

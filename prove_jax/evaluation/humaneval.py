@@ -59,7 +59,7 @@ def load_problems(task_ids: Iterable[str] | None = None, limit: int | None = Non
 
 
 def prompt_records(problems: Sequence[Mapping]) -> list[dict]:
-    """Records `{"id", "prompt"}` (the format of `infer.generate --prompts`)."""
+    """Records `{"id", "prompt"}` (the format of `prove-jax generate --input`)."""
     return [{"id": p["task_id"], "prompt": p["prompt"]} for p in problems]
 
 
@@ -146,27 +146,3 @@ def evaluate(problems: Sequence[Mapping], raw_completions: Sequence[str],
     completions = [truncate_completion(c) for c in raw_completions]
     results = check_completions(problems, completions, timeout, workers)
     return {"pass_at_1": pass_at_1(results), "results": results}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m prove_jax.evaluation.humaneval --out prompts.jsonl [--limit N]`: write prompt records."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m prove_jax.evaluation.humaneval",
-                                     description="Write HumanEval prompts as {id, prompt} JSONL.")
-    parser.add_argument("--out", required=True, help="output JSONL path")
-    parser.add_argument("--limit", type=int, default=None, help="first N problems only")
-    args = parser.parse_args(argv)
-    try:
-        records = prompt_records(load_problems(limit=args.limit))
-        from prove_jax.files import atomic_write_text
-        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in records))
-    except (HumanEvalError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {len(records)} HumanEval prompts to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    from prove_jax.cli.runner import run_cli
-    run_cli(main)

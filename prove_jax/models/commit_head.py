@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from prove_jax.models.qwen2 import greedy_tokens
+from prove_jax.models.tokens import greedy_tokens
 
 HEAD_DIR = "commit_head"  # the head's folder inside a verifier checkpoint
 

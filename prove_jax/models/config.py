@@ -58,25 +58,42 @@ def _field_value(key: str, value: Any, annotation: str, where: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """A Qwen2 model's shape, special tokens and numerics (HF names: `from_hf_dict`)."""
+
     vocab_size: int
+    """Embedding rows, padded past the tokenizer's ids (151,936 for Qwen2.5 up to 3B)."""
     hidden_size: int
+    """D, the residual stream's width."""
     intermediate_size: int
+    """F, the MLP's width."""
     num_layers: int
+    """Decoder layers (HF num_hidden_layers)."""
     num_heads: int
+    """H, query heads (HF num_attention_heads)."""
     num_kv_heads: int
+    """K, key/value heads; H is a multiple of it (grouped-query attention)."""
     head_dim: int
+    """Dh, the width of one head."""
     rope_theta: float = 1_000_000.0
+    """RoPE base frequency."""
     rms_norm_eps: float = 1e-6
+    """Added to the mean square in every RMSNorm."""
     tie_word_embeddings: bool = False
+    """The LM head is the embedding table (no separate lm_head weight)."""
     max_position_embeddings: int = 32768
-    # Token ids the tokenizer treats specially; None when unknown.
+    """Longest context the model was trained for."""
     bos_token_id: int | None = None
+    """Beginning-of-sequence id; None when unknown."""
     eos_token_ids: tuple[int, ...] = ()
+    """Ids that end a generation."""
     pad_token_id: int | None = None
-    mask_token_id: int | None = None  # `<|mask|>`, set once the MARS token is added
-    # Numerics: weights stored in param_dtype, matmuls run in dtype.
+    """Padding id; None when unknown."""
+    mask_token_id: int | None = None
+    """`<|mask|>`, the MARS mask token; None until it is added to the vocabulary."""
     param_dtype: str = "float32"
+    """dtype the weights are stored in (one of DTYPES)."""
     dtype: str = "float32"
+    """dtype activations and matmuls run in (one of DTYPES)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

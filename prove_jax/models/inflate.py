@@ -1,13 +1,10 @@
 """Function-preserving inflation: a model embedded in a larger Qwen2 shape, same outputs.
 
-Why: a decode step's cost depends on the model's shape, its acceptance (tokens per forward) on
-what the proposer learned. The shipped demo proposer is trained but tiny (4.2M parameters,
-its weights sit in the CPU's cache, so an AR step is bound by compute and per-op overhead);
-a Qwen2.5-0.5B-shaped model is bound by weight reads, the regime proposers run in, but no
-trained 0.5B proposer exists here. `inflate` gives both at once: the trained model's
-function in the larger shape, every extra weight zero, so the larger model computes the same
-logits (up to float rounding) at the larger model's cost. The decode benchmark uses it to
-measure lossless speedups with real acceptance at a real shape (`infer.benchmark --inflate`).
+Why: a decode step's cost depends on the model's shape, its acceptance on what the proposer
+learned. The shipped demo proposer is trained but tiny (its weights stay in the CPU's cache);
+inflated, it keeps its acceptance at a real shape's cost, bound by weight reads as proposers
+are (`prove-jax benchmark --inflate`). Every extra weight is zero, so the logits are the same
+up to float rounding.
 
 How each part stays exact (D -> D' hidden, F -> F' MLP, H/K -> H'/K' heads, L -> L' layers):
 - hidden: the extra embedding columns are zero, and every weight writing the residual stream

@@ -1,17 +1,10 @@
-"""The learned commit head: a small MLP on the verifier that predicts how much of the proposer's
-block to commit.
+"""Training the commit head (models/commit_head.py) with the proposer and verifier frozen.
 
-For each proposed token D_{i+1} it reads the verifier's hidden state at D_i plus three cheap
-verifier statistics (log p_V(D_{i+1}), whether D_{i+1} is the verifier's top-1, the entropy)
-and predicts whether D_{i+1} still equals the proposer's own greedy AR token. The commit length
-is 1 + the accepted prefix. Labels are free (METHOD.md 3d): one proposer forward over
-[context, D] gives the proposer's greedy token at every position of the block. Each training
-row contributes one context, cut at a random trained position (inside the response of
-prompt/response data, where a verifier judges blocks when decoding; anywhere in plain text).
-
-Trained with `python -m train.train --config configs/demo_verifier.yaml objective=commit_head
-proposer=PROPOSER_CKPT model.checkpoint=VERIFIER_CKPT`; the result is the verifier checkpoint
-with a `commit_head/` folder, used by `infer.generate --mode verify --commit-rule head`.
+The head predicts, for each proposed token, whether the block up to it still equals the
+proposer's own greedy AR continuation. Labels are free (docs/method.md 3d): one proposer forward
+over [context, block] gives its greedy token at every block position. Each data row gives one
+context, cut at a random trained position. `prove-jax train objective=commit_head` runs it
+(docs/training.md); the output is the verifier checkpoint with a `commit_head/` folder.
 """
 
 from __future__ import annotations
@@ -29,7 +22,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from prove_jax.models.qwen2 import causal_mask, greedy_tokens, readable_tokens
+from prove_jax.models.attention import causal_mask
+from prove_jax.models.tokens import greedy_tokens, readable_tokens
 from prove_jax.training.optimizer import lr_schedule
 
 from prove_jax.models.commit_head import CommitHead, predicted_length
@@ -39,12 +33,9 @@ from prove_jax.checkpoints.commit_head import save_commit_head
 # ---- labels ----------------------------------------------------------------------------------
 
 def _layout(context, context_valid, extra: int):
-    """Positions and attention mask of [context, `extra` tokens after it].
-
-    `context_valid` [B, C] (None: all valid) marks left padding: each row's real context is
-    right-aligned, so its last token is always at C - 1 and its positions start at 0. Padding
-    keys are hidden; a padding query sees itself, so its (unused) output stays finite.
-    """
+    """Positions and attention mask of [context, `extra` tokens after it]. `context_valid`
+    [B, C] marks left padding (real contexts are right-aligned, last token at C - 1); a padding
+    query sees itself only, so its unused output stays finite."""
     b, c = context.shape
     n = c + extra
     if context_valid is None:
@@ -87,12 +78,8 @@ def verifier_inputs(verifier, context, block, context_valid=None):
 
 
 def cut_points(loss_mask, valid, context_len: int):
-    """[B, T] -> bool [B, T]: where a training context may end (the block starts there).
-
-    A context is ids[:p] for a trained position p in [1, context_len]: inside the response of a
-    prompt/response row (where a verifier judges blocks when decoding), anywhere in a text row.
-    Right padding is never part of a context.
-    """
+    """[B, T] -> bool [B, T]: where a training context ids[:p] may end, at a trained position p
+    in [1, context_len] (inside a response, where a verifier judges blocks when decoding)."""
     pos = jnp.arange(loss_mask.shape[1])[None]
     return loss_mask & valid & (pos >= 1) & (pos <= context_len)
 
@@ -112,12 +99,13 @@ def sample_contexts(ids, loss_mask, valid, context_len: int, key):
 
 class HeadExamples(NamedTuple):
     """One training batch for the head: the verifier's state at D_0..D_{K-2} (`hidden`
-    [B, K-1, D], `vlogits` [B, K-1, V]) judging the next tokens D_1..D_{K-1} (`nxt` [B, K-1]),
-    as decoding feeds it (decoding/steps.py); `labels` [B, K-1] (1 while D_1..D_{i+1} all match
-    the proposer's greedy AR); `used` [B]: the row had a context (see `sample_contexts`)."""
+    [B, K-1, D], `verifier_logits` [B, K-1, V]) judging the next tokens D_1..D_{K-1}
+    (`next_tokens` [B, K-1]), as decoding feeds it (decoding/steps.py); `labels` [B, K-1] (1
+    while D_1..D_{i+1} all match the proposer's greedy AR); `used` [B]: the row had a context
+    (see `sample_contexts`)."""
     hidden: jax.Array
-    vlogits: jax.Array
-    nxt: jax.Array
+    verifier_logits: jax.Array
+    next_tokens: jax.Array
     labels: jax.Array
     used: jax.Array
 
@@ -130,16 +118,16 @@ def head_examples(proposer, verifier, ids, loss_mask, valid, key, *, context_len
     block, labels = propose_and_label(proposer, ctx, block_size, mask_id, ctx_valid)
     # as decoding does (steps.verify_step): a token past the verifier's rows is read as 0 and
     # never committed, so a prefix through it is no target either
-    vblock, readable = readable_tokens(block, verifier.cfg.vocab_size)
+    verifier_block, readable = readable_tokens(block, verifier.cfg.vocab_size)
     labels = labels * jnp.cumprod(readable[:, 1:], axis=-1).astype(labels.dtype)
-    hidden, vlogits = verifier_inputs(verifier, ctx, vblock, ctx_valid)
-    return HeadExamples(hidden, vlogits, vblock[:, 1:], labels, used)
+    hidden, verifier_logits = verifier_inputs(verifier, ctx, verifier_block, ctx_valid)
+    return HeadExamples(hidden, verifier_logits, verifier_block[:, 1:], labels, used)
 
 
 def head_loss(head: CommitHead, ex: HeadExamples):
     """Binary cross-entropy of the head's accept logits against the labels, over the rows with
     a context. Returns (loss, accept logits [B, K-1])."""
-    logits = head(ex.hidden, ex.vlogits, ex.nxt)
+    logits = head(ex.hidden, ex.verifier_logits, ex.next_tokens)
     weight = ex.used.astype(jnp.float32)[:, None] * jnp.ones_like(ex.labels)
     bce = optax.sigmoid_binary_cross_entropy(logits, ex.labels)
     return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0), logits
@@ -270,13 +258,10 @@ def compile_head_step(layout: HeadLayout, tx, mesh, cfg, mask_id: int, log):
 
 
 def train_commit_head(cfg, show_bar: bool = True) -> dict:
-    """Train only the head (proposer and verifier frozen) from a TrainConfig with
-    objective=commit_head, model.checkpoint = verifier, proposer = MARS proposer checkpoint.
-
-    On the config's mesh, like any training run: the step is compiled and its memory checked
-    from the configs, then the two frozen models are read straight into their shardings (a
-    32B proposer is 128 GB in float32); each host feeds its own rows of the global batch, and
-    the small head and its optimizer state are replicated."""
+    """Train only the head from a TrainConfig with objective=commit_head, model.checkpoint =
+    verifier, proposer = MARS proposer checkpoint. The step is compiled and its memory checked
+    before the frozen models are read straight into their shardings (a 32B proposer is 128 GB
+    in float32); the small head and its optimizer state are replicated."""
     from prove_jax import distributed
     from prove_jax.data import pipeline as data_lib
     from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
@@ -326,8 +311,8 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     # a head run never resumes: a rerun replaces the records, from its first one on (a rerun
     # that fails before any step leaves the last run's file as it was)
-    with contextlib.ExitStack() as files, jax.set_mesh(mesh):
-        log = None
+    with contextlib.ExitStack() as stack, jax.set_mesh(mesh):
+        metrics_file = None
         for i in range(1, cfg.steps + 1):
             batch = data_lib.to_global_batch(next(data), mesh, BATCH_SPEC)
             _require_contexts(batch["loss_mask"], batch["valid"], context_len, i, cfg)
@@ -336,10 +321,10 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
                 rec = {"step": i} | {name: float(value) for name, value in metrics.items()}
                 records.append(rec)
                 if main:
-                    if log is None:
-                        log = files.enter_context(open(metrics_path, "w"))
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
+                    if metrics_file is None:
+                        metrics_file = stack.enter_context(open(metrics_path, "w"))
+                    metrics_file.write(json.dumps(rec) + "\n")
+                    metrics_file.flush()
                 if show_bar and main:
                     print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
                           f"{rec['length_accuracy']:.2f}, AR-match length {rec['ar_match_length']:.2f}, "

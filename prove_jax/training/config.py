@@ -27,63 +27,104 @@ class TrainConfigError(ProveJaxError, ValueError):
 @dataclasses.dataclass
 class ModelSource:
     """Where the initial weights come from: exactly one of hf_dir / checkpoint / preset / config."""
-    hf_dir: str | None = None  # HF safetensors directory, converted on the fly
-    checkpoint: str | None = None  # a prove_jax model checkpoint (checkpoint.save_model)
-    preset: str | None = None  # a name from config.PRESETS, random init
-    config: dict | None = None  # inline ModelConfig fields, random init
-    dtype: str | None = None  # compute dtype override (bfloat16 = bf16 compute)
-    param_dtype: str | None = None  # master-weight dtype override (float32 recommended)
-    remat: bool = False  # rematerialise each decoder layer in the backward pass
-    # --dry-run only: a preset with the same shapes, used when the weights are not on this machine
+    hf_dir: str | None = None
+    """A Hugging Face safetensors directory, converted on the fly."""
+    checkpoint: str | None = None
+    """A prove_jax model checkpoint (`checkpoint.save_model`)."""
+    preset: str | None = None
+    """A name from `models.config.PRESETS`, randomly initialised."""
+    config: dict | None = None
+    """Inline ModelConfig fields, randomly initialised."""
+    dtype: str | None = None
+    """Compute dtype override (bfloat16: bf16 matmuls)."""
+    param_dtype: str | None = None
+    """Master-weight dtype override (float32 recommended)."""
+    remat: bool = False
+    """Rematerialise each decoder layer in the backward pass (less memory, more compute)."""
     shape_preset: str | None = None
+    """--dry-run only: a preset with the same shapes, used when the weights are not on this machine."""
 
 
 @dataclasses.dataclass
 class TokenizerSource:
     """A tokenizer directory, or (for from-scratch runs) a byte-level BPE trained on the data."""
-    path: str | None = None  # None: the model checkpoint's / HF dir's tokenizer
-    bpe_vocab_size: int | None = None  # train a BPE of this size on the training data
+    path: str | None = None
+    """A tokenizer directory; None: the model checkpoint's or HF directory's own."""
+    bpe_vocab_size: int | None = None
+    """Train a byte-level BPE of this many tokens on the training data."""
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay (training/optimizer.py)."""
     lr: float = 1e-4
-    warmup_ratio: float = 0.03  # fraction of `steps` spent in linear warmup
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    """Peak learning rate."""
+    warmup_ratio: float = 0.03
+    """Fraction of `steps` spent in linear warmup."""
+    min_lr_ratio: float = 0.0
+    """The cosine decays to lr * min_lr_ratio."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     b1: float = 0.9
+    """Adam's first-moment decay."""
     b2: float = 0.999
+    """Adam's second-moment decay."""
     eps: float = 1e-8
-    clip_norm: float | None = 1.0  # global-norm clipping; None disables
-    grad_accum: int = 1  # micro-batches per step (global_batch_size must divide)
+    """Adam's denominator epsilon."""
+    clip_norm: float | None = 1.0
+    """Global-norm gradient clipping; None disables it."""
+    grad_accum: int = 1
+    """Micro-batches per step (it must divide global_batch_size)."""
 
 
 @dataclasses.dataclass
 class TrainConfig:
+    """One training run: the YAML file's keys, each overridable as `key=value`."""
     model: ModelSource = dataclasses.field(default_factory=ModelSource)
+    """Where the initial weights come from."""
     tokenizer: TokenizerSource = dataclasses.field(default_factory=TokenizerSource)
+    """The tokenizer, or the BPE to train."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    objective: str = "mars"  # mars | ar | commit_head (verifier head; see prove_jax/commit_head.py)
-    proposer: str | None = None  # commit_head: the MARS proposer checkpoint whose blocks are judged
-    # --dry-run of commit_head only: a preset with the proposer's shapes, used when its
-    # checkpoint is not on this machine
+    """Optimizer and schedule."""
+    objective: str = "mars"
+    """mars (proposer), ar (verifier) or commit_head (the verifier's head: training/commit_head.py)."""
+    proposer: str | None = None
+    """commit_head only: the MARS proposer checkpoint whose blocks the head judges."""
     proposer_shape_preset: str | None = None
+    """--dry-run of commit_head only: a preset with the proposer's shapes, when its checkpoint is
+    not on this machine."""
     block_size: int = 16
+    """MARS block size K: tokens proposed per forward."""
     ar_weight: float = 1.0
-    data: str | None = None  # text file, folder of text files, or JSONL
-    chat: bool = False  # apply the tokenizer's chat template to prompt/response pairs
+    """Weight of the clean-stream (AR) loss beside the masked one."""
+    data: str | None = None
+    """A text file, a folder of text files, or JSONL."""
+    chat: bool = False
+    """Apply the tokenizer's chat template to prompt/response pairs."""
     max_length: int = 512
+    """Tokens per training row (a multiple of block_size)."""
     global_batch_size: int = 8
+    """Rows per step, over all hosts and micro-batches."""
     steps: int = 100
-    mesh: list = dataclasses.field(default_factory=lambda: [1, -1, 1])  # data, fsdp, tensor
+    """Optimizer steps of the whole run."""
+    mesh: list = dataclasses.field(default_factory=lambda: [1, -1, 1])
+    """Device mesh [data, fsdp, tensor]; -1 takes the remaining devices."""
     seed: int = 0
+    """Seed of the random init and the data shuffle."""
     run_dir: str = "runs/default"
+    """Checkpoints, metrics, tokenizer and the exported model; a relaunch resumes from it."""
     log_every: int = 10
+    """Steps between metric records."""
     save_every: int = 100
-    keep: int = 3  # checkpoints kept in run_dir/checkpoints
-    export_every_save: bool = False  # also refresh run_dir/model at every save
+    """Steps between checkpoints (the final step is always saved)."""
+    keep: int = 3
+    """Checkpoints kept in run_dir/checkpoints."""
+    export_every_save: bool = False
+    """Also refresh run_dir/model at every save."""
     async_save: bool = True
-    target_chip: str | None = None  # for --dry-run: v5p, v5e, v4, v6e, H100, H200
+    """Write checkpoints while training continues."""
+    target_chip: str | None = None
+    """--dry-run's chip: v5p, v5e, v4, v6e, H100 or H200."""
 
     def validate(self) -> "TrainConfig":
         _check_types(self)
@@ -109,7 +150,7 @@ class TrainConfig:
                 raise TrainConfigError(f"objective=commit_head needs max_length > block_size (got "
                                        f"{self.max_length} and {self.block_size}): each row's context "
                                        f"is at most max_length - block_size tokens")
-        if self.max_length % self.block_size:  # rows are padded to whole blocks (data.py)
+        if self.max_length % self.block_size:  # rows are padded to whole blocks (data/pipeline.py)
             raise TrainConfigError(f"max_length={self.max_length} must be a multiple of "
                                    f"block_size={self.block_size}")
         if not 0 <= self.seed < 2 ** 32:  # grain's shuffle takes an unsigned 32-bit seed

@@ -1,21 +1,10 @@
 """--dry-run: check that a config's train step fits its target chips, from this CPU.
 
-The model, optimizer state and batch are built as ShapeDtypeStructs on an AbstractMesh of the
-configured size (e.g. 256 v5p chips as (1, 64, 4)), the real jitted train step is traced and
-lowered for TPU (`.trace(...).lower(lowering_platforms=("tpu",))`), which proves the shardings
-are consistent, and nothing is allocated. Memory per device is then counted:
-
-- parameters, gradients (with grad_accum > 1 also their float32 running sum) and optimizer
-  state: exact, from each array's shard shape;
-- activations: an estimate of what the backward pass keeps (per-layer inputs with remat, every
-  intermediate without), the attention scores/probabilities of one layer, and the float32
-  logits with their gradient. XLA's own temporaries and fragmentation are not counted, so the
-  verdict keeps 10% of HBM free.
-
-objective=commit_head lowers the commit head's step instead: the frozen proposer and verifier
-(float32, counted exactly from their shards; the proposer's shapes from its checkpoint or
-`proposer_shape_preset`), their forwards (estimated, nothing kept for a backward pass) and the
-small replicated head with its Adam state.
+The real jitted step is traced and lowered for TPU on an AbstractMesh of the configured size
+(which proves the shardings consistent) with nothing allocated. Parameters, gradients and
+optimizer state are counted exactly from their shard shapes; activations are estimated (XLA's
+temporaries are not counted, hence the 10% HBM headroom). objective=commit_head counts the
+frozen proposer and verifier, their forwards and the small head instead.
 """
 
 from __future__ import annotations
@@ -34,8 +23,9 @@ from prove_jax.models.config import PRESETS, ModelConfig, preset
 from prove_jax.training.optimizer import make_optimizer
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax.training.config import TrainConfig
+from prove_jax.training.objectives import make_loss_fn
 from prove_jax.training.step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
-                                     make_loss_fn, state_layout)
+                                     state_layout)
 
 GIB = 1024 ** 3
 CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
@@ -75,7 +65,8 @@ class DryRunReport:
         return self.total_bytes <= HEADROOM * self.hbm_bytes
 
     def describe(self) -> str:
-        g = lambda b: f"{b / GIB:8.2f} GiB"
+        def gib(n: int) -> str:
+            return f"{n / GIB:8.2f} GiB"
         subject = self.subject or f"{self.model_params / 1e9:.2f}B-parameter model"
         rows = [
             f"dry run: {subject}, mesh {self.mesh} "
@@ -84,14 +75,14 @@ class DryRunReport:
             f"({self.lower_seconds:.1f} s); per device {self.micro_batch_per_device} sequence(s) "
             f"x {self.streamed_length} positions per micro-batch",
             "per-device memory:",
-        ] + ([f"  frozen models{g(self.frozen_bytes)}  (proposer and verifier)"]
+        ] + ([f"  frozen models{gib(self.frozen_bytes)}  (proposer and verifier)"]
              if self.frozen_bytes else []) + [
-            f"  parameters   {g(self.param_bytes)}" + ("  (the head)" if self.frozen_bytes else ""),
-            f"  gradients    {g(self.grad_bytes)}",
-            f"  optimizer    {g(self.opt_bytes)}",
-            f"  activations  {g(self.activation_bytes)}  (estimate"
+            f"  parameters   {gib(self.param_bytes)}" + ("  (the head)" if self.frozen_bytes else ""),
+            f"  gradients    {gib(self.grad_bytes)}",
+            f"  optimizer    {gib(self.opt_bytes)}",
+            f"  activations  {gib(self.activation_bytes)}  (estimate"
             + (", forward only" if self.frozen_bytes else "") + ")",
-            f"  total        {g(self.total_bytes)}  of {self.hbm_bytes / GIB:.0f} GiB "
+            f"  total        {gib(self.total_bytes)}  of {self.hbm_bytes / GIB:.0f} GiB "
             f"({100 * self.total_bytes / self.hbm_bytes:.0f}%)",
             ("FITS" if self.fits else "DOES NOT FIT")
             + f": the estimate {'stays within' if self.fits else 'exceeds'} "
@@ -136,27 +127,29 @@ def _layer_bytes(m: ModelConfig, rows: int, length: int, tensor: int) -> tuple[i
     an activation element) for `rows` sequences of `length` on one device, the heads/MLP/vocab
     dimensions split as the sharding rules split them over a tensor axis of this size (whole
     where the rules replicate them)."""
-    db = np.dtype(m.dtype if m.dtype != "bfloat16" else np.float16).itemsize
-    d, dh = m.hidden_size, m.head_dim
-    tok = rows * length
+    elem_bytes = np.dtype(m.dtype if m.dtype != "bfloat16" else np.float16).itemsize
+    hidden, head_dim = m.hidden_size, m.head_dim
+    tokens = rows * length
     mesh = AbstractMesh((tensor,), ("tensor",), axis_types=(AxisType.Auto,))
 
     def per_device(logical_axis: str, n: int) -> int:
         return shard_shape((n,), logical_to_spec((logical_axis,), (n,), mesh), mesh.shape)[0]
-    h, k = per_device("heads", m.num_heads), per_device("kv_heads", m.num_kv_heads)
-    f, v = per_device("mlp", m.intermediate_size), per_device("vocab", m.vocab_size)
-    per_layer_linear = tok * db * (4 * d + 2 * h * dh + 2 * k * dh + 3 * f)
-    attn = rows * h * length * length * (4 + db)  # f32 scores + probs
-    return per_layer_linear + attn, rows * length * length, v, db
+    heads, kv_heads = per_device("heads", m.num_heads), per_device("kv_heads", m.num_kv_heads)
+    mlp, vocab = per_device("mlp", m.intermediate_size), per_device("vocab", m.vocab_size)
+    per_layer_linear = tokens * elem_bytes * (4 * hidden + 2 * heads * head_dim
+                                              + 2 * kv_heads * head_dim + 3 * mlp)
+    attn = rows * heads * length * length * (4 + elem_bytes)  # f32 scores + probs
+    return per_layer_linear + attn, rows * length * length, vocab, elem_bytes
 
 
 def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: bool) -> int:
     """Estimated bytes kept for the backward pass of one micro-batch (`rows` sequences) on one
     device (see `_layer_bytes` for the tensor split)."""
-    per_layer, mask, v, db = _layer_bytes(m, rows, length, tensor)
-    tok = rows * length
-    logits = 3 * tok * v * 4  # f32 logits, softmax, grad
-    kept = m.num_layers * tok * m.hidden_size * db + per_layer if remat else m.num_layers * per_layer
+    per_layer, mask, vocab, elem_bytes = _layer_bytes(m, rows, length, tensor)
+    tokens = rows * length
+    logits = 3 * tokens * vocab * 4  # f32 logits, softmax, grad
+    kept = (m.num_layers * tokens * m.hidden_size * elem_bytes + per_layer if remat
+            else m.num_layers * per_layer)
     return int(kept + mask + logits)
 
 
@@ -165,9 +158,9 @@ def forward_activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int
     """Estimated peak bytes of a forward pass with nothing kept for a backward one (a frozen
     model): one layer's intermediates at a time, the residual stream in and out, the mask, and
     float32 logits with their log-softmax at `logit_positions` per row."""
-    per_layer, mask, v, db = _layer_bytes(m, rows, length, tensor)
-    residual = 2 * rows * length * m.hidden_size * db
-    return int(per_layer + residual + mask + 2 * rows * logit_positions * v * 4)
+    per_layer, mask, vocab, elem_bytes = _layer_bytes(m, rows, length, tensor)
+    residual = 2 * rows * length * m.hidden_size * elem_bytes
+    return int(per_layer + residual + mask + 2 * rows * logit_positions * vocab * 4)
 
 
 def _abstract_mesh(cfg: TrainConfig, chip: str | None):

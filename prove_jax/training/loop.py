@@ -1,16 +1,10 @@
 """The training loop: config -> mesh, tokenizer, model, data, optimizer -> steps -> checkpoints.
 
-Start-up order matters for resumption: the model config and tokenizer are known before any
-weights are read (a fresh run's from its model source, the `<|mask|>` token included; a
-resumed run's from its own checkpoint metadata and RUN_DIR/tokenizer), so the abstract train
-state, and with it the restore target, is too. A fresh run loads the initial weights (HF dir,
-prove_jax checkpoint, or random init); a resumed run reads only its own latest checkpoint
-(params, optimizer, step, data position), and only operational settings may change.
-
-At the end the trained model is exported as a prove_jax model checkpoint at RUN_DIR/model
-(config with mask_token_id + tokenizer files), the input of `infer.generate --model`, with
-RUN_DIR/model/export.json recording the step it holds: a relaunch of a finished run re-exports
-unless that step is the final one (an export cut short leaves an older model there).
+The model config and tokenizer are settled before any weights are read (a resumed run's from
+its own checkpoint metadata and RUN_DIR/tokenizer), so the restore target is known and the step
+compiles first. A resumed run reads only its own latest checkpoint, and only operational
+settings may change. The trained model is exported to RUN_DIR/model (`prove-jax generate
+--model`), with export.json naming its step so a relaunch redoes an export cut short.
 """
 
 from __future__ import annotations
@@ -39,8 +33,9 @@ from prove_jax.training.optimizer import make_optimizer
 from prove_jax.training.run_checkpoint import (RunCheckpointMismatch,
                                                RunCheckpoints, has_checkpoints, saved_run_meta)
 from prove_jax.training.config import TrainConfig, TrainConfigError, inline_model_config, to_dict
+from prove_jax.training.objectives import make_loss_fn
 from prove_jax.training.step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state,
-                                     jit_step, make_loss_fn, state_layout)
+                                     jit_step, state_layout)
 
 
 class TrainError(ProveJaxError, RuntimeError):
@@ -368,10 +363,8 @@ def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
 
 
 # Settings a resumed run may change: how long it runs, how it logs and saves, how the same
-# computation is laid out; and, said in a log line, the optimizer's hyperparameters (continuing
-# with a lower learning rate is ordinary; one that changes the optimizer's state, clipping on or
-# off, is refused by the train-state check). Any other change (objective, data, batch, lengths,
-# seed, model, tokenizer) would make the relaunch no continuation of the run it resumes.
+# computation is laid out. Optimizer hyperparameters may change too, with a log line; any other
+# change would make the relaunch no continuation of the run it resumes.
 OPERATIONAL_SETTINGS = frozenset({
     "steps", "log_every", "save_every", "keep", "export_every_save", "async_save", "target_chip",
     "mesh", "optimizer.grad_accum", "model.remat", "model.shape_preset", "proposer_shape_preset",

@@ -1,33 +1,10 @@
 """Training objectives: plain next-token (AR) loss and the MARS masked-block loss.
 
-MARS (METHOD.md section 2) runs one causal forward over two copies of each length-L sequence
-concatenated to 2L: the *clean* stream (the real tokens) and the *masked* stream (every trained
-token replaced by `<|mask|>`, prompt tokens kept). Both streams use position ids 0..L-1 and are
-cut into fixed blocks of `block_size` positions counted from 0.
-
-Label alignment (the AR convention, one shift over the whole 2L sequence): the logit at stream
-position p predicts the token at position p+1 of the *original* sequence, in both streams.
-
-- clean position p sees clean 0..p, so it learns ordinary next-token prediction.
-- masked position p in block b = p // B sees clean tokens of blocks < b (the last one at
-  b*B - 1) and the masks at b*B..p, so its target p+1 lies (p - b*B) + 2 tokens past the last
-  visible clean token: in-block offsets 0..B-1 learn distances 2..B+1. Distance 1 is the clean
-  stream's job (at inference the last real token gives the first proposed token).
-- the last masked position of a block (offset B-1) predicts the first token of the next block
-  (distance B+1). It is trained, as in the reference: the one shift over 2L gives it that label
-  and METHOD.md states the learned distances as 2..B+1. Inference uses masks 1..K-1 (distances
-  2..K); the extra distance costs nothing and keeps every block position trained.
-- the two positions whose shifted label would cross a boundary (the last clean position, whose
-  shifted neighbour is the first masked token, and the last masked position, which has no next
-  token) carry zero weight.
-
-A target is trained when it is a `loss_mask` token (response / text / EOS block padding) and
-`valid`; prompt and right padding targets have weight 0. Each stream's loss is averaged per
-sequence over its trained targets, then over the sequences that have any; loss = CE(masked) +
-ar_weight * CE(clean). The clean half is exactly the AR loss of the same batch.
-
-Batch arrays (from prove_jax.data.pipeline): `input_ids` int32 [B, L], `loss_mask` bool [B, L],
-`valid` bool [B, L]; L a multiple of block_size.
+MARS (docs/method.md section 2) runs one forward over [clean stream, masked stream] (2L
+positions, both with position ids 0..L-1) and keeps the AR label shift over the whole 2L
+sequence: masked offset j of a block learns distance j + 2, so the last offset learns B + 1,
+trained as in the reference. The two positions whose shifted label crosses a stream boundary
+carry zero weight. Batches come from data/pipeline.py (`input_ids`, `loss_mask`, `valid`, [B, L]).
 """
 
 from __future__ import annotations
@@ -39,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.models.qwen2 import causal_mask
+from prove_jax.models.attention import causal_mask
 
 OBJECTIVES = ("ar", "mars")
 
@@ -170,10 +147,13 @@ LOSS_FNS: dict[str, Callable] = {"ar": ar_loss, "mars": mars_loss}
 
 def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id: int | None = None,
                  ar_weight: float = 1.0) -> Callable:
-    """`loss_fn(model, batch) -> (loss, metrics)` for objective 'ar' or 'mars'.
-
-    'ar' ignores the MARS settings; 'mars' needs block_size and mask_token_id.
+    """`loss_fn(model, batch) -> (loss, metrics)` for objective 'ar' or 'mars'; the train step
+    (step.build_step_fn) differentiates it. 'ar' ignores the MARS settings; 'mars' needs
+    block_size and mask_token_id.
     """
+    if objective == "commit_head":  # trained by training/commit_head.py, not by the train step
+        raise ObjectiveError("objective=commit_head trains only the verifier's small head "
+                             "(prove_jax/training/commit_head.py), not through the train step")
     if objective not in LOSS_FNS:
         raise ObjectiveError(f"unknown objective {objective!r}; valid objectives: {', '.join(OBJECTIVES)}")
     if objective == "ar":

@@ -1,8 +1,7 @@
 """Optimizer: AdamW with linear warmup + cosine decay and global-norm clipping (optax).
 
-Gradient accumulation is not an optax wrapper here: the train step averages the gradients of
-its micro-batches inside one jitted call (see train_step.py), so one optimizer update is one
-step of the schedule and one checkpointable step.
+Gradient accumulation happens inside the jitted train step (step.py), not as an optax wrapper,
+so one update is one schedule step and one checkpointable step.
 """
 
 from __future__ import annotations
@@ -37,11 +36,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, mesh):
-    """Shardings for the optimizer state: moments follow their parameter, counters replicated.
-
-    `jax.eval_shape(tx.init, ...)` loses shardings; `optax.tree_map_params` puts them back by
-    walking the state with the parameter tree alongside.
-    """
+    """Shardings for the optimizer state: moments follow their parameter, counters replicated
+    (`jax.eval_shape(tx.init, ...)` loses shardings; `optax.tree_map_params` restores them)."""
     abstract_state = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(

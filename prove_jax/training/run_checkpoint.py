@@ -1,17 +1,9 @@
-"""Run checkpoints: train state (params, optimizer, step) + data iterator + metadata, via orbax.
+"""Run checkpoints: train state + data iterator position + metadata, via orbax.
 
-Lives in RUN_DIR/checkpoints/<step>/ with items `state` (sharded arrays, each host writes its
-shards), `data` (the grain iterator position, one JSON per host, each the same global batch
-index, so a relaunch on another number of hosts resumes at the same batch) and `meta` (JSON). Saves are
-asynchronous (training continues while arrays are written) and orbax keeps the last N. A run
-resumes from the newest checkpoint that restores; one that does not (a crash mid-write on a
-filesystem without atomic rename, a deleted shard) is moved aside to RUN_DIR/corrupt/ with a
-message, and the previous one is used.
-
-A checkpoint that reads fine but holds a different train state than the current config builds
-(another model shape, an optimizer chain with or without clipping) is not damaged: restoring
-it is refused with the difference named, and nothing is moved, so relaunching with the run's
-original config still resumes.
+RUN_DIR/checkpoints/<step>/ holds `state` (sharded arrays), `data` (the grain iterator: one
+global batch index, the same in every host's file) and `meta` (JSON). A damaged step is moved
+aside to RUN_DIR/corrupt/ and the previous one used; a readable step whose train state differs
+from the config's is refused, naming the difference, and left in place for the original config.
 """
 
 from __future__ import annotations
@@ -148,11 +140,9 @@ class RunCheckpoints:
         return None
 
     def _data_state(self, step: int) -> dict:
-        """The step's data-iterator state. grain names each host's file
-        process_{i}-of-{N}.json and its own restore reads only the name of the current process
-        count, so a relaunch on another number of hosts found none and took every checkpoint
-        for damaged. The state is global (the next global batch index: `data.make_dataset`),
-        the same in every host's file, so any of them serves when this process's is missing."""
+        """The step's data-iterator state. grain's own restore reads only the file named for the
+        current process count (process_{i}-of-{N}.json); the state is global, so any host's file
+        serves a relaunch on another number of hosts."""
         folder = os.path.join(self.dir, str(step), "data")
         own = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
         names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"process_\d+-of-\d+\.json", n))

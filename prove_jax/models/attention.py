@@ -1,0 +1,231 @@
+"""Grouped-query attention under explicit masks, over a static KV cache read as far as it is filled.
+
+Masks are explicit because MARS training and block decoding need non-causal ones. With a
+`KVCache` the mask is a `StepMask`: queries attend to the committed slots and to the step's own
+keys under one softmax, so no [B, T, S] mask is ever built.
+
+Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
+G = H // K query heads per kv head, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.initializers import param
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.matmul import dense
+from prove_jax.models.sharding import constrain, rows_per_device
+
+_NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# A long buffer is read in chunks up to the batch's longest row (`cache_chunk`): chunks of at
+# least CACHE_CHUNK slots, at most CACHE_CHUNKS_MAX of them, half as long on CPU from
+# CPU_SHORT_CHUNK_ROWS rows per device; on a GPU, where each trip waits on the host, one pass
+# below GPU_CHUNKED_MIN_ROWS rows. See benchmarks/cache_chunks.md, benchmarks/h200/cache_chunks*.md.
+CACHE_CHUNK = 256
+CACHE_CHUNKS_MAX = 8
+CPU_SHORT_CHUNK_ROWS = 16
+GPU_CHUNKED_MIN_ROWS = 16
+
+
+@struct.dataclass
+class KVCache:
+    """Static per-layer key/value buffers k[i], v[i] [B, K, S, Dh]: heads-major, so attention
+    reads each (row, kv head) as it lies ([B, S, K, Dh] was transposed on every step)."""
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+        dtype = jnp.dtype(config.dtype) if dtype is None else dtype
+        shape = (batch, config.num_kv_heads, length, config.head_dim)
+        mk = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=mk(), v=mk())
+
+
+@struct.dataclass
+class StepMask:
+    """Row b's queries see its committed slots [0, cache_len[b]) and, of the step's own tokens
+    (written at slots cache_len[b] + i), those `intra` allows. Slots past that are never seen."""
+    cache_len: jax.Array  # [B] int32
+    intra: jax.Array  # bool [B or 1, T, T]: may step token q attend step token k
+
+
+def causal_mask(batch: int, length: int, valid: jax.Array | None = None) -> jax.Array:
+    """[B, T, T] causal mask; `valid` [B, T] hides padding keys."""
+    m = jnp.tril(jnp.ones((length, length), bool))[None].repeat(batch, 0)
+    if valid is not None:
+        m = m & valid[:, None, :]
+    return m
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+    """cos/sin tables [B, T, Dh] for explicit position ids [B, T] (HF 'rotate_half' layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, Dh]; rotation done in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_kernel = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), pd)
+        self.q_bias = param(rngs, (h, dh), ("heads", "head_dim"), pd, init="zeros")
+        self.k_kernel = param(rngs, (k, dh, d), ("kv_heads", "head_dim", "embed"), pd)
+        self.k_bias = param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.v_kernel = param(rngs, (k, dh, d), ("kv_heads", "head_dim", "embed"), pd)
+        self.v_bias = param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.o_kernel = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
+
+    def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
+        """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh]."""
+        cfg = self.cfg
+        dt = x.dtype
+        q = dense(x, self.q_kernel[...].astype(dt), kernels=kernels) + self.q_bias[...].astype(dt)
+        k = dense(x, self.k_kernel[...].astype(dt), kernels=kernels) + self.k_bias[...].astype(dt)
+        v = dense(x, self.v_kernel[...].astype(dt), kernels=kernels) + self.v_bias[...].astype(dt)
+        q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
+        k = apply_rope(k, cos, sin)
+
+        b, t = x.shape[:2]
+        g = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
+        own = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # [B, K, T, Dh]
+        if kv is None:
+            out = _attend(q, [own + (attn_mask,)])
+        else:
+            cache_k, cache_v = kv
+            n_kv = cache_k.shape[1]
+            # Explicit head indices keep this a scatter even for one row and token: XLA turns a
+            # single-window scatter into an update-slice that copies the buffer every step.
+            rows = jnp.arange(b)[:, None, None]
+            heads = jnp.arange(n_kv)[None, None, :]
+            slots = (attn_mask.cache_len[:, None] + jnp.arange(t)[None, :])[:, :, None]
+            # mode="drop": a slot past the buffer end is skipped, never clamped onto valid KV.
+            cache_k = cache_k.at[rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
+            kv = (cache_k, cache_v)
+            out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
+        out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        out = dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels)
+        return out, kv
+
+
+def _attend(q: jax.Array, blocks) -> jax.Array:
+    """Softmax attention over key/value blocks as if concatenated: one max, one normaliser.
+
+    q [B, T, K, G, Dh]; blocks: (keys, values [B, K, S_i, Dh], mask broadcastable to [B, T, S_i]).
+    Returns [B, T, K, G, Dh]. Queries are grouped [B, K, G*T, Dh] so the softmax runs along the
+    product's last axis (ungrouped, XLA:CPU transposed the scores: slower at every width timed).
+    """
+    dt = q.dtype
+    t, g = q.shape[1], q.shape[3]
+    q = _group_queries(q)
+    scores = [_masked_scores(q, keys, mask, t, g) for keys, _, mask in blocks]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    probs = [jnp.exp(s - top) for s in scores]
+    inv_norm = 1.0 / sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+    out = sum(jnp.einsum("bkqs,bksd->bkqd", (p * inv_norm).astype(dt), values)
+              for p, (_, values, _) in zip(probs, blocks))
+    return _ungroup_queries(out, t, g)
+
+
+def _group_queries(q: jax.Array) -> jax.Array:
+    """[B, T, K, G, Dh] -> [B, K, G*T, Dh]: a kv head's G query heads and T tokens as one axis."""
+    b, t, k, g, dh = q.shape
+    return q.transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
+
+
+def _ungroup_queries(out: jax.Array, t: int, g: int) -> jax.Array:
+    """[B, K, G*T, Dh] -> [B, T, K, G, Dh], the inverse of `_group_queries`."""
+    b, k, _, dh = out.shape
+    return out.reshape(b, k, g, t, dh).transpose(0, 3, 1, 2, 4)
+
+
+def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: int) -> jax.Array:
+    """Scaled float32 scores [B, K, G*T, S_i] of grouped queries [B, K, G*T, Dh] against keys
+    [B, K, S_i, Dh]; -huge where mask [B or 1, T, S_i] hides the key from the token."""
+    s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
+    mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
+    return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
+
+
+def cache_chunk(slots: int, rows: int = 1) -> int:
+    """Slots per chunk of a KV buffer of `slots` read by `rows` batch rows on one device
+    (== slots: read in one pass)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and rows < GPU_CHUNKED_MIN_ROWS:
+        return slots
+    shortest = CACHE_CHUNK
+    if rows >= CPU_SHORT_CHUNK_ROWS and backend == "cpu":
+        shortest = CACHE_CHUNK // 2
+    chunks = max(1, min(CACHE_CHUNKS_MAX, slots // shortest))
+    return -(-slots // chunks)
+
+
+def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array) -> jax.Array:
+    """`_attend` over a step's own keys/values and the committed slots of a static buffer, which
+    is sized for the longest generation: a long one is read a chunk (`cache_chunk`) at a time up
+    to the longest row, with a running max and normaliser (the flash-attention recurrence). A
+    masked chunk changes nothing bit for bit, so a row's result ignores the other rows' lengths.
+
+    q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
+    cache: (keys, values) [B, K, S, Dh]; cache_len int32 [B]. Returns [B, T, K, G, Dh].
+    """
+    dt = q.dtype
+    cache_k, cache_v = cache
+    slots = cache_k.shape[2]
+    # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
+    size = cache_chunk(slots, rows=rows_per_device(q.shape[0]))
+    if size >= slots:  # one pass over the whole (short) buffer
+        committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
+        return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
+                           own + (intra,)])
+    t, g = q.shape[1], q.shape[3]
+    q = _group_queries(q)
+
+    def weighted(p, values):  # unnormalised weights [B, K, G*T, S_i] -> float32 [B, K, G*T, Dh]
+        return jnp.einsum("bkqs,bksd->bkqd", p.astype(dt), values.astype(dt)).astype(jnp.float32)
+
+    s = _masked_scores(q, own[0], intra, t, g)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - top)
+    running = (top, jnp.sum(p, axis=-1, keepdims=True), weighted(p, own[1]))
+
+    def visit(i, running):
+        top, norm, acc = running
+        # the last chunk may start earlier (the buffer need not divide into chunks); slots
+        # an earlier chunk already visited are masked here
+        start = jnp.minimum(i * size, slots - size)
+        slot = start + jnp.arange(size)
+        mask = (slot[None, :] >= i * size) & (slot[None, :] < cache_len[:, None])  # [B, size]
+        keys = jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2).astype(dt)
+        values = jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2)
+        s = _masked_scores(q, keys, mask[:, None, :], t, g)
+        new_top = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
+        rescale = jnp.exp(top - new_top)
+        p = jnp.exp(s - new_top)
+        return (new_top, norm * rescale + jnp.sum(p, axis=-1, keepdims=True),
+                acc * rescale + weighted(p, values))
+
+    chunks = (jnp.max(cache_len) + size - 1) // size
+    _, norm, acc = jax.lax.fori_loop(0, chunks, visit, running)
+    return _ungroup_queries((acc / norm).astype(dt), t, g)

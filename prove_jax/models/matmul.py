@@ -1,0 +1,74 @@
+"""`dense`: the model's projections, and the forms a decode step's few rows run in on CPU, where
+XLA's dot kernels are much faster for them than x @ w^T as written (benchmarks/step_cost.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+from prove_jax.models.kernels import DEFAULT_KERNELS, MATMUL_FORMS, KernelOptions
+
+CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
+MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
+# XLA:CPU covers a weight-major product's token rows in tiles of 8 and a ragged last tile costs
+# about a whole one, so past 4 rows they are padded (benchmarks/step_cost.md, "unpadded").
+DOT_ROW_TILE = 8
+DOT_UNPADDED_MAX_ROWS = 4
+
+
+def default_cpu_form() -> str:
+    """`PROVE_JAX_CPU_MATMUL` if set, else weight-major, which holds up at real model sizes on every
+    CPU measured; input-major copies every weight per call (benchmarks/step_cost.md)."""
+    form = os.environ.get(MATMUL_FORM_ENV)
+    if form:
+        if form not in MATMUL_FORMS:
+            raise ValueError(f"{MATMUL_FORM_ENV}={form!r}: choose one of {', '.join(MATMUL_FORMS)}")
+        return form
+    return "weight_major"
+
+
+def decode_matmul_form(kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[str, int]:
+    """(form, most token rows it is used for) that `dense` applies under `kernels`: its explicit
+    choice, else the CPU default for up to CPU_DECODE_MAX_ROWS rows; accelerators: plain."""
+    max_rows = CPU_DECODE_MAX_ROWS if kernels.matmul_max_rows is None else kernels.matmul_max_rows
+    if kernels.matmul_form is not None:
+        return kernels.matmul_form, max_rows
+    if jax.default_backend() == "cpu":
+        return default_cpu_form(), max_rows
+    return "plain", 0
+
+
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
+    """x [..., *in] times w [*out, *in] -> [..., *out], in the form `decode_matmul_form` picks:
+    weight_major w @ x^T (rows padded, `padded_dot_rows`), input_major x @ t(w) (the transpose is
+    hoisted out of the decode loop, tests/test_decode_in_place.py), or plain. The barriers keep
+    XLA from folding a form back into the plain one."""
+    x_in = tuple(range(x.ndim - n_in, x.ndim))
+    w_in = tuple(range(w.ndim - n_in, w.ndim))
+    lead = x.shape[:x.ndim - n_in]
+    rows = math.prod(lead)
+    form, max_rows = decode_matmul_form(kernels)
+    if rows > max_rows or form == "plain":
+        return jnp.tensordot(x, w, axes=(x_in, w_in))
+    if form == "input_major":
+        w_t = jax.lax.optimization_barrier(jnp.transpose(w, w_in + tuple(range(w.ndim - n_in))))
+        return jnp.tensordot(x, w_t, axes=(x_in, tuple(range(n_in))))
+    x_rows = x.reshape(rows, *x.shape[x.ndim - n_in:])  # [R, *in]
+    padded = padded_dot_rows(rows, kernels)
+    if padded != rows:
+        x_rows = jnp.pad(x_rows, ((0, padded - rows),) + ((0, 0),) * n_in)
+    y = jax.lax.optimization_barrier(  # [*out, R']
+        jnp.tensordot(w, x_rows, axes=(w_in, tuple(range(1, n_in + 1)))))
+    y = jnp.moveaxis(y[..., :rows], -1, 0)  # [R, *out]
+    return y.reshape(*lead, *y.shape[1:])
+
+
+def padded_dot_rows(rows: int, kernels: KernelOptions = DEFAULT_KERNELS) -> int:
+    """Token rows a weight-major product of `rows` rows runs with (see DOT_ROW_TILE)."""
+    if not kernels.pad_dot_rows or rows <= DOT_UNPADDED_MAX_ROWS:
+        return rows
+    return -(-rows // DOT_ROW_TILE) * DOT_ROW_TILE
