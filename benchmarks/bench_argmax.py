@@ -25,6 +25,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -83,7 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", action="append", default=[], choices=sorted(PRESETS),
                     help="also time a real Qwen2.5 shape (random weights)")
     ap.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
-    ap.add_argument("--out-dir", default=HERE)
+    ap.add_argument("--out-dir", default=RESULTS,
+                    help="folder for argmax.json / argmax.md (default runs/benchmarks/; "
+                         "--out-dir benchmarks updates the committed results)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")

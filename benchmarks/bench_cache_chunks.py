@@ -26,6 +26,8 @@ import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax: runs from anywhere
 
 import jax
@@ -154,7 +156,9 @@ def main(argv=None) -> None:
                     default=(1, 4, 16), help="rows per step (default %(default)s)")
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
                     help="time this real Qwen2.5 shape (random weights) instead of the demo proposer's")
-    ap.add_argument("--out-dir", default=HERE, help="where cache_chunks.{json,md} go (default benchmarks/)")
+    ap.add_argument("--out-dir", default=RESULTS,
+                    help="folder for cache_chunks.json / cache_chunks.md (default runs/benchmarks/; "
+                         "--out-dir benchmarks updates the committed results)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         ap.error("--repeats and --steps must be >= 1")

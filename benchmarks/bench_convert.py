@@ -26,6 +26,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)  # for prove_jax: the script runs from anywhere
 
@@ -69,7 +71,9 @@ def main() -> None:
                    help="prove_jax.models.config preset giving the shapes")
     p.add_argument("--tokens", type=int, default=128, help="sequence length of the latency input (batch 1)")
     p.add_argument("--runs", type=int, default=9, help="timed forward runs per framework after one warm-up")
-    p.add_argument("--out", default=HERE, help="folder for convert.json / convert.md (default benchmarks/)")
+    p.add_argument("--out", default=RESULTS,
+                   help="folder for convert.json / convert.md (default runs/benchmarks/; "
+                        "--out benchmarks updates the committed results)")
     p.add_argument("--workdir", default=None, help="scratch dir for the checkpoints (default: a temp dir)")
     args = p.parse_args()
     for name in ("tokens", "runs"):

@@ -20,6 +20,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,7 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--humaneval", type=int, default=16, help="number of HumanEval prompts (default 16)")
     p.add_argument("--batch-sizes", type=_ints("--batch-sizes"), default=[1, 16], help="rows (default 1,16)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
-    p.add_argument("--out", default=HERE, help="folder for prefill.json / prefill.md")
+    p.add_argument("--out", default=RESULTS,
+                   help="folder for prefill.json / prefill.md (default runs/benchmarks/; "
+                        "--out benchmarks updates the committed results)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.humaneval < 1:
         p.error("--repeats and --humaneval must be >= 1")

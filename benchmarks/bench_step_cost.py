@@ -28,6 +28,8 @@ import sys
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax: runs from anywhere
 
 import jax
@@ -260,7 +262,9 @@ def main(argv=None) -> None:
                     help="forward widths T to time, 1 first (default %(default)s)")
     ap.add_argument("--layouts", type=bench_lib.arg_type(_layouts), default=LAYOUTS,
                     help="lossless layouts KxG to time, e.g. 4x2,8x3 (default: the decode benchmark's)")
-    ap.add_argument("--out-dir", default=HERE, help="where step_cost.{json,md} go (default benchmarks/)")
+    ap.add_argument("--out-dir", default=RESULTS,
+                    help="folder for step_cost.json / step_cost.md (default runs/benchmarks/; "
+                         "--out-dir benchmarks updates the committed results)")
     args = ap.parse_args(argv)
     if args.widths[0] != 1:
         ap.error("--widths must start with 1 (the AR forward every ratio is relative to)")

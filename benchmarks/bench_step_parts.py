@@ -32,6 +32,8 @@ import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax: runs from anywhere
 
 import jax
@@ -147,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=9,
                     help="interleaved timing rounds, the fastest counts (default 9)")
     ap.add_argument("--steps", type=int, default=50, help="decode steps per timed loop (default 50)")
-    ap.add_argument("--out-dir", default=HERE, help="where step_parts.{json,md} go (default benchmarks/)")
+    ap.add_argument("--out-dir", default=RESULTS,
+                    help="folder for step_parts.json / step_parts.md (default runs/benchmarks/; "
+                         "--out-dir benchmarks updates the committed results)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         ap.error("--repeats and --steps must be >= 1")

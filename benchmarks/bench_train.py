@@ -23,6 +23,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,7 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=256, help="model hidden size")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
-    p.add_argument("--out", default=HERE, help="folder for train.json / train.md")
+    p.add_argument("--out", default=RESULTS,
+                   help="folder for train.json / train.md (default runs/benchmarks/; "
+                        "--out benchmarks updates the committed results)")
     args = p.parse_args(argv)
     for name in ("steps", "batch", "length", "block_size", "hidden", "layers", "vocab"):
         if getattr(args, name) < 1:  # --steps 0 was a StatisticsError after the whole set-up

@@ -596,6 +596,14 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
         r = _cli(*case, "--input", str(inp), "--output", str(bad))
         assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
         assert not bad.exists()
+    text = tmp_path / "text.jsonl"  # a text prompt: the missing model is named, not its tokenizer
+    text.write_text(json.dumps({"id": 0, "prompt": "def f():"}) + "\n")
+    for args, expect in [(["--model", str(tmp_path / "missing"), "--input", str(text)],
+                          "--model: checkpoint not found"),
+                         (["--model", ckpt, "--input", str(tmp_path)], "is a directory; give a JSON Lines file")]:
+        r = _cli(*args, "--output", str(bad))
+        assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not bad.exists()
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"id": 0, "prompt_ids": []}) + "\n")
     r = _cli("--model", ckpt, "--input", str(empty), "--output", str(bad))

@@ -126,6 +126,13 @@ def test_config_change_is_refused_not_treated_as_damage(tmp_path, monkeypatch):
                   show_bar=False, log=messages.append)
     assert again.start_step == again.final_step == 4
     assert "resumed with retuned optimizer settings: optimizer.lr: 0.003 -> 0.0005" in messages, messages
+    # a longer run reshapes the schedule (warmup and cosine span `steps`): said in one line
+    messages.clear()
+    longer = train(tiny_config(tmp_path, "cc", ["optimizer.lr=5e-4"], steps=6, save_every=2),
+                   show_bar=False, log=messages.append)
+    assert longer.start_step == 4 and longer.final_step == 6
+    note = [m for m in messages if m.startswith("steps changed 4 -> 6")]
+    assert len(note) == 1 and "now span 6 steps" in note[0], messages
 
 
 def test_an_export_cut_short_is_redone_on_relaunch(tmp_path, monkeypatch):

@@ -148,6 +148,10 @@ def main(argv=None) -> int:
                   f"(benchmarks/decode_bf16.md)", file=sys.stderr)
         # before any model loads; only the process that writes the outputs probes their directory
         check_output_path(args.output, args.input, probe=main_process)
+        for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
+            if path is not None and not os.path.isdir(path):
+                raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
+                                  else f"{flag}: checkpoint not found: {path}")
         records = read_requests(args.input)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "

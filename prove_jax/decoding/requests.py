@@ -26,6 +26,8 @@ def read_requests(path: str) -> list[dict]:
     """
     if not os.path.exists(path):
         raise DecodeError(f"input file not found: {path}")
+    if os.path.isdir(path):
+        raise DecodeError(f"input {path} is a directory; give a JSON Lines file of requests")
     records, line_of_id, defaulted = [], {}, set()
     for lineno, rec in read_jsonl(path, DecodeError):
         where = f"{path}:{lineno}"

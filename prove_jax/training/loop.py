@@ -29,7 +29,7 @@ from prove_jax.models import params as params_lib
 from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig, preset
 from prove_jax.training.metrics import MetricsLogger, train_flops_per_step
-from prove_jax.training.optimizer import make_optimizer
+from prove_jax.training.optimizer import lr_schedule, make_optimizer
 from prove_jax.training.run_checkpoint import (RunCheckpointMismatch,
                                                RunCheckpoints, has_checkpoints, saved_run_meta)
 from prove_jax.training.config import TrainConfig, TrainConfigError, inline_model_config, to_dict
@@ -61,6 +61,19 @@ def log_main(msg: str) -> None:
 
 # ---- model config and tokenizer -----------------------------------------------------------
 
+MASTER_PARAM_DTYPE = "float32"  # trained weights' dtype when model.param_dtype is not set
+
+
+def low_precision_master_warning(cfg: TrainConfig) -> str | None:
+    """The warning a run with explicitly low-precision master weights logs (None: float32)."""
+    chosen = cfg.model.param_dtype
+    if chosen is None or chosen == "float32":
+        return None
+    return (f"warning: model.param_dtype={chosen}: weights and optimizer state train in {chosen}, "
+            f"where updates much smaller than a weight round away (at lr {cfg.optimizer.lr:g} most "
+            f"weights may never change); unset it for float32 master weights")
+
+
 def source_model_config(cfg: TrainConfig) -> ModelConfig:
     """The model config of the initial weights, without reading any weights."""
     src = cfg.model
@@ -75,8 +88,10 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
         model_cfg = preset(src.preset)
     else:
         model_cfg = inline_model_config(src.config)
-    overrides = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
-    return model_cfg.replace(**overrides)
+    # Master weights are float32 unless chosen: a bfloat16 checkpoint's storage dtype would
+    # otherwise make bfloat16 weights and Adam state, where small updates round away.
+    param_dtype = src.param_dtype or MASTER_PARAM_DTYPE
+    return model_cfg.replace(param_dtype=param_dtype, **({"dtype": src.dtype} if src.dtype else {}))
 
 
 def run_model_config(cfg: TrainConfig) -> ModelConfig:
@@ -169,7 +184,7 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     if src.checkpoint is not None:
         log_main(f"loading model checkpoint {src.checkpoint}")
         return checkpoint.load_model(src.checkpoint, mesh=mesh, dtype=src.dtype,
-                                     param_dtype=src.param_dtype, remat=src.remat)
+                                     param_dtype=model_cfg.param_dtype, remat=src.remat)
     return params_lib.create_model(model_cfg, seed=cfg.seed, mesh=mesh, remat=src.remat)
 
 
@@ -375,6 +390,24 @@ OPERATIONAL_SETTINGS = frozenset({
 RETUNABLE_PREFIX = "optimizer."
 
 
+def _saved_steps(run_dir: str) -> int | None:
+    """`steps` of the run's train_config.json (None if unreadable)."""
+    try:
+        with open(os.path.join(run_dir, "train_config.json")) as f:
+            return int(json.load(f)["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def schedule_change_note(optimizer, old_steps: int, new_steps: int, step: int) -> str:
+    """The log line of a resume that changed `steps`: warmup and cosine decay span the run's
+    length, so the learning rate from `step` on follows a reshaped schedule."""
+    before = float(lr_schedule(optimizer, old_steps)(step))
+    after = float(lr_schedule(optimizer, new_steps)(step))
+    return (f"steps changed {old_steps} -> {new_steps}: the warmup and cosine schedule now span "
+            f"{new_steps} steps (learning rate at step {step}: {before:.3g} -> {after:.3g})")
+
+
 def check_continuation(run_dir: str, cfg: TrainConfig) -> list[str]:
     """A relaunch into a run dir with checkpoints continues that run: only operational settings
     and optimizer hyperparameters may differ from its train_config.json (settings the file does
@@ -454,11 +487,14 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     _require_data(cfg.data)  # before anything is written to the run dir
     resuming = has_checkpoints(run_dir)
     retuned = check_continuation(run_dir, cfg) if resuming else []
+    saved_steps = _saved_steps(run_dir) if resuming else None
     model_cfg = run_model_config(cfg)  # bad model keys/dtypes fail before BPE training
     if cfg.max_length > model_cfg.max_position_embeddings:  # its position buffers end there
         raise TrainConfigError(f"max_length={cfg.max_length} is longer than the model's context, "
                                f"max_position_embeddings={model_cfg.max_position_embeddings}")
     mesh = config_mesh(cfg, log)
+    if (warning := low_precision_master_warning(cfg)) is not None and not resuming:
+        log(warning)
 
     bpe = cfg.tokenizer.bpe_vocab_size
     if bpe and bpe > model_cfg.vocab_size and not resuming:
@@ -501,6 +537,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
         log(f"resumed from {ckpts.dir}/{start}")
         if retuned:
             log(f"resumed with retuned optimizer settings: {', '.join(retuned)}")
+        if saved_steps is not None and saved_steps != cfg.steps:
+            log(schedule_change_note(cfg.optimizer, saved_steps, cfg.steps, start))
     else:
         start = 0
         from_scratch = cfg.model.preset is not None or cfg.model.config is not None
