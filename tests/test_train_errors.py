@@ -112,7 +112,12 @@ def test_a_train_step_that_cannot_fit_is_refused_before_the_run_dir_is_written(t
     assert not os.path.exists(os.path.join(tmp_path, "run"))
 
 
-def test_missing_and_empty_data(tmp_path, capsys):
+def test_missing_and_empty_data(tmp_path, capsys, monkeypatch):
+    from prove_jax.training import loop
+
+    def compiled(*args, **kwargs):  # data errors are found before the step compiles
+        raise AssertionError("the train step compiled before the data was checked")
+    monkeypatch.setattr(loop, "compile_step", compiled)
     cfg_path = write_config(tmp_path)
     assert main(["--config", cfg_path, f"data={tmp_path}/nope.jsonl", "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -121,7 +126,13 @@ def test_missing_and_empty_data(tmp_path, capsys):
     empty.write_text("")
     assert main(["--config", cfg_path, f"data={empty}", "--no-progress"]) == 2
     assert "error: empty dataset" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # nothing half-started
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "def f(): pass"}) + "\n" + json.dumps({"nope": 1}) + "\n")
+    assert main(["--config", cfg_path, f"data={bad}", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "bad.jsonl:2" in errors[0] and "AssertionError" not in err, err
+    assert not os.path.exists(tmp_path / "run")  # nothing written into the run dir
 
 
 def test_truncated_sequences_are_counted_in_the_log(tmp_path):

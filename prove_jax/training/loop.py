@@ -512,6 +512,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     if len(tokenizer) > train_cfg.vocab_size:
         raise TrainError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
                          f"{train_cfg.vocab_size} embedding rows; use the model's own tokenizer")
+    # the data is read and checked before the step compiles and before the run dir is written
+    data_iter = make_data_iterator(cfg, tokenizer, log)
     tx = make_optimizer(cfg.optimizer, cfg.steps)
     layout = state_layout(params_lib.abstract_model(train_cfg, cfg.model.remat), tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
@@ -520,8 +522,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                                     layout, mesh), layout, mesh, cfg, log)
 
     tok_dir = _save_run_tokenizer(tokenizer, run_dir)  # the run dir is written from here on
-
-    data_iter = make_data_iterator(cfg, tokenizer, log)
     ckpts = RunCheckpoints(run_dir, keep=cfg.keep, async_save=cfg.async_save, log=log)
     try:
         restored = restore_run(ckpts, layout, data_iter, cfg)
