@@ -158,3 +158,29 @@ def test_checkpoint_with_old_kernels_or_a_missing_weight_is_refused_by_name(tmp_
     restored = load_model(str(tmp_path / "new"))
     np.testing.assert_array_equal(np.asarray(restored.layers[0].attn.q_kernel[...]),
                                   params["layers"][0]["attn"]["q_kernel"])
+
+
+def test_bfloat16_logits_and_attention_scores_accumulate_in_float32():
+    """With bfloat16 weights and activations the LM head and the attention scores still come out
+    of a float32 accumulation: equal to float64 arithmetic on the same bfloat16 inputs to float32
+    precision, far inside bfloat16's rounding (rounded logits tie at the top ~2% of the time)."""
+    from prove_jax.models.attention import _masked_scores
+    cfg = CFG.replace(dtype="bfloat16", param_dtype="bfloat16")
+    model = create_model(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.standard_normal((2, 5, cfg.hidden_size)), jnp.bfloat16)
+    for form in MATMUL_FORMS:
+        logits = model.logits(hidden, kernels=KernelOptions(matmul_form=form))
+        assert logits.dtype == jnp.float32
+        w = np.asarray(model.lm_head[...].astype(jnp.float32), np.float64)
+        ref = np.asarray(hidden.astype(jnp.float32), np.float64) @ w.T
+        np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-5, atol=1e-6)
+        rounded = np.asarray(jnp.asarray(ref, jnp.bfloat16).astype(jnp.float32))
+        assert np.abs(rounded - ref).max() > 100 * np.abs(np.asarray(logits) - ref).max()
+    q = jnp.asarray(rng.standard_normal((1, 1, 4, 8)), jnp.bfloat16)  # [B, K, G*T, Dh], G=1
+    keys = jnp.asarray(rng.standard_normal((1, 1, 6, 8)), jnp.bfloat16)
+    scores = _masked_scores(q, keys, jnp.ones((1, 4, 6), bool), t=4, g=1)
+    assert scores.dtype == jnp.float32
+    ref = np.einsum("bkqd,bksd->bkqs", np.asarray(q.astype(jnp.float32), np.float64),
+                    np.asarray(keys.astype(jnp.float32), np.float64)) * 8 ** -0.5
+    np.testing.assert_allclose(np.asarray(scores), ref, rtol=1e-5, atol=1e-6)

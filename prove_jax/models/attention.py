@@ -163,7 +163,7 @@ def _ungroup_queries(out: jax.Array, t: int, g: int) -> jax.Array:
 def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: int) -> jax.Array:
     """Scaled float32 scores [B, K, G*T, S_i] of grouped queries [B, K, G*T, Dh] against keys
     [B, K, S_i, Dh]; -huge where mask [B or 1, T, S_i] hides the key from the token."""
-    s = jnp.einsum("bkqd,bksd->bkqs", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
+    s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
     return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
 

@@ -4,6 +4,7 @@ XLA's dot kernels are much faster for them than x @ w^T as written (benchmarks/s
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -42,27 +43,30 @@ def decode_matmul_form(kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[str, i
     return "plain", 0
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS,
+          out_dtype=None) -> jax.Array:
     """x [..., *in] times w [*out, *in] -> [..., *out], in the form `decode_matmul_form` picks:
     weight_major w @ x^T (rows padded, `padded_dot_rows`), input_major x @ t(w) (the transpose is
     hoisted out of the decode loop, tests/test_decode_in_place.py), or plain. The barriers keep
-    XLA from folding a form back into the plain one."""
+    XLA from folding a form back into the plain one. `out_dtype`: the dot's accumulation and
+    result dtype (None: the operands'), e.g. float32 logits from bfloat16 weights."""
+    dot = functools.partial(jnp.tensordot, preferred_element_type=out_dtype)
     x_in = tuple(range(x.ndim - n_in, x.ndim))
     w_in = tuple(range(w.ndim - n_in, w.ndim))
     lead = x.shape[:x.ndim - n_in]
     rows = math.prod(lead)
     form, max_rows = decode_matmul_form(kernels)
     if rows > max_rows or form == "plain":
-        return jnp.tensordot(x, w, axes=(x_in, w_in))
+        return dot(x, w, axes=(x_in, w_in))
     if form == "input_major":
         w_t = jax.lax.optimization_barrier(jnp.transpose(w, w_in + tuple(range(w.ndim - n_in))))
-        return jnp.tensordot(x, w_t, axes=(x_in, tuple(range(n_in))))
+        return dot(x, w_t, axes=(x_in, tuple(range(n_in))))
     x_rows = x.reshape(rows, *x.shape[x.ndim - n_in:])  # [R, *in]
     padded = padded_dot_rows(rows, kernels)
     if padded != rows:
         x_rows = jnp.pad(x_rows, ((0, padded - rows),) + ((0, 0),) * n_in)
     y = jax.lax.optimization_barrier(  # [*out, R']
-        jnp.tensordot(w, x_rows, axes=(w_in, tuple(range(1, n_in + 1)))))
+        dot(w, x_rows, axes=(w_in, tuple(range(1, n_in + 1)))))
     y = jnp.moveaxis(y[..., :rows], -1, 0)  # [R, *out]
     return y.reshape(*lead, *y.shape[1:])
 

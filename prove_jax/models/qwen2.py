@@ -71,11 +71,11 @@ class Qwen2(nnx.Module):
         return x, (None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v)))
 
     def logits(self, hidden: jax.Array, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
-        """LM head, float32 logits [..., V]."""
+        """LM head, float32 logits [..., V], accumulated in float32 whatever the compute dtype
+        (rounded to bfloat16, logits tie exactly at the top at about 2% of positions)."""
         dt = hidden.dtype
         w = self.embed if self.cfg.tie_word_embeddings else self.lm_head
-        out = dense(hidden, w[...].astype(dt), kernels=kernels)
-        return out.astype(jnp.float32)
+        return dense(hidden, w[...].astype(dt), kernels=kernels, out_dtype=jnp.float32)
 
 
 class DecoderLayer(nnx.Module):
