@@ -606,12 +606,47 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
         assert not bad.exists()
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"id": 0, "prompt_ids": []}) + "\n")
-    r = _cli("--model", ckpt, "--input", str(empty), "--output", str(bad))
+    r = _cli("--model", ckpt, "--input", str(empty), "--output", str(bad), "--strict")
     assert r.returncode == 2 and "empty" in r.stderr and not bad.exists()
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": 0, "prompt_ids": [3] * 600}) + "\n")
-    r = _cli("--model", ckpt, "--input", str(long), "--output", str(bad), "--max-new-tokens", "32500")
+    r = _cli("--model", ckpt, "--input", str(long), "--output", str(bad), "--max-new-tokens", "32500",
+             "--strict")
     assert r.returncode == 2 and "longer than the buffer" in r.stderr and not bad.exists()
+
+
+def test_one_bad_request_fails_alone(tmp_path, model, capsys):
+    """Without --strict, requests whose prompt is missing, malformed, empty, out of vocabulary or
+    too long get an 'error' record and the rest decode as they would alone (oracle: AR on the
+    good prompts by themselves); the exit status says some failed. --strict stops at the first."""
+    from prove_jax.cli import generate
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, model)
+    good = _prompts()
+    lines = [{"id": "g0", "prompt_ids": good[0]}, {"id": "empty", "prompt_ids": []},
+             {"id": "g1", "prompt_ids": good[1]}, {"id": "typed", "prompt": 7},
+             {"id": "vocab", "prompt_ids": [3, CFG.vocab_size]}, {"prompt_ids": good[2]},
+             {"id": "long", "prompt_ids": [3] * CFG.max_position_embeddings}, {"id": "none"}, {"id": "g3", "prompt_ids": good[3]}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    common = ["--model", ckpt, "--mode", "lossless", "--input", str(inp), "--output", str(out),
+              "--max-new-tokens", "24", "--batch-size", "2"]
+    assert generate.main(common) == generate.SOME_REQUESTS_FAILED
+    err = capsys.readouterr().err
+    assert "error: 5 of 9 requests failed" in err and json.loads(err.splitlines()[-2])["failed"] == 5
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["g0", "empty", "g1", "typed", "vocab", 5, "long", "none", "g3"]
+    errors = {r["id"]: r["error"] for r in rows if "error" in r}
+    assert set(errors) == {"empty", "typed", "vocab", "long", "none"}
+    assert "'prompt_ids' is empty" in errors["empty"] and "in.jsonl:2" in errors["empty"]
+    assert "'prompt' must be a string" in errors["typed"]
+    assert f"token id {CFG.vocab_size} outside the vocabulary" in errors["vocab"]
+    assert "longer than the buffer" in errors["long"]
+    assert "needs 'prompt' (text) or 'prompt_ids'" in errors["none"]
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(good, 24)
+    assert [r["output_ids"] for r in rows if "error" not in r] == ar.output_ids
+    assert generate.main(common + ["--strict"]) == 2
+    assert "error: " in capsys.readouterr().err
 
 
 def test_adaptive_shrinks_width_with_batch_and_falls_back_to_ar(model, ar_out):

@@ -2,7 +2,8 @@
 
 Input records: {"id", "prompt"} (text; needs the checkpoint's tokenizer) or {"id", "prompt_ids"}.
 Output records: {"id", "output_ids", "text", "stats"} ("text" when the checkpoint has a
-tokenizer); a one-line summary goes to stderr. --output is written atomically (through a symlink,
+tokenizer), or {"id", "error"} for a request that could not be decoded (the others still run;
+exit status 3; --strict stops at the first); a one-line summary goes to stderr. --output is written atomically (through a symlink,
 its target); a device, FIFO or /dev/stdout is written into.
 Without --model / --verifier the shipped demo proposer / verifier are used.
 
@@ -28,8 +29,10 @@ from prove_jax.models.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.decoding.requests import (QUEUE_BATCHES, check_output_path, encode_prompts, read_requests,
-                                         run_requests, write_outputs)
+from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, check_output_path, encode_prompts,
+                                         read_requests, run_requests, write_outputs)
+
+SOME_REQUESTS_FAILED = 3  # exit status when the job ran but some requests carry an error
 
 
 def parse_args(argv=None):
@@ -79,6 +82,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    ap.add_argument("--strict", action="store_true",
+                    help="stop the job at the first bad request (default: a request whose prompt is "
+                         "missing, malformed, empty, out of vocabulary or too long gets an 'error' "
+                         "field in its output record, the rest run, and the exit status is 3)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES,
                     help="compute/param dtype (default float32; bfloat16 halves weight reads on "
                          "TPU/GPU, where lossless can then differ from AR at a near-tie)")
@@ -152,25 +159,40 @@ def main(argv=None) -> int:
             if path is not None and not os.path.isdir(path):
                 raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
                                   else f"{flag}: checkpoint not found: {path}")
-        records = read_requests(args.input)
+        records = read_requests(args.input, strict=args.strict)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
                   "so it changes nothing", file=sys.stderr)
         # text prompts are encoded before any weight is read: a missing tokenizer or chat
         # template fails in a second, not after loading the model
         tokenizer = load_tokenizer(args.model) if os.path.isdir(args.model) else None
-        prompts = encode_prompts(records, tokenizer, chat=args.chat)
+        prompts = encode_prompts(records, tokenizer, chat=args.chat, strict=args.strict)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
                                    mesh_shape=args.mesh, tokenizer=tokenizer)
-        ids = [r["id"] for r in records]
-        if args.calibrate:
-            decoder.check_prompts(prompts, args.max_new_tokens, names=ids)
-            calibrate_decoder(decoder, prompts, args.batch_size, args.max_new_tokens,
-                              log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                              num_requests=min(len(prompts), QUEUE_BATCHES * args.batch_size))
-        outputs, stats, summary = run_requests(decoder, prompts, args.max_new_tokens, args.batch_size,
-                                               ids=ids, progress=main_process)
+        if not args.strict:  # what only the loaded decoder can judge: vocabulary, buffer length
+            for rec, prompt in zip(records, prompts):
+                problem = None if prompt is None else decoder.prompt_problem(prompt, args.max_new_tokens)
+                if problem is not None:
+                    rec[ERROR_KEY] = f"the prompt {problem}"
+        live = [i for i, rec in enumerate(records) if ERROR_KEY not in rec]
+        live_prompts = [prompts[i] for i in live]
+        live_ids = [records[i]["id"] for i in live]
+        outputs, stats = [None] * len(records), [None] * len(records)
+        summary = {"mode": args.mode, "requests": len(records)}
+        if live:
+            if args.calibrate:
+                decoder.check_prompts(live_prompts, args.max_new_tokens, names=live_ids)
+                calibrate_decoder(decoder, live_prompts, args.batch_size, args.max_new_tokens,
+                                  log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                  num_requests=min(len(live), QUEUE_BATCHES * args.batch_size))
+            live_outputs, live_stats, summary = run_requests(
+                decoder, live_prompts, args.max_new_tokens, args.batch_size, ids=live_ids,
+                progress=main_process)
+            for i, out, stat in zip(live, live_outputs, live_stats):
+                outputs[i], stats[i] = out, stat
+        failed = len(records) - len(live)
+        summary.update(requests=len(records), failed=failed)
         if main_process:
             write_outputs(args.output, records, outputs, stats, tokenizer)
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
@@ -178,7 +200,10 @@ def main(argv=None) -> int:
         return 2
     if main_process:
         print(json.dumps(summary), file=sys.stderr)
-    return 0
+        if failed:
+            print(f"error: {failed} of {len(records)} requests failed; their records in "
+                  f"{args.output} carry '{ERROR_KEY}' (--strict stops at the first)", file=sys.stderr)
+    return SOME_REQUESTS_FAILED if failed else 0
 
 
 if __name__ == "__main__":

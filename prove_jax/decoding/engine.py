@@ -184,17 +184,24 @@ class Decoder:
         if not prompts:
             raise DecodeError("no prompts given")
         for i, p in enumerate(prompts):
-            what = f"prompt {i}" if names is None else f"request {names[i]!r}"
-            if len(p) == 0:
-                raise DecodeError(f"{what} is empty: decoding needs at least one prompt token")
-            bad = [t for t in p if not 0 <= int(t) < self.vocab_limit]
-            if bad:
-                raise DecodeError(f"{what} has token id {bad[0]} outside the vocabulary "
-                                  f"[0, {self.vocab_limit})" + self._vocab_limit_why())
-            if len(p) + max_new_tokens > self.max_buffer:
-                raise DecodeError(f"{what} has {len(p)} tokens; with max_new_tokens="
-                                  f"{max_new_tokens} it needs {len(p) + max_new_tokens} positions, "
-                                  f"longer than the buffer limit {self.max_buffer}")
+            problem = self.prompt_problem(p, max_new_tokens)
+            if problem is not None:
+                what = f"prompt {i}" if names is None else f"request {names[i]!r}"
+                raise DecodeError(f"{what} {problem}")
+
+    def prompt_problem(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
+        """Why this decoder cannot decode `prompt` (a phrase following "request X"), or None."""
+        if len(prompt) == 0:
+            return "is empty: decoding needs at least one prompt token"
+        bad = [t for t in prompt if not 0 <= int(t) < self.vocab_limit]
+        if bad:
+            return (f"has token id {bad[0]} outside the vocabulary [0, {self.vocab_limit})"
+                    + self._vocab_limit_why())
+        if len(prompt) + max_new_tokens > self.max_buffer:
+            return (f"has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(prompt) + max_new_tokens} positions, longer than the buffer limit "
+                    f"{self.max_buffer}")
+        return None
 
     @property
     def vocab_limit(self) -> int:

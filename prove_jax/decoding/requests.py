@@ -15,14 +15,19 @@ from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.data.jsonl import read_jsonl
 
 
-def read_requests(path: str) -> list[dict]:
+ERROR_KEY = "error"  # an output record's field naming why its request was not decoded
+
+
+def read_requests(path: str, strict: bool = True) -> list[dict]:
     """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line.
 
     A record without an id gets its index among the records; ids must be unique (outputs are
     matched to requests by id), strings or integers. A default id that another record already
     has is an error telling the two apart (give every record an id), not a renumbering.
     `prompt_ids` must be a non-empty list of non-negative integers (whether they are within the
-    model's vocabulary is checked once it is loaded).
+    model's vocabulary is checked once it is loaded). With `strict` off, a record whose prompt is
+    missing or malformed is kept with its problem under ERROR_KEY instead of stopping the job
+    (file-level problems, such as bad JSON or duplicate ids, still stop it).
     """
     if not os.path.exists(path):
         raise DecodeError(f"input file not found: {path}")
@@ -34,16 +39,13 @@ def read_requests(path: str) -> list[dict]:
         if isinstance(rec, list) and rec and all(isinstance(r, dict) for r in rec):
             raise DecodeError(f"{where}: a JSON array of records; JSON Lines has one record "
                               f"(a JSON object) per line")
-        if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_ids" not in rec):
+        if not isinstance(rec, dict):
             raise DecodeError(f"{where}: a record needs 'prompt' (text) or 'prompt_ids'")
-        if "prompt" in rec and "prompt_ids" in rec:
-            raise DecodeError(f"{where}: give 'prompt' or 'prompt_ids', not both")
-        if "prompt" in rec and not isinstance(rec["prompt"], str):
-            raise DecodeError(f"{where}: 'prompt' must be a string (token ids go in 'prompt_ids')")
-        if "prompt_ids" in rec:
-            problem = prompt_ids_problem(rec["prompt_ids"])
-            if problem:
+        problem = _record_problem(rec)
+        if problem is not None:
+            if strict:
                 raise DecodeError(f"{where}: {problem}")
+            rec = {k: rec[k] for k in ("id",) if k in rec} | {ERROR_KEY: f"{where}: {problem}"}
         has_id = "id" in rec
         rec.setdefault("id", len(records))
         rid = rec["id"]
@@ -67,6 +69,19 @@ def read_requests(path: str) -> list[dict]:
     return records
 
 
+def _record_problem(rec: dict) -> str | None:
+    """What is wrong with a request record's prompt fields, or None."""
+    if "prompt" not in rec and "prompt_ids" not in rec:
+        return "a record needs 'prompt' (text) or 'prompt_ids'"
+    if "prompt" in rec and "prompt_ids" in rec:
+        return "give 'prompt' or 'prompt_ids', not both"
+    if "prompt" in rec and not isinstance(rec["prompt"], str):
+        return "'prompt' must be a string (token ids go in 'prompt_ids')"
+    if "prompt_ids" in rec:
+        return prompt_ids_problem(rec["prompt_ids"])
+    return None
+
+
 def prompt_ids_problem(ids) -> str | None:
     """What is wrong with a record's `prompt_ids`, or None: a non-empty list of integers >= 0."""
     # bool is an int subclass: `true` would decode as token 1
@@ -79,9 +94,19 @@ def prompt_ids_problem(ids) -> str | None:
     return None
 
 
-def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False) -> list[list[int]]:
+def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
+                   strict: bool = True) -> list[list[int] | None]:
+    """Token ids of each record's prompt. With `strict` off, a record that cannot be encoded
+    gets its problem under ERROR_KEY and None here (records already failed stay None)."""
     prompts = []
     for rec in records:
+        if ERROR_KEY in rec:
+            prompts.append(None)
+            continue
+        if not strict and "prompt" in rec and tokenizer is None:
+            rec[ERROR_KEY] = "a text prompt, but the checkpoint has no tokenizer; give prompt_ids instead"
+            prompts.append(None)
+            continue
         if "prompt_ids" in rec:
             problem = prompt_ids_problem(rec["prompt_ids"])
             if problem:
@@ -216,12 +241,16 @@ def check_output_path(path: str, input_path: str | None, flag: str = "--output",
 
 
 def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer) -> None:
-    """One JSON line per request: id, output_ids, text (when there is a tokenizer) and stats.
+    """One JSON line per request: id, output_ids, text (when there is a tokenizer) and stats, or
+    id and ERROR_KEY for a request that was not decoded (its output is None).
 
     A regular file is written atomically (temporary sibling + rename); through a symlink, its
     target is (the link stays). A device, FIFO or /dev/stdout is written into instead."""
     lines = []
     for rec, out, st in zip(records, outputs, stats):
+        if out is None:
+            lines.append(json.dumps({"id": rec["id"], ERROR_KEY: rec[ERROR_KEY]}))
+            continue
         row = {"id": rec["id"], "output_ids": out}
         if tokenizer is not None:
             row["text"] = tokenizer.decode(out, skip_special_tokens=True)
