@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from prove_jax.training import aot
 from prove_jax.training.dry_run import DryRunError, GIB, dry_run
 from prove_jax.training.config import load_config
 from train.train import main
@@ -18,7 +19,7 @@ PROPOSER = os.path.join(REPO, "configs", "proposer_qwen2.5_32b_v5p.yaml")
 def test_proposer_32b_fits_v5p_pod():
     # one lowering of the 64-layer step (tens of seconds here); the CLI prints describe(),
     # and the CLI path itself is the next test's
-    report = dry_run(load_config(PROPOSER), chip="v5p")
+    report = dry_run(load_config(PROPOSER), chip="v5p", compile=False)
     out = report.describe()
     assert "lowered for TPU: ok" in out and "FITS" in out and "DOES NOT FIT" not in out
     # 32.8e9 float32 params over fsdp 64 x tensor 4 = 256 shards; Adam keeps two moments
@@ -30,7 +31,7 @@ def test_proposer_32b_fits_v5p_pod():
 
 
 def test_too_small_mesh_does_not_fit(capsys):
-    assert main(["--config", PROPOSER, "--dry-run", "mesh=[1,4,1]"]) == 0
+    assert main(["--config", PROPOSER, "--dry-run", "--no-compile", "mesh=[1,4,1]"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out
     # parameters alone: 131 GB of float32 over 4 chips > 95 GiB of HBM
@@ -95,3 +96,58 @@ def test_commit_head_on_too_few_chips_does_not_fit(capsys):
     assert main(["--config", VERIFIER, "--dry-run", *COMMIT_HEAD, "mesh=[1,2,1]"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "frozen models   66.78 GiB" in out, out
+
+
+# ---- the real compile for a TPU slice (libtpu, optional) ------------------------------------
+
+def test_collectives_are_counted_from_compiled_hlo():
+    hlo = """
+  %all-gather-start = (bf16[4,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(bf16[4,8]{1,0} %p), channel_id=1
+  %all-gather-done = bf16[16,8]{1,0} all-gather-done((bf16[4,8]{1,0}, bf16[16,8]{1,0}) %all-gather-start)
+  %reduce-scatter.3 = f32[256]{0:T(256)} reduce-scatter(f32[1024]{0} %g), channel_id=2, dimensions={0}
+  ROOT %all-reduce = f32[] all-reduce(f32[] %loss), channel_id=3, to_apply=%add
+  %fusion = f32[8] fusion(f32[8] %all-reduce.1), kind=kLoop
+"""
+    counts = aot.collective_counts(hlo)
+    assert counts["all-gather"] == {"count": 1, "bytes": 4 * 8 * 2 + 16 * 8 * 2}
+    assert counts["reduce-scatter"] == {"count": 1, "bytes": 256 * 4}
+    assert counts["all-reduce"] == {"count": 1, "bytes": 4}
+    assert aot.topology_name("v5p", 256) == "v5p:4x8x8" and aot.topology_name("v6e", 8) == "v6e:2x4"
+    with pytest.raises(ValueError, match="not 6"):
+        aot.topology_name("v5p", 6)
+
+
+def test_without_libtpu_the_dry_run_says_it_is_an_estimate(tmp_path, monkeypatch):
+    monkeypatch.setattr(aot, "libtpu_available", lambda: False)
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [f"run_dir={tmp_path}/r", "mesh=[1,4,1]"])
+    report = dry_run(cfg, chip="v5p")
+    assert report.compiled is None and "libtpu is not installed" in report.describe()
+
+
+needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
+                                  reason="libtpu not installed (optional: docs/environment.md)")
+
+
+@needs_libtpu
+def test_a_small_step_compiles_for_a_v5p_slice(tmp_path):
+    """XLA's own numbers for 4 v5p chips: the arguments hold at least the exact parameter and
+    optimizer shards, and FSDP over 4 chips gathers weights and reduces gradients."""
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [f"run_dir={tmp_path}/r", "mesh=[1,4,1]"])
+    report = dry_run(cfg, chip="v5p")
+    c = report.compiled
+    assert c is not None and c.topology == "v5p:2x2x1" and c.compile_seconds > 0
+    assert c.argument_bytes >= report.param_bytes + report.opt_bytes
+    assert c.peak_bytes >= c.argument_bytes and report.compiled_fits
+    assert c.collectives["all-gather"]["count"] > 0
+    assert c.collectives["reduce-scatter"]["count"] + c.collectives["all-reduce"]["count"] > 0
+    assert "compiled for v5p:2x2x1" in report.describe()
+
+
+@needs_libtpu
+def test_proposer_32b_compiles_for_its_v5p_slice_and_fits():
+    """The paper's proposer step compiled for 256 v5p chips (minutes): XLA's peak per chip fits."""
+    report = dry_run(load_config(PROPOSER), chip="v5p")
+    c = report.compiled
+    assert c is not None and c.topology == "v5p:4x8x8"
+    assert c.argument_bytes >= report.param_bytes + report.opt_bytes
+    assert report.compiled_fits, report.describe()

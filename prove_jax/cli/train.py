@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="lower the train step on an abstract mesh of the configured size (TPU "
                         "lowering, no weights allocated) and print per-device memory vs the chip")
+    p.add_argument("--no-compile", action="store_true",
+                   help="--dry-run: the estimate only, even where libtpu could compile the step for "
+                        "the chip's TPU slice (minutes for a 32B model)")
     p.add_argument("--chip", default=None,
                    help="target chip for --dry-run (v5p, v5e, v4, v6e, H100, H200); "
                         "default: the config's target_chip")
@@ -38,13 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # intermixed: overrides may come after an option (`steps=2 --dry-run run_dir=X`)
     args = build_parser().parse_intermixed_args(argv)
+    if args.dry_run and not os.environ.get("JAX_PLATFORMS"):
+        import jax  # abstract and libtpu-topology devices only: never probe for local accelerators
+        jax.config.update("jax_platforms", "cpu")
     cfg = None
     try:
         from prove_jax.training.config import load_config
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
             from prove_jax.training.dry_run import dry_run
-            report = dry_run(cfg, chip=args.chip)
+            report = dry_run(cfg, chip=args.chip, compile=not args.no_compile)
             print(report.describe())
             return 0
         distributed.initialize_from_args(args)

@@ -22,6 +22,7 @@ from prove_jax.models import params as params_lib
 from prove_jax.models.config import PRESETS, ModelConfig, preset
 from prove_jax.training.optimizer import make_optimizer
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
+from prove_jax.training import aot
 from prove_jax.training.config import TrainConfig
 from prove_jax.training.objectives import make_loss_fn
 from prove_jax.training.step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
@@ -51,6 +52,8 @@ class DryRunReport:
     lower_seconds: float
     micro_batch_per_device: int
     streamed_length: int
+    compiled: "aot.CompiledStats | None" = None  # the real compile for the slice (libtpu)
+    compile_note: str = ""  # why there is no real compile
     frozen_bytes: int = 0  # commit_head: the frozen proposer and verifier
     subject: str = ""  # what is trained, for the first line (default: the model's size)
     step_name: str = "train step"
@@ -88,7 +91,27 @@ class DryRunReport:
             + f": the estimate {'stays within' if self.fits else 'exceeds'} "
             f"{int(100 * HEADROOM)}% of {self.chip} HBM",
         ]
+        c = self.compiled
+        if c is None:
+            rows.append(f"no compile for the slice: {self.compile_note}")
+            return "\n".join(rows)
+        rows += [
+            f"compiled for {c.topology} in {c.compile_seconds:.1f} s; XLA's per-chip memory:",
+            f"  arguments    {gib(c.argument_bytes)}",
+            f"  temporaries  {gib(c.temp_bytes)}",
+            f"  peak         {gib(c.peak_bytes)}  of {self.hbm_bytes / GIB:.0f} GiB "
+            f"({100 * c.peak_bytes / self.hbm_bytes:.0f}%): "
+            + ("FITS" if self.compiled_fits else "DOES NOT FIT"),
+            "collectives (count, result bytes): " + ", ".join(
+                f"{kind} {v['count']} ({v['bytes'] / GIB:.2f} GiB)"
+                for kind, v in c.collectives.items() if v["count"]),
+        ]
         return "\n".join(rows)
+
+    @property
+    def compiled_fits(self) -> bool | None:
+        """The compiled program's peak within the chip's HBM (None without a compile)."""
+        return None if self.compiled is None else self.compiled.peak_bytes <= self.hbm_bytes
 
 
 def chip_hbm_bytes(chip: str) -> int:
@@ -183,25 +206,48 @@ def _abstract_mesh(cfg: TrainConfig, chip: str | None):
     return chip, hbm, axis_sizes, mesh, dp, micro
 
 
-def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
+def _lowered_train_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
+    """(train state layout, the step lowered for TPU with shardings on `mesh`)."""
+    tx = make_optimizer(cfg.optimizer, cfg.steps)
+    layout = state_layout(params_lib.abstract_model(model_cfg, cfg.model.remat), tx, mesh)
+    loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
+                           mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
+    step = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum), layout, mesh)
+    batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)
+    return layout, step.trace(layout.abstract, batch).lower(lowering_platforms=("tpu",))
+
+
+def compile_for_slice(cfg: TrainConfig, model_cfg: ModelConfig, chip: str, axis_sizes):
+    """(the train step compiled for the chip's TPU slice of this mesh size, or None, and why
+    not): needs the optional libtpu package and a TPU chip."""
+    if not aot.libtpu_available():
+        return None, "libtpu is not installed (pip install libtpu; see docs/environment.md): the estimate only"
+    if chip.lower() not in aot.TPU_TOPOLOGIES:
+        return None, f"{chip} is not a TPU: the estimate only"
+    try:
+        mesh, name = aot.topology_mesh(chip, axis_sizes, MESH_AXES)
+    except ValueError as e:
+        return None, f"{e}: the estimate only"
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # nothing runs on the slice's devices
+        _, lowered = _lowered_train_step(cfg, model_cfg, mesh)
+        return aot.compile_stats(lowered, name), ""
+
+
+def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> DryRunReport:
     """The memory report of the config's train step (objective=commit_head: of the commit
-    head's, see `dry_run_commit_head`)."""
+    head's, see `dry_run_commit_head`); with `compile` and libtpu, also the real compile for
+    the chip's slice."""
     if cfg.objective == "commit_head":
         return dry_run_commit_head(cfg, chip)
     chip, hbm, axis_sizes, mesh, dp, micro = _abstract_mesh(cfg, chip)
     model_cfg = _model_config_for(cfg)
-    tx = make_optimizer(cfg.optimizer, cfg.steps)
     length = cfg.max_length
     with jax.sharding.use_abstract_mesh(mesh):
-        layout = state_layout(params_lib.abstract_model(model_cfg, cfg.model.remat), tx, mesh)
-        loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
-                               mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
-        step = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
-                        layout, mesh)
         t0 = time.perf_counter()
-        step.trace(layout.abstract, abstract_batch(mesh, cfg.global_batch_size, length)) \
-            .lower(lowering_platforms=("tpu",))
+        layout, _ = _lowered_train_step(cfg, model_cfg, mesh)
         seconds = time.perf_counter() - t0
+    compiled, note = (compile_for_slice(cfg, model_cfg, chip, axis_sizes) if compile
+                      else (None, "not asked for"))
     streamed = length * (2 if cfg.objective == "mars" else 1)
     params_b = _shard_bytes(layout.abstract["params"])
     grads_b = params_b  # one micro-batch's gradients, in the parameters' dtype and sharding
@@ -217,7 +263,7 @@ def dry_run(cfg: TrainConfig, chip: str | None = None) -> DryRunReport:
         activation_bytes=activation_bytes(model_cfg, micro // dp, streamed, axis_sizes[2],
                                           cfg.model.remat),
         lowered=True, lower_seconds=seconds, micro_batch_per_device=micro // dp,
-        streamed_length=streamed)
+        streamed_length=streamed, compiled=compiled, compile_note=note)
 
 
 def _proposer_config_for(cfg: TrainConfig) -> ModelConfig:

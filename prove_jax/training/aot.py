@@ -1,0 +1,109 @@
+"""Ahead-of-time compile of a step for a real TPU topology, from a machine without TPUs.
+
+With the optional `libtpu` package installed, `jax.experimental.topologies` describes a TPU
+slice whose devices a `Mesh` can be laid on; a jitted step lowered with shardings on that mesh
+compiles exactly as it would on the slice. The compiled program then reports per-chip memory
+(arguments, temporaries, peak) and holds the collectives XLA's partitioner chose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+
+import numpy as np
+
+# Chips of a slice by topology: v4/v5p are 3D tori, v5e/v6e 2D (the shapes Cloud TPU offers).
+_TOPOLOGY_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+                256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_TOPOLOGY_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+                256: "16x16"}
+TPU_TOPOLOGIES = {"v4": _TOPOLOGY_3D, "v5p": _TOPOLOGY_3D, "v5e": _TOPOLOGY_2D, "v6e": _TOPOLOGY_2D}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+# `%name = TYPE[dims]{layout} all-gather(` or its async `all-gather-start(`; a tuple result
+# `(bf16[..], bf16[..])` holds several shapes
+_COLLECTIVE_LINE = re.compile(r"=\s*(?P<shapes>\(?[a-z0-9]+\[[^=]*?)\s+(?P<kind>" +
+                              "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def libtpu_available() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def topology_name(chip: str, devices: int) -> str:
+    """The topology string of a slice of `devices` chips, e.g. ("v5p", 256) -> "v5p:4x8x8"."""
+    shapes = TPU_TOPOLOGIES.get(chip.lower())
+    if shapes is None:
+        raise ValueError(f"no TPU topology for chip {chip!r}; compiled dry runs know "
+                         f"{', '.join(TPU_TOPOLOGIES)}")
+    if devices not in shapes:
+        raise ValueError(f"{chip} slices come in {', '.join(map(str, shapes))} chips, not {devices}")
+    return f"{chip.lower()}:{shapes[devices]}"
+
+
+def topology_mesh(chip: str, axis_sizes, axis_names):
+    """A `Mesh` of a TPU slice's (unattached) devices with these axis sizes, from libtpu."""
+    # libtpu probes for a TPU host when it loads; these quiet its warnings on a machine without one
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.lower()}-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chip is attached: nothing to lock
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, Mesh
+    name = topology_name(chip, math.prod(axis_sizes))
+    devices = topologies.get_topology_desc(name, "tpu").devices
+    return Mesh(np.array(devices).reshape(axis_sizes), tuple(axis_names),
+                axis_types=(AxisType.Auto,) * len(axis_names)), name
+
+
+@dataclasses.dataclass
+class CompiledStats:
+    """What XLA's compile for the slice reports, per chip."""
+    topology: str
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    collectives: dict  # kind -> {"count": n, "bytes": result bytes summed}
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments, outputs not aliased to (donated) arguments, and temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def collective_counts(hlo_text: str) -> dict:
+    """{kind: {"count", "bytes"}} of the collectives in compiled HLO text (async pairs count once)."""
+    out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE_LINE.search(line)
+        if m is None:
+            continue
+        size = 0
+        for dtype, dims in _SHAPE.findall(m.group("shapes")):
+            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            size += n * _DTYPE_BYTES.get(dtype, 4)
+        out[m.group("kind")]["count"] += 1
+        out[m.group("kind")]["bytes"] += size
+    return out
+
+
+def compile_stats(lowered, topology: str) -> CompiledStats:
+    """Compile a `jax.stages.Lowered` for its topology and read its memory and collectives."""
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    return CompiledStats(topology=topology, compile_seconds=seconds,
+                         argument_bytes=int(memory.argument_size_in_bytes),
+                         output_bytes=int(memory.output_size_in_bytes),
+                         alias_bytes=int(memory.alias_size_in_bytes),
+                         temp_bytes=int(memory.temp_size_in_bytes),
+                         collectives=collective_counts(compiled.as_text()))
