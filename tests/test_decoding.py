@@ -599,7 +599,7 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
     text = tmp_path / "text.jsonl"  # a text prompt: the missing model is named, not its tokenizer
     text.write_text(json.dumps({"id": 0, "prompt": "def f():"}) + "\n")
     for args, expect in [(["--model", str(tmp_path / "missing"), "--input", str(text)],
-                          "--model: checkpoint not found"),
+                          "error: model checkpoint not found"),
                          (["--model", ckpt, "--input", str(tmp_path)], "is a directory; give a JSON Lines file")]:
         r = _cli(*args, "--output", str(bad))
         assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr

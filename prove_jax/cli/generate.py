@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
             if path is not None and not os.path.isdir(path):
                 raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
-                                  else f"{flag}: checkpoint not found: {path}")
+                                  else f"{flag[2:]} checkpoint not found: {path}")
         records = read_requests(args.input, strict=args.strict)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
