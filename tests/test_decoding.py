@@ -659,3 +659,27 @@ def test_adaptive_shrinks_width_with_batch_and_falls_back_to_ar(model, ar_out):
     assert adapt_for_batch(opts, 1, "cpu").mode == "ar"  # wide steps never pay on CPU here
     res = Decoder(model, [1], opts).generate(_prompts(), 24)
     assert res.output_ids == ar_out.output_ids
+
+
+def test_truncate_a_long_prompt_and_say_when_adaptive_chose_ar(tmp_path, capsys):
+    """--truncate left keeps a too-long prompt's end, right its start (oracle: AR on the cut
+    prompt); without it the error says how to fix it. --adaptive on CPU (whose table is AR) says
+    in a plain line that it ran AR."""
+    from prove_jax.cli import generate
+    short = create_model(CFG.replace(max_position_embeddings=64), seed=3)
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, short)
+    prompt = np.random.RandomState(1).randint(2, 90, 60).tolist()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "p", "prompt_ids": prompt}) + "\n")
+    common = ["--model", ckpt, "--input", str(inp), "--output", str(out), "--max-new-tokens", "8"]
+    assert generate.main(common) == generate.SOME_REQUESTS_FAILED
+    error = json.loads(out.read_text())["error"]
+    assert "lower max_new_tokens to 4 or shorten the prompt" in error and "--truncate" in error
+    ar = Decoder(short, [1], DecodeOptions("ar"))
+    for side, cut in (("left", prompt[-56:]), ("right", prompt[:56])):
+        assert generate.main(common + ["--truncate", side]) == 0
+        assert json.loads(out.read_text())["output_ids"] == ar.generate([cut], 8).output_ids[0]
+    capsys.readouterr()
+    assert generate.main(common + ["--truncate", "left", "--mode", "lossless", "--adaptive"]) == 0
+    assert "note: --adaptive chose plain AR for batch size 1 on this CPU" in capsys.readouterr().err

@@ -82,6 +82,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    ap.add_argument("--truncate", choices=("left", "right"), default=None,
+                    help="cut a prompt too long for the buffer with --max-new-tokens: left drops its "
+                         "start (keeps the end, what the model continues), right drops its end "
+                         "(default: such a request fails with an error)")
     ap.add_argument("--strict", action="store_true",
                     help="stop the job at the first bad request (default: a request whose prompt is "
                          "missing, malformed, empty, out of vocabulary or too long gets an 'error' "
@@ -138,6 +142,14 @@ def decode_options(args) -> DecodeOptions:
                          **given).validate()
 
 
+def truncated(prompt, keep: int, side: str):
+    """`prompt` cut to at most `keep` tokens (left: its last ones), or as it is (None, or
+    already short enough). A budget with no room left (keep < 1) leaves it for the error."""
+    if prompt is None or keep < 1 or len(prompt) <= keep:
+        return prompt
+    return prompt[-keep:] if side == "left" else prompt[:keep]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -170,6 +182,9 @@ def main(argv=None) -> int:
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
                                    mesh_shape=args.mesh, tokenizer=tokenizer)
+        if args.truncate is not None:
+            prompts = [truncated(p, decoder.max_buffer - args.max_new_tokens, args.truncate)
+                       for p in prompts]
         if not args.strict:  # what only the loaded decoder can judge: vocabulary, buffer length
             for rec, prompt in zip(records, prompts):
                 problem = None if prompt is None else decoder.prompt_problem(prompt, args.max_new_tokens)
@@ -200,6 +215,10 @@ def main(argv=None) -> int:
         return 2
     if main_process:
         print(json.dumps(summary), file=sys.stderr)
+        if options.adaptive and summary.get("setting") == "ar":
+            print(f"note: --adaptive chose plain AR for batch size {args.batch_size} on this "
+                  f"{jax.default_backend().upper()}: its table expects no lossless layout to beat AR "
+                  f"here (--calibrate measures instead)", file=sys.stderr)
         if failed:
             print(f"error: {failed} of {len(records)} requests failed; their records in "
                   f"{args.output} carry '{ERROR_KEY}' (--strict stops at the first)", file=sys.stderr)

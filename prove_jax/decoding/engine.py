@@ -198,9 +198,11 @@ class Decoder:
             return (f"has token id {bad[0]} outside the vocabulary [0, {self.vocab_limit})"
                     + self._vocab_limit_why())
         if len(prompt) + max_new_tokens > self.max_buffer:
+            fix = (f"lower max_new_tokens to {self.max_buffer - len(prompt)} or shorten the prompt"
+                   if len(prompt) < self.max_buffer else "shorten the prompt")
             return (f"has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
                     f"{len(prompt) + max_new_tokens} positions, longer than the buffer limit "
-                    f"{self.max_buffer}")
+                    f"{self.max_buffer}: {fix} (generate: --truncate left|right cuts it)")
         return None
 
     @property
