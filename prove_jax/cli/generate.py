@@ -177,7 +177,7 @@ def main(argv=None) -> int:
                   "so it changes nothing", file=sys.stderr)
         # text prompts are encoded before any weight is read: a missing tokenizer or chat
         # template fails in a second, not after loading the model
-        tokenizer = load_tokenizer(args.model) if os.path.isdir(args.model) else None
+        tokenizer = load_tokenizer(args.model)  # None: the checkpoint has none
         prompts = encode_prompts(records, tokenizer, chat=args.chat, strict=args.strict)
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         live_prompts = [prompts[i] for i in live]
         live_ids = [records[i]["id"] for i in live]
         outputs, stats = [None] * len(records), [None] * len(records)
-        summary = {"mode": args.mode, "requests": len(records)}
+        summary = {"mode": args.mode}
         if live:
             if args.calibrate:
                 decoder.check_prompts(live_prompts, args.max_new_tokens, names=live_ids)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         return 2
     if main_process:
         print(json.dumps(summary), file=sys.stderr)
-        if options.adaptive and summary.get("setting") == "ar":
+        if args.adaptive and not args.calibrate and summary.get("setting") == "ar":
             print(f"note: --adaptive chose plain AR for batch size {args.batch_size} on this "
                   f"{jax.default_backend().upper()}: its table expects no lossless layout to beat AR "
                   f"here (--calibrate measures instead)", file=sys.stderr)

@@ -103,8 +103,11 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
         if ERROR_KEY in rec:
             prompts.append(None)
             continue
-        if not strict and "prompt" in rec and tokenizer is None:
-            rec[ERROR_KEY] = "a text prompt, but the checkpoint has no tokenizer; give prompt_ids instead"
+        if "prompt" in rec and tokenizer is None:
+            problem = "has a text prompt but the checkpoint has no tokenizer; give prompt_ids instead"
+            if strict:
+                raise DecodeError(f"request {rec['id']!r} {problem}")
+            rec[ERROR_KEY] = f"the request {problem}"
             prompts.append(None)
             continue
         if "prompt_ids" in rec:
@@ -113,9 +116,6 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
                 raise DecodeError(f"request {rec['id']!r}: {problem}")
             prompts.append(rec["prompt_ids"])
             continue
-        if tokenizer is None:
-            raise DecodeError(f"request {rec['id']!r} has a text prompt but the checkpoint has no "
-                              f"tokenizer; give prompt_ids instead")
         text = rec["prompt"]
         if chat and not getattr(tokenizer, "chat_template", None):
             raise DecodeError("--chat: the checkpoint's tokenizer has no chat template; drop --chat "

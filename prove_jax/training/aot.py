@@ -57,7 +57,9 @@ def topology_mesh(chip: str, axis_sizes, axis_names):
     from jax.experimental import topologies
     from jax.sharding import AxisType, Mesh
     name = topology_name(chip, math.prod(axis_sizes))
-    devices = topologies.get_topology_desc(name, "tpu").devices
+    # a slice smaller than a host (a single chip) must say so: libtpu assumes whole hosts
+    small = {"chips_per_host_bounds": (1, 1, 1)} if math.prod(axis_sizes) == 1 else {}
+    devices = topologies.get_topology_desc(name, "tpu", **small).devices
     return Mesh(np.array(devices).reshape(axis_sizes), tuple(axis_names),
                 axis_types=(AxisType.Auto,) * len(axis_names)), name
 

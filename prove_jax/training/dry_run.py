@@ -125,13 +125,11 @@ def _model_config_for(cfg: TrainConfig) -> ModelConfig:
     """Shapes only: the weights (often an HF dir on another machine) are never read."""
     import os
 
-    from prove_jax.training.loop import source_model_config
+    from prove_jax.training.loop import source_model_config, with_run_dtypes
     src = cfg.model
     if src.shape_preset and not (src.hf_dir and os.path.isdir(src.hf_dir)) \
             and not (src.checkpoint and os.path.isdir(src.checkpoint)):
-        model_cfg = preset(src.shape_preset)
-        changes = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
-        model_cfg = model_cfg.replace(**changes)
+        model_cfg = with_run_dtypes(preset(src.shape_preset), src)
     else:
         model_cfg = source_model_config(cfg)
     if model_cfg.mask_token_id is None and cfg.objective == "mars":
@@ -217,20 +215,18 @@ def _lowered_train_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     return layout, step.trace(layout.abstract, batch).lower(lowering_platforms=("tpu",))
 
 
-def compile_for_slice(cfg: TrainConfig, model_cfg: ModelConfig, chip: str, axis_sizes):
-    """(the train step compiled for the chip's TPU slice of this mesh size, or None, and why
-    not): needs the optional libtpu package and a TPU chip."""
+def _slice_mesh(chip: str, axis_sizes):
+    """(the chip's TPU slice of this mesh size as a Mesh, its topology name, "") from libtpu, or
+    (None, None, why there is none)."""
     if not aot.libtpu_available():
-        return None, "libtpu is not installed (pip install libtpu; see docs/environment.md): the estimate only"
+        return None, None, "libtpu is not installed (pip install libtpu; see docs/environment.md): the estimate only"
     if chip.lower() not in aot.TPU_TOPOLOGIES:
-        return None, f"{chip} is not a TPU: the estimate only"
+        return None, None, f"{chip} is not a TPU: the estimate only"
     try:
         mesh, name = aot.topology_mesh(chip, axis_sizes, MESH_AXES)
     except ValueError as e:
-        return None, f"{e}: the estimate only"
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # nothing runs on the slice's devices
-        _, lowered = _lowered_train_step(cfg, model_cfg, mesh)
-        return aot.compile_stats(lowered, name), ""
+        return None, None, f"{e}: the estimate only"
+    return mesh, name, ""
 
 
 def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> DryRunReport:
@@ -242,12 +238,15 @@ def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> 
     chip, hbm, axis_sizes, mesh, dp, micro = _abstract_mesh(cfg, chip)
     model_cfg = _model_config_for(cfg)
     length = cfg.max_length
-    with jax.sharding.use_abstract_mesh(mesh):
+    # with libtpu the step is lowered once, on the real slice's mesh, and compiled there
+    slice_mesh, topology, note = _slice_mesh(chip, axis_sizes) if compile else (None, None, "not asked for")
+    target = mesh if slice_mesh is None else slice_mesh
+    # abstract: nothing is placed on (or runs on) the slice's devices
+    with jax.sharding.use_abstract_mesh(mesh if slice_mesh is None else slice_mesh.abstract_mesh):
         t0 = time.perf_counter()
-        layout, _ = _lowered_train_step(cfg, model_cfg, mesh)
+        layout, lowered = _lowered_train_step(cfg, model_cfg, target)
         seconds = time.perf_counter() - t0
-    compiled, note = (compile_for_slice(cfg, model_cfg, chip, axis_sizes) if compile
-                      else (None, "not asked for"))
+        compiled = None if slice_mesh is None else aot.compile_stats(lowered, topology)
     streamed = length * (2 if cfg.objective == "mars" else 1)
     params_b = _shard_bytes(layout.abstract["params"])
     grads_b = params_b  # one micro-batch's gradients, in the parameters' dtype and sharding

@@ -74,6 +74,14 @@ def low_precision_master_warning(cfg: TrainConfig) -> str | None:
             f"weights may never change); unset it for float32 master weights")
 
 
+def with_run_dtypes(model_cfg: ModelConfig, src) -> ModelConfig:
+    """`model_cfg` with this run's dtypes: `model.dtype` if set, and master weights in
+    `model.param_dtype` or float32 (a bfloat16 checkpoint's storage dtype would otherwise make
+    bfloat16 weights and Adam state, where small updates round away)."""
+    return model_cfg.replace(param_dtype=src.param_dtype or MASTER_PARAM_DTYPE,
+                             **({"dtype": src.dtype} if src.dtype else {}))
+
+
 def source_model_config(cfg: TrainConfig) -> ModelConfig:
     """The model config of the initial weights, without reading any weights."""
     src = cfg.model
@@ -88,10 +96,7 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
         model_cfg = preset(src.preset)
     else:
         model_cfg = inline_model_config(src.config)
-    # Master weights are float32 unless chosen: a bfloat16 checkpoint's storage dtype would
-    # otherwise make bfloat16 weights and Adam state, where small updates round away.
-    param_dtype = src.param_dtype or MASTER_PARAM_DTYPE
-    return model_cfg.replace(param_dtype=param_dtype, **({"dtype": src.dtype} if src.dtype else {}))
+    return with_run_dtypes(model_cfg, src)
 
 
 def run_model_config(cfg: TrainConfig) -> ModelConfig:
