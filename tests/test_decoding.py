@@ -423,14 +423,16 @@ def test_admitting_a_request_into_a_row_equals_starting_it_there(model):
     into row 1 (`queue.put_row`), holds the state of a batch started with requests 0 and 2:
     tokens, lengths, budgets, counters, drafts exactly, and both caches over the prompts."""
     prompts, prompt_len, max_new = _queue_arrays(_prompts(9, (5, 3, 14)))
-    options = DecodeOptions("verify", 4, record_steps=True).validate()
-    settings = program.ProgramSettings(options=options, num_rows=2, num_slots=64, eos_ids=(1,), pad_id=0,
+    stop_ids = jnp.asarray([[1, -1], [1, 7], [1, 9]], jnp.int32)
+    requests = queue.Requests(prompts, prompt_len, max_new, stop_ids, sampling=None)
+    options = DecodeOptions("verify", 4, record_steps=True, logprobs=2).validate()
+    settings = program.ProgramSettings(options=options, num_rows=2, num_slots=64, pad_id=0,
                                        mask_id=CFG.mask_token_id, prefill_chunk=4)
-    batch = program.start_rows(model, model, prompts[:2], prompt_len[:2], max_new[:2], settings)
-    row = program.admit(model, model, prompts, prompt_len, max_new, jnp.int32(2), settings)
+    batch = program.start_rows(model, model, requests.rows(0, 2), settings)
+    row = program.admit(model, model, requests, jnp.int32(2), settings)
     admitted = queue.put_row(batch.replace(step=jnp.int32(5)), row, jnp.int32(1))
     pick = jnp.asarray([0, 2])
-    fresh = program.start_rows(model, model, prompts[pick], prompt_len[pick], max_new[pick], settings)
+    fresh = program.start_rows(model, model, jax.tree.map(lambda x: x[pick], requests), settings)
     assert int(admitted.step) == 5  # the loop counter is the batch's
     admitted = admitted.replace(step=fresh.step)
     for name in ("cache", "verifier_cache"):

@@ -153,7 +153,8 @@ def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slot
         width, n_drafts = program.step_shape(options)
         tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
         length = jnp.full((batch,), filled, jnp.int32)
-        state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32),
+        no_stop = jnp.full((batch, 1), -1, jnp.int32)  # no EOS: rows never finish
+        state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32), no_stop,
                               KVCache.zeros(cfg, batch, slots + width), None, num_drafts=n_drafts,
                               block_size=options.block_size, pad_id=0)
         fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id))
@@ -167,10 +168,9 @@ def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slot
 def _run_steps(graphdef, options, mask_id: int, params, start, steps):
     """`steps` (traced) decode steps from state `start`, each reset to its row lengths (for timing)."""
     model = nnx.merge(graphdef, params)
-    eos_ids = jnp.asarray([-1], jnp.int32)  # no EOS: rows never finish
 
     def body(_, state):
-        state = program.decode_step(options, model, state, eos_ids, mask_id=mask_id)
+        state = program.decode_step(options, model, state, mask_id=mask_id)
         return state.replace(length=start.length, cache_len=start.cache_len, done=start.done)
     return jax.lax.fori_loop(0, steps, body, start)
 

@@ -22,6 +22,8 @@ from prove_jax.decoding.adaptive import adapt_for_batch, check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.options import MAX_STEP_WIDTH, DecodeError, DecodeOptions, default_prefill_chunk
 from prove_jax.decoding.program import ProgramSettings, step_shape
+from prove_jax.decoding.queue import Requests
+from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
 from prove_jax.models.sharding import batch_shards
 
 
@@ -77,6 +79,18 @@ class BatchResult:
     # order (sums to its output length); lets a caller show the committed blocks.
     step_commits: list[list[int]] | None = None
     loop_steps: int = 0  # iterations of the decode loop (batch steps, all rows together)
+    # "stop" (the output ends with EOS or one of the request's stop_token_ids) or "length"
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    # With options.logprobs: per request and output token, (logprob, [(id, logprob), ...] of the
+    # most likely tokens there), under the distribution the token was committed from.
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]]] | None = None
+    seeds: list[int] = dataclasses.field(default_factory=list)  # each request's seed, as used
+
+
+def request_seed(base: int, index: int) -> int:
+    """The seed of a request that gives none: a hash of the call's (or job's) `base` seed and
+    the request's `index`, so requests differ and a rerun repeats them."""
+    return int(np.random.SeedSequence([base, index]).generate_state(1)[0])
 
 
 def _round_up(x: int, m: int) -> int:
@@ -150,7 +164,7 @@ class Decoder:
         """The static settings of the program that decodes `num_rows` rows of `num_slots` slots."""
         return ProgramSettings(
             options=options, num_rows=num_rows, num_slots=num_slots,
-            eos_ids=tuple(int(x) for x in self.eos_ids), pad_id=self.pad_id,
+            pad_id=self.pad_id,
             mask_id=-1 if self.cfg.mask_token_id is None else int(self.cfg.mask_token_id),
             prefill_chunk=options.prefill_chunk or default_prefill_chunk())
 
@@ -167,8 +181,8 @@ class Decoder:
 
     def _compiled_for(self, settings: ProgramSettings, args):
         """(compiled program, seconds spent compiling it now: 0 when it was cached)."""
-        prompts = args[3]
-        key = (settings,) + tuple(prompts.shape)
+        requests = args[3]
+        key = (settings, requests.prompts.shape, requests.stop_ids.shape)
         if key not in self._compiled:
             start = time.perf_counter()
             compiled = self._build(settings).lower(*args).compile()
@@ -178,13 +192,15 @@ class Decoder:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                       names: Sequence | None = None) -> None:
-        """Every prompt can be decoded; errors name a prompt by `names[i]` (request ids) if given."""
+        """Every prompt can be decoded with its budget (one for all, or one per prompt); errors
+        name a prompt by `names[i]` (request ids) if given."""
         if not prompts:
             raise DecodeError("no prompts given")
-        for i, p in enumerate(prompts):
-            problem = self.prompt_problem(p, max_new_tokens)
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+        for i, (p, budget) in enumerate(zip(prompts, budgets)):
+            problem = self.prompt_problem(p, budget)
             if problem is not None:
                 what = f"prompt {i}" if names is None else f"request {names[i]!r}"
                 raise DecodeError(f"{what} {problem}")
@@ -220,38 +236,40 @@ class Decoder:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  batch_size: int | None = None, prompt_width: int | None = None,
-                 queue_size: int | None = None) -> BatchResult:
-        """Greedy-family decoding of `prompts` with `batch_size` rows (default: one row each).
+                 queue_size: int | None = None,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 seed: int = 0) -> BatchResult:
+        """Decode `prompts` with `batch_size` rows (default: one row each).
 
         More prompts than rows are queued and served by continuous batching inside the one
         compiled loop: a row that finishes takes the next prompt at once. `prompt_width` pads
         every call to one prompt width and `queue_size` pads the queue, so the calls of a run
-        share one program.
+        share one program. `params` (one for all prompts or one each; default greedy) set
+        sampling, a request's own `max_new_tokens` and its stop tokens; a request without a
+        seed gets `request_seed(seed, i)`. (Stop strings need text: see requests.py.)
         """
         if max_new_tokens < 1:
             raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if batch_size is not None and batch_size < 1:
             raise DecodeError(f"batch size must be >= 1, got {batch_size}")
-        self.check_prompts(prompts, max_new_tokens)
         n = len(prompts)
+        params = _per_request(params, n)
+        budgets = [p.max_new_tokens or max_new_tokens for p in params]
+        self.check_prompts(prompts, budgets)
         rows = self.rows(batch_size or n, max(n, queue_size or 0))
         num_requests = _round_up(max(n, queue_size or 0), rows)  # whole rows: shards like the batch
         options = adapt_for_batch(self.options, rows, table=self.adaptive_table)
         width = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
-        num_slots = self.buffer_len(width, max_new_tokens)
-        queued = np.full((num_requests, width), self.pad_id, np.int32)
-        prompt_len = np.ones((num_requests,), np.int32)
-        max_new = np.zeros((num_requests,), np.int32)  # padding requests get no budget: never decoded
-        for i, x in enumerate(prompts):
-            queued[i, : len(x)] = x
-            prompt_len[i] = len(x)
-            max_new[i] = max_new_tokens
-        args = [self.state, self.verifier_state, self.head_state, queued, prompt_len, max_new]
+        num_slots = self.buffer_len(width, max(budgets))
+        seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
+        requests = self._request_arrays(prompts, budgets, params, seeds, num_requests, width)
+        args = [self.state, self.verifier_state, self.head_state, requests]
         if self.mesh is not None:
             batch_sharding = jax.sharding.NamedSharding(
                 self.mesh, jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)))
-            args[3:] = [jax.device_put(x, batch_sharding) for x in args[3:]]
-        settings = self.program_settings(options, rows, num_slots)
+            args[3] = jax.device_put(args[3], batch_sharding)
+        settings = dataclasses.replace(self.program_settings(options, rows, num_slots),
+                                       sampler=Sampler.for_requests(params))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             compiled, compile_seconds = self._compiled_for(settings, args)
             memory.check_fits(compiled, memory.local_devices(self.mesh),
@@ -260,14 +278,55 @@ class Decoder:
                               advice="lower --batch-size or --max-new-tokens, or shard the batch "
                                      "over more devices")
             start = time.perf_counter()
-            out = jax.block_until_ready(compiled(*args))
+            out, loop_steps = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - start
-        tokens, length, forwards, verifier_forwards, hist = (np.asarray(x) for x in out[:5])
-        outputs = [tokens[i, prompt_len[i]: length[i]].tolist() for i in range(n)]
+        out = jax.tree.map(np.asarray, out)
+        prompt_len, length, forwards = np.asarray(requests.prompt_len), out.length, out.forwards
+        outputs = [out.tokens[i, prompt_len[i]: length[i]].tolist() for i in range(n)]
         step_commits = None
-        if out[5] is not None:
-            trace = np.asarray(out[5])
-            step_commits = [trace[i, : forwards[i]].tolist() for i in range(n)]
-        return BatchResult(output_ids=outputs, forwards=forwards[:n], verifier_forwards=verifier_forwards[:n],
-                           accept_hist=hist[:n], seconds=seconds, compile_seconds=compile_seconds,
-                           options=options, step_commits=step_commits, loop_steps=int(out[6]))
+        if out.step_commits is not None:
+            step_commits = [out.step_commits[i, : forwards[i]].tolist() for i in range(n)]
+        stop_ids = np.asarray(requests.stop_ids)
+        finish = ["stop" if o and o[-1] in stop_ids[i] else "length" for i, o in enumerate(outputs)]
+        logprobs = None
+        if out.logprobs is not None:
+            lp = out.logprobs
+            logprobs = [[(float(lp.chosen[i, s]), list(zip(lp.top_ids[i, s].tolist(), lp.top_logprobs[i, s].tolist())))
+                         for s in range(prompt_len[i], length[i])] for i in range(n)]
+        return BatchResult(output_ids=outputs, forwards=forwards[:n], verifier_forwards=out.verifier_forwards[:n],
+                           accept_hist=out.accept_hist[:n], seconds=seconds, compile_seconds=compile_seconds,
+                           options=options, step_commits=step_commits, loop_steps=int(loop_steps),
+                           finish_reasons=finish, logprobs=logprobs, seeds=seeds)
+
+    def _request_arrays(self, prompts, budgets, params, seeds, num_requests: int, width: int) -> Requests:
+        """The queue as host arrays; padding requests get no budget, so they are never decoded."""
+        n = len(prompts)
+        queued = np.full((num_requests, width), self.pad_id, np.int32)
+        prompt_len = np.ones((num_requests,), np.int32)
+        max_new = np.zeros((num_requests,), np.int32)
+        eos = [int(x) for x in self.eos_ids if x >= 0]
+        stops = [eos + [t for t in p.stop_token_ids if t not in eos] for p in params]
+        stop_ids = np.full((num_requests, max(1, max(len(s) for s in stops))), -1, np.int32)
+        for i, x in enumerate(prompts):
+            queued[i, : len(x)] = x
+            prompt_len[i] = len(x)
+            max_new[i] = budgets[i]
+            stop_ids[i, : len(stops[i])] = stops[i]
+        sampling = None
+        if Sampler.for_requests(params) is not None:
+            pad = [GREEDY] * (num_requests - n)
+            sampling = RowSampling.from_params(list(params) + pad, list(seeds) + [0] * len(pad))
+        return Requests(prompts=queued, prompt_len=prompt_len, max_new=max_new, stop_ids=stop_ids,
+                        sampling=sampling)
+
+
+def _per_request(params, n: int) -> list[SamplingParams]:
+    """`params` (None, one, or one per request) as n validated SamplingParams."""
+    if params is None:
+        return [GREEDY] * n
+    if isinstance(params, SamplingParams):
+        return [params.validate()] * n
+    params = list(params)
+    if len(params) != n:
+        raise DecodeError(f"{len(params)} sampling params for {n} prompts; give one, or one per prompt")
+    return [p.validate() for p in params]

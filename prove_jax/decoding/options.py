@@ -23,6 +23,8 @@ MAX_STEP_WIDTH = 4096
 # what reading the weights does, so shorter chunks only multiply those reads (an estimate).
 PREFILL_CHUNK = {"cpu": 32}
 PREFILL_CHUNK_ACCELERATOR = 256
+# Alternatives per token --logprobs may ask for (OpenAI's and vLLM's default cap).
+MAX_LOGPROBS = 20
 
 
 class DecodeError(ProveJaxError, ValueError):
@@ -62,6 +64,9 @@ class DecodeOptions:
     """Keep the tokens each forward committed (BatchResult.step_commits)."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill forward; None: default_prefill_chunk()."""
+    logprobs: int | None = None
+    """Record each output token's log-probability and the `logprobs` most likely alternatives
+    at its position (0: the token's alone); None: none."""
     kernels: KernelOptions = DEFAULT_KERNELS
     """Trace-time kernel choices (matmul form, row padding, one-pass LM head)."""
 
@@ -91,6 +96,8 @@ class DecodeOptions:
             raise DecodeError(f"max groups must be >= 1, got {self.max_groups}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise DecodeError(f"prefill chunk must be >= 1 tokens, got {self.prefill_chunk}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise DecodeError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if not isinstance(self.kernels, KernelOptions):
             raise DecodeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
         return self

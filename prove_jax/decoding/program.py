@@ -20,7 +20,8 @@ from flax import nnx
 from prove_jax.decoding import queue, steps
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.options import DecodeOptions
-from prove_jax.decoding.queue import QueueState
+from prove_jax.decoding.queue import QueueState, Requests
+from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -37,14 +38,14 @@ class ProgramSettings:
     """B: rows decoded at once; the queue may hold more requests."""
     num_slots: int
     """N: token slots per row (prompt width plus new tokens, rounded up)."""
-    eos_ids: tuple[int, ...]
-    """Token ids that end a request."""
     pad_id: int
     """Fills token slots no prompt or output holds."""
     mask_id: int
     """The proposer's <|mask|> token; -1 without one (ar only)."""
     prefill_chunk: int
     """Prompt tokens per prefill forward."""
+    sampler: Sampler | None = None
+    """What sampling this program does; None: greedy only (no distributions carried)."""
 
 
 def step_shape(options: DecodeOptions) -> tuple[int, int]:
@@ -55,19 +56,19 @@ def step_shape(options: DecodeOptions) -> tuple[int, int]:
     return propose_layout(options.block_size)[0], 1
 
 
-def decode_step(options: DecodeOptions, model, state: LoopState, eos_ids: jax.Array, *, mask_id: int,
-                verifier=None, head=None) -> LoopState:
+def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int, verifier=None,
+                head=None, sampler: Sampler | None = None) -> LoopState:
     """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
     block_size, kernels = options.block_size, options.kernels
     if options.mode == "lossless":
         layout = LosslessLayout.build(block_size, options.max_groups)
-        return steps.lossless_step(model, state, eos_ids, layout=layout, mask_id=mask_id, kernels=kernels)
+        return steps.lossless_step(model, state, layout=layout, mask_id=mask_id, kernels=kernels, sampler=sampler)
     if options.mode == "verify":
-        return steps.verify_step(model, verifier, state, eos_ids, block_size=block_size, mask_id=mask_id,
+        return steps.verify_step(model, verifier, state, block_size=block_size, mask_id=mask_id,
                                  rule=options.commit_rule, tau_v=options.tau_v, head=head,
-                                 head_threshold=options.head_threshold, kernels=kernels)
-    return steps.threshold_step(model, state, eos_ids, block_size=block_size, mask_id=mask_id,
-                                tau=options.tau, conf_kind=options.confidence, kernels=kernels)
+                                 head_threshold=options.head_threshold, kernels=kernels, sampler=sampler)
+    return steps.threshold_step(model, state, block_size=block_size, mask_id=mask_id, tau=options.tau,
+                                conf_kind=options.confidence, kernels=kernels, sampler=sampler)
 
 
 def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chunk_size: int, pad_id: int,
@@ -99,11 +100,11 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
     return jax.lax.fori_loop(0, n_chunks, write_chunk, KVCache.zeros(model.cfg, rows, size))
 
 
-def start_rows(model, verifier, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
-               settings: ProgramSettings) -> LoopState:
-    """Loop state of len(prompts) rows right after their prefill."""
+def start_rows(model, verifier, requests: Requests, settings: ProgramSettings) -> LoopState:
+    """Loop state of the rows serving `requests`, right after their prefill."""
     options = settings.options
     width, num_drafts = step_shape(options)
+    prompts, prompt_len = requests.prompts, requests.prompt_len
     rows, prompt_width = prompts.shape
     tokens = jnp.full((rows, settings.num_slots), settings.pad_id, jnp.int32).at[:, :prompt_width].set(prompts)
     static = dict(chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels)
@@ -112,30 +113,28 @@ def start_rows(model, verifier, prompts: jax.Array, prompt_len: jax.Array, max_n
     verifier_cache = None
     if verifier is not None:
         verifier_cache = prefill(verifier, prompts, prompt_len, settings.num_slots + options.block_size, **static)
-    return initial_state(tokens, prompt_len, max_new, cache, verifier_cache, num_drafts=num_drafts,
-                         block_size=options.block_size, pad_id=settings.pad_id,
-                         record_steps=options.record_steps)
+    lossless_sampling = options.mode == "lossless" and settings.sampler is not None
+    return initial_state(tokens, prompt_len, requests.max_new, requests.stop_ids, cache, verifier_cache,
+                         num_drafts=num_drafts, block_size=options.block_size, pad_id=settings.pad_id,
+                         record_steps=options.record_steps, sampling=requests.sampling,
+                         draft_vocab=model.cfg.vocab_size if lossless_sampling else 0,
+                         logprobs=options.logprobs)
 
 
-def admit(model, verifier, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
-          request: jax.Array, settings: ProgramSettings) -> LoopState:
+def admit(model, verifier, requests: Requests, request: jax.Array, settings: ProgramSettings) -> LoopState:
     """One-row loop state of queued request `request` (traced), right after its prefill."""
-    def one(x):
-        return jax.lax.dynamic_slice_in_dim(x, request, 1, 0)
-    return start_rows(model, verifier, one(prompts), one(prompt_len), one(max_new), settings)
+    return start_rows(model, verifier, requests.one(request), settings)
 
 
-def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, prompts: jax.Array,
-              prompt_len: jax.Array, max_new: jax.Array, num_live: jax.Array, eos_ids: jax.Array,
-              settings: ProgramSettings) -> tuple[LoopState, QueueState]:
+def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, requests: Requests,
+              num_live: jax.Array, settings: ProgramSettings) -> tuple[LoopState, QueueState]:
     """Refill finished rows from the queue (when it holds more requests than rows), then step."""
     state, queue_state = carry
-    if prompts.shape[0] > settings.num_rows:
-        admit_request = functools.partial(admit, model, verifier, prompts, prompt_len, max_new,
-                                          settings=settings)
+    if requests.prompts.shape[0] > settings.num_rows:
+        admit_request = functools.partial(admit, model, verifier, requests, settings=settings)
         state, queue_state = queue.refill(state, queue_state, num_live, admit_request)
-    state = decode_step(settings.options, model, state, eos_ids, mask_id=settings.mask_id,
-                        verifier=verifier, head=head)
+    state = decode_step(settings.options, model, state, mask_id=settings.mask_id, verifier=verifier,
+                        head=head, sampler=settings.sampler)
     return state.replace(step=state.step + 1), queue_state
 
 
@@ -145,39 +144,36 @@ def loop_continues(carry: tuple[LoopState, QueueState], *, num_live: jax.Array, 
     return (state.step < bound) & (~jnp.all(state.done) | (queue_state.next_request < num_live))
 
 
-def decode_loop(model, verifier, head, prompts: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
-                settings: ProgramSettings) -> tuple[LoopState, QueueState]:
-    """Serve the queue (prompts [Q, P], prompt_len [Q], max_new [Q]) with settings.num_rows rows.
+def decode_loop(model, verifier, head, requests: Requests, settings: ProgramSettings) -> tuple[LoopState, QueueState]:
+    """Serve the queue of `requests` with settings.num_rows rows.
 
     Q == num_rows is a plain static batch. Requests after the last one with a budget are
     padding and never admitted.
     """
-    num_requests, rows = prompts.shape[0], settings.num_rows
-    state = start_rows(model, verifier, prompts[:rows], prompt_len[:rows], max_new[:rows], settings)
+    num_requests, rows = requests.prompts.shape[0], settings.num_rows
+    state = start_rows(model, verifier, requests.rows(0, rows), settings)
     queue_state = queue.start(num_requests, state)
+    max_new = requests.max_new
     num_live = jnp.max(jnp.where(max_new > 0, jnp.arange(num_requests, dtype=jnp.int32) + 1, 0))
     # every active step commits >= 1 token: a safety bound, never the reason to stop
     bound = jnp.sum(max_new) + num_requests
-    body = functools.partial(loop_body, model=model, verifier=verifier, head=head, prompts=prompts,
-                             prompt_len=prompt_len, max_new=max_new, num_live=num_live,
-                             eos_ids=jnp.asarray(settings.eos_ids, jnp.int32), settings=settings)
+    body = functools.partial(loop_body, model=model, verifier=verifier, head=head, requests=requests,
+                             num_live=num_live, settings=settings)
     more = functools.partial(loop_continues, num_live=num_live, bound=bound)
     state, queue_state = jax.lax.while_loop(more, body, (state, queue_state))
     return state, queue.finish(state, queue_state)
 
 
 def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings,
-                params, verifier_params, head_params, prompts: jax.Array, prompt_len: jax.Array,
-                max_new: jax.Array):
+                params, verifier_params, head_params, requests: Requests):
     """The whole decode of a queue: the function `Decoder` jits, with the graph definitions and
     `settings` bound (static) and the model states (`nnx.split`) and requests traced.
 
-    Returns per request (tokens [Q, N], length [Q], forwards [Q], verifier_forwards [Q],
-    accept_hist [Q, K+1], step_commits [Q, N] or None) and the loop's step count.
+    Returns the per-request results (queue.QueueState: tokens, lengths, counters, the optional
+    step trace and logprobs) and the loop's step count.
     """
     model = nnx.merge(graphdef, params)
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
     head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
-    state, queue_state = decode_loop(model, verifier, head, prompts, prompt_len, max_new, settings)
-    return (queue_state.tokens, queue_state.length, queue_state.forwards, queue_state.verifier_forwards,
-            queue_state.accept_hist, queue_state.step_commits, state.step)
+    state, queue_state = decode_loop(model, verifier, head, requests, settings)
+    return queue_state, state.step

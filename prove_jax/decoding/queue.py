@@ -14,7 +14,26 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from prove_jax.decoding.state import LoopState
+from prove_jax.decoding.sampling import RowSampling
+from prove_jax.decoding.state import Logprobs, LoopState
+
+
+@struct.dataclass
+class Requests:
+    """The queue's requests as arrays, [Q, ...] each; what `decode_loop` serves."""
+    prompts: jax.Array  # [Q, P] int32, padded
+    prompt_len: jax.Array  # [Q]
+    max_new: jax.Array  # [Q] budget; 0 marks padding (never admitted)
+    stop_ids: jax.Array  # [Q, S] EOS and the request's stop_token_ids, -1 pads
+    sampling: RowSampling | None  # None: every request greedy
+
+    def rows(self, start: int, count: int) -> "Requests":
+        """Requests start .. start+count-1 (static)."""
+        return jax.tree.map(lambda x: x[start: start + count], self)
+
+    def one(self, index: jax.Array) -> "Requests":
+        """Request `index` (traced) as a queue of one."""
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, index, 1, 0), self)
 
 
 @struct.dataclass
@@ -28,6 +47,7 @@ class QueueState:
     verifier_forwards: jax.Array  # [Q]
     accept_hist: jax.Array  # [Q, K + 1]
     step_commits: jax.Array | None  # [Q, N] with DecodeOptions.record_steps
+    logprobs: Logprobs | None  # [Q, N, ...] with DecodeOptions.logprobs
 
 
 def start(num_requests: int, state: LoopState) -> QueueState:
@@ -39,7 +59,9 @@ def start(num_requests: int, state: LoopState) -> QueueState:
         tokens=jnp.zeros((num_requests, n_slots), jnp.int32), length=zeros, forwards=zeros,
         verifier_forwards=zeros,
         accept_hist=jnp.zeros((num_requests,) + state.accept_hist.shape[1:], jnp.int32),
-        step_commits=None if state.step_commits is None else jnp.zeros((num_requests, n_slots), jnp.int32))
+        step_commits=None if state.step_commits is None else jnp.zeros((num_requests, n_slots), jnp.int32),
+        logprobs=None if state.logprobs is None else Logprobs.zeros(num_requests, n_slots,
+                                                                    state.logprobs.top_ids.shape[-1]))
 
 
 def harvest(queue_state: QueueState, state: LoopState, rows: jax.Array) -> QueueState:
@@ -48,7 +70,10 @@ def harvest(queue_state: QueueState, state: LoopState, rows: jax.Array) -> Queue
     commits = queue_state.step_commits
     if commits is not None:
         commits = commits.at[dest].set(state.step_commits[rows])
-    return queue_state.replace(
+    logprobs = queue_state.logprobs
+    if logprobs is not None:
+        logprobs = jax.tree.map(lambda out, row: out.at[dest].set(row[rows]), logprobs, state.logprobs)
+    return queue_state.replace(logprobs=logprobs,
         tokens=queue_state.tokens.at[dest].set(state.tokens[rows]),
         length=queue_state.length.at[dest].set(state.length[rows]),
         forwards=queue_state.forwards.at[dest].set(state.forwards[rows]),

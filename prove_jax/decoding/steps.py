@@ -2,8 +2,10 @@
 
 `ar`, `threshold` and `verify` share the proposer step `propose_block`: a row feeds its
 pending committed tokens plus K-1 masks and gets a block D of K tokens whose first token is
-exact greedy AR. `lossless` has its own layout (see layouts.LosslessLayout). Every step takes
-the `KernelOptions` its forwards run with (DecodeOptions.kernels).
+exact AR (greedy, or sampled from AR's distribution). `lossless` has its own layout (see
+layouts.LosslessLayout). Every step takes the `KernelOptions` its forwards run with
+(DecodeOptions.kernels) and, in a sampling program, the static `Sampler` (rows' parameters
+are in state.sampling).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from prove_jax.decoding import sampling
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
+from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, commit
 from prove_jax.models.attention import StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -29,8 +33,9 @@ def _logits_at(model, hidden: jax.Array, idx: jax.Array, kernels: KernelOptions)
 
 
 def propose_block(model, state: LoopState, block_size: int, mask_id: int,
-                  kernels: KernelOptions = DEFAULT_KERNELS):
-    """Proposer forward over [pending, MASK x (K-1)]. Returns (D [B,K], logits [B,K,V], cache)."""
+                  kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
+    """Proposer forward over [pending, MASK x (K-1)]. Returns (D [B,K], logits [B,K,V], cache):
+    D is each position's greedy token, or in a sampling program a draw from its distribution."""
     width, intra_fn = propose_layout(block_size)
     n_slots = state.tokens.shape[1]
     n_pending = state.length - state.cache_len  # [B], 1..K
@@ -42,7 +47,10 @@ def propose_block(model, state: LoopState, block_size: int, mask_id: int,
                                         state.cache, kernels=kernels)
     block_slots = n_pending[:, None] - 1 + jnp.arange(block_size)[None, :]
     logits = _logits_at(model, hidden, block_slots, kernels)
-    return greedy_tokens(logits), logits, cache
+    if state.sampling is None:
+        return greedy_tokens(logits), logits, cache
+    block, _ = sampling.sample_tokens(logits, state.sampling, sampler, state.forwards, sampling.PROPOSE)
+    return block, logits, cache
 
 
 def confidence(logits: jax.Array, kind: str) -> jax.Array:
@@ -71,24 +79,24 @@ def leading_true(accept: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
 
 
-def threshold_step(model, state, eos_ids, *, block_size, mask_id, tau, conf_kind,
-                   kernels: KernelOptions = DEFAULT_KERNELS):
-    block, logits, cache = propose_block(model, state, block_size, mask_id, kernels)
+def threshold_step(model, state, *, block_size, mask_id, tau, conf_kind,
+                   kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
+    block, logits, cache = propose_block(model, state, block_size, mask_id, kernels, sampler)
     if block_size > 1:
         n = 1 + leading_true(confident(logits[:, 1:], conf_kind, tau))
     else:
         n = jnp.ones(block.shape[0], jnp.int32)
-    return _commit_proposal(state, cache, block, n, eos_ids)
+    return _commit_proposal(state, cache, block, n, logits)
 
 
-def _commit_proposal(state, cache, block, n, eos_ids, verifier_cache=None, verified=False):
+def _commit_proposal(state, cache, block, n, logits, verifier_cache=None, verified=False):
     """Commit the first n[b] tokens of each row's block. accept_hist counts steps by the tokens
     actually committed, after the cut at EOS or max_new_tokens, so that sum(i * hist[i]) is the
     tokens generated (the accepted length n would overcount the last step)."""
     n_pending = state.length - state.cache_len
     active = ~state.done
     state = state.replace(cache=cache, cache_len=state.cache_len + jnp.where(active, n_pending, 0))
-    state, n_done = commit(state, block, n, eos_ids)  # the histogram counts n_done
+    state, n_done = commit(state, block, n, logits=logits)  # the histogram counts n_done
     if verified:
         state = state.replace(verifier_cache=verifier_cache,
                               verifier_cache_len=state.verifier_cache_len + n_done,
@@ -96,10 +104,10 @@ def _commit_proposal(state, cache, block, n, eos_ids, verifier_cache=None, verif
     return state
 
 
-def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, tau_v, head=None,
-                head_threshold=None, kernels: KernelOptions = DEFAULT_KERNELS):
+def verify_step(model, verifier, state, *, block_size, mask_id, rule, tau_v, head=None,
+                head_threshold=None, kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
     """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K]."""
-    block, _, cache = propose_block(model, state, block_size, mask_id, kernels)
+    block, logits, cache = propose_block(model, state, block_size, mask_id, kernels, sampler)
     k = block_size
     positions = state.length[:, None] + jnp.arange(k)[None, :]
     # a proposed token past the verifier's embedding rows is read as 0 and never accepted
@@ -122,7 +130,7 @@ def verify_step(model, verifier, state, eos_ids, *, block_size, mask_id, rule, t
         else:
             raise ValueError(f"unknown commit rule {rule!r}")
         n = 1 + leading_true(accept & readable[:, 1:])
-    return _commit_proposal(state, cache, block, n, eos_ids, verifier_cache=verifier_cache, verified=True)
+    return _commit_proposal(state, cache, block, n, logits, verifier_cache=verifier_cache, verified=True)
 
 
 # A lossless step needs the LM head at 2M+1 of its T slots, known only after the first argmax:
@@ -138,8 +146,8 @@ def head_in_one_pass(layout: LosslessLayout, batch: int, kernels: KernelOptions 
     return kernels.lm_head_one_pass and extra_rows <= HEAD_ONE_PASS_MAX_EXTRA_ROWS
 
 
-def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, mask_id: int,
-                  kernels: KernelOptions = DEFAULT_KERNELS):
+def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: int,
+                  kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
     """ProVe-lossless: verify last step's drafts and propose the next ones in one forward.
 
     Row = [t0, d_1..d_M, groups]; g_i = argmax at slot i-1 is exact greedy AR as long as
@@ -152,6 +160,12 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
     many drafts are real so that the next step's top group serves exactly that many.
     (Committing only g_1..g_{j+1} would keep a full block of drafts, but loses the verified
     tokens; on the demo proposer it commits fewer tokens per forward everywhere.)
+
+    Sampling (state.sampling set): slot i-1 gives AR's distribution p_i and each draft was
+    drawn from its mask's distribution q_i (kept in state.draft_probs; a filler slot draws
+    afresh from the last mask's). `sampling.speculative_accept` accepts d_i with probability
+    min(1, p_i/q_i) and draws the token after the accepted ones from the residual or p, so
+    the committed tokens are distributed exactly as AR sampling's (docs/decoding.md).
     """
     m = layout.num_drafts
     width = layout.width
@@ -164,26 +178,55 @@ def lossless_step(model, state: LoopState, eos_ids, *, layout: LosslessLayout, m
     hidden, cache = model.hidden_states(tokens, positions, StepMask(state.cache_len, layout.intra_mask(served)),
                                         state.cache, kernels=kernels)
 
-    one_pass = head_in_one_pass(layout, batch, kernels)
+    rows = state.sampling
+    # sampling needs whole distributions at the draft slots: the head runs twice
+    one_pass = rows is None and head_in_one_pass(layout, batch, kernels)
     if one_pass:  # every slot's argmax from one read of the LM head
-        top = greedy_tokens(model.logits(hidden, kernels=kernels))  # [B, T]
-        greedy = top[:, : m + 1]
+        all_logits = model.logits(hidden, kernels=kernels)
+        top = greedy_tokens(all_logits)  # [B, T]
+        verify_logits, greedy = all_logits[:, : m + 1], top[:, : m + 1]
     else:
-        greedy = greedy_tokens(model.logits(hidden[:, : m + 1], kernels=kernels))
+        verify_logits = model.logits(hidden[:, : m + 1], kernels=kernels)
+        greedy = greedy_tokens(verify_logits)
     # greedy [B, M+1] = g_1..g_{M+1}
-    accepted = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M
+    if rows is None:
+        accepted = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M
+        block = greedy
+    else:
+        accepted, block = _accept_sampled(state, verify_logits, greedy, sampler)
     group = jnp.sum(served <= accepted[:, None], axis=1) - 1  # largest served length <= a (group 0 serves 0)
     shift = accepted - jnp.take_along_axis(served, group[:, None], axis=1)[:, 0]
     prediction = jnp.minimum(shift[:, None] + jnp.arange(m)[None, :], m - 1)
     draft_slots = layout.group_start(group)[:, None] + prediction  # [B, M]
+    draft_probs = state.draft_probs
     if one_pass:
         drafts = jnp.take_along_axis(top, draft_slots, axis=1)
-    else:
+    elif rows is None:
         drafts = greedy_tokens(_logits_at(model, hidden, draft_slots, kernels))
+    else:
+        drafts, probs = sampling.sample_tokens(_logits_at(model, hidden, draft_slots, kernels), rows, sampler,
+                                               state.forwards, sampling.DRAFT)
+        draft_probs = jnp.where(~state.done[:, None, None], probs, draft_probs)
 
     active = ~state.done
     state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts),
-                          draft_len=jnp.where(active, m - shift, state.draft_len))
-    state, _ = commit(state, greedy, accepted + 1, eos_ids, hist_value=accepted)
+                          draft_len=jnp.where(active, m - shift, state.draft_len), draft_probs=draft_probs)
+    state, _ = commit(state, block, accepted + 1, hist_value=accepted, logits=verify_logits)
     # t0 and d_1..d_{n-1} now have valid KV; the last committed token is the new pending t0.
     return state.replace(cache_len=state.length - 1)
+
+
+def _accept_sampled(state: LoopState, verify_logits: jax.Array, greedy: jax.Array, sampler: Sampler):
+    """(accepted drafts a [B], block [B, M+1] = d_1..d_a then the drawn token) by speculative
+    sampling; a row's first step has no drafts to judge. Greedy rows get exactly greedy's."""
+    rows = state.sampling
+    m = state.drafts.shape[1]
+    p = sampling.token_probs(verify_logits, rows, sampler)
+    u = sampling.uniforms(sampling.step_keys(rows.seed, state.forwards, sampling.ACCEPT, m))
+    accepted, after = sampling.speculative_accept(p, state.draft_probs, state.drafts, u, valid=state.forwards > 0)
+    keys = sampling.step_keys(rows.seed, state.forwards, sampling.CORRECT, 1)
+    drawn = sampling.draw(keys, after[:, None])[:, 0]
+    drawn = jnp.where(rows.temperature > 0, drawn, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0])
+    idx = jnp.arange(m + 1)[None, :]
+    drafts = jnp.concatenate([state.drafts, state.drafts[:, -1:]], axis=1)
+    return accepted, jnp.where(idx < accepted[:, None], drafts, drawn[:, None])
