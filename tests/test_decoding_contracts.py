@@ -188,12 +188,13 @@ def test_outputs_replace_the_file_atomically(tmp_path):
         def decode(self, ids, skip_special_tokens):
             return " ".join(map(str, ids))
     with open(out) as reader:
-        requests.write_outputs(str(out), [{"id": "a"}, {"id": 7}], [[4, 5], []],
-                               [{"generated_tokens": 2}, {"generated_tokens": 0}], Tok())
+        results = [requests.RequestResult([4, 5], "length", {"generated_tokens": 2}),
+                   requests.RequestResult([], "stop", {"generated_tokens": 0})]
+        requests.write_outputs(str(out), [{"id": "a"}, {"id": 7}], results, Tok())
         assert reader.read() == "old results\n"
     assert [json.loads(x) for x in out.read_text().splitlines()] == [
-        {"id": "a", "output_ids": [4, 5], "text": "4 5", "stats": {"generated_tokens": 2}},
-        {"id": 7, "output_ids": [], "text": "", "stats": {"generated_tokens": 0}}]
+        {"id": "a", "output_ids": [4, 5], "text": "4 5", "finish_reason": "length", "stats": {"generated_tokens": 2}},
+        {"id": 7, "output_ids": [], "text": "", "finish_reason": "stop", "stats": {"generated_tokens": 0}}]
     assert os.listdir(tmp_path) == ["out.jsonl"]  # no temporary file left behind
 
 
@@ -202,7 +203,8 @@ def test_run_requests_stats_add_up_and_every_chunk_shares_one_program(model, ar,
     one compiled program; per-request and summary stats are those of the outputs."""
     monkeypatch.setattr(requests, "QUEUE_BATCHES", 1)
     dec = Decoder(model, NO_EOS, DecodeOptions("lossless", 3, max_groups=2))
-    outputs, stats, summary = requests.run_requests(dec, PROMPTS, NEW, 2, progress=False)
+    results, summary = requests.run_requests(dec, PROMPTS, NEW, 2, progress=False)
+    outputs, stats = [r.output_ids for r in results], [r.stats for r in results]
     assert dec.trace_count == 1
     assert outputs == ar
     for out, st in zip(outputs, stats):

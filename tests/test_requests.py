@@ -103,8 +103,8 @@ def test_a_missing_output_directory_is_made_and_nothing_is_left_in_it(tmp_path):
 def test_outputs_go_through_symlinks_and_into_fifos_and_devices(tmp_path):
     """They went through a temporary file renamed over the path: a symlink became a regular
     file (its target kept the old outputs), and /dev/null or a FIFO was replaced by one."""
-    from prove_jax.decoding.requests import check_output_path, write_outputs
-    args = ([{"id": "a"}], [[4, 5]], [{"generated_tokens": 2}], None)
+    from prove_jax.decoding.requests import RequestResult, check_output_path, write_outputs
+    args = ([{"id": "a"}], [RequestResult([4, 5], "length", {"generated_tokens": 2})], None)
     target = tmp_path / "runs" / "out.jsonl"
     target.parent.mkdir()
     target.write_text("old\n")
@@ -206,9 +206,9 @@ def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
     dec = Decoder(create_model(CFG, seed=3), [1], DecodeOptions("lossless", 4, adaptive=True))
     with pytest.raises(DecodeError, match=r"request 'second' is empty"):
         run_requests(dec, [[4, 5], []], 8, 1, progress=False, ids=["first", "second"])
-    _, _, summary = run_requests(dec, [[4, 5], [6]], 8, 2, progress=False, ids=["first", "second"])
+    _, summary = run_requests(dec, [[4, 5], [6]], 8, 2, progress=False, ids=["first", "second"])
     assert (summary["mode"], summary["setting"]) == ("lossless", "ar")
-    _, _, summary = run_requests(dec.with_options(DecodeOptions("lossless", 4, max_groups=2)),
+    _, summary = run_requests(dec.with_options(DecodeOptions("lossless", 4, max_groups=2)),
                                  [[4, 5]], 8, 1, progress=False)
     assert summary["setting"] == "lossless K=4,G=2"
 

@@ -58,8 +58,8 @@ def test_output_text_leaves_out_the_eos_the_ids_keep(tmp_path, demo_tok):
     eos = demo_tok.eos_token_id
     body = demo_tok.encode("x = 1", add_special_tokens=False)
     out = tmp_path / "out.jsonl"
-    requests.write_outputs(str(out), [{"id": "a"}], [body + [eos]], [{"generated_tokens": len(body) + 1}],
-                           demo_tok)
+    result = requests.RequestResult(body + [eos], "stop", {"generated_tokens": len(body) + 1})
+    requests.write_outputs(str(out), [{"id": "a"}], [result], demo_tok)
     [row] = [json.loads(x) for x in out.read_text().splitlines()]
     assert row["output_ids"] == body + [eos]
     assert row["text"] == "x = 1" and demo_tok.eos_token not in row["text"]
@@ -90,20 +90,22 @@ class _ScriptedDecoder:
     def check_prompts(self, prompts, max_new_tokens, names=None):
         pass
 
-    def generate(self, prompts, max_new_tokens, batch_size=None, prompt_width=None, queue_size=None):
+    def generate(self, prompts, max_new_tokens, batch_size=None, prompt_width=None, queue_size=None,
+                 params=None):
         self.calls.append((len(prompts), batch_size, prompt_width, queue_size))
         n = [p[0] + 1 for p in prompts]
         return BatchResult(output_ids=[[7] * k for k in n], forwards=np.array(n),
                            verifier_forwards=2 * np.array(n), accept_hist=np.zeros((len(n), 5), int),
                            seconds=1.5, compile_seconds=4.0, options=self.options,
-                           step_commits=None, loop_steps=0)
+                           step_commits=None, loop_steps=0, finish_reasons=["length"] * len(n))
 
 
 def test_run_requests_summary_counts_verifier_forwards_and_decode_time_only(monkeypatch):
     monkeypatch.setattr(requests, "QUEUE_BATCHES", 2)
     dec = _ScriptedDecoder()
     prompts = [[i] * (1 + i % 3) for i in range(5)]  # lengths 1, 2, 3, 1, 2
-    outputs, stats, summary = requests.run_requests(dec, prompts, 8, 2, progress=False)
+    results, summary = requests.run_requests(dec, prompts, 8, 2, progress=False)
+    outputs, stats = [r.output_ids for r in results], [r.stats for r in results]
     # chunks of 2 x 2 requests, every one at the run's prompt width and queue size
     assert dec.calls == [(4, 2, 3, 4), (1, 2, 3, 4)]
     assert [len(o) for o in outputs] == [1, 2, 3, 4, 5]

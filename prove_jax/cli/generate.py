@@ -1,10 +1,17 @@
 """Batch inference: `prove-jax generate --model CKPT --mode lossless --input IN.jsonl --output OUT.jsonl`.
 
-Input records: {"id", "prompt"} (text; needs the checkpoint's tokenizer) or {"id", "prompt_ids"}.
-Output records: {"id", "output_ids", "text", "stats"} ("text" when the checkpoint has a
-tokenizer), or {"id", "error"} for a request that could not be decoded (the others still run;
-exit status 3; --strict stops at the first); a one-line summary goes to stderr. --output is written atomically (through a symlink,
-its target); a device, FIFO or /dev/stdout is written into.
+Input records: {"id", "prompt"} (text; needs the checkpoint's tokenizer) or {"id", "prompt_ids"},
+optionally with their own temperature, top_k, top_p, min_p, seed, max_new_tokens, stop (strings)
+and stop_token_ids, which override the flags of those names for that request.
+Output records: {"id", "output_ids", "text", "finish_reason", "stats"} ("text" when the
+checkpoint has a tokenizer; "stop" when a stop string ended it; "logprobs" with --logprobs), or
+{"id", "error"} for a request that could not be decoded (the others still run; exit status 3;
+--strict stops at the first); a one-line summary goes to stderr. --output is written atomically
+(through a symlink, its target); a device, FIFO or /dev/stdout is written into.
+
+Decoding is greedy by default (--temperature 0). With --temperature > 0, ar and lossless draw
+from exactly AR sampling's distribution (lossless by speculative sampling); threshold and
+verify sample their proposals and stay lossy.
 Without --model / --verifier the shipped demo proposer / verifier are used.
 
 Multi-host (a TPU pod slice, or GPU hosts with --coordinator ...): run the same command on
@@ -29,8 +36,10 @@ from prove_jax.models.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
+from prove_jax.decoding.options import MAX_LOGPROBS
 from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, check_output_path, encode_prompts,
-                                         read_requests, run_requests, write_outputs)
+                                         read_requests, request_params, run_requests, write_outputs)
+from prove_jax.decoding.sampling import SamplingParams
 
 SOME_REQUESTS_FAILED = 3  # exit status when the job ran but some requests carry an error
 
@@ -48,6 +57,25 @@ def parse_args(argv=None):
                     help="JSONL to write (atomically) with output_ids, stats and, when the checkpoint "
                          "has a tokenizer, text; /dev/stdout, a FIFO or a device is written into")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    sample = ap.add_argument_group("sampling and stopping (a request's own fields of these names override them)")
+    sample.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; above 0: sample from softmax(logits / temperature)")
+    sample.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    sample.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens holding probability p (default 1: all)")
+    sample.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than min-p times the most likely (default 0)")
+    sample.add_argument("--seed", type=int, default=0,
+                        help="seeds the requests that give none: request i (its line) gets a seed "
+                             "derived from this and i (default 0)")
+    sample.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="cut the output before the first occurrence of TEXT (repeatable)")
+    sample.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID",
+                        dest="stop_token_ids", help="end a request at this token, as at EOS (repeatable)")
+    sample.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help=f"record each output token's log-probability and the N most likely "
+                             f"alternatives (0-{MAX_LOGPROBS}), under the distribution it was "
+                             f"committed from: AR's in ar and lossless")
     ap.add_argument("--batch-size", type=int, default=1,
                     help="rows decoded together; the requests queue for them and a finished row "
                          "takes the next request at once (continuous batching; default 1)")
@@ -139,7 +167,29 @@ def decode_options(args) -> DecodeOptions:
     return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                          max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                          head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
-                         **given).validate()
+                         logprobs=args.logprobs, **given).validate()
+
+
+def default_params(args) -> SamplingParams:
+    """The command line's SamplingParams, which request fields override."""
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()),
+                          stop_token_ids=tuple(args.stop_token_ids or ())).validate()
+
+
+def params_of_records(records, defaults: SamplingParams, base_seed: int, strict: bool) -> list:
+    """Each record's SamplingParams (None for a failed record); a bad field fails the request
+    (or, with `strict`, the job)."""
+    params = []
+    for i, rec in enumerate(records):
+        try:
+            params.append(None if ERROR_KEY in rec else request_params(rec, defaults, i, base_seed))
+        except DecodeError as e:
+            if strict:
+                raise DecodeError(f"request {rec['id']!r}: {e}") from None
+            rec[ERROR_KEY] = f"the request's {e}"
+            params.append(None)
+    return params
 
 
 def truncated(prompt, keep: int, side: str):
@@ -155,6 +205,7 @@ def main(argv=None) -> int:
     try:
         check_mode_options(args)
         options = decode_options(args)
+        defaults = default_params(args)
         distributed.initialize_from_args(args)  # before anything touches a device
         if args.calibrate and jax.process_count() > 1:
             raise DecodeError("--calibrate times this host's devices, so on several hosts each "
@@ -172,6 +223,7 @@ def main(argv=None) -> int:
                 raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
                                   else f"{flag[2:]} checkpoint not found: {path}")
         records = read_requests(args.input, strict=args.strict)
+        params = params_of_records(records, defaults, args.seed, args.strict)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
                   "so it changes nothing", file=sys.stderr)
@@ -182,34 +234,38 @@ def main(argv=None) -> int:
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
                                    mesh_shape=args.mesh, tokenizer=tokenizer)
+        budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
         if args.truncate is not None:
-            prompts = [truncated(p, decoder.max_buffer - args.max_new_tokens, args.truncate)
-                       for p in prompts]
+            prompts = [truncated(p, decoder.max_buffer - budget, args.truncate)
+                       for p, budget in zip(prompts, budgets)]
         if not args.strict:  # what only the loaded decoder can judge: vocabulary, buffer length
-            for rec, prompt in zip(records, prompts):
-                problem = None if prompt is None else decoder.prompt_problem(prompt, args.max_new_tokens)
+            for rec, prompt, budget in zip(records, prompts, budgets):
+                problem = None if prompt is None else decoder.prompt_problem(prompt, budget)
                 if problem is not None:
                     rec[ERROR_KEY] = f"the prompt {problem}"
+        if tokenizer is None and any(p is not None and p.stop for p in params):
+            raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
+                              "use stop_token_ids")
         live = [i for i, rec in enumerate(records) if ERROR_KEY not in rec]
         live_prompts = [prompts[i] for i in live]
         live_ids = [records[i]["id"] for i in live]
-        outputs, stats = [None] * len(records), [None] * len(records)
+        results = [None] * len(records)
         summary = {"mode": args.mode}
         if live:
             if args.calibrate:
-                decoder.check_prompts(live_prompts, args.max_new_tokens, names=live_ids)
+                decoder.check_prompts(live_prompts, [budgets[i] for i in live], names=live_ids)
                 calibrate_decoder(decoder, live_prompts, args.batch_size, args.max_new_tokens,
                                   log=lambda msg: print(msg, file=sys.stderr, flush=True),
                                   num_requests=min(len(live), QUEUE_BATCHES * args.batch_size))
-            live_outputs, live_stats, summary = run_requests(
+            live_results, summary = run_requests(
                 decoder, live_prompts, args.max_new_tokens, args.batch_size, ids=live_ids,
-                progress=main_process)
-            for i, out, stat in zip(live, live_outputs, live_stats):
-                outputs[i], stats[i] = out, stat
+                progress=main_process, params=[params[i] for i in live], tokenizer=tokenizer)
+            for i, result in zip(live, live_results):
+                results[i] = result
         failed = len(records) - len(live)
         summary.update(requests=len(records), failed=failed)
         if main_process:
-            write_outputs(args.output, records, outputs, stats, tokenizer)
+            write_outputs(args.output, records, results, tokenizer)
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
         print(f"error: {e}", file=sys.stderr)
         return 2

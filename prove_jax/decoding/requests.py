@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -9,9 +10,11 @@ import uuid
 from typing import Sequence
 
 from prove_jax.files import atomic_write_text, is_stream
-from prove_jax.decoding.engine import BatchResult, Decoder
+from prove_jax.decoding.engine import BatchResult, Decoder, request_seed
 from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.decoding.sampling import GREEDY, SamplingParams
+from prove_jax.decoding.stopping import StopStrings
 from prove_jax.data.jsonl import read_jsonl
 
 
@@ -82,6 +85,24 @@ def _record_problem(rec: dict) -> str | None:
     return None
 
 
+# Fields of a request record that override the job's SamplingParams for that request.
+PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def request_params(rec: dict, defaults: SamplingParams, index: int, base_seed: int) -> SamplingParams:
+    """The record's own SamplingParams: `defaults` (the command line's) overridden by the
+    record's fields of those names; a request with no seed gets request_seed(base_seed, index),
+    its position in the file. Raises DecodeError naming the field."""
+    given = {k: rec[k] for k in PARAM_FIELDS if k in rec and rec[k] is not None}
+    for key in ("stop", "stop_token_ids"):
+        if isinstance(given.get(key), list):
+            given[key] = tuple(given[key])
+    params = dataclasses.replace(defaults, **given).validate()
+    if params.seed is None:
+        params = dataclasses.replace(params, seed=request_seed(base_seed, index))
+    return params
+
+
 def prompt_ids_problem(ids) -> str | None:
     """What is wrong with a record's `prompt_ids`, or None: a non-empty list of integers >= 0."""
     # bool is an int subclass: `true` would decode as token 1
@@ -144,41 +165,82 @@ def request_stats(result: BatchResult, i: int) -> dict:
     }
 
 
+@dataclasses.dataclass
+class RequestResult:
+    """One decoded request, as its output record reports it."""
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
+    stats: dict
+    text: str | None = None  # set when a stop string cut the output (else decoded on writing)
+    stop: str | None = None  # the stop string that ended it
+    # with --logprobs: per output token (logprob, [(id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> RequestResult:
+    """Request i of a decode call, cut at its first stop string (found on the decoded text as
+    the committed blocks arrive; needs a tokenizer)."""
+    ids = batch.output_ids[i]
+    result = RequestResult(output_ids=ids, finish_reason=batch.finish_reasons[i], stats=request_stats(batch, i),
+                           logprobs=None if batch.logprobs is None else batch.logprobs[i])
+    if not params.stop:
+        return result
+    if tokenizer is None:
+        raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
+                          "use stop_token_ids")
+    stops = StopStrings(tokenizer, params.stop)
+    blocks = batch.step_commits[i] if batch.step_commits is not None else [len(ids)]
+    start = 0
+    for n in blocks:
+        if stops.feed(ids[start: start + n]):
+            kept = len(stops.ids)
+            return dataclasses.replace(result, output_ids=ids[:kept], finish_reason="stop", text=stops.text,
+                                       stop=stops.stopped_by,
+                                       logprobs=None if result.logprobs is None else result.logprobs[:kept])
+        start += n
+    return result
+
+
 QUEUE_BATCHES = 16  # requests per generate call = this many batches (progress + bounded buffers)
 
 
 def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 batch_size: int, progress: bool = True, ids: Sequence | None = None
-                 ) -> tuple[list[list[int]], list[dict], dict]:
+                 batch_size: int, progress: bool = True, ids: Sequence | None = None,
+                 params: Sequence[SamplingParams] | None = None, tokenizer=None
+                 ) -> tuple[list[RequestResult], dict]:
     """Decode all prompts with `batch_size` rows and continuous batching (see queue.py).
 
     Requests go to the device in chunks of QUEUE_BATCHES * batch_size, all padded to one prompt
     width and queue size (one compiled program); progress is printed after each chunk. `ids`
-    (the request ids) name a bad prompt in errors. The summary's `setting` says what ran: the
-    adaptive and calibrated settings may choose a narrower layout, or AR, for the batch.
+    (the request ids) name a bad prompt in errors; `params` (default greedy) are each request's
+    sampling and controls, `tokenizer` finds stop strings. The summary's `setting` says what
+    ran: the adaptive and calibrated settings may choose a narrower layout, or AR, for the batch.
     """
     if batch_size < 1:
         raise DecodeError(f"batch size must be >= 1, got {batch_size}")
-    decoder.check_prompts(prompts, max_new_tokens, names=ids)
+    params = list(params) if params is not None else [GREEDY] * len(prompts)
+    budgets = [p.max_new_tokens or max_new_tokens for p in params]
+    decoder.check_prompts(prompts, budgets, names=ids)
     ran = set()
-    outputs, stats = [], []
+    results = []
     seconds = compile_s = 0.0
     width = max(len(p) for p in prompts)
     chunk_size = min(len(prompts), QUEUE_BATCHES * batch_size)
     for start in range(0, len(prompts), chunk_size):
         chunk = list(prompts[start: start + chunk_size])
+        chunk_params = params[start: start + chunk_size]
         result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width,
-                                  queue_size=chunk_size)
+                                  queue_size=chunk_size, params=chunk_params)
         ran.add(describe_options(result.options))
         seconds += result.seconds
         compile_s += result.compile_seconds
-        outputs += result.output_ids
-        stats += [request_stats(result, i) for i in range(len(chunk))]
+        results += [_result(result, i, p, tokenizer) for i, p in enumerate(chunk_params)]
         if progress:
-            done = sum(len(o) for o in outputs)
-            print(f"[{len(outputs)}/{len(prompts)} requests] {done} tokens, {seconds:.2f}s decode, "
+            done = sum(len(r.output_ids) for r in results)
+            print(f"[{len(results)}/{len(prompts)} requests] {done} tokens, {seconds:.2f}s decode, "
                   f"{compile_s:.1f}s compile", file=sys.stderr, flush=True)
-    total = sum(len(o) for o in outputs)
+    stats = [r.stats for r in results]
+    total = sum(s["generated_tokens"] for s in stats)
     fwd = sum(s["proposer_forwards"] for s in stats)
     summary = {
         "mode": decoder.options.mode, "setting": ", ".join(sorted(ran)),
@@ -189,7 +251,7 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
         "proposer_forwards": fwd,
         "verifier_forwards": sum(s["verifier_forwards"] for s in stats),
     }
-    return outputs, stats, summary
+    return results, summary
 
 
 def describe_options(options: DecodeOptions) -> str:
@@ -240,20 +302,42 @@ def check_output_path(path: str, input_path: str | None, flag: str = "--output",
         raise DecodeError(f"{flag} {path} cannot be written: {e.strerror or e} in {parent}") from None
 
 
-def write_outputs(path: str, records: Sequence[dict], outputs, stats, tokenizer) -> None:
-    """One JSON line per request: id, output_ids, text (when there is a tokenizer) and stats, or
-    id and ERROR_KEY for a request that was not decoded (its output is None).
+def output_record(rid, result: RequestResult, tokenizer) -> dict:
+    """{"id", "output_ids", "text" (with a tokenizer), "finish_reason", "stop" (the stop string,
+    when one ended it), "logprobs" (with --logprobs), "stats"}."""
+    row = {"id": rid, "output_ids": result.output_ids}
+    if tokenizer is not None:
+        row["text"] = result.text if result.text is not None else tokenizer.decode(
+            result.output_ids, skip_special_tokens=True)
+    row["finish_reason"] = result.finish_reason
+    if result.stop is not None:
+        row["stop"] = result.stop
+    if result.logprobs is not None:
+        row["logprobs"] = [_logprob_entry(t, lp, top, tokenizer)
+                           for t, (lp, top) in zip(result.output_ids, result.logprobs)]
+    row["stats"] = result.stats
+    return row
+
+
+def _logprob_entry(token: int, logprob: float, top, tokenizer) -> dict:
+    def named(t: int, lp: float) -> dict:
+        entry = {"id": int(t), "logprob": lp}
+        if tokenizer is not None:
+            entry["token"] = tokenizer.decode([int(t)])
+        return entry
+    return named(token, logprob) | {"top_logprobs": [named(t, lp) for t, lp in top]}
+
+
+def write_outputs(path: str, records: Sequence[dict], results: Sequence[RequestResult | None], tokenizer) -> None:
+    """One JSON line per request (`output_record`), or id and ERROR_KEY for a request that was
+    not decoded (its result is None).
 
     A regular file is written atomically (temporary sibling + rename); through a symlink, its
     target is (the link stays). A device, FIFO or /dev/stdout is written into instead."""
     lines = []
-    for rec, out, st in zip(records, outputs, stats):
-        if out is None:
+    for rec, result in zip(records, results):
+        if result is None:
             lines.append(json.dumps({"id": rec["id"], ERROR_KEY: rec[ERROR_KEY]}))
-            continue
-        row = {"id": rec["id"], "output_ids": out}
-        if tokenizer is not None:
-            row["text"] = tokenizer.decode(out, skip_special_tokens=True)
-        row["stats"] = st
-        lines.append(json.dumps(row))
+        else:
+            lines.append(json.dumps(output_record(rec["id"], result, tokenizer)))
     atomic_write_text(path, "\n".join(lines) + "\n")

@@ -55,8 +55,9 @@ def distill_records(decoder, prompt_ids: Sequence[Sequence[int]], ids: Sequence[
     the token budget."""
     from prove_jax.decoding.requests import run_requests
     t0 = time.perf_counter()
-    outputs, _, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size,
-                                       progress=progress, ids=list(ids))
+    results, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size,
+                                    progress=progress, ids=list(ids))
+    outputs = [r.output_ids for r in results]
     log(f"distill: {summary['generated_tokens']} tokens for {len(outputs)} prompts in "
         f"{time.perf_counter() - t0:.0f}s ({summary['tokens_per_second']:.0f} tok/s decoding)")
     return [{"id": i, "prompt_ids": list(map(int, p)), "response_ids": list(map(int, o))}
