@@ -243,15 +243,18 @@ def _param_count(cfg: ModelConfig) -> int:
 
 
 @pytest.mark.parametrize("objective", ["mars", "ar"])
-def test_train_flops_are_six_params_per_streamed_token_plus_attention(objective):
-    """Mutants: MARS's doubled stream (2L positions) left out of the matmul or attention term.
+@pytest.mark.parametrize("tied", [False, True])
+def test_train_flops_are_six_params_per_streamed_token_plus_attention(objective, tied):
+    """Mutants: MARS's doubled stream (2L positions) left out of the matmul or attention term;
+    the input embedding (a lookup) counted in 6N, or a tied table (the LM head's matmul) left out.
     By hand: 6 FLOPs per parameter per token (forward 2, backward 4); attention per layer and
     sequence is QK^T and AV, 2 x 2 x S^2 x heads x head_dim forward, 3x that with the backward."""
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
+                      num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
     batch, length = 5, 12
     s = 2 * length if objective == "mars" else length
-    want = 6 * _param_count(cfg) * batch * s + 3 * 4 * s * s * 4 * 8 * 3 * batch
+    n = _param_count(cfg) - (0 if tied else 64 * 32)  # a tied table is the head: counted once
+    want = 6 * n * batch * s + 3 * 4 * s * s * 4 * 8 * 3 * batch
     assert metrics.train_flops_per_step(cfg, batch, length, objective) == pytest.approx(want)
 
 
@@ -282,6 +285,19 @@ def test_step_time_throughput_and_mfu_are_per_step_over_all_devices(tmp_path, mo
     written = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in written] == [(6, 2.5), (7, 2.0)]
     assert written[0]["step_time_s"] == pytest.approx(2.0)
+
+
+def test_throughput_and_mfu_count_real_tokens_only(tmp_path, monkeypatch):
+    """Mutant: row padding counted as throughput (and as model FLOPs)."""
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(metrics, "peak_flops", lambda kind: 1e12)
+    logger = metrics.MetricsLogger(str(tmp_path / "run"), total_steps=10, flops_per_step=6e12,
+                                   tokens_per_step=512, show_bar=False)
+    rec = logger.record(1, {"loss": 2.0, "real_tokens": np.float32(384)})  # a quarter is padding
+    assert rec["tokens_per_s"] == pytest.approx(384 / 2.0)
+    assert rec["padding_fraction"] == pytest.approx(0.25)
+    assert rec["mfu"] == pytest.approx(0.75 * 6e12 / 2.0 / (1e12 * jax.device_count()))
 
 
 # ---- sharding rules ----------------------------------------------------------------------------

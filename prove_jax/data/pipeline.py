@@ -1,14 +1,19 @@
 """Training data: load text / JSONL, tokenize into fixed-length rows, batch per host with grain.
 
 Each row has `loss_mask` (trained tokens: a response + EOS, all of plain text, and the EOS
-padding to a multiple of `block_size`) and `valid` (real tokens and that padding). Rows are
-tokenized once, up front, so truncation is counted before training. Host h takes every
+padding to a multiple of `block_size`) and `valid` (real tokens and that padding). With
+`pack_documents` every example (a text document, or each max_length piece of a longer one, and
+each prompt/response pair) is padded to whole blocks on its own and packed into rows, which then
+also carry `segment_ids` (1, 2, ... per example in the row, 0 = padding) and `positions`
+(restarting at 0 for each example). Rows are tokenized once, up front, so truncation is counted
+before training. Host h takes every
 `process_count`-th host-sized batch of one shuffled order, so a multi-host run sees the global
 batches of a single-process run with the same seed, and the iterator state is one integer.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
@@ -132,6 +137,9 @@ class DataStats:
     dropped: int            # rows left with no trained target (e.g. prompt alone >= max_length)
     trained_tokens: int     # loss_mask & valid tokens over all rows
     steps_per_epoch: int    # global batches per epoch (0 when smaller than one batch)
+    documents: int = 0      # separately attended sequences in the rows (= sequences unless packed)
+    padding_fraction: float = 0.0  # row positions holding no token: compute spent on nothing
+    fill_fraction: float = 0.0     # row positions holding block-end EOS fill (trained, not data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +149,15 @@ class TokenizedRows:
     valid: np.ndarray       # bool [N, L]
     truncated: int
     dropped: int
+    segment_ids: np.ndarray | None = None  # int32 [N, L], pack_documents only: 1.. per example, 0 = padding
+    positions: np.ndarray | None = None    # int32 [N, L], pack_documents only: restart per example
+    filled: int = 0                         # block-end EOS fill tokens over all rows
+
+    @property
+    def documents(self) -> int:
+        if self.segment_ids is None:
+            return int(self.valid.any(-1).sum())
+        return int(self.segment_ids.max(-1).sum())
 
 
 def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
@@ -177,9 +194,41 @@ def _pack_stream(docs: Iterable[list[int]], max_length: int, pack: bool) -> list
     return [d[i:i + max_length] for d in docs for i in range(0, len(d), max_length)]
 
 
+def _best_fit(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Indices of `lengths` per row, packed best-fit decreasing: longest first, each into the
+    open row it fills most tightly. Deterministic; rows open by free space, found by bisection."""
+    rows: list[list[int]] = []
+    open_rows: dict[int, list[int]] = {}  # free space -> rows with exactly that much left
+    spaces: list[int] = []                # sorted keys of open_rows
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        k = bisect.bisect_left(spaces, n)
+        if k < len(spaces):
+            space = spaces[k]
+            r = open_rows[space].pop()
+            if not open_rows[space]:
+                del open_rows[space], spaces[k]
+        else:
+            r, space = len(rows), max_length
+            rows.append([])
+        rows[r].append(i)
+        left = space - n
+        if left:
+            if left not in open_rows:
+                bisect.insort(spaces, left)
+                open_rows[left] = []
+            open_rows[left].append(r)
+    return rows
+
+
 def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int, block_size: int,
-                      chat: bool = False, pack: bool = True) -> TokenizedRows:
-    """Rows of exactly max_length tokens (see the module docstring for the masks)."""
+                      chat: bool = False, pack: bool = True,
+                      pack_documents: bool = False) -> TokenizedRows:
+    """Rows of exactly max_length tokens (see the module docstring for the masks).
+
+    `pack` joins plain text into one stream cut at max_length (no document boundaries);
+    `pack_documents` packs every example into rows with segment ids instead (`pack` is moot).
+    """
     if block_size <= 0 or max_length <= 0:
         raise DataError(f"max_length ({max_length}) and block_size ({block_size}) must be positive")
     if max_length % block_size:
@@ -215,23 +264,37 @@ def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int
         rows.append((tokens, trained))
     if texts:
         docs = [ids + [eos] for ids in _token_ids(tokenizer, texts)]
-        rows += [(chunk, [True] * len(chunk)) for chunk in _pack_stream(docs, max_length, pack)]
+        rows += [(chunk, [True] * len(chunk))
+                 for chunk in _pack_stream(docs, max_length, pack and not pack_documents)]
 
     # A row trains something only if a trained token has a predecessor (targets are 1..n-1);
     # EOS block padding (when the length is not a block multiple) always provides one.
     kept = [(t, m) for t, m in rows if any(m[1:]) or len(t) % block_size]
     dropped = len(rows) - len(kept)
-    n = len(kept)
+    # each example padded with trained EOS up to a block boundary, as the reference pads one
+    kept = [(t + [eos] * ((-len(t)) % block_size), m + [True] * ((-len(t)) % block_size), len(t))
+            for t, m in kept]
+    filled = sum(len(t) - length for t, _, length in kept)
+    placement = (_best_fit([len(t) for t, _, _ in kept], max_length) if pack_documents
+                 else [[i] for i in range(len(kept))])
+    n = len(placement)
     input_ids = np.full((n, max_length), pad, np.int32)
     loss_mask = np.zeros((n, max_length), bool)
-    valid = np.zeros((n, max_length), bool)
-    for i, (tokens, trained) in enumerate(kept):
-        length = len(tokens)
-        padded = length + (-length) % block_size  # EOS padding up to a block boundary: trained
-        input_ids[i, :length], input_ids[i, length:padded] = tokens, eos
-        loss_mask[i, :length], loss_mask[i, length:padded] = trained, True
-        valid[i, :padded] = True
-    return TokenizedRows(input_ids, loss_mask, valid, truncated, dropped)
+    segment_ids = np.zeros((n, max_length), np.int32)
+    positions = np.zeros((n, max_length), np.int32)
+    for i, pieces in enumerate(placement):
+        start = 0
+        for segment, j in enumerate(pieces, 1):
+            tokens, trained, _ = kept[j]
+            end = start + len(tokens)
+            input_ids[i, start:end], loss_mask[i, start:end] = tokens, trained
+            segment_ids[i, start:end], positions[i, start:end] = segment, np.arange(len(tokens))
+            start = end
+    valid = segment_ids > 0
+    if not pack_documents:
+        return TokenizedRows(input_ids, loss_mask, valid, truncated, dropped, filled=filled)
+    return TokenizedRows(input_ids, loss_mask, valid, truncated, dropped, segment_ids, positions,
+                         filled)
 
 
 # ---- grain pipeline --------------------------------------------------------------------------
@@ -244,15 +307,20 @@ class _RowLookup:
 
     def __call__(self, index: int) -> dict[str, np.ndarray]:
         r = self.rows
-        return {"input_ids": r.input_ids[index], "loss_mask": r.loss_mask[index], "valid": r.valid[index]}
+        row = {"input_ids": r.input_ids[index], "loss_mask": r.loss_mask[index], "valid": r.valid[index]}
+        if r.segment_ids is not None:
+            row |= {"segment_ids": r.segment_ids[index], "positions": r.positions[index]}
+        return row
 
 
 def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_length: int,
                  block_size: int, global_batch_size: int, seed: int, shuffle: bool = True,
                  num_epochs: int | None = None, process_index: int | None = None,
                  process_count: int | None = None, chat: bool = False, pack: bool = True,
-                 read_threads: int = 0, worker_count: int = 0) -> grain.DatasetIterator:
-    """This host's batch iterator: dicts of input_ids / loss_mask / valid, each [b, max_length].
+                 pack_documents: bool = False, read_threads: int = 0,
+                 worker_count: int = 0) -> grain.DatasetIterator:
+    """This host's batch iterator: dicts of input_ids / loss_mask / valid (with
+    `pack_documents` also segment_ids / positions), each [b, max_length].
 
     b = global_batch_size // process_count. `num_epochs=None` repeats forever; a finite count
     stops after the last full global batch (the same step on every host). The returned grain
@@ -274,7 +342,7 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
     if not examples:
         raise DataError("empty dataset: no examples given")
     rows = tokenize_examples(examples, tokenizer, max_length=max_length, block_size=block_size,
-                             chat=chat, pack=pack)
+                             chat=chat, pack=pack, pack_documents=pack_documents)
     n = rows.input_ids.shape[0]
     if n == 0:
         raise DataError(f"empty dataset: all {len(examples)} examples were dropped (no trained tokens "
@@ -284,7 +352,9 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
                     "(no trained token left)", rows.truncated, max_length, rows.dropped)
     stats = DataStats(examples=len(examples), sequences=n, truncated=rows.truncated,
                       dropped=rows.dropped, trained_tokens=int((rows.loss_mask & rows.valid).sum()),
-                      steps_per_epoch=n // global_batch_size)
+                      steps_per_epoch=n // global_batch_size, documents=rows.documents,
+                      padding_fraction=float(1.0 - rows.valid.mean()),
+                      fill_fraction=rows.filled / rows.valid.size)
 
     host_batch = global_batch_size // process_count
     ds = grain.MapDataset.range(n)

@@ -101,6 +101,12 @@ class TrainConfig:
     """A text file, a folder of text files, or JSONL."""
     chat: bool = False
     """Apply the tokenizer's chat template to prompt/response pairs."""
+    pack_documents: bool = False
+    """Pack text documents and prompt/response pairs several to a row, each attending only to
+    itself (segment ids; positions and MARS blocks restart per document; losses average per
+    document). Off (the default) keeps the layout, and so the losses, of runs made before it
+    existed: text as one boundary-less stream cut into rows, one pair per row. A packed row
+    holds several examples, so global_batch_size counts more examples per step."""
     max_length: int = 512
     """Tokens per training row (a multiple of block_size)."""
     global_batch_size: int = 8
@@ -146,6 +152,9 @@ class TrainConfig:
                 raise TrainConfigError(f"objective=commit_head needs block_size >= 2 (got "
                                        f"{self.block_size}): the head judges tokens D_1..D_(K-1) of "
                                        f"each K-token block")
+            if self.pack_documents:
+                raise TrainConfigError("objective=commit_head cuts one context per row: set "
+                                       "pack_documents=false")
             if self.max_length <= self.block_size:
                 raise TrainConfigError(f"objective=commit_head needs max_length > block_size (got "
                                        f"{self.max_length} and {self.block_size}): each row's context "

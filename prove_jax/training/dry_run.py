@@ -211,7 +211,7 @@ def _lowered_train_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
                            mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
     step = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum), layout, mesh)
-    batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)
+    batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length, packed=cfg.pack_documents)
     return layout, step.trace(layout.abstract, batch).lower(lowering_platforms=("tpu",))
 
 

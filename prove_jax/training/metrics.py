@@ -1,9 +1,10 @@
 """Training progress: a tqdm bar and RUN_DIR/metrics.jsonl (one JSON record per logged step).
 
-Throughput is counted in model-input tokens per second (batch x length, padding included, the
-MARS clean stream only: the masked copy is overhead of the objective, not data). MFU is shown
-when the accelerator's peak is known: FLOPs per step = 6 x params x streamed tokens (2x for
-MARS, whose forward is over 2L positions) + attention, over step time x devices x peak.
+Throughput is counted in real tokens per second: the step's tokens without row padding (a
+step's `real_tokens` metric; batch x length when a step has none), of the MARS clean stream only
+(the masked copy is overhead of the objective, not data). MFU is shown when the accelerator's
+peak is known: the model FLOPs of those real tokens (6 x matmul params per streamed token, 2x
+for MARS, whose forward is over 2L positions, + attention) over step time x devices x peak.
 """
 
 from __future__ import annotations
@@ -32,10 +33,18 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
+def matmul_params(model_cfg) -> int:
+    """The N of 6N: parameters multiplied per token. The input embedding is a lookup, not a
+    matmul, so it is left out; the LM head is a matmul, so with tied embeddings the one table
+    counts once, as the head."""
+    embedding = model_cfg.vocab_size * model_cfg.hidden_size
+    return model_cfg.num_params - (0 if model_cfg.tie_word_embeddings else embedding)
+
+
 def train_flops_per_step(model_cfg, batch: int, length: int, objective: str) -> float:
     """Forward + backward FLOPs of one step (matmuls only; attention over the full span)."""
     streamed = length * (2 if objective == "mars" else 1)
-    matmul = 6.0 * model_cfg.num_params * batch * streamed
+    matmul = 6.0 * matmul_params(model_cfg) * batch * streamed
     attn = 12.0 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * batch * streamed ** 2
     return matmul + attn
 
@@ -86,9 +95,14 @@ class MetricsLogger:
             arr = np.asarray(v)
             rec[k] = arr.tolist() if arr.ndim else float(arr)
         rec["step_time_s"] = dt
-        rec["tokens_per_s"] = self.tokens_per_step / dt if dt > 0 else None
+        # real tokens of the step logged (padding is compute spent on nothing)
+        real = rec.get("real_tokens", self.tokens_per_step)
+        share = real / self.tokens_per_step if self.tokens_per_step else 1.0
+        if "real_tokens" in rec and self.tokens_per_step:
+            rec["padding_fraction"] = 1.0 - share
+        rec["tokens_per_s"] = real / dt if dt > 0 else None
         if self.peak_total and self.flops_per_step:
-            rec["mfu"] = self.flops_per_step / dt / self.peak_total
+            rec["mfu"] = self.flops_per_step * share / dt / self.peak_total
         if self.main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

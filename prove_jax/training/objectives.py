@@ -5,6 +5,11 @@ positions, both with position ids 0..L-1) and keeps the AR label shift over the 
 sequence: masked offset j of a block learns distance j + 2, so the last offset learns B + 1,
 trained as in the reference. The two positions whose shifted label crosses a stream boundary
 carry zero weight. Batches come from data/pipeline.py (`input_ids`, `loss_mask`, `valid`, [B, L]).
+
+A packed batch (data `pack_documents`) also has `segment_ids` and `positions` [B, L]: several
+documents per row. Then no token attends across documents in either stream, positions and
+MARS blocks restart at each document, no target crosses one, and losses average per document.
+A batch without them runs exactly the unpacked program.
 """
 
 from __future__ import annotations
@@ -32,13 +37,29 @@ def _check_block(length: int, block_size: int) -> None:
         raise ObjectiveError(f"sequence length {length} is not a multiple of block_size {block_size}")
 
 
-def mars_attention_mask(length: int, block_size: int, valid: jax.Array | None = None) -> jax.Array:
+def same_document(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, L, L]: query and key lie in one document (segment id > 0; 0 is padding)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+
+
+def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, L, L] causal mask of packed rows: each token sees its own document's earlier tokens."""
+    length = segment_ids.shape[1]
+    return jnp.tril(jnp.ones((length, length), bool))[None] & same_document(segment_ids)
+
+
+def mars_attention_mask(length: int, block_size: int, valid: jax.Array | None = None, *,
+                        segment_ids: jax.Array | None = None,
+                        positions: jax.Array | None = None) -> jax.Array:
     """Boolean [B or 1, 2L, 2L] mask (query rows, key columns; True = may attend).
 
     Rows/columns 0..L-1 are the clean stream, L..2L-1 the masked stream. `valid` [B, L] hides
-    right-padding keys in both streams.
+    right-padding keys in both streams. Packed rows give `segment_ids` and `positions` [B, L]
+    instead: every rule also needs one document, and blocks count from each document's start.
     """
     _check_block(length, block_size)
+    if segment_ids is not None:
+        return _packed_mars_mask(length, block_size, segment_ids, positions)
     pos = jnp.arange(length)
     blk = pos // block_size
     causal = pos[None, :] <= pos[:, None]                # [Lq, Lk]
@@ -53,12 +74,33 @@ def mars_attention_mask(length: int, block_size: int, valid: jax.Array | None = 
     return mask
 
 
+def _packed_mars_mask(length: int, block_size: int, segment_ids: jax.Array,
+                      positions: jax.Array) -> jax.Array:
+    """`mars_attention_mask` of packed rows: [B, 2L, 2L]."""
+    if positions is None:
+        raise ObjectiveError("packed rows need positions beside segment_ids")
+    idx = jnp.arange(length)
+    causal = (idx[None, :] <= idx[:, None])[None]             # [1, Lq, Lk]
+    same_doc = same_document(segment_ids)                     # [B, Lq, Lk]
+    blk = positions // block_size                             # [B, L]: blocks restart per document
+    same_block = blk[:, :, None] == blk[:, None, :]
+    earlier_block = blk[:, None, :] < blk[:, :, None]
+    clean_rows = jnp.concatenate([causal & same_doc, jnp.zeros_like(same_doc)], axis=2)
+    masked_rows = jnp.concatenate([earlier_block & same_doc, causal & same_block & same_doc], axis=2)
+    return jnp.concatenate([clean_rows, masked_rows], axis=1)
+
+
 def next_token_targets(batch) -> tuple[jax.Array, jax.Array]:
-    """labels [B, L] = input_ids shifted left by one; weights f32 [B, L] (1 = trained target)."""
+    """labels [B, L] = input_ids shifted left by one; weights f32 [B, L] (1 = trained target).
+    In packed rows a document's last token has no target (the next token is another's)."""
     ids = batch["input_ids"]
     trained = jnp.logical_and(batch["loss_mask"], batch["valid"])
     labels = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     weights = jnp.concatenate([trained[:, 1:], jnp.zeros_like(trained[:, :1])], axis=1)
+    if "segment_ids" in batch:
+        seg = batch["segment_ids"]
+        same = jnp.concatenate([seg[:, 1:] == seg[:, :-1], jnp.zeros_like(seg[:, :1], bool)], axis=1)
+        weights = weights & same
     return labels, weights.astype(jnp.float32)
 
 
@@ -66,17 +108,24 @@ def mars_inputs(batch, block_size: int, mask_token_id: int) -> dict[str, jax.Arr
     """The two-stream model inputs and targets for one batch.
 
     Returns tokens, positions int32 [B, 2L], attn_mask bool [B, 2L, 2L], labels int32 [B, 2L]
-    and weights f32 [B, 2L]; stream position p (either half) targets input_ids[p + 1].
+    and weights f32 [B, 2L]; stream position p (either half) targets input_ids[p + 1]. Packed
+    rows take their positions from the batch (restarting per document) in both halves.
     """
     ids = batch["input_ids"]
     b, length = ids.shape
     _check_block(length, block_size)
     masked_ids = jnp.where(batch["loss_mask"], jnp.asarray(mask_token_id, ids.dtype), ids)
     tokens = jnp.concatenate([ids, masked_ids], axis=1)
-    pos = jnp.arange(length, dtype=jnp.int32)
-    positions = jnp.broadcast_to(jnp.concatenate([pos, pos])[None], (b, 2 * length))
-    attn_mask = jnp.broadcast_to(mars_attention_mask(length, block_size, batch["valid"]),
-                                 (b, 2 * length, 2 * length))
+    if "segment_ids" in batch:
+        pos = batch["positions"].astype(jnp.int32)
+        positions = jnp.concatenate([pos, pos], axis=1)
+        attn_mask = mars_attention_mask(length, block_size, segment_ids=batch["segment_ids"],
+                                        positions=pos)
+    else:
+        pos = jnp.arange(length, dtype=jnp.int32)
+        positions = jnp.broadcast_to(jnp.concatenate([pos, pos])[None], (b, 2 * length))
+        attn_mask = jnp.broadcast_to(mars_attention_mask(length, block_size, batch["valid"]),
+                                     (b, 2 * length, 2 * length))
     labels, weights = next_token_targets(batch)
     return dict(tokens=tokens, positions=positions, attn_mask=attn_mask,
                 labels=jnp.concatenate([labels, labels], axis=1).astype(jnp.int32),
@@ -91,16 +140,42 @@ def token_nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return log_z - target
 
 
-def sequence_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
-    """Mean over each row's weighted tokens, then over the rows that have any ([B, T] -> [])."""
+def sequence_mean(values: jax.Array, weights: jax.Array,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
+    """Mean over each row's weighted tokens, then over the rows that have any ([B, T] -> []).
+    With `segment_ids` [B, T] (packed rows) each document of a row is one sequence."""
+    if segment_ids is not None:
+        return _document_mean(values, weights, segment_ids)
     per_row_w = weights.sum(-1)
     per_row = (values * weights).sum(-1) / jnp.maximum(per_row_w, 1.0)
     has_tokens = (per_row_w > 0).astype(jnp.float32)
     return (per_row * has_tokens).sum() / jnp.maximum(has_tokens.sum(), 1.0)
 
 
-def _sequences(weights: jax.Array) -> jax.Array:
+def _per_document(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Sums of x [B, T] per (row, segment id): flat [B * (T + 1)], segment 0 (padding) included."""
+    b, t = x.shape
+    ids = (segment_ids + (t + 1) * jnp.arange(b)[:, None]).reshape(-1)
+    return jax.ops.segment_sum(x.reshape(-1), ids, b * (t + 1))
+
+
+def _document_mean(values, weights, segment_ids):
+    per_doc_w = _per_document(weights, segment_ids)
+    per_doc = _per_document(values * weights, segment_ids) / jnp.maximum(per_doc_w, 1.0)
+    has_tokens = (per_doc_w > 0).astype(jnp.float32)
+    return (per_doc * has_tokens).sum() / jnp.maximum(has_tokens.sum(), 1.0)
+
+
+def _sequences(weights: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Sequences (rows, or documents of packed rows) with any trained target."""
+    if segment_ids is not None:
+        return (_per_document(weights, segment_ids) > 0).sum().astype(jnp.float32)
     return (weights.sum(-1) > 0).sum().astype(jnp.float32)
+
+
+def _real_tokens(batch) -> jax.Array:
+    """Tokens of the data in the batch, row padding left out: what throughput counts."""
+    return batch["valid"].sum().astype(jnp.float32)
 
 
 def mars_loss(model, batch, *, block_size: int, mask_token_id: int,
@@ -109,25 +184,33 @@ def mars_loss(model, batch, *, block_size: int, mask_token_id: int,
 
     metrics: loss, loss_masked, loss_clean, masked_acc_by_pos f32 [block_size] (top-1 accuracy
     of the masked stream at each in-block offset j, which predicts distance j + 2), tokens
-    (trained targets per stream), sequences (rows with any trained target).
+    (trained targets per stream), sequences (rows, or packed documents, with any trained
+    target), real_tokens (the batch's tokens without row padding).
     """
     inp = mars_inputs(batch, block_size, mask_token_id)
     length = batch["input_ids"].shape[1]
+    seg = batch.get("segment_ids")
     logits, _ = model(inp["tokens"], inp["positions"], inp["attn_mask"])  # [B, 2L, V] f32
     nll = token_nll(logits, inp["labels"])
     w = inp["weights"]
-    loss_clean = sequence_mean(nll[:, :length], w[:, :length])
-    loss_masked = sequence_mean(nll[:, length:], w[:, length:])
+    loss_clean = sequence_mean(nll[:, :length], w[:, :length], seg)
+    loss_masked = sequence_mean(nll[:, length:], w[:, length:], seg)
     loss = loss_masked + ar_weight * loss_clean
 
     b = logits.shape[0]
     correct = (jnp.argmax(logits[:, length:], axis=-1) == inp["labels"][:, length:])
-    by_pos_w = w[:, length:].reshape(b, length // block_size, block_size)
-    by_pos_hit = (correct.astype(jnp.float32) * w[:, length:]).reshape(by_pos_w.shape)
-    acc_by_pos = by_pos_hit.sum((0, 1)) / jnp.maximum(by_pos_w.sum((0, 1)), 1.0)
+    hit = correct.astype(jnp.float32) * w[:, length:]
+    if seg is None:
+        by_pos_w = w[:, length:].reshape(b, length // block_size, block_size)
+        by_pos_hit = hit.reshape(by_pos_w.shape)
+        acc_by_pos = by_pos_hit.sum((0, 1)) / jnp.maximum(by_pos_w.sum((0, 1)), 1.0)
+    else:  # offsets within each document's own blocks
+        offset = jax.nn.one_hot(inp["positions"][:, :length] % block_size, block_size)  # [B, L, K]
+        acc_by_pos = (jnp.einsum("bl,blk->k", hit, offset)
+                      / jnp.maximum(jnp.einsum("bl,blk->k", w[:, length:], offset), 1.0))
     metrics = dict(loss=loss, loss_masked=loss_masked, loss_clean=loss_clean,
                    masked_acc_by_pos=acc_by_pos, tokens=w[:, :length].sum(),
-                   sequences=_sequences(w[:, :length]))
+                   sequences=_sequences(w[:, :length], seg), real_tokens=_real_tokens(batch))
     return loss, metrics
 
 
@@ -135,11 +218,17 @@ def ar_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Plain causal next-token loss with the same per-sequence averaging as mars_loss."""
     ids = batch["input_ids"]
     b, length = ids.shape
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
-    logits, _ = model(ids, positions, causal_mask(b, length, batch["valid"]))
+    seg = batch.get("segment_ids")
+    if seg is None:
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
+        mask = causal_mask(b, length, batch["valid"])
+    else:
+        positions, mask = batch["positions"].astype(jnp.int32), packed_causal_mask(seg)
+    logits, _ = model(ids, positions, mask)
     labels, w = next_token_targets(batch)
-    loss = sequence_mean(token_nll(logits, labels), w)
-    return loss, dict(loss=loss, loss_clean=loss, tokens=w.sum(), sequences=_sequences(w))
+    loss = sequence_mean(token_nll(logits, labels), w, seg)
+    return loss, dict(loss=loss, loss_clean=loss, tokens=w.sum(), sequences=_sequences(w, seg),
+                      real_tokens=_real_tokens(batch))
 
 
 LOSS_FNS: dict[str, Callable] = {"ar": ar_loss, "mars": mars_loss}

@@ -22,7 +22,8 @@ from prove_jax.models import sharding
 
 BATCH_SPEC = P(("data", "fsdp"))  # rows of every batch array are split over data x fsdp
 LossFn = Callable  # (model, batch) -> (loss scalar, metrics dict): objectives.make_loss_fn
-COUNT_METRICS = ("tokens", "sequences")  # summed over micro-batches; every other metric averaged
+COUNT_METRICS = ("tokens", "sequences", "real_tokens")  # summed over micro-batches; others averaged
+PACKED_KEYS = ("segment_ids", "positions")  # int32 [B, L] beside the others in packed batches
 
 
 def batch_shardings(mesh, batch_keys=("input_ids", "loss_mask", "valid")) -> dict:
@@ -113,12 +114,18 @@ def build_step_fn(graphdef, tx, loss_fn: LossFn, grad_accum: int = 1):
 def jit_step(step_fn, layout: StateLayout, mesh):
     """jax.jit with explicit in/out shardings; the input state is donated (updated in place)."""
     replicated = NamedSharding(mesh, P())
-    return jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings(mesh)),
+    # one sharding for every batch array, whichever keys the batch has (packed or not)
+    return jax.jit(step_fn, in_shardings=(layout.shardings, NamedSharding(mesh, BATCH_SPEC)),
                    out_shardings=(layout.shardings, replicated), donate_argnums=(0,))
 
 
-def abstract_batch(mesh, batch_size: int, length: int) -> dict:
+def abstract_batch(mesh, batch_size: int, length: int, packed: bool = False) -> dict:
+    """The batch a train step takes, as ShapeDtypeStructs; `packed` adds PACKED_KEYS."""
     sh = NamedSharding(mesh, BATCH_SPEC)
-    return {"input_ids": jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=sh),
-            "loss_mask": jax.ShapeDtypeStruct((batch_size, length), jnp.bool_, sharding=sh),
-            "valid": jax.ShapeDtypeStruct((batch_size, length), jnp.bool_, sharding=sh)}
+    batch = {"input_ids": jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=sh),
+             "loss_mask": jax.ShapeDtypeStruct((batch_size, length), jnp.bool_, sharding=sh),
+             "valid": jax.ShapeDtypeStruct((batch_size, length), jnp.bool_, sharding=sh)}
+    if packed:
+        batch |= {k: jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=sh)
+                  for k in PACKED_KEYS}
+    return batch
