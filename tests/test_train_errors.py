@@ -392,6 +392,8 @@ INTERNAL_EXCEPTIONS = {
     # raised by fieldtypes.conform and always caught by the config readers, which re-raise it as
     # TrainConfigError / ConfigError naming the field
     "prove_jax.fieldtypes.AnnotationMismatch",
+    # not an error: `train` raises it after saving on SIGTERM; the train CLI exits PREEMPTED (75)
+    "prove_jax.training.preemption.Preempted",
 }
 
 

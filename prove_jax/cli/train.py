@@ -5,7 +5,8 @@
 
 Overrides use the config's dotted keys (`steps=50`, `optimizer.lr=3e-4`, `data=PATH`,
 `run_dir=DIR`, `objective=ar`, `block_size=8`, `seed=1`). A run resumes automatically from the
-newest checkpoint in its run_dir.
+newest checkpoint in its run_dir. On SIGTERM (a preemption) every host saves the same step and
+the command exits 75 (`preemption.PREEMPTED`); rerun it to continue.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from prove_jax import distributed
 from prove_jax.cli.runner import INTERRUPTED, run_cli
 from prove_jax.errors import ProveJaxError
+from prove_jax.training.preemption import PREEMPTED, Preempted
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if last is not None:
             print(f"step {result.final_step}: loss {last['loss']:.4f}; run dir {result.run_dir}")
         return 0
+    except Preempted:  # the loop said which step it saved; every host exits with this code
+        return PREEMPTED
     except (ProveJaxError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig, preset
 from prove_jax.training.metrics import MetricsLogger, train_flops_per_step
 from prove_jax.training.optimizer import lr_schedule, make_optimizer
+from prove_jax.training.preemption import Preempted, PreemptionWatch
 from prove_jax.training.run_checkpoint import (RunCheckpointMismatch,
                                                RunCheckpoints, has_checkpoints, saved_run_meta)
 from prove_jax.training.config import TrainConfig, TrainConfigError, inline_model_config, to_dict
@@ -271,11 +272,15 @@ def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
     it = data_lib.make_dataset(
         cfg.data, tokenizer, max_length=cfg.max_length, block_size=data_block_size(cfg),
         global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True, num_epochs=None,
-        process_index=jax.process_index(), process_count=jax.process_count(), chat=cfg.chat)
+        process_index=jax.process_index(), process_count=jax.process_count(), chat=cfg.chat,
+        pack_documents=cfg.pack_documents)
     stats = getattr(it, "stats", None)
     if stats is not None:
+        packed = f" ({stats.documents} documents packed)" if cfg.pack_documents else ""
         log(f"data: {stats.examples} examples -> {stats.sequences} sequences of {cfg.max_length} "
-            f"tokens, {stats.trained_tokens} trained tokens, {stats.steps_per_epoch} steps/epoch")
+            f"tokens{packed}, {stats.trained_tokens} trained tokens, {stats.steps_per_epoch} "
+            f"steps/epoch, {100 * stats.padding_fraction:.1f}% padding (+{100 * stats.fill_fraction:.1f}% "
+            f"block-end EOS)")
         if stats.truncated:
             log(f"warning: {stats.truncated} sequence(s) longer than max_length={cfg.max_length} "
                 f"were truncated")
@@ -472,8 +477,8 @@ def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], N
     refused with the sizes when the devices cannot hold it (state, gradients, activations)."""
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step_fn.lower(layout.abstract,
-                                 abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)).compile()
+        compiled = step_fn.lower(layout.abstract, abstract_batch(
+            mesh, cfg.global_batch_size, cfg.max_length, packed=cfg.pack_documents)).compile()
     log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
     memory.check_fits(compiled, memory.local_devices(mesh),
                       f"a train step of {cfg.global_batch_size} x {cfg.max_length} tokens (model and "
@@ -486,7 +491,10 @@ def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], N
 def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: bool = True,
           stop_after: int | None = None) -> TrainResult:
     """Run (or resume) the configured training. `stop_after` ends this launch early at that
-    step (after saving), as if the job were killed there; used to test resumption."""
+    step (after saving), as if the job were killed there; used to test resumption.
+
+    A SIGTERM during the steps saves the step all hosts agree on and raises `Preempted`
+    (training/preemption.py); the same call again continues from there."""
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
@@ -567,14 +575,18 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                            tokens_per_step=tokens_per_step,
                            show_bar=show_bar and distributed.is_main_process())
     records = []
+    preempted = False
     try:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), PreemptionWatch(start, log) as preemption:
             from prove_jax.data import pipeline as data_lib
             for step in range(start, end):
                 batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
                 state, metrics = step_fn(state, batch)
                 done = step + 1
-                saving = done % cfg.save_every == 0 or done == end
+                # asked at every step on every host (JAX's manager agrees on a step it was
+                # told); the last step saves and exports as usual
+                preempted = preemption.reached(done) and done < end
+                saving = done % cfg.save_every == 0 or done == end or preempted
                 if done % cfg.log_every == 0 or done in (start + 1, end):
                     rec = logger.record(done, metrics)
                     records.append(rec)
@@ -583,14 +595,21 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                     check_finite(done, float(metrics["loss"]), state["params"])
                 if saving:
                     ckpts.save(done, state, data_iter, meta)
-                    if cfg.export_every_save and done != cfg.steps:
+                    if cfg.export_every_save and done != cfg.steps and not preempted:
                         ckpts.wait()
                         export_at_step(os.path.join(run_dir, "model"), done, layout.graphdef,
                                        state["params"], train_cfg, tok_dir)
+                if preempted:  # the kill follows the notice: the checkpoint only, then stop
+                    ckpts.wait()
+                    break
         ckpts.wait()
     finally:
         logger.close()
         ckpts.close()
+    if preempted:  # its checkpoint is on disk
+        stop = Preempted(done, run_dir)
+        log(str(stop))
+        raise stop
 
     final = end if end > start else start
     model_dir = None
