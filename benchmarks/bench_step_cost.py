@@ -290,7 +290,7 @@ def _widths(text: str) -> tuple[int, ...]:
 
 
 def _layouts(text: str) -> tuple[tuple[int, int], ...]:
-    layouts = bench_lib.parse_lossless_blocks(text)
+    layouts = bench_lib.parse_layouts(text, "--layouts")
     if not layouts or any(g is None for _, g in layouts):
         raise bench_lib.BenchError(f"--layouts: give K x G for each layout, e.g. 4x2,8x3; got {text!r}")
     return layouts

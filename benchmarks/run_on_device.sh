@@ -52,8 +52,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $RES/NAME.l
 
 if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     DECODE=(--humaneval 2 --max-new-tokens 8 --repeats 1 --inflate qwen2.5-0.5b)
-    BLOCKS=(--lossless-blocks 2x2); B1=(--batch-sizes 1); B16=(--batch-sizes 2); BALL=(--batch-sizes 1,2)
-    BF16=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1 --repeats 1 --lossless-blocks 2x2)
+    BLOCKS=(--layouts 2x2); B1=(--batch-sizes 1); B16=(--batch-sizes 2); BALL=(--batch-sizes 1,2)
+    BF16=(--humaneval 2 --max-new-tokens 8 --batch-sizes 1 --repeats 1 --layouts 2x2)
     STEP=(--widths 1,4 --layouts 2x2 --repeats 1)
     CHUNKS=(--buffers 384,640 --batch-sizes 1 --repeats 1 --steps 2)
     CHUNKS_PRESET=(--preset qwen2.5-0.5b --buffers 640 --batch-sizes 1 --repeats 1 --steps 2)
@@ -61,8 +61,8 @@ else
     # 28 unrolled layers compile for tens of seconds per setting: few settings, and batch 1 and
     # batch 16 as separate stages so a slow compile in one cannot cost the other its results
     DECODE=(--humaneval 16 --max-new-tokens 128 --repeats 3 --inflate qwen2.5-1.5b)
-    BLOCKS=(--lossless-blocks 8x2,8x8); B1=(--batch-sizes 1); B16=(--batch-sizes 16); BALL=(--batch-sizes 1,4,16)
-    BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1 --repeats 1 --lossless-blocks 8x8)
+    BLOCKS=(--layouts 8x2,8x8); B1=(--batch-sizes 1); B16=(--batch-sizes 16); BALL=(--batch-sizes 1,4,16)
+    BF16=(--humaneval 16 --max-new-tokens 128 --batch-sizes 1 --repeats 1 --layouts 8x8)
     # the demo shapes only: the CPU matmul forms are timed too, and a real shape's many programs
     # would not compile in a few minutes of device time
     STEP=(--widths 1,4,16,64 --layouts 8x2,8x8 --repeats 3)
@@ -84,7 +84,7 @@ stage decode_b16 140 $PY -m infer.benchmark "${DECODE[@]}" "${BLOCKS[@]}" "${B16
     --taus 0.8 --no-adaptive --no-peers --json "$RES/decode_b16.json" --md "$RES/decode_b16.md" --png none
 # the adaptive setting (the platform's table) must never lose to AR as the batch grows
 stage decode_adaptive 190 $PY -m infer.benchmark "${DECODE[@]}" "${BALL[@]}" --modes ar,lossless \
-    --lossless-blocks "" --no-calibrated --no-peers --json "$RES/decode_adaptive.json" \
+    --layouts "" --no-calibrated --no-peers --json "$RES/decode_adaptive.json" \
     --md "$RES/decode_adaptive.md" --png none
 # bfloat16, as a user would run on the accelerator: how often rounding flips lossless vs AR
 stage decode_bf16 60 $PY -m infer.benchmark "${BF16[@]}" --dtype bfloat16 --modes ar,lossless \

@@ -78,25 +78,89 @@ def test_agreement_and_output_forms():
     assert bench_lib.our_sequence([3, 7, 2, 9], eos_ids=[0, 7]) == [3, 0]
     assert bench_lib.peer_sequence([3, 4], max_new_tokens=5, eos_ids=[0]) == [3, 4, 0]
     assert bench_lib.peer_sequence([3, 4], max_new_tokens=2, eos_ids=[0]) == [3, 4]
-    assert bench_lib.parse_lossless_blocks("2, 4x2") == ((2, None), (4, 2))
-    with pytest.raises(bench_lib.BenchError, match="K must be >= 2"):
-        bench_lib.parse_lossless_blocks("1")
 
 
-def test_demo_end_to_end(pair, capsys):
-    rc = demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "2",
-                    "--max-new-tokens", "10", "--block-size", "4", "--lossless-block-size", "3"])
+def test_layouts_parse_and_bad_values_name_the_flag():
+    assert bench_lib.parse_layouts("6x2, 4X2,3") == ((6, 2), (4, 2), (3, None))
+    assert bench_lib.parse_layouts("") == ()
+    for bad, message in [("1", "--layouts: '1': K must be >= 2"), ("6x0", "--layouts: '6x0': K must be >= 2 and G >= 1"),
+                         ("6by2", "--layouts: '6by2' is not a layout; write K x G as 6x2"),
+                         ("6x2x1", "--layouts: '6x2x1' is not a layout")]:
+        with pytest.raises(bench_lib.BenchError) as e:
+            bench_lib.parse_layouts(bad)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    with pytest.raises(bench_lib.BenchError, match="^--lossless-blocks: '4y'"):
+        bench_lib.parse_layouts("4y", "--lossless-blocks")
+    assert bench_lib.parse_choices("ar, lossless", bench_lib.ALL_MODES, "--modes") == ["ar", "lossless"]
+    with pytest.raises(bench_lib.BenchError, match="^--modes: unknown 'fast'; choose from ar, threshold"):
+        bench_lib.parse_choices("ar,fast", bench_lib.ALL_MODES, "--modes")
+    # the default sweep, and the old spelling still read
+    assert benchmark.layouts_arg(benchmark.parse_args([])) == ("--layouts", bench_lib.DEFAULT_LOSSLESS)
+    assert benchmark.layouts_arg(benchmark.parse_args(["--layouts", "6x2,4x2"])) == ("--layouts", ((6, 2), (4, 2)))
+    assert benchmark.layouts_arg(benchmark.parse_args(["--lossless-blocks", "6x2"])) == ("--lossless-blocks", ((6, 2),))
+
+
+def _demo(pair, capsys, *argv):
+    rc = demo.main(["--model", pair[0], "--verifier", pair[1], "--inflate", "none", *argv])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "compile + warm-up: lossless K=3,G=3" in err  # progress while compiling
+    return out, err
+
+
+def _rows(lines: list[str], header: str, n: int) -> list[list[str]]:
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["mode", "setting"] and header in line)
+    return [line.split() for line in lines[head + 1: head + 1 + n]]
+
+
+def test_demo_says_tokens_per_forward_and_that_lossless_is_ar(pair, capsys):
+    """The recommended defaults (K=6, G=2 on CPU), at the model's own size: tiny and fast."""
+    out, err = _demo(pair, capsys, "--num-prompts", "1", "--max-new-tokens", "8", "--repeats", "1")
+    assert "compile + warm-up: lossless K=6,G=2" in err  # progress while compiling
     lines = out.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("mode"))
-    assert "tokens/forward" in lines[head] and "agreement with ar" in lines[head]
-    rows = [line.split() for line in lines[head + 2: head + 7]]
-    assert [r[:2] for r in rows] == [["ar", "-"], ["lossless", "K=3,G=3"], ["lossless", "K=6,G=2"],
-                                     ["threshold", "K=4,tau=0.9"], ["verify", "K=4,top1"]]
-    assert rows[0][-2:] == ["1.00x", "100.0%"] and rows[1][-1] == rows[2][-1] == "100.0%"  # lossless == AR
+    assert "1. On any machine: tokens per proposer forward, and exactness" in lines
+    rows = _rows(lines, "tokens/forward", 2)
+    assert [r[:3] for r in rows] == [["ar", "-", "1.00"], ["lossless", "K=6,G=2", rows[1][2]]]
+    assert float(rows[1][2]) >= 1.0
+    assert " ".join(rows[1][3:]) == "yes, token for token (1 of 1 prompts, 8 tokens, checked)"
+    speed = _rows(lines, "tok/s", 2)
+    assert [r[:2] for r in speed] == [["ar", "-"], ["lossless", "K=6,G=2"]] and speed[0][3] == "1.00x"
+    assert "the proposer at its own size" in out
+    assert re.search(r"Verdict: .* with the same output token for token\. Why: it ran", " ".join(out.split()))
     assert "[" in lines[-1]  # not a TTY: brackets per committed block
+
+
+def test_demo_layout_flags_and_lossy_modes(pair, capsys):
+    out, _ = _demo(pair, capsys, "--num-prompts", "2", "--max-new-tokens", "10", "--block-size", "3",
+                   "--groups", "2", "--repeats", "1", "--lossy", "--tau", "0.5", "--show", "1")
+    lines = out.splitlines()
+    rows = _rows(lines, "tokens/forward", 4)
+    assert [r[:2] for r in rows] == [["ar", "-"], ["lossless", "K=3,G=2"], ["threshold", "K=3,tau=0.5"],
+                                     ["verify", "K=3,top1"]]  # this verifier has no commit head
+    assert rows[1][3:6] == ["yes,", "token", "for"] and rows[2][-1] == rows[3][-1] == "(lossy)"
+    assert [r[:2] for r in _rows(lines, "tok/s", 4)] == [r[:2] for r in rows]
+    assert any(line.startswith("3. HumanEval/1, lossless K=3,G=2:") for line in lines)
+
+
+def test_demo_exactness_and_verdict_in_words():
+    ar = bench_lib.Measurement(bench_lib.ar_setting(), 1, outputs=[[1, 2, 3, 4], [5, 6]],
+                               proposer_forwards=6, seconds=[6.0, 7.0])
+    ll = bench_lib.Measurement(bench_lib.lossless_setting(6, 2), 1, outputs=[[1, 2, 3, 4], [5, 6]],
+                               proposer_forwards=2, seconds=[3.0, 2.5])
+    assert demo.exactness_line([ar, ll]) == "yes, token for token (2 of 2 prompts, 6 tokens, checked)"
+    head, why = demo.verdict([ar, ll], exact=True)
+    assert head == ("Verdict: ProVe-lossless decoded 2.4x as fast as greedy AR here, with the same "
+                    "output token for token.")
+    # fastest passes: 2.5 s / 2 forwards against 6 s / 6 forwards
+    assert why.startswith("Why: it ran 3.0x fewer forwards, and one 16-token forward cost about 1.2 "
+                          "one-token AR forwards") and why.endswith("so the fewer forwards won.")
+    ll.seconds = [6.2]
+    assert "no real speedup here (0.97x AR" in demo.verdict([ar, ll], exact=True)[0]
+    ll.seconds, ll.outputs = [9.0], [[1, 2, 3, 4], [5, 7]]
+    head, why = demo.verdict([ar, ll], exact=False)
+    assert "was slower than greedy AR here (0.67x), but its output was not AR's" in head
+    assert why.endswith("so the fewer forwards did not pay.")
+    assert demo.exactness_line([ar, ll]) == "NO: 1 of 2 prompts equal; prompt 1 differs from token 1 on"
+    assert demo.recommended_layout("cpu") == (6, 2) and demo.recommended_layout("gpu") == (8, 8)
 
 
 def test_demo_blocks_spell_the_completion(pair):
@@ -115,7 +179,7 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
     out = tmp_path / "bench"
     rc = benchmark.main(["--model", pair[0], "--verifier", pair[1], "--humaneval", "2",
                          "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "2",
-                         "--modes", "ar,lossless,hf_greedy", "--lossless-blocks", "3",
+                         "--modes", "ar,lossless,hf_greedy", "--layouts", "3",
                          "--no-adaptive", "--torch-threads", "1", "--prefill-baseline",
                          "--json", f"{out}.json", "--md", f"{out}.md", "--png", f"{out}.png"])
     assert rc == 0
@@ -225,16 +289,22 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
 @pytest.mark.parametrize("argv, message", [
     (["--batch-sizes", "0"], "--batch-sizes must be positive"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
-    (["--modes", "ar,fast"], "unknown mode(s) ['fast']"),
-    (["--lossless-blocks", "4y"], "lossless block spec '4y'"),
+    (["--modes", "ar,fast"], "--modes: unknown 'fast'; choose from ar, threshold"),
+    (["--layouts", "4y"], "--layouts: '4y' is not a layout; write K x G as 6x2"),
+    (["--layouts", "6x2,1x2"], "--layouts: '1x2': K must be >= 2"),
+    (["--lossless-blocks", "4y"], "--lossless-blocks: '4y' is not a layout"),  # the flag as typed
+    (["--layouts", "6x2", "--lossless-blocks", "6x2"], "--lossless-blocks is the old spelling of --layouts"),
+    (["--modes", "ar,threshold", "--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["--modes", "ar,verify", "--tau-vs=-0.5"], "--tau-vs are verifier probabilities"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),
     (["--dtype", "bfloat16", "--modes", "ar,hf_greedy"], "the transformers peers run float32"),
     # peers would time the 4M-parameter checkpoint on disk against our inflated 0.5B shape
     (["--inflate", "qwen2.5-0.5b", "--modes", "ar,hf_greedy"], "not inflated to qwen2.5-0.5b: add --no-peers"),
     (["--modes", "ar,threshold", "--taus", ""], "--taus is empty but threshold is in --modes"),
     # no lossless setting left: it ran ar alone without a word
-    (["--modes", "ar,lossless", "--lossless-blocks", "", "--no-adaptive"],
-     "--lossless-blocks is empty and --no-adaptive is set but lossless is in --modes"),
+    (["--modes", "ar,lossless", "--layouts", "", "--no-adaptive"],
+     "--layouts is empty and --no-adaptive is set but lossless is in --modes"),
     (["--humaneval", "200"], "HumanEval has 164 problems; asked for 200"),
     (["--md", "{tmp}"], "is a directory"),  # found before the run, not after it
     (["--png", "{tmp}"], "is a directory"),
@@ -247,16 +317,49 @@ def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, arg
             str(tmp_path / "b.json"), "--md", str(tmp_path / "b.md"), "--png", str(tmp_path / "b.png")]
     rc = benchmark.main(args + [a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err
-    assert rc == 2 and "error: " in err and message in err
+    # one line, the last (progress lines may come before it)
+    assert rc == 2 and err.splitlines()[-1].startswith("error: ") and message in err.splitlines()[-1], err
     assert os.listdir(tmp_path) == []
 
 
-def test_demo_bad_input(pair, capsys):
-    assert demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "0"]) == 2
-    assert "error: --num-prompts must be >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--confidence", "certainty"], "argument --confidence: invalid choice: 'certainty'"),
+    (["--dtype", "float8"], "argument --dtype: invalid choice"),
+])
+def test_benchmark_choices_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        benchmark.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--block-size", "1"], "--block-size must be >= 2, got 1"),
+    (["--groups", "0"], "--groups must be >= 1, got 0"),
+    (["--num-prompts", "2", "--show", "2"], "--show must be in [0, 2) (--num-prompts), got 2"),
+    (["--tau", "0.5"], "--tau applies to the lossy modes: add --lossy"),
+    (["--commit-rule", "prob"], "--commit-rule applies to the lossy modes: add --lossy"),
+    (["--lossy", "--commit-rule", "head"], "--commit-rule head needs a commit head in"),
     # more prompts than HumanEval has: said before decoding (--show 170 used to fail after the run)
-    assert demo.main(["--model", pair[0], "--verifier", pair[1], "--num-prompts", "200", "--show", "170"]) == 2
-    assert "error: HumanEval has 164 problems; asked for 200" in capsys.readouterr().err
+    (["--num-prompts", "200", "--show", "170"], "HumanEval has 164 problems; asked for 200"),
+])
+def test_demo_bad_input_one_line_error_naming_the_flag(pair, capsys, argv, message):
+    assert demo.main(["--model", pair[0], "--verifier", pair[1], "--inflate", "none", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--commit-rule", "top2"], "argument --commit-rule: invalid choice: 'top2'"),
+    (["--confidence", "certainty"], "argument --confidence: invalid choice"),
+    (["--inflate", "qwen9-huge"], "argument --inflate: invalid choice: 'qwen9-huge'"),
+])
+def test_demo_choices_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_benchmark_interrupted_says_where_the_finished_batch_sizes_are(pair, tmp_path, monkeypatch, capsys):

@@ -1,11 +1,11 @@
 """Decoding benchmark: `prove-jax benchmark` -> runs/benchmark/decode.{json,md,png}.
 
-Our modes (ar; threshold tau sweep; lossless K / group sweep, adaptive and calibrated; verify with each
-commit rule and a tau_v sweep) and transformers peers on the same weights (greedy generate,
-assisted generation with our verifier as the draft, prompt lookup; torch CPU), on HumanEval
-prompts by default, at batch sizes 1, 4 and 16. Every ratio is against our `ar` measured in
-the same run at the same batch size; repeats are interleaved and the median is reported;
-compile time is excluded from throughput and reported separately. See
+Our modes (ar; threshold: a --taus sweep; lossless: the --layouts K x G sweep, adaptive and
+calibrated; verify: each commit rule and a --tau-vs sweep) and transformers peers on the same
+weights (greedy generate, assisted generation with our verifier as the draft, prompt lookup;
+torch CPU), on HumanEval prompts by default, at batch sizes 1, 4 and 16. Every ratio is against
+our `ar` measured in the same run at the same batch size; repeats are interleaved and the
+median is reported; compile time is excluded from throughput and reported separately. See
 prove_jax/evaluation/benchmark.py.
 
 A report lands under runs/ (git-ignored) unless asked otherwise: committing one is a deliberate
@@ -37,12 +37,14 @@ from prove_jax import assets
 from prove_jax.evaluation import benchmark as bench_lib
 from prove_jax.evaluation import humaneval
 from prove_jax.cli.runner import INTERRUPTED, run_cli
+from prove_jax.decoding.options import CONFIDENCE_KINDS
 from prove_jax.files import atomic_write_text
 from prove_jax.models.config import DTYPES, PRESETS
 
 DEFAULT_OUT = os.path.join("runs", "benchmark", "decode")  # never over a committed report
 
 DEFAULT_MODES = ",".join(bench_lib.ALL_MODES)
+DEFAULT_LAYOUTS = ",".join(f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS)
 
 
 def parse_args(argv=None):
@@ -62,19 +64,25 @@ def parse_args(argv=None):
     src.add_argument("--humaneval", type=int, default=None, metavar="N",
                      help="number of HumanEval prompts (the default prompt set; default 16)")
     ap.add_argument("--modes", default=DEFAULT_MODES,
-                    help=f"comma-separated modes to run (ar always runs); default all: "
-                         f"{','.join(bench_lib.ALL_MODES)}")
+                    help=f"comma-separated modes to run, from {','.join(bench_lib.ALL_MODES)} "
+                         f"(ar always runs; default all)")
     ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed passes per setting, interleaved across settings; median reported (default 3)")
     ap.add_argument("--block-size", type=int, default=8,
-                    help="K of threshold and verify (default 8, the proposer's MARS block)")
+                    help="K of threshold and verify (default 8, the proposer's MARS block; "
+                         "lossless layouts are --layouts)")
     ap.add_argument("--taus", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAUS),
-                    help="threshold: comma-separated confidence thresholds (default 0.95,0.8,0.5)")
-    ap.add_argument("--lossless-blocks", default=",".join(
-        f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS),
-                    help="lossless: comma-separated K or KxG (group cap) settings (default %(default)s)")
+                    help="threshold: comma-separated values of --tau to sweep (default 0.95,0.8,0.5)")
+    ap.add_argument("--confidence", default="prob", choices=CONFIDENCE_KINDS,
+                    help="threshold: the statistic --taus bound, as in `prove-jax generate` (default prob)")
+    ap.add_argument("--layouts", default=None,
+                    help="lossless: comma-separated layouts to sweep, each K x G (--block-size K "
+                         "--groups G of `prove-jax generate`) or K alone for G=K, e.g. 6x2,4x2 "
+                         f"(default {DEFAULT_LAYOUTS})")
+    # the spelling before --layouts, kept for the commands recorded with committed results
+    ap.add_argument("--lossless-blocks", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                     help="lossless: also run adaptive (K<=8, the platform table) and calibrated "
                          "(K<=8, layout measured here per batch size) settings")
@@ -82,7 +90,7 @@ def parse_args(argv=None):
                     help="with --adaptive: also the calibrated setting (--no-calibrated skips it: "
                          "calibrating compiles every candidate layout, minutes at a real model's size)")
     ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
-                    help="verify/prob: comma-separated verifier probability thresholds (default 0.3,0.1); "
+                    help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
                          "top1 and (when the verifier has commit_head/) head always run")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="run the transformers peers (needs torch; default on)")
@@ -93,10 +101,10 @@ def parse_args(argv=None):
                     help="compute and parameter dtype of our modes (default float32; with bfloat16 "
                          "the agreement columns show how often rounding flips a near-tie between "
                          "a wide step and an AR step; needs --no-peers)")
-    ap.add_argument("--inflate", default=None, choices=sorted(PRESETS), metavar="PRESET",
+    ap.add_argument("--inflate", default=None, choices=list(PRESETS), metavar="PRESET",
                     help="run the proposer embedded in a larger preset shape with zero weights "
                          "(same outputs and tokens per forward, that shape's step cost; see "
-                         "prove_jax/models/inflate.py): one of " + ", ".join(sorted(PRESETS)))
+                         "prove_jax/models/inflate.py): one of " + ", ".join(PRESETS))
     ap.add_argument("--prefill-baseline", action="store_true",
                     help="also time ar with 1 new token per prompt (the prompts' prefill), "
                          "interleaved, and add a column: each mode's speedup without prefill")
@@ -122,6 +130,16 @@ def _float_list(text: str, what: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise bench_lib.BenchError(f"{what} must be comma-separated numbers, got {text!r}") from None
+
+
+def layouts_arg(args) -> tuple[str, tuple[tuple[int, int | None], ...]]:
+    """(the flag the user typed, its parsed lossless layouts)."""
+    if args.layouts is not None and args.lossless_blocks is not None:
+        raise bench_lib.BenchError("--lossless-blocks is the old spelling of --layouts: give one")
+    if args.lossless_blocks is not None:
+        return "--lossless-blocks", bench_lib.parse_layouts(args.lossless_blocks, "--lossless-blocks")
+    text = DEFAULT_LAYOUTS if args.layouts is None else args.layouts
+    return "--layouts", bench_lib.parse_layouts(text, "--layouts")
 
 
 def load_prompt_records(args) -> tuple[list[dict], str]:
@@ -268,7 +286,8 @@ def main(argv=None) -> int:
                 same = outputs.setdefault(os.path.realpath(path), flag)
                 if same != flag:  # the later report would replace the earlier one
                     raise bench_lib.BenchError(f"{same} and {flag} name the same file {path}")
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        modes = bench_lib.parse_choices(args.modes, bench_lib.ALL_MODES, "--modes")
+        layouts_flag, layouts = layouts_arg(args)
         if not args.peers:
             named = [m for m in modes if m in bench_lib.PEER_MODES]
             if named and args.modes != DEFAULT_MODES:  # asked for by name, not by the default
@@ -279,16 +298,21 @@ def main(argv=None) -> int:
         taus = _float_list(args.taus, "--taus")
         settings = bench_lib.sweep_settings(
             modes, have_head, args.block_size, torch_threads, taus=taus,
-            lossless=bench_lib.parse_lossless_blocks(args.lossless_blocks), adaptive=args.adaptive,
-            tau_vs=_float_list(args.tau_vs, "--tau-vs"), calibrated=args.calibrated)
+            lossless=layouts, adaptive=args.adaptive, tau_vs=_float_list(args.tau_vs, "--tau-vs"),
+            calibrated=args.calibrated, confidence=args.confidence)
         if args.repeats < 1:  # found before the models load, not after
             raise bench_lib.BenchError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.block_size < 1 and {"threshold", "verify"} & set(modes):
+            raise bench_lib.BenchError(f"--block-size must be >= 1, got {args.block_size}")
+        if any(s.mode == "verify" and s.options.tau_v < 0 for s in settings):
+            raise bench_lib.BenchError(f"--tau-vs are verifier probabilities: each must be >= 0, "
+                                       f"got {args.tau_vs!r}")
         if "threshold" in modes and not taus:
             raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
                                        "or drop the mode")
         if "lossless" in modes and not any(s.mode == "lossless" for s in settings):
-            raise bench_lib.BenchError("--lossless-blocks is empty and --no-adaptive is set but "
-                                       "lossless is in --modes: give a block or drop the mode")
+            raise bench_lib.BenchError(f"{layouts_flag} is empty and --no-adaptive is set but "
+                                       "lossless is in --modes: give a layout or drop the mode")
         peers_on = any(s.is_peer for s in settings)
         if peers_on and args.inflate:  # they would run the checkpoint on disk, not the inflated one
             raise bench_lib.BenchError(f"the transformers peers run the checkpoint as stored, not "

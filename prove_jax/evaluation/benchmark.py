@@ -1,7 +1,8 @@
 """Side-by-side decoding measurements: our modes and the transformers peers on one prompt set.
 
-Shared by `prove-jax demo` (four modes, batch 1, one pass) and `prove-jax benchmark` (sweeps, batch
-sizes, peers, repeats). Conventions, so that every ratio in a table means the same thing:
+Shared by `prove-jax demo` (AR and lossless, optionally the lossy modes, batch 1) and
+`prove-jax benchmark` (sweeps, batch sizes, peers, repeats). Conventions, so that every ratio in
+a table means the same thing:
 
 - **Outputs** are compared in one form: the new ids up to and including the first EOS (which
   is mapped to the model's first EOS id). Our engine keeps the EOS; transformers peers drop it,
@@ -109,8 +110,9 @@ def calibrated_setting(k_max: int = 8) -> Setting:
                    DecodeOptions("lossless", block_size=k_max, adaptive=True), calibrate=True)
 
 
-def threshold_setting(tau: float, k: int = 8) -> Setting:
-    return Setting("threshold", f"K={k},tau={tau:g}", DecodeOptions("threshold", block_size=k, tau=tau))
+def threshold_setting(tau: float, k: int = 8, confidence: str = "prob") -> Setting:
+    label = f"K={k},tau={tau:g}" + ("" if confidence == "prob" else f",{confidence}")
+    return Setting("threshold", label, DecodeOptions("threshold", block_size=k, tau=tau, confidence=confidence))
 
 
 def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5) -> Setting:
@@ -144,39 +146,52 @@ def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
-def parse_lossless_blocks(text: str) -> tuple[tuple[int, int | None], ...]:
-    """'2,4x2,6' -> ((2, None), (4, 2), (6, None)): K, or K x group cap."""
+def parse_layouts(text: str, flag: str = "--layouts") -> tuple[tuple[int, int | None], ...]:
+    """'6x2,4x2,3' -> ((6, 2), (4, 2), (3, None)): lossless layouts as K x G (mask groups), or K
+    alone for all K groups; a BenchError naming `flag` otherwise."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        k, _, g = item.partition("x")
+        k, _, g = item.lower().partition("x")
         try:
             k_i, g_i = int(k), (int(g) if g else None)
         except ValueError:
-            raise BenchError(f"lossless block spec {item!r}: use K or KxG, e.g. 4 or 6x3") from None
+            raise BenchError(f"{flag}: {item!r} is not a layout; write K x G as 6x2 (K tokens "
+                             f"proposed, G mask groups), or K alone, e.g. {flag} 6x2,4x2") from None
         if k_i < 2 or (g_i is not None and g_i < 1):
-            raise BenchError(f"lossless block spec {item!r}: K must be >= 2 and G >= 1")
+            raise BenchError(f"{flag}: {item!r}: K must be >= 2 and G >= 1")
         out.append((k_i, g_i))
     return tuple(out)
+
+
+def parse_choices(text: str, choices: Sequence[str], flag: str) -> list[str]:
+    """'ar,lossless' -> ['ar', 'lossless'], each one of `choices`; a BenchError naming `flag`."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in items if x not in choices]
+    if unknown:
+        raise BenchError(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
+    return items
 
 
 def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
                    torch_threads: Sequence[int] = (1,), taus: Sequence[float] = DEFAULT_TAUS,
                    lossless: Sequence[tuple[int, int | None]] = DEFAULT_LOSSLESS,
                    adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS,
-                   calibrated: bool = True) -> list[Setting]:
+                   calibrated: bool = True, confidence: str = "prob") -> list[Setting]:
     """The benchmark's sweep for the named modes (`ar` always comes first).
 
     `block_size` is the proposal length of `threshold` / `verify` (the proposer's MARS block);
-    `lossless` lists (K, group cap); each peer runs once per entry of `torch_threads`.
+    `taus` are thresholds of the `confidence` statistic; `lossless` lists (K, groups) layouts;
+    each peer runs once per entry of `torch_threads`.
     `adaptive` adds the platform table's adaptive setting and, with `calibrated`, the calibrated
     one (its measurements compile every candidate layout: minutes at a real model's size).
     """
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
-        raise BenchError(f"unknown mode(s) {unknown}; modes: {', '.join(ALL_MODES)}")
+        raise BenchError(f"--modes: unknown {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(ALL_MODES)}")
     out = [ar_setting()]
     if "threshold" in modes:
-        out += [threshold_setting(t, block_size) for t in taus]
+        out += [threshold_setting(t, block_size, confidence) for t in taus]
     if "lossless" in modes:
         out += [lossless_setting(k, g) for k, g in lossless]
         if adaptive:
@@ -213,6 +228,8 @@ class ModelPair:
     tokenizer: object | None
     eos_ids: list[int]
     pad_id: int
+    source_params: int | None = None
+    """The proposer's parameters before `inflate_to` (None when it runs as stored)."""
 
     def decoder(self, options: DecodeOptions) -> Decoder:
         return Decoder(self.proposer, self.eos_ids, options,
@@ -227,17 +244,23 @@ def has_commit_head(verifier_path: str | None) -> bool:
 
 
 def load_pair(model_path: str, verifier_path: str | None = None, dtype: str = "float32",
-              with_head: bool = False, inflate_to: str | None = None) -> ModelPair:
+              with_head: bool = False, inflate_to: str | None = None,
+              progress: Callable[[str], None] = log) -> ModelPair:
     """Load checkpoints once (bfloat16 storage is restored as `dtype`). `inflate_to`, a preset
     name: run the proposer embedded in that shape (`prove_jax.models.inflate`), same outputs."""
     from prove_jax.checkpoints.checkpoint import CheckpointError, load_model, load_tokenizer
     if not os.path.isdir(model_path):
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     proposer = load_model(model_path, dtype=dtype, param_dtype=dtype)
+    source_params = None
     if inflate_to is not None:
         from prove_jax.models.config import preset
         from prove_jax.models.inflate import inflate
-        proposer = inflate(proposer, preset(inflate_to))
+        shape = preset(inflate_to)
+        source_params = proposer.cfg.num_params
+        progress(f"  inflating the proposer ({source_params / 1e6:.1f}M parameters) to the "
+                 f"{inflate_to} shape ...")
+        proposer = inflate(proposer, shape)
     verifier = head = None
     if verifier_path is not None:
         if not os.path.isdir(verifier_path):
@@ -253,7 +276,7 @@ def load_pair(model_path: str, verifier_path: str | None = None, dtype: str = "f
     if not eos:
         raise BenchError(f"{model_path}: no EOS token id in the config or tokenizer")
     pad = proposer.cfg.pad_token_id if proposer.cfg.pad_token_id is not None else eos[0]
-    return ModelPair(model_path, verifier_path, proposer, verifier, head, tokenizer, eos, pad)
+    return ModelPair(model_path, verifier_path, proposer, verifier, head, tokenizer, eos, pad, source_params)
 
 
 # ---- output form and comparisons ----------------------------------------------------------------
