@@ -577,19 +577,20 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
                            for i, p in enumerate(_prompts())))
     out = tmp_path / "out.jsonl"
     r = _cli("--model", ckpt, "--mode", "lossless", "--input", str(inp), "--output", str(out),
-             "--max-new-tokens", "24", "--batch-size", "3")
+             "--max-new-tokens", "24", "--batch-size", "3", "--sort")
     assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"wrote 4 records to {out}"
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 24)
     assert [row["output_ids"] for row in rows] == ar.output_ids
     assert [row["id"] for row in rows] == ["r0", "r1", "r2", "r3"]
-    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    summary = json.loads(r.stderr.strip().splitlines()[-2])
     assert summary["generated_tokens"] == sum(len(o) for o in ar.output_ids)
 
     bad = tmp_path / "bad.jsonl"
     for case, expect in [
         (["--model", str(tmp_path / "missing")], "checkpoint not found"),
-        (["--model", ckpt, "--mode", "nope"], "unknown mode"),
+        (["--model", ckpt, "--mode", "nope"], "invalid choice: 'nope'"),
         (["--model", ckpt, "--batch-size", "0"], "batch size must be >= 1"),
         (["--model", ckpt, "--mode", "lossless", "--block-size", "0"], "block size must be >= 1"),
         (["--model", ckpt, "--mode", "lossless", "--block-size", "500"],
@@ -632,7 +633,7 @@ def test_one_bad_request_fails_alone(tmp_path, model, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     common = ["--model", ckpt, "--mode", "lossless", "--input", str(inp), "--output", str(out),
-              "--max-new-tokens", "24", "--batch-size", "2"]
+              "--max-new-tokens", "24", "--batch-size", "2", "--sort"]
     assert generate.main(common) == generate.SOME_REQUESTS_FAILED
     err = capsys.readouterr().err
     assert "error: 5 of 9 requests failed" in err and json.loads(err.splitlines()[-2])["failed"] == 5
@@ -680,8 +681,10 @@ def test_truncate_a_long_prompt_and_say_when_adaptive_chose_ar(tmp_path, capsys)
     assert "lower max_new_tokens to 4 or shorten the prompt" in error and "--truncate" in error
     ar = Decoder(short, [1], DecodeOptions("ar"))
     for side, cut in (("left", prompt[-56:]), ("right", prompt[:56])):
+        out.unlink()  # else the rerun finds the request done
         assert generate.main(common + ["--truncate", side]) == 0
         assert json.loads(out.read_text())["output_ids"] == ar.generate([cut], 8).output_ids[0]
     capsys.readouterr()
+    out.unlink()
     assert generate.main(common + ["--truncate", "left", "--mode", "lossless", "--adaptive"]) == 0
     assert "note: --adaptive chose plain AR for batch size 1 on this CPU" in capsys.readouterr().err

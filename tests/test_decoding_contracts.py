@@ -162,7 +162,7 @@ def test_cli_block_size_defaults_and_calibrate_decodes_adaptively(tmp_path, monk
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4]}) + "\n")
     base = ["--input", str(inp), "--output", str(tmp_path / "out.jsonl")]
-    for extra, want in [([], ("ar", 1, False)),
+    for extra, want in [([], ("lossless", 4, False)), (["--mode", "ar"], ("ar", 1, False)),
                         (["--mode", "threshold"], ("threshold", 8, False)),
                         (["--mode", "verify"], ("verify", 8, False)),
                         (["--mode", "lossless"], ("lossless", 4, False)),
@@ -178,24 +178,23 @@ def test_cli_block_size_defaults_and_calibrate_decodes_adaptively(tmp_path, monk
 
 # ---- output files ---------------------------------------------------------------------------
 
-def test_outputs_replace_the_file_atomically(tmp_path):
-    """A reader of the previous results keeps seeing that whole file: the new one is written
-    aside and renamed over it, never truncated and rewritten in place."""
+def test_the_results_file_keeps_whole_records_and_lets_a_rerun_skip_them(tmp_path):
+    """A killed job leaves whole lines and maybe one torn one: the rerun cuts the torn line off,
+    drops failed requests' records (they are tried again) and skips the rest; --sort rewrites
+    the file in input order; a line that is not a record, before the end, is refused."""
     out = tmp_path / "out.jsonl"
-    out.write_text("old results\n")
-
-    class Tok:
-        def decode(self, ids, skip_special_tokens):
-            return " ".join(map(str, ids))
-    with open(out) as reader:
-        results = [requests.RequestResult([4, 5], "length", {"generated_tokens": 2}),
-                   requests.RequestResult([], "stop", {"generated_tokens": 0})]
-        requests.write_outputs(str(out), [{"id": "a"}, {"id": 7}], results, Tok())
-        assert reader.read() == "old results\n"
-    assert [json.loads(x) for x in out.read_text().splitlines()] == [
-        {"id": "a", "output_ids": [4, 5], "text": "4 5", "finish_reason": "length", "stats": {"generated_tokens": 2}},
-        {"id": 7, "output_ids": [], "text": "", "finish_reason": "stop", "stats": {"generated_tokens": 0}}]
-    assert os.listdir(tmp_path) == ["out.jsonl"]  # no temporary file left behind
+    out.write_text(json.dumps({"id": "b", "output_ids": [1]}) + "\n" + json.dumps({"id": 7, "error": "x"})
+                   + "\n" + json.dumps({"id": "a", "output_ids": [2]}) + "\n" + '{"id": "c", "outp')
+    results = requests.ResultsFile(str(out))
+    assert set(results.done()) == {"a", "b"}
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["b", "a"]
+    results.write({"id": "c", "output_ids": [3]})
+    results.close()
+    results.sort(["a", 7, "b", "c"])
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]
+    out.write_text("not json\n" + json.dumps({"id": "a"}) + "\n")
+    with pytest.raises(DecodeError, match="not an output record"):
+        requests.ResultsFile(str(out)).done()
 
 
 def test_run_requests_stats_add_up_and_every_chunk_shares_one_program(model, ar, monkeypatch):

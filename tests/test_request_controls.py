@@ -123,7 +123,7 @@ def test_generate_cli_reads_sampling_fields_per_request(tmp_path, capsys):
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
     def run(batch, *extra):
-        out = tmp_path / f"out{batch}.jsonl"
+        out = tmp_path / f"out{batch}{len(extra)}.jsonl"
         code = generate.main(["--model", ckpt, "--mode", "lossless", "--input", str(inp), "--output", str(out),
                               "--max-new-tokens", "10", "--batch-size", str(batch), "--logprobs", "2", *extra])
         return code, {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}

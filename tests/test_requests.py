@@ -101,20 +101,24 @@ def test_a_missing_output_directory_is_made_and_nothing_is_left_in_it(tmp_path):
 
 
 def test_outputs_go_through_symlinks_and_into_fifos_and_devices(tmp_path):
-    """They went through a temporary file renamed over the path: a symlink became a regular
-    file (its target kept the old outputs), and /dev/null or a FIFO was replaced by one."""
-    from prove_jax.decoding.requests import RequestResult, check_output_path, write_outputs
-    args = ([{"id": "a"}], [RequestResult([4, 5], "length", {"generated_tokens": 2})], None)
+    """Records are appended through a symlink to its target (the link stays), and written into
+    a FIFO or /dev/null, which stay what they are."""
+    from prove_jax.decoding.requests import ResultsFile, check_output_path
+
+    def write_outputs(path):
+        out = ResultsFile(path)
+        out.write({"id": "a", "output_ids": [4, 5]})
+        out.close()
     target = tmp_path / "runs" / "out.jsonl"
     target.parent.mkdir()
-    target.write_text("old\n")
+    target.write_text(json.dumps({"id": "earlier"}) + "\n")
     link = tmp_path / "latest.jsonl"
     os.symlink(target, link)
     check_output_path(str(link), None)
-    write_outputs(str(link), *args)
+    write_outputs(str(link))
     assert os.path.islink(link) and os.readlink(link) == str(target)
-    assert [json.loads(x)["id"] for x in target.read_text().splitlines()] == ["a"]
-    assert sorted(os.listdir(target.parent)) == ["out.jsonl"]  # no temporary left
+    assert [json.loads(x)["id"] for x in target.read_text().splitlines()] == ["earlier", "a"]
+    assert sorted(os.listdir(target.parent)) == ["out.jsonl"]
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -122,13 +126,13 @@ def test_outputs_go_through_symlinks_and_into_fifos_and_devices(tmp_path):
     reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
     reader.start()
     check_output_path(str(fifo), None)
-    write_outputs(str(fifo), *args)
+    write_outputs(str(fifo))
     reader.join(timeout=10)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and json.loads(got[0])["output_ids"] == [4, 5]
 
     if os.path.exists("/dev/null") and stat.S_ISCHR(os.stat("/dev/null").st_mode):
         check_output_path("/dev/null", None)
-        write_outputs("/dev/null", *args)  # written into, not renamed over
+        write_outputs("/dev/null")  # written into, not renamed over
         assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 

@@ -59,8 +59,7 @@ def test_output_text_leaves_out_the_eos_the_ids_keep(tmp_path, demo_tok):
     body = demo_tok.encode("x = 1", add_special_tokens=False)
     out = tmp_path / "out.jsonl"
     result = requests.RequestResult(body + [eos], "stop", {"generated_tokens": len(body) + 1})
-    requests.write_outputs(str(out), [{"id": "a"}], [result], demo_tok)
-    [row] = [json.loads(x) for x in out.read_text().splitlines()]
+    row = requests.output_record("a", result, demo_tok)
     assert row["output_ids"] == body + [eos]
     assert row["text"] == "x = 1" and demo_tok.eos_token not in row["text"]
 

@@ -6,8 +6,12 @@ and stop_token_ids, which override the flags of those names for that request.
 Output records: {"id", "output_ids", "text", "finish_reason", "stats"} ("text" when the
 checkpoint has a tokenizer; "stop" when a stop string ended it; "logprobs" with --logprobs), or
 {"id", "error"} for a request that could not be decoded (the others still run; exit status 3;
---strict stops at the first); a one-line summary goes to stderr. --output is written atomically
-(through a symlink, its target); a device, FIFO or /dev/stdout is written into.
+--strict stops at the first); a one-line summary goes to stderr. Each record is appended to
+--output, a whole line, as its request finishes: a killed job loses only the requests in flight,
+and the same command run again skips the ids already there (--sort puts the file in input
+order at the end). A device, FIFO or /dev/stdout is written into.
+`--prompt TEXT` decodes one prompt and prints the completion as it is committed (--show-blocks
+marks each committed block).
 
 Decoding is greedy by default (--temperature 0). With --temperature > 0, ar and lossless draw
 from exactly AR sampling's distribution (lossless by speculative sampling); threshold and
@@ -22,11 +26,14 @@ alone prints progress and writes --output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import time
 
 import jax
+import numpy as np
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import assets, distributed
@@ -37,11 +44,14 @@ from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODE
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
-from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, check_output_path, encode_prompts,
-                                         read_requests, request_params, run_requests, write_outputs)
+from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, RequestStream, ResultsFile,
+                                         check_output_path, encode_prompts, error_record, output_record,
+                                         read_requests, request_params)
 from prove_jax.decoding.sampling import SamplingParams
 
 SOME_REQUESTS_FAILED = 3  # exit status when the job ran but some requests carry an error
+BLOCK_COLOURS = ("\x1b[1;32m", "\x1b[1;35m")  # --show-blocks on a terminal: alternating per block
+RESET = "\x1b[0m"
 
 
 def parse_args(argv=None):
@@ -51,11 +61,24 @@ def parse_args(argv=None):
                     help="proposer checkpoint dir (default: the shipped demo proposer)")
     ap.add_argument("--verifier", default=None,
                     help="verifier checkpoint dir for --mode verify (default: the shipped demo verifier)")
-    ap.add_argument("--mode", default="ar", choices=None, help=f"one of {', '.join(MODES)} (default ar)")
-    ap.add_argument("--input", required=True, help="JSONL of {id, prompt} or {id, prompt_ids}")
-    ap.add_argument("--output", required=True,
-                    help="JSONL to write (atomically) with output_ids, stats and, when the checkpoint "
-                         "has a tokenizer, text; /dev/stdout, a FIFO or a device is written into")
+    ap.add_argument("--mode", default="lossless", choices=MODES,
+                    help="lossless (default: output identical to greedy AR, faster where a step is bound "
+                         "by weight reads), ar, threshold or verify")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="JSONL of {id, prompt} or {id, prompt_ids}")
+    src.add_argument("--prompt", help="one text prompt: its completion is printed as it is committed")
+    ap.add_argument("--output", default=None,
+                    help="JSONL that gets each request's record as it finishes (output_ids, stats and, "
+                         "with a tokenizer, text); rerunning the same command skips the ids already "
+                         "there. /dev/stdout, a FIFO or a device is written into")
+    ap.add_argument("--sort", action="store_true", help="rewrite --output in input order at the end")
+    ap.add_argument("--show-blocks", action="store_true",
+                    help="--prompt: mark each committed block (colours on a terminal, [...] otherwise)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar or status lines on stderr")
+    ap.add_argument("--chunk-steps", type=int, default=16,
+                    help="decode steps per device call between which the host writes results and "
+                         "admits requests (default 16)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
     sample = ap.add_argument_group("sampling and stopping (a request's own fields of these names override them)")
     sample.add_argument("--temperature", type=float, default=0.0,
@@ -100,8 +123,8 @@ def parse_args(argv=None):
                          "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
                          "is <= tau nats (entropy); default " +
                          ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
-    ap.add_argument("--confidence", default=None, help=f"threshold: {', '.join(CONFIDENCE_KINDS)} (default prob)")
-    ap.add_argument("--commit-rule", default=None, help=f"verify: {', '.join(COMMIT_RULES)} (default top1)")
+    ap.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS, help="threshold: the confidence statistic (default prob)")
+    ap.add_argument("--commit-rule", default=None, choices=COMMIT_RULES, help="verify: how the verifier accepts drafts (default top1)")
     ap.add_argument("--tau-v", type=float, default=None,
                     help="verify/prob: verifier probability to commit (default 0.5)")
     ap.add_argument("--head-threshold", type=float, default=None,
@@ -125,7 +148,14 @@ def parse_args(argv=None):
                     help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: all devices on data; "
                          "multi-host: every host's devices)")
     distributed.add_arguments(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.input is not None and args.output is None:
+        ap.error("--input needs --output (the file that gets the records)")
+    if args.sort and args.output is None:
+        ap.error("--sort applies with --output")
+    if args.chunk_steps < 1:
+        ap.error(f"--chunk-steps must be >= 1, got {args.chunk_steps}")
+    return args
 
 
 # Options that only some modes read (and, for verify's, only some commit rules): given to any
@@ -212,18 +242,30 @@ def main(argv=None) -> int:
                               "would choose its own layout and their programs would differ; "
                               "give --block-size/--groups (or --adaptive) instead")
         main_process = distributed.is_main_process()
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if main_process and args.progress else \
+            (lambda msg: None)
         if args.mode == "lossless" and args.dtype != "float32" and main_process:
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "
                   f"(benchmarks/decode_bf16.md)", file=sys.stderr)
         # before any model loads; only the process that writes the outputs probes their directory
-        check_output_path(args.output, args.input, probe=main_process)
+        if args.output is not None:
+            check_output_path(args.output, args.input, probe=main_process)
         for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
             if path is not None and not os.path.isdir(path):
                 raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
                                   else f"{flag[2:]} checkpoint not found: {path}")
-        records = read_requests(args.input, strict=args.strict)
+        records = ([{"id": 0, "prompt": args.prompt}] if args.prompt is not None
+                   else read_requests(args.input, strict=args.strict))
         params = params_of_records(records, defaults, args.seed, args.strict)
+        out = ResultsFile(args.output) if args.output is not None else None
+        finished = out.done() if out is not None and main_process else {}
+        if finished and main_process:  # said even with --no-progress: it changes what runs
+            unknown = len(set(finished) - {r["id"] for r in records})
+            print(f"resuming: {len(finished) - unknown} of {len(records)} requests are already in "
+                  f"{args.output}; decoding the rest, failed ones again (delete it to start over)"
+                  + (f"; it also holds {unknown} id(s) not in {args.input}" if unknown else ""), file=sys.stderr)
+        finished = _agreed_finished(finished, records)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
                   "so it changes nothing", file=sys.stderr)
@@ -231,7 +273,11 @@ def main(argv=None) -> int:
         # template fails in a second, not after loading the model
         tokenizer = load_tokenizer(args.model)  # None: the checkpoint has none
         prompts = encode_prompts(records, tokenizer, chat=args.chat, strict=args.strict)
+        if tokenizer is None and any(p is not None and p.stop for p in params):
+            raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
+                              "use stop_token_ids")
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
+        say(f"loading {args.model} ...")
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
                                    mesh_shape=args.mesh, tokenizer=tokenizer)
         budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
@@ -243,42 +289,153 @@ def main(argv=None) -> int:
                 problem = None if prompt is None else decoder.prompt_problem(prompt, budget)
                 if problem is not None:
                     rec[ERROR_KEY] = f"the prompt {problem}"
-        if tokenizer is None and any(p is not None and p.stop for p in params):
-            raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
-                              "use stop_token_ids")
-        live = [i for i, rec in enumerate(records) if ERROR_KEY not in rec]
-        live_prompts = [prompts[i] for i in live]
-        live_ids = [records[i]["id"] for i in live]
-        results = [None] * len(records)
-        summary = {"mode": args.mode}
+        failed = [rec for rec in records if ERROR_KEY in rec]
+        if out is not None and main_process:
+            for rec in failed:
+                if rec["id"] not in finished:
+                    out.write(error_record(rec))
+        live = [i for i, rec in enumerate(records) if ERROR_KEY not in rec and rec["id"] not in finished]
+        summary = {"mode": args.mode, "requests": 0}
         if live:
+            live_prompts = [prompts[i] for i in live]
             if args.calibrate:
-                decoder.check_prompts(live_prompts, [budgets[i] for i in live], names=live_ids)
+                decoder.check_prompts(live_prompts, [budgets[i] for i in live], names=[records[i]["id"] for i in live])
                 calibrate_decoder(decoder, live_prompts, args.batch_size, args.max_new_tokens,
-                                  log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                  num_requests=min(len(live), QUEUE_BATCHES * args.batch_size))
-            live_results, summary = run_requests(
-                decoder, live_prompts, args.max_new_tokens, args.batch_size, ids=live_ids,
-                progress=main_process, params=[params[i] for i in live], tokenizer=tokenizer)
-            for i, result in zip(live, live_results):
-                results[i] = result
-        failed = len(records) - len(live)
-        summary.update(requests=len(records), failed=failed)
-        if main_process:
-            write_outputs(args.output, records, results, tokenizer)
+                                  log=say, num_requests=min(len(live), QUEUE_BATCHES * args.batch_size))
+            decoder.check_prompts(live_prompts, [budgets[i] for i in live], names=[records[i]["id"] for i in live])
+            if args.prompt is not None and args.show_blocks:
+                decoder = decoder.with_options(dataclasses.replace(decoder.options, record_steps=True))
+            job = RequestStream(decoder, live_prompts, args.max_new_tokens, args.batch_size,
+                                params=[params[i] for i in live], tokenizer=tokenizer,
+                                chunk_steps=1 if args.prompt is not None else args.chunk_steps, log=say)
+            if args.prompt is not None:
+                summary = _stream_to_terminal(job, tokenizer, args.show_blocks and sys.stdout.isatty(),
+                                              args.show_blocks)
+            else:
+                summary = _run_job(job, [records[i] for i in live], out if main_process else None,
+                                   tokenizer, progress=main_process and args.progress, total=len(records),
+                                   already=len(finished))
+        if out is not None and main_process:
+            out.close()
+            if args.sort:
+                out.sort([r["id"] for r in records])
+        failed_ids = {r["id"] for r in failed}  # an earlier run's failures were tried again
+        summary.update(requests=len(records), failed=len(failed_ids))
+    except KeyboardInterrupt:
+        if args.output is not None:
+            print(f"interrupted: the finished requests are in {args.output}; rerun the same command "
+                  f"to continue", file=sys.stderr)
+        raise
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
         print(f"error: {e}", file=sys.stderr)
         return 2
     if main_process:
-        print(json.dumps(summary), file=sys.stderr)
+        if args.prompt is not None and summary.get("proposer_forwards"):
+            print(f"({summary['generated_tokens']} tokens in {summary['proposer_forwards']} forwards: "
+                  f"{summary['tokens_per_forward']:.2f} tokens/forward, {summary['tokens_per_second']:.0f} "
+                  f"tok/s, {summary['setting']})", file=sys.stderr)
+        else:
+            print(json.dumps(summary), file=sys.stderr)
         if args.adaptive and not args.calibrate and summary.get("setting") == "ar":
             print(f"note: --adaptive chose plain AR for batch size {args.batch_size} on this "
                   f"{jax.default_backend().upper()}: its table expects no lossless layout to beat AR "
                   f"here (--calibrate measures instead)", file=sys.stderr)
-        if failed:
-            print(f"error: {failed} of {len(records)} requests failed; their records in "
+        if failed_ids:
+            print(f"error: {len(failed_ids)} of {len(records)} requests failed; their records in "
                   f"{args.output} carry '{ERROR_KEY}' (--strict stops at the first)", file=sys.stderr)
-    return SOME_REQUESTS_FAILED if failed else 0
+        elif args.output is not None:
+            print(f"wrote {len(records)} records to {args.output}", file=sys.stderr)
+    return SOME_REQUESTS_FAILED if failed_ids else 0
+
+
+def _agreed_finished(finished: dict, records) -> dict:
+    """The ids already done, as process 0 read them, on every process (they skip the same)."""
+    if jax.process_count() == 1:
+        return finished
+    from jax.experimental import multihost_utils
+    done = np.asarray([r["id"] in finished for r in records], np.int32)
+    done = np.asarray(multihost_utils.broadcast_one_to_all(done))
+    return {r["id"]: {} for r, d in zip(records, done) if d}
+
+
+def _run_job(job: RequestStream, records, out: ResultsFile | None, tokenizer, progress: bool,
+             total: int, already: int) -> dict:
+    """Decode a file's requests, writing each record as it finishes; a progress bar on stderr."""
+    bar = Progress(total=total, initial=already, enabled=progress)
+    results = []
+    for event, result in job:
+        bar.tokens(len(event.new_ids))
+        if result is None:
+            continue
+        results.append(result)
+        if out is not None:
+            out.write(output_record(records[event.index]["id"], result, tokenizer))
+        bar.finished(result.stats["proposer_forwards"])
+    bar.close()
+    return job.summary(results)
+
+
+def _stream_to_terminal(job: RequestStream, tokenizer, colour: bool, marks: bool) -> dict:
+    """Print one request's completion as its blocks are committed (alternately coloured, or in
+    [...], with --show-blocks)."""
+    ids, shown, block_index, result = [], "", 0, None
+    for event, result in job:
+        for n in event.blocks or [len(event.new_ids)]:
+            block = event.new_ids[:n]
+            event.new_ids = event.new_ids[n:]
+            ids += block
+            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
+            stops = job.stops.get(0)
+            if stops is not None and stops.stopped:
+                text = stops.text
+            piece, shown = text[len(shown):], text
+            if marks and piece:
+                piece = (f"{BLOCK_COLOURS[block_index % 2]}{piece}{RESET}" if colour else f"[{piece}]")
+                block_index += 1
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            if stops is not None and stops.stopped:
+                break
+    sys.stdout.write("\n")
+    return job.summary([result] if result is not None else [])
+
+
+class Progress:
+    """Requests done / total, generated tokens per second, tokens per forward and ETA: a tqdm
+    bar on a terminal, a plain line every PLAIN_EVERY seconds otherwise; nothing when off."""
+    PLAIN_EVERY = 10.0
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.done, self.enabled = total, initial, enabled
+        self.generated = self.forwards = 0
+        self.start = self.last_line = time.perf_counter()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc="generate", unit="req", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def tokens(self, n: int) -> None:
+        self.generated += n
+
+    def finished(self, forwards: int) -> None:
+        self.done += 1
+        self.forwards += forwards
+        if not self.enabled:
+            return
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        per_forward = self.generated / self.forwards if self.forwards else 0.0
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.generated / elapsed:.0f} tok/s, {per_forward:.2f} tok/fwd", refresh=False)
+            self.bar.update(1)
+        elif time.perf_counter() - self.last_line >= self.PLAIN_EVERY or self.done == self.total:
+            self.last_line = time.perf_counter()
+            print(f"[{self.done}/{self.total} requests] {self.generated / elapsed:.0f} tok/s, "
+                  f"{per_forward:.2f} tok/fwd", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 if __name__ == "__main__":

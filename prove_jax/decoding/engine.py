@@ -128,6 +128,7 @@ class Decoder:
         self.mesh = mesh
         self.pad_id = pad_id
         self._compiled: dict = {}  # (ProgramSettings, queue size, prompt width) -> (compiled, seconds)
+        self._stream_compiled: dict = {}  # the programs of `stream` (stream.DecodeStream._compiled)
 
     @property
     def trace_count(self) -> int:
@@ -141,7 +142,7 @@ class Decoder:
         check_step_width(options, self.max_buffer)
         other = copy.copy(self)
         other.options = options
-        other._compiled = {}
+        other._compiled, other._stream_compiled = {}, {}
         return other
 
     # ---- shapes -----------------------------------------------------------------------------
@@ -265,9 +266,7 @@ class Decoder:
         requests = self._request_arrays(prompts, budgets, params, seeds, num_requests, width)
         args = [self.state, self.verifier_state, self.head_state, requests]
         if self.mesh is not None:
-            batch_sharding = jax.sharding.NamedSharding(
-                self.mesh, jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)))
-            args[3] = jax.device_put(args[3], batch_sharding)
+            args[3] = jax.device_put(args[3], self._batch_sharding())
         settings = dataclasses.replace(self.program_settings(options, rows, num_slots),
                                        sampler=Sampler.for_requests(params))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
@@ -297,6 +296,46 @@ class Decoder:
                            accept_hist=out.accept_hist[:n], seconds=seconds, compile_seconds=compile_seconds,
                            options=options, step_commits=step_commits, loop_steps=int(loop_steps),
                            finish_reasons=finish, logprobs=logprobs, seeds=seeds)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None,
+               params: SamplingParams | Sequence[SamplingParams] | None = None, seed: int = 0,
+               chunk_steps: int = 16, log=None) -> "DecodeStream":
+        """Decode `prompts` with `batch_size` rows (default 1), yielding as it goes.
+
+        `for event in decoder.stream(...)`: each `StreamEvent` holds a request's newly committed
+        tokens and, when it finished, its `RequestOutput`. The host runs up to `chunk_steps`
+        compiled steps at a time and admits waiting requests into free rows between chunks,
+        prefilled together (stream.py). `params` and `seed` are as in `generate`; `log` gets a
+        line before each compile.
+        """
+        if max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if batch_size is not None and batch_size < 1:
+            raise DecodeError(f"batch size must be >= 1, got {batch_size}")
+        if chunk_steps < 1:
+            raise DecodeError(f"chunk steps must be >= 1, got {chunk_steps}")
+        from prove_jax.decoding.stream import DecodeStream
+        n = len(prompts)
+        params = _per_request(params, n)
+        budgets = [p.max_new_tokens or max_new_tokens for p in params]
+        self.check_prompts(prompts, budgets)
+        rows = self.rows(batch_size or 1, n)
+        options = adapt_for_batch(self.options, rows, table=self.adaptive_table)
+        width = _round_up(max(len(x) for x in prompts), 16)
+        seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
+        # one request more, with no budget: what a row with no request holds
+        requests = self._request_arrays(list(prompts) + [[self.pad_id]], budgets + [0],
+                                        params + [GREEDY], seeds + [0], n + 1, width)
+        settings = dataclasses.replace(self.program_settings(options, rows, self.buffer_len(width, max(budgets))),
+                                       sampler=Sampler.for_requests(params))
+        return DecodeStream(self, requests, seeds, settings, chunk_steps, log)
+
+    def _batch_sharding(self):
+        """Requests and rows split over the mesh's batch axes; None without a mesh."""
+        if self.mesh is None:
+            return None
+        return jax.sharding.NamedSharding(
+            self.mesh, jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)))
 
     def _request_arrays(self, prompts, budgets, params, seeds, num_requests: int, width: int) -> Requests:
         """The queue as host arrays; padding requests get no budget, so they are never decoded."""

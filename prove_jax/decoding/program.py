@@ -177,3 +177,55 @@ def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSet
     head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
     state, queue_state = decode_loop(model, verifier, head, requests, settings)
     return queue_state, state.step
+
+
+# ---- the host-driven loop (Decoder.stream) -------------------------------------------------
+# The host keeps the queue: between chunks of decode steps it reads which rows finished, hands
+# their results out, and admits waiting requests into the free rows in one batched prefill.
+
+def put_rows(state: LoopState, rows_state: LoopState, rows: jax.Array) -> LoopState:
+    """`state` with batch rows `rows` [R] replaced by `rows_state` (R rows); an index past the
+    batch is dropped. The scalars (the loop counter) are the batch's and stay."""
+    return jax.tree.map(lambda full, part: full if full.ndim == 0 else full.at[rows].set(part, mode="drop"),
+                        state, rows_state)
+
+
+def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, verifier_params,
+               state: LoopState, requests: Requests, rows: jax.Array) -> LoopState:
+    """Prefill `requests` (R of them, together) and write them into batch rows `rows` [R]."""
+    model = nnx.merge(graphdef, params)
+    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
+    return put_rows(state, start_rows(model, verifier, requests, settings), rows)
+
+
+def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings, params,
+              verifier_params, head_params, state: LoopState, max_steps: jax.Array,
+              stop_when_free: jax.Array, finish: jax.Array) -> LoopState:
+    """Up to `max_steps` decode steps of every active row; ends early when all rows are done,
+    or, with `stop_when_free` (requests are waiting), as soon as a row is. Rows marked in
+    `finish` [B] (the host cancelled them: a stop string) are done before the first step."""
+    state = state.replace(done=state.done | finish)
+    model = nnx.merge(graphdef, params)
+    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
+    head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
+
+    def more(carry):
+        state, n = carry
+        free = jnp.any(state.done)
+        return (n < max_steps) & ~jnp.all(state.done) & ~(stop_when_free & free)
+
+    def body(carry):
+        state, n = carry
+        state = decode_step(settings.options, model, state, mask_id=settings.mask_id, verifier=verifier,
+                            head=head, sampler=settings.sampler)
+        return state.replace(step=state.step + 1), n + 1
+
+    return jax.lax.while_loop(more, body, (state, jnp.int32(0)))[0]
+
+
+def start_batch(graphdef, verifier_graphdef, settings: ProgramSettings, params, verifier_params,
+                requests: Requests) -> LoopState:
+    """The loop state of rows serving `requests` (a row with no budget starts done)."""
+    model = nnx.merge(graphdef, params)
+    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
+    return start_rows(model, verifier, requests, settings)

@@ -15,6 +15,7 @@ from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.sampling import GREEDY, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
+from prove_jax.decoding.stream import RequestOutput, StreamEvent
 from prove_jax.data.jsonl import read_jsonl
 
 
@@ -154,14 +155,17 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
 
 
 def request_stats(result: BatchResult, i: int) -> dict:
-    n_out = len(result.output_ids[i])
-    fwd = int(result.forwards[i])
+    return _stats(len(result.output_ids[i]), int(result.forwards[i]), int(result.verifier_forwards[i]),
+                  result.accept_hist[i].tolist())
+
+
+def _stats(n_out: int, forwards: int, verifier_forwards: int, accept_hist: list[int]) -> dict:
     return {
         "generated_tokens": n_out,
-        "proposer_forwards": fwd,
-        "verifier_forwards": int(result.verifier_forwards[i]),
-        "tokens_per_forward": n_out / fwd if fwd else 0.0,
-        "accept_hist": result.accept_hist[i].tolist(),
+        "proposer_forwards": forwards,
+        "verifier_forwards": verifier_forwards,
+        "tokens_per_forward": n_out / forwards if forwards else 0.0,
+        "accept_hist": accept_hist,
     }
 
 
@@ -199,6 +203,60 @@ def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> Re
                                        logprobs=None if result.logprobs is None else result.logprobs[:kept])
         start += n
     return result
+
+
+class RequestStream:
+    """Decode requests through `Decoder.stream`: iterate for (StreamEvent, RequestResult or
+    None until that request finished). Stop strings are looked for as each block arrives; at
+    the first, the request's row is finished at once (no more steps for it) and its result cut."""
+
+    def __init__(self, decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 batch_size: int, params: Sequence[SamplingParams] | None = None, tokenizer=None,
+                 chunk_steps: int = 16, log=None):
+        self.params = list(params) if params is not None else [GREEDY] * len(prompts)
+        if tokenizer is None and any(p.stop for p in self.params):
+            raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
+                              "use stop_token_ids")
+        self.stops = {i: StopStrings(tokenizer, p.stop) for i, p in enumerate(self.params) if p.stop}
+        self.stream = decoder.stream(prompts, max_new_tokens, batch_size=batch_size, params=self.params,
+                                     chunk_steps=chunk_steps, log=log)
+
+    def __iter__(self):
+        for event in self.stream:
+            stops = self.stops.get(event.index)
+            if stops is not None and not stops.stopped:
+                start = 0
+                for n in event.blocks or [len(event.new_ids)]:
+                    if stops.feed(event.new_ids[start: start + n]):
+                        self.stream.cancel(event.index)
+                        break
+                    start += n
+            yield event, None if event.output is None else self._result(event.index, event.output)
+
+    def _result(self, index: int, out: RequestOutput) -> RequestResult:
+        result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason,
+                               stats=_stats(len(out.output_ids), out.forwards, out.verifier_forwards,
+                                            out.accept_hist), logprobs=out.logprobs)
+        stops = self.stops.get(index)
+        if stops is None or not stops.stopped:
+            return result
+        kept = len(stops.ids)
+        return dataclasses.replace(result, output_ids=out.output_ids[:kept], finish_reason="stop",
+                                   text=stops.text, stop=stops.stopped_by,
+                                   logprobs=None if out.logprobs is None else out.logprobs[:kept])
+
+    def summary(self, results: Sequence[RequestResult]) -> dict:
+        """Throughput and counts of `results` (this stream's finished requests)."""
+        stats = [r.stats for r in results]
+        total = sum(s["generated_tokens"] for s in stats)
+        fwd = sum(s["proposer_forwards"] for s in stats)
+        seconds = self.stream.seconds
+        return {"mode": self.stream.options.mode, "setting": describe_options(self.stream.options),
+                "requests": len(results), "generated_tokens": total, "decode_seconds": seconds,
+                "compile_seconds": self.stream.compile_seconds,
+                "tokens_per_second": total / seconds if seconds else 0.0,
+                "tokens_per_forward": total / fwd if fwd else 0.0, "proposer_forwards": fwd,
+                "verifier_forwards": sum(s["verifier_forwards"] for s in stats)}
 
 
 QUEUE_BATCHES = 16  # requests per generate call = this many batches (progress + bounded buffers)
@@ -328,16 +386,75 @@ def _logprob_entry(token: int, logprob: float, top, tokenizer) -> dict:
     return named(token, logprob) | {"top_logprobs": [named(t, lp) for t, lp in top]}
 
 
-def write_outputs(path: str, records: Sequence[dict], results: Sequence[RequestResult | None], tokenizer) -> None:
-    """One JSON line per request (`output_record`), or id and ERROR_KEY for a request that was
-    not decoded (its result is None).
+class ResultsFile:
+    """--output filled as requests finish: one whole JSON line each, flushed, so a killed job
+    leaves every finished request on disk. `done()` reads what an earlier run of the job wrote
+    (a line torn by the kill is cut off) so that a rerun skips those ids. A stream (/dev/stdout,
+    a FIFO) is written into, without resuming."""
 
-    A regular file is written atomically (temporary sibling + rename); through a symlink, its
-    target is (the link stays). A device, FIFO or /dev/stdout is written into instead."""
-    lines = []
-    for rec, result in zip(records, results):
-        if result is None:
-            lines.append(json.dumps({"id": rec["id"], ERROR_KEY: rec[ERROR_KEY]}))
-        else:
-            lines.append(json.dumps(output_record(rec["id"], result, tokenizer)))
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    def __init__(self, path: str):
+        self.path = path
+        self.stream = is_stream(path)
+        self._file = None
+
+    def done(self) -> dict:
+        """{id: record} of the requests already decoded in the file; cuts off a torn last line
+        and drops the records of requests that failed (a rerun tries them again)."""
+        records = self._read()
+        failed = [k for k, rec in records.items() if ERROR_KEY in rec]
+        if failed:
+            for k in failed:
+                del records[k]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records.values()))
+        return records
+
+    def _read(self) -> dict:
+        """{id: record} of every record in the file; cuts off a line torn by a kill."""
+        if self.stream or not os.path.isfile(self.path):
+            return {}
+        with open(self.path, "rb") as f:
+            data = f.read()
+        records, good = {}, 0
+        for line in data.splitlines(keepends=True):
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("torn")
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or "id" not in rec:
+                    raise ValueError("not a record")
+            except ValueError:
+                if good + len(line) < len(data):
+                    raise DecodeError(f"--output {self.path} holds a line that is not an output record "
+                                      f"(byte {good}); give a new output file, or delete this one") from None
+                break
+            records[rec["id"]] = rec
+            good += len(line)
+        if good < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+        return records
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            if not self.stream:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
+            self._file = open(self.path, "a" if not self.stream else "w", encoding="utf-8")
+        self._file.write(json.dumps(record) + "\n")  # one write of a whole line
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def sort(self, ids: Sequence) -> None:
+        """Rewrite the file (atomically) with its records in the order of `ids`."""
+        if self.stream:
+            return
+        records = self._read()
+        lines = [json.dumps(records[i]) for i in ids if i in records]
+        atomic_write_text(self.path, "\n".join(lines) + "\n" if lines else "")
+
+
+def error_record(rec: dict) -> dict:
+    return {"id": rec["id"], ERROR_KEY: rec[ERROR_KEY]}

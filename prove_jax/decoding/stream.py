@@ -1,0 +1,217 @@
+"""The host-driven decode loop: `Decoder.stream` yields each request's tokens as they are
+committed and its result as soon as it finishes.
+
+Three compiled programs serve a stream (program.py): `start_batch` fills the rows, `run_chunk`
+runs up to `chunk_steps` decode steps inside `jax.lax.while_loop` (the state is donated, so the
+caches are updated in place between calls), and `admit_rows` prefills the waiting requests
+admitted together into the free rows, in one batched forward (compiled for a power-of-two
+number of rows per data shard). Between chunks the host reads the rows' lengths, yields the new tokens, and
+refills the rows that finished. A chunk ends early when a row finishes while requests wait, so
+a row is never left idle for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+
+from prove_jax import memory
+from prove_jax.decoding import program
+from prove_jax.decoding.options import DecodeError, DecodeOptions
+from prove_jax.decoding.program import ProgramSettings
+from prove_jax.decoding.queue import Requests
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One finished request."""
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    forwards: int  # proposer forwards while it was decoding
+    verifier_forwards: int
+    accept_hist: list[int]
+    seed: int
+    step_commits: list[int] | None = None  # with options.record_steps: tokens per forward
+    # with options.logprobs: per token (logprob, [(id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """Request `index` committed `new_ids` (in `blocks`, tokens per forward, with
+    options.record_steps); `output` is set when it finished with this event."""
+    index: int
+    new_ids: list[int]
+    blocks: list[int] | None = None
+    output: RequestOutput | None = None
+
+
+def _to_host(x) -> np.ndarray:
+    """A (possibly sharded) array's value on this host; on several hosts every process gets all."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _buckets(rows: int, shards: int = 1) -> list[int]:
+    """Admission sizes compiled: `shards` (the batch's data shards) times powers of two below
+    `rows`, and `rows`."""
+    sizes, b = [], shards
+    while b < rows:
+        sizes.append(b)
+        b *= 2
+    return sizes + [rows]
+
+
+class DecodeStream:
+    """Iterate it for `StreamEvent`s; afterwards `seconds` (decode), `compile_seconds`, `chunks`
+    and `options` (what ran) describe the run. Made by `Decoder.stream`."""
+
+    def __init__(self, decoder, requests: Requests, seeds: list[int], settings: ProgramSettings,
+                 chunk_steps: int, log: Callable[[str], None] | None = None):
+        self.decoder = decoder
+        self.requests = requests  # host arrays, one dummy request (no budget) appended
+        self.seeds = seeds
+        self.settings = settings
+        self.options: DecodeOptions = settings.options
+        self.chunk_steps = chunk_steps
+        self.log = log or (lambda msg: None)
+        self.seconds = 0.0
+        self.compile_seconds = 0.0
+        self.chunks = 0
+        self._cancelled: set[int] = set()
+        self._state_sharding = None
+
+    def cancel(self, index: int) -> None:
+        """Finish request `index` now: its next event carries its output as far as it got (its
+        row stops before the next chunk's first step)."""
+        self._cancelled.add(index)
+
+    # ---- compiled programs ------------------------------------------------------------------
+
+    def _compiled(self, name: str, size: int, fn, args, donate: tuple[int, ...] = ()):
+        """The program `name` for `size` requests at once (its other shapes follow settings)."""
+        dec = self.decoder
+        key = (name, size, self.settings, self.requests.prompts.shape[1], self.requests.stop_ids.shape[1])
+        if key not in dec._stream_compiled:
+            what = {"start": "the first rows' prefill", "chunk": "the decode step",
+                    "admit": f"the prefill of {size} admitted request(s)"}[name]
+            self.log(f"compiling {what} ...")
+            start = time.perf_counter()
+            # with a mesh every program returns the state split over the batch axes, as it takes it
+            kw = {} if self._state_sharding is None else {"out_shardings": self._state_sharding}
+            compiled = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
+            if name == "chunk":
+                memory.check_fits(compiled, memory.local_devices(dec.mesh),
+                                  f"decoding {self.settings.num_rows} rows x {self.settings.num_slots} cache "
+                                  f"slots (KV caches and loop state, beyond the weights)", error=DecodeError,
+                                  advice="lower --batch-size or --max-new-tokens, or shard the batch over "
+                                         "more devices")
+            dec._stream_compiled[key] = compiled
+            self.compile_seconds += time.perf_counter() - start
+        return dec._stream_compiled[key]
+
+    def _run(self, name: str, size: int, fn, *args, donate: tuple[int, ...] = ()):
+        return self._compiled(name, size, fn, args, donate)(*args)
+
+    def _programs(self):
+        dec, s = self.decoder, self.settings
+        bound = (dec.graphdef, dec.verifier_graphdef)
+        start = functools.partial(program.start_batch, *bound, s)
+        admit = functools.partial(program.admit_rows, *bound, s)
+        chunk = functools.partial(program.run_chunk, *bound, dec.head_graphdef, s)
+        return start, admit, chunk
+
+    def _take(self, indices: list[int]) -> Requests:
+        sharding = self.decoder._batch_sharding()
+        part = jax.tree.map(lambda x: x[np.asarray(indices)], self.requests)
+        return part if sharding is None else jax.device_put(part, sharding)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        dec, s = self.decoder, self.settings
+        rows = s.num_rows
+        num = len(self.seeds)
+        dummy = num  # the appended request with no budget: a row with it starts done
+        start_fn, admit_fn, chunk_fn = self._programs()
+        params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
+        waiting = list(range(num))[::-1]  # popped from the end: in order
+        serving = [waiting.pop() if waiting else -1 for _ in range(rows)]
+        record = self.options.record_steps
+        with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
+            first = self._take([i if i >= 0 else dummy for i in serving])
+            if dec.mesh is not None:
+                batch = dec._batch_sharding()
+                scalar = jax.sharding.NamedSharding(dec.mesh, jax.sharding.PartitionSpec())
+                self._state_sharding = jax.tree.map(lambda x: batch if x.ndim else scalar,
+                                                    jax.eval_shape(start_fn, params, vparams, first))
+            state = self._run("start", rows, start_fn, params, vparams, first)
+            seen = [int(self.requests.prompt_len[i]) if i >= 0 else 0 for i in serving]
+            seen_fwd = [0] * rows
+            while any(i >= 0 for i in serving):
+                t0 = time.perf_counter() + self.compile_seconds  # compiling is not decoding
+                finish = np.asarray([i in self._cancelled for i in serving])
+                state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
+                                  np.int32(self.chunk_steps), np.bool_(bool(waiting)), finish, donate=(3,))
+                done, length, tokens = (_to_host(x) for x in (state.done, state.length, state.tokens))
+                commits = _to_host(state.step_commits) if record else None
+                forwards = _to_host(state.forwards)
+                self.seconds += time.perf_counter() + self.compile_seconds - t0
+                self.chunks += 1
+                # what the finished rows' results need, read once
+                results = None
+                if any(done[r] for r, i in enumerate(serving) if i >= 0):
+                    results = jax.tree.map(_to_host, (state.verifier_forwards, state.accept_hist, state.logprobs))
+                for r, i in enumerate(serving):
+                    if i < 0:
+                        continue
+                    new = tokens[r, seen[r]: length[r]].tolist()
+                    blocks = commits[r, seen_fwd[r]: forwards[r]].tolist() if record else None
+                    seen[r], seen_fwd[r] = int(length[r]), int(forwards[r])
+                    if done[r]:
+                        yield StreamEvent(i, new, blocks, self._output(r, i, tokens[r], length[r], forwards[r],
+                                                                       commits, *results))
+                        serving[r] = -1
+                    elif new:
+                        yield StreamEvent(i, new, blocks)
+                free = [r for r, i in enumerate(serving) if i < 0]
+                if waiting and free:
+                    t0 = time.perf_counter() + self.compile_seconds
+                    state = self._admit(admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd)
+                    self.seconds += time.perf_counter() + self.compile_seconds - t0
+
+    def _admit(self, admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd):
+        """Prefill the next waiting requests into the free rows, together."""
+        count = min(len(free), len(waiting))
+        size = next(b for b in _buckets(self.settings.num_rows, self.decoder._data_size()) if b >= count)
+        taken = [waiting.pop() for _ in range(count)]
+        rows = free[:count] + [self.settings.num_rows] * (size - count)  # past the batch: dropped
+        state = self._run("admit", size, admit_fn, params, vparams, state,
+                          self._take(taken + [len(self.seeds)] * (size - count)),
+                          np.asarray(rows, np.int32), donate=(2,))
+        for r, i in zip(free, taken):
+            serving[r], seen[r], seen_fwd[r] = i, int(self.requests.prompt_len[i]), 0
+        return state
+
+    def _output(self, r: int, i: int, tokens: np.ndarray, length: int, forwards: int, commits,
+                verifier_forwards, accept_hist, logprobs) -> RequestOutput:
+        """Row r's finished request i, from host copies of the loop state's arrays."""
+        p = int(self.requests.prompt_len[i])
+        out = tokens[p: length].tolist()
+        lp = None
+        if logprobs is not None:
+            lp = [(float(logprobs.chosen[r, j]), list(zip(logprobs.top_ids[r, j].tolist(),
+                                                          logprobs.top_logprobs[r, j].tolist())))
+                  for j in range(p, length)]
+        return RequestOutput(output_ids=out, finish_reason="stop" if out and out[-1] in self.requests.stop_ids[i]
+                             else "length", forwards=int(forwards), verifier_forwards=int(verifier_forwards[r]),
+                             accept_hist=accept_hist[r].tolist(), seed=self.seeds[i],
+                             step_commits=None if commits is None else commits[r, :forwards].tolist(), logprobs=lp)
