@@ -26,22 +26,8 @@ from prove_jax.checkpoints.checkpoint import load_model
 from prove_jax.checkpoints.convert import hf_to_flax
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, sampling
 from prove_jax.decoding.sampling import RowSampling, Sampler, SamplingParams
-from prove_jax.models.config import ModelConfig
-from prove_jax.models.params import create_model
 from tests.hf_models import make_hf_qwen2
-
-CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
-
-
-def _prompts(seed=0, lengths=(3, 9, 1, 14)):
-    rs = np.random.RandomState(seed)
-    return [rs.randint(2, 90, n).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return create_model(CFG, seed=3)
+from tests.test_decoding import _prompts, model  # noqa: F401  (a fixture)
 
 
 def _hf_warpers(p: SamplingParams) -> LogitsProcessorList:
