@@ -147,3 +147,13 @@ def test_generate_cli_reads_sampling_fields_per_request(tmp_path, capsys):
     assert generate.main(["--model", ckpt, "--input", str(inp), "--output", str(tmp_path / "x.jsonl"),
                           "--stop", "\n"]) == 2
     assert "stop strings need the checkpoint's tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [(["--top-p", "0"], "--top-p must be in (0, 1]"),
+                                           (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+                                           (["--temperature", "-1"], "--temperature must be a number >= 0"),
+                                           (["--logprobs", "21"], "logprobs must be between 0 and 20")])
+def test_generate_errors_name_the_flag(flags, message, capsys):
+    from prove_jax.cli import generate
+    assert generate.main(["--prompt", "x", *flags]) == 2
+    assert f"error: {message}" in capsys.readouterr().err

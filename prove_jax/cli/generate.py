@@ -201,10 +201,16 @@ def decode_options(args) -> DecodeOptions:
 
 
 def default_params(args) -> SamplingParams:
-    """The command line's SamplingParams, which request fields override."""
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()),
-                          stop_token_ids=tuple(args.stop_token_ids or ())).validate()
+    """The command line's SamplingParams, which request fields override; an error names the
+    flag (`--top-p`, not `top_p`)."""
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()),
+                              stop_token_ids=tuple(args.stop_token_ids or ())).validate()
+    except DecodeError as e:
+        field = str(e).split(" ", 1)[0]
+        flag = {"stop_token_ids": "--stop-token-id"}.get(field, "--" + field.replace("_", "-"))
+        raise DecodeError(flag + str(e)[len(field):]) from None
 
 
 def params_of_records(records, defaults: SamplingParams, base_seed: int, strict: bool) -> list:
