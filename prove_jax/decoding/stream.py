@@ -52,12 +52,13 @@ class StreamEvent:
     output: RequestOutput | None = None
 
 
-def _to_host(x) -> np.ndarray:
-    """A (possibly sharded) array's value on this host; on several hosts every process gets all."""
+def _to_host(tree):
+    """The values of a pytree of (possibly sharded) arrays on this host, copied together; on
+    several hosts every process gets all of them."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
+        return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+    return jax.device_get(tree)
 
 
 def _buckets(rows: int, shards: int = 1) -> list[int]:
@@ -161,15 +162,15 @@ class DecodeStream:
                 finish = np.asarray([i in self._cancelled for i in serving])
                 state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
                                   np.int32(self.chunk_steps), np.bool_(bool(waiting)), finish, donate=(3,))
-                done, length, tokens = (_to_host(x) for x in (state.done, state.length, state.tokens))
-                commits = _to_host(state.step_commits) if record else None
-                forwards = _to_host(state.forwards)
+                # one transfer of what every chunk needs
+                done, length, tokens, forwards, commits = _to_host(
+                    (state.done, state.length, state.tokens, state.forwards, state.step_commits))
                 self.seconds += time.perf_counter() + self.compile_seconds - t0
                 self.chunks += 1
                 # what the finished rows' results need, read once
                 results = None
                 if any(done[r] for r, i in enumerate(serving) if i >= 0):
-                    results = jax.tree.map(_to_host, (state.verifier_forwards, state.accept_hist, state.logprobs))
+                    results = _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
                 for r, i in enumerate(serving):
                     if i < 0:
                         continue
