@@ -580,6 +580,8 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
              "--max-new-tokens", "24", "--batch-size", "3", "--sort")
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"wrote 4 records to {out}"
+    assert "loading " in r.stderr and "compiling the decode step" in r.stderr  # no silent minutes
+    assert "[4/4 requests]" in r.stderr  # stderr is not a terminal: plain progress lines
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(_prompts(), 24)
     assert [row["output_ids"] for row in rows] == ar.output_ids
