@@ -48,7 +48,7 @@ def test_two_hosts_decode_like_one(tmp_path):
     # requests queue for 4 rows, so rows are refilled mid-loop on both hosts alike
     hosts = _run_two_hosts([
         "--model", ckpt, "--mode", "lossless", "--block-size", "4", "--groups", "2", "--mesh", "4,1,2",
-        "--batch-size", "4", "--max-new-tokens", "24", "--input", str(inp), "--output", str(out)])
+        "--batch-size", "4", "--max-new-tokens", "24", "--input", str(inp), "--output", str(out), "--sort"])
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"r{i}" for i in range(10)]
     assert [r["output_ids"] for r in rows] == ar
@@ -70,7 +70,7 @@ def test_two_hosts_verify_with_the_commit_head(tmp_path):
     ref = here.generate([tok.encode(t, add_special_tokens=False) for t in texts], 32).output_ids
     hosts = _run_two_hosts([
         "--mode", "verify", "--commit-rule", "head", "--batch-size", "3", "--max-new-tokens", "32",
-        "--input", str(inp), "--output", str(out)])
+        "--input", str(inp), "--output", str(out), "--sort"])
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["output_ids"] for r in rows] == ref
     assert all(r["stats"]["verifier_forwards"] > 0 for r in rows)

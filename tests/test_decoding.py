@@ -545,8 +545,9 @@ def test_a_decode_that_cannot_fit_in_memory_is_refused_before_it_runs(tmp_path, 
     save_model(ckpt, model)
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
+    # an explicit mesh: the default one would refuse the weights first (tests/test_inference_mesh.py)
     assert generate.main(["--model", ckpt, "--mode", "ar", "--input", str(inp), "--output", str(out),
-                          "--max-new-tokens", "8"]) == 2
+                          "--max-new-tokens", "8", "--mesh", "8,1,1"]) == 2
     assert "needs" in capsys.readouterr().err and not out.exists()
 
 

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix-corpus-chars", type=int, default=0,
                     help="also write about this many characters of real train-split text (needs --corpus)")
     ap.add_argument("--mesh", default=None,
-                    help="data,fsdp,tensor device mesh, e.g. 4,1,2 (default: all devices on data)")
+                    help="data,fsdp,tensor device mesh, e.g. 4,1,2 (default: tensor parallel over the "
+                         "kv heads as far as the weights need to fit, the rest on data)")
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
 

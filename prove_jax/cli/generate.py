@@ -145,8 +145,9 @@ def parse_args(argv=None):
                     help="compute/param dtype (default float32; bfloat16 halves weight reads on "
                          "TPU/GPU, where lossless can then differ from AR at a near-tie)")
     ap.add_argument("--mesh", default=None,
-                    help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: all devices on data; "
-                         "multi-host: every host's devices)")
+                    help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: tensor parallel over the "
+                         "kv heads as far as the weights need to fit, the rest on data; multi-host: "
+                         "every host's devices)")
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.input is not None and args.output is None:
@@ -271,7 +272,6 @@ def main(argv=None) -> int:
             print(f"resuming: {len(finished) - unknown} of {len(records)} requests are already in "
                   f"{args.output}; decoding the rest, failed ones again (delete it to start over)"
                   + (f"; it also holds {unknown} id(s) not in {args.input}" if unknown else ""), file=sys.stderr)
-        finished = _agreed_finished(finished, records)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
                   "so it changes nothing", file=sys.stderr)
@@ -286,6 +286,8 @@ def main(argv=None) -> int:
         say(f"loading {args.model} ...")
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
                                    mesh_shape=args.mesh, tokenizer=tokenizer)
+        # after the model load: its collective read is where a host that cannot start is noticed
+        finished = _agreed_finished(finished, records)
         budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
         if args.truncate is not None:
             prompts = [truncated(p, decoder.max_buffer - budget, args.truncate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import jax
 
@@ -10,13 +11,17 @@ from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load
                                               load_tokenizer)
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
-from prove_jax.models.sharding import make_mesh
+from prove_jax.models.sharding import MeshError, inference_mesh, make_mesh
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 
 
-def parse_mesh(spec: str | None):
-    """'4,1,2' -> a (data, fsdp, tensor) mesh; None -> all devices on data (None for one device)."""
+def parse_mesh(spec: str | None, configs: Sequence = (), dtype: str = "float32"):
+    """'4,1,2' -> a (data, fsdp, tensor) mesh. None -> the inference mesh of the models of
+    `configs` (proposer first: tensor parallel over its kv heads as far as the weights need,
+    `sharding.inference_mesh`), or all devices on data without configs; None for one device."""
     if spec is None:
+        if configs:
+            return inference_mesh(configs, dtype)
         n = len(jax.devices())
         return None if n == 1 else make_mesh((n, 1, 1))
     try:
@@ -34,18 +39,26 @@ def parse_mesh(spec: str | None):
 def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | None = None,
                   dtype: str = "float32", mesh_shape: str | None = None, mesh=None, tokenizer=None):
     """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier;
-    `tokenizer`: the checkpoint's, when the caller has already loaded it."""
+    `tokenizer`: the checkpoint's, when the caller has already loaded it. The mesh: `mesh`,
+    else `mesh_shape` ('data,fsdp,tensor'), else the models' inference mesh (`parse_mesh`)."""
     if not os.path.isdir(model_path):
         raise CheckpointError(f"model checkpoint not found: {model_path}")
-    mesh = mesh if mesh is not None else parse_mesh(mesh_shape)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
+    configs = [load_config(model_path)]
     if options.mode == "verify":
         if verifier_path is None or not os.path.isdir(verifier_path):
             raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
+        configs.append(load_config(verifier_path))
+    if mesh is None:
+        try:
+            mesh = parse_mesh(mesh_shape, configs, dtype)
+        except MeshError as e:
+            raise DecodeError(str(e)) from None
+    if options.mode == "verify":
         if tokenizer is not None:  # from the configs and tokenizers, before any weight is read
             check_shared_vocabulary(tokenizer, model_path, [(
-                "verifier", verifier_path, load_config(verifier_path).vocab_size,
+                "verifier", verifier_path, configs[1].vocab_size,
                 load_tokenizer(verifier_path))])
     model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
     verifier = head = None

@@ -10,6 +10,14 @@ from prove_jax.decoding.sampling import RowSampling
 from prove_jax.models.attention import KVCache
 
 
+def write_rows(buffer: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """buffer [B, N, ...] with row b's values[b] written at slots[b] (one slot, or [W] of them
+    with values[b] [W, ...]); a slot past N is dropped. Written per row (vmapped), so the rows
+    are the scatter's batching dimension and each device of a mesh writes its own rows (with
+    explicit row indices GSPMD all-gathered every step's tokens and slots over the batch)."""
+    return jax.vmap(lambda row, s, v: row.at[s].set(v.astype(row.dtype), mode="drop"))(buffer, slots, values)
+
+
 @struct.dataclass
 class Logprobs:
     """Log-probabilities of committed tokens under the distribution they were committed from
@@ -23,17 +31,17 @@ class Logprobs:
         return cls(chosen=jnp.zeros((rows, slots), jnp.float32), top_ids=jnp.zeros((rows, slots, n), jnp.int32),
                    top_logprobs=jnp.zeros((rows, slots, n), jnp.float32))
 
-    def write(self, rows: jax.Array, slots: jax.Array, block: jax.Array, logits: jax.Array) -> "Logprobs":
+    def write(self, slots: jax.Array, block: jax.Array, logits: jax.Array) -> "Logprobs":
         """Record block [B, W] drawn from `logits` [B, W, V] at `slots` [B, W] (out of range: dropped)."""
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(logp, block[..., None], axis=-1)[..., 0]
         n = self.top_ids.shape[-1]
         if n == 0:
-            return self.replace(chosen=self.chosen.at[rows, slots].set(chosen, mode="drop"))
+            return self.replace(chosen=write_rows(self.chosen, slots, chosen))
         top_logprobs, top_ids = jax.lax.top_k(logp, n)
-        return Logprobs(chosen=self.chosen.at[rows, slots].set(chosen, mode="drop"),
-                        top_ids=self.top_ids.at[rows, slots].set(top_ids.astype(jnp.int32), mode="drop"),
-                        top_logprobs=self.top_logprobs.at[rows, slots].set(top_logprobs, mode="drop"))
+        return Logprobs(chosen=write_rows(self.chosen, slots, chosen),
+                        top_ids=write_rows(self.top_ids, slots, top_ids.astype(jnp.int32)),
+                        top_logprobs=write_rows(self.top_logprobs, slots, top_logprobs))
 
 
 @struct.dataclass
@@ -101,7 +109,7 @@ def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, hist_value: 
     or under the tokens committed when None. `logits` [B, W, V], the distributions the block
     was committed from, feed the logprobs when they are recorded.
     """
-    b, width = block.shape
+    width = block.shape[1]
     n_slots = state.tokens.shape[1]
     active = ~state.done
     idx = jnp.arange(width)[None, :]
@@ -114,8 +122,7 @@ def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, hist_value: 
 
     slots = state.length[:, None] + idx
     slots = jnp.where(idx < n[:, None], slots, n_slots)  # out of range -> dropped
-    rows = jnp.arange(b)[:, None]
-    tokens = state.tokens.at[rows, slots].set(block, mode="drop")
+    tokens = write_rows(state.tokens, slots, block)
     length = state.length + n
     eos_hit = has_eos & (jnp.argmax(is_eos, axis=1) < n)
     done = state.done | (active & (eos_hit | (length - state.prompt_len >= state.max_new)
@@ -123,10 +130,10 @@ def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, hist_value: 
     step_commits = state.step_commits
     if step_commits is not None:  # column = this row's forward index; inactive rows dropped
         col = jnp.where(active, state.forwards, step_commits.shape[1])
-        step_commits = step_commits.at[jnp.arange(b), col].set(n, mode="drop")
+        step_commits = write_rows(step_commits, col, n)
     logprobs = state.logprobs
     if logprobs is not None:
-        logprobs = logprobs.write(rows, slots, block, logits)
+        logprobs = logprobs.write(slots, block, logits)
     k1 = state.accept_hist.shape[1]
     hist_value = n if hist_value is None else hist_value
     hist = state.accept_hist + (active[:, None] & (jnp.arange(k1)[None, :] == hist_value[:, None]))

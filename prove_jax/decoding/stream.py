@@ -20,12 +20,16 @@ from typing import Callable, Iterator
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from prove_jax import memory
 from prove_jax.decoding import program
 from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.program import ProgramSettings
 from prove_jax.decoding.queue import Requests
+from prove_jax.decoding.state import LoopState
+from prove_jax.models.attention import KVCache
+from prove_jax.models.sharding import KV_CACHE_AXES, activation_sharding
 
 
 @dataclasses.dataclass
@@ -59,6 +63,22 @@ def _to_host(tree):
         from jax.experimental import multihost_utils
         return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
     return jax.device_get(tree)
+
+
+def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
+    """Where each leaf of the (abstract) loop state lies: rows as `batch` splits them, the
+    scalars replicated, and the KV caches split over their kv heads too (`KV_CACHE_AXES`), as
+    the model writes them (pinned to the batch axes alone, the caches were all-gathered over
+    the tensor axis at the end of every call)."""
+    mesh = batch.mesh
+    scalar = NamedSharding(mesh, P())
+    placed = jax.tree.map(lambda x: batch if x.ndim else scalar, state)
+
+    def cache(c: KVCache | None):
+        return None if c is None else jax.tree.map(
+            lambda x: activation_sharding(mesh, KV_CACHE_AXES, x.shape), c)
+
+    return placed.replace(cache=cache(state.cache), verifier_cache=cache(state.verifier_cache))
 
 
 def _buckets(rows: int, shards: int = 1) -> list[int]:
@@ -150,10 +170,8 @@ class DecodeStream:
         with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
             first = self._take([i if i >= 0 else dummy for i in serving])
             if dec.mesh is not None:
-                batch = dec._batch_sharding()
-                scalar = jax.sharding.NamedSharding(dec.mesh, jax.sharding.PartitionSpec())
-                self._state_sharding = jax.tree.map(lambda x: batch if x.ndim else scalar,
-                                                    jax.eval_shape(start_fn, params, vparams, first))
+                self._state_sharding = state_sharding(dec._batch_sharding(),
+                                                      jax.eval_shape(start_fn, params, vparams, first))
             state = self._run("start", rows, start_fn, params, vparams, first)
             seen = [int(self.requests.prompt_len[i]) if i >= 0 else 0 for i in serving]
             seen_fwd = [0] * rows

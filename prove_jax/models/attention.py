@@ -15,12 +15,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
-from prove_jax.models.sharding import constrain, rows_per_device
+from prove_jax.models.sharding import KV_CACHE_AXES, constrain, rows_per_device
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -45,7 +46,8 @@ class KVCache:
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
-        mk = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES)
+        mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES) for _ in range(config.num_layers))
         return cls(k=mk(), v=mk())
 
 
@@ -99,9 +101,13 @@ class Attention(nnx.Module):
         """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh]."""
         cfg = self.cfg
         dt = x.dtype
-        q = dense(x, self.q_kernel[...].astype(dt), kernels=kernels) + self.q_bias[...].astype(dt)
-        k = dense(x, self.k_kernel[...].astype(dt), kernels=kernels) + self.k_bias[...].astype(dt)
-        v = dense(x, self.v_kernel[...].astype(dt), kernels=kernels) + self.v_bias[...].astype(dt)
+        # checkpoint names: what a remat policy may keep (models/remat.py); identity otherwise
+        q = checkpoint_name(dense(x, self.q_kernel[...].astype(dt), kernels=kernels)
+                            + self.q_bias[...].astype(dt), "q_proj")
+        k = checkpoint_name(dense(x, self.k_kernel[...].astype(dt), kernels=kernels)
+                            + self.k_bias[...].astype(dt), "k_proj")
+        v = checkpoint_name(dense(x, self.v_kernel[...].astype(dt), kernels=kernels)
+                            + self.v_bias[...].astype(dt), "v_proj")
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
 
@@ -113,20 +119,36 @@ class Attention(nnx.Module):
             out = _attend(q, [own + (attn_mask,)])
         else:
             cache_k, cache_v = kv
-            n_kv = cache_k.shape[1]
-            # Explicit head indices keep this a scatter even for one row and token: XLA turns a
-            # single-window scatter into an update-slice that copies the buffer every step.
-            rows = jnp.arange(b)[:, None, None]
-            heads = jnp.arange(n_kv)[None, None, :]
-            slots = (attn_mask.cache_len[:, None] + jnp.arange(t)[None, :])[:, :, None]
-            # mode="drop": a slot past the buffer end is skipped, never clamped onto valid KV.
-            cache_k = cache_k.at[rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
+            cache_k = write_step(cache_k, own[0], attn_mask.cache_len)
+            cache_v = write_step(cache_v, own[1], attn_mask.cache_len)
             kv = (cache_k, cache_v)
             out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        out = dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels)
+        out = checkpoint_name(dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels), "o_proj")
         return out, kv
+
+
+def write_step(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [B, K, S, Dh] with row b's step keys (or values) new[b] [K, T, Dh] written at slots
+    start[b] + [0, T); a slot past the buffer end is dropped, never clamped onto valid KV.
+
+    Written per (row, kv head) (vmapped): rows and heads are the scatter's batching dimensions,
+    so on a mesh each device writes the rows and heads it holds, where they lie (explicit row
+    and head indices made GSPMD all-gather the step's keys, values and indices in every layer).
+    A one-token step also writes a second, dropped slot (S + start): XLA turns a scatter of a
+    single window (one row, one head, one token on a device) into an update-slice that it
+    duplicates into the cache's readers, copying the buffer on every step
+    (tests/test_decode_in_place.py, tests/test_inference_mesh.py).
+    """
+    b, k, t, _ = new.shape
+    new = constrain(new, KV_CACHE_AXES)  # where the cache lies (heads a mesh does not divide: whole)
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
+    if t == 1:
+        slots = jnp.concatenate([slots, start[:, None] + cache.shape[2]], axis=1)
+        new = jnp.concatenate([new, new], axis=2)
+    slots = jnp.broadcast_to(slots[:, None], (b, k, slots.shape[1]))
+    write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # [S, Dh] <- [T, Dh] at [T]
+    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), KV_CACHE_AXES)
 
 
 def _attend(q: jax.Array, blocks) -> jax.Array:

@@ -3,6 +3,8 @@
 Every parameter carries `logical_axes` metadata (e.g. ("embed", "heads", "head_dim")). Changing
 the parallelism means editing `DEFAULT_RULES`, nothing else. A dimension that the mesh axis does
 not divide is replicated instead of failing, so size-1 axes and odd head counts always work.
+Decoding's default mesh (`inference_mesh`) puts the tensor axis over the kv heads, as far as the
+weights need, and the rest on data; its KV cache lies as `KV_CACHE_AXES` says.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import math
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from prove_jax import memory
 from prove_jax.errors import ProveJaxError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -36,6 +40,10 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "cache_sequence": None,
     "layers": None,
 }
+
+# A KV cache buffer [B, K, S, Dh]: rows split like the batch, kv heads like the k/v kernels, so
+# each device writes and reads the keys and values it computes (models/attention.py).
+KV_CACHE_AXES = ("batch", "kv_heads", "cache_sequence", "head_dim")
 
 
 def batch_shards(mesh) -> int:
@@ -79,6 +87,62 @@ def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
         raise MeshError(f"mesh shape {tuple(shape)} needs {n} devices, {len(devices)} available")
     device_grid = np.asarray(devices[:n]).reshape(shape)
     return Mesh(device_grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_names))
+
+
+# The inference mesh splits the weights over the tensor axis until they take at most this share
+# of a device's memory: the rest holds the KV caches, the loop state and the activations.
+INFERENCE_WEIGHT_SHARE = 0.5
+
+
+def inference_tensor_size(num_kv_heads: int, num_devices: int, weight_bytes: int,
+                          device_bytes: int | None, share: float = INFERENCE_WEIGHT_SHARE) -> int:
+    """Devices the tensor axis of the default inference mesh spans: the smallest common divisor
+    of `num_kv_heads` and `num_devices` that leaves each device at most `share` of its
+    `device_bytes` in weights (`weight_bytes` in all, split that many ways). Short of that, the
+    largest such divisor if the weights fit at all; 1 when the device memory is unknown.
+
+    Only kv-head divisors: each device then holds whole kv heads with their query heads, and
+    computes and caches their keys and values alone (a split head would be gathered per step)."""
+    if device_bytes is None or num_devices == 1:
+        return 1
+    sizes = [t for t in range(1, num_kv_heads + 1) if num_kv_heads % t == 0 and num_devices % t == 0]
+    for t in sizes:
+        if weight_bytes / t <= share * device_bytes:
+            return t
+    if weight_bytes / sizes[-1] <= device_bytes:
+        return sizes[-1]
+    raise MeshError(f"the weights ({weight_bytes / 2**30:.1f} GiB) do not fit {num_devices} devices of "
+                    f"{device_bytes / 2**30:.1f} GiB even split {sizes[-1]} ways over their "
+                    f"{num_kv_heads} kv heads: use more devices, a smaller --dtype, or an explicit "
+                    f"--mesh with an fsdp axis (which gathers the weights on every step)")
+
+
+def inference_mesh(configs: Sequence, dtype: str = "float32", devices=None,
+                   device_bytes: int | None = None) -> Mesh | None:
+    """The default mesh to decode the models of `configs` (the proposer first, then a verifier)
+    on `devices` (default all, every host's): tensor parallelism over the proposer's kv heads
+    as far as the weights need to fit (`inference_tensor_size`), the rest on data. None on one
+    device. `device_bytes`: memory per device (default: `device_memory`)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) == 1:
+        return None
+    if device_bytes is None:
+        device_bytes = device_memory(devices)
+    weight_bytes = sum(c.num_params for c in configs) * jnp.dtype(dtype).itemsize
+    tensor = inference_tensor_size(configs[0].num_kv_heads, len(devices), weight_bytes, device_bytes)
+    return make_mesh((len(devices) // tensor, 1, tensor), devices=devices)
+
+
+def device_memory(devices) -> int | None:
+    """Bytes one of `devices` holds: an accelerator's allocator limit (the same on every host of
+    a slice, so every host picks the same mesh), on CPU the host's free memory over its
+    simulated devices, which share it; None if unknown."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    if local[0].platform == "cpu":
+        free = memory.free_device_memory(local[0])
+        return None if free is None else free // len(local)
+    stats = local[0].memory_stats() or {}
+    return int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
 def _mesh_axis_size(mesh, axis) -> int:
