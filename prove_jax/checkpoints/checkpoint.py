@@ -2,11 +2,13 @@
 
 Writes go to a temporary sibling directory that is renamed into place only when complete, so a
 crash never leaves a half-written checkpoint under the final name. Restores go straight into
-the target sharding (each host reads only its shards).
+the target sharding: each host reads the stored chunks that hold its shards, exactly its shards
+when the chunks are a mesh's shards (`shard_chunk_shapes`; docs/conversion.md "Loading sharded").
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -61,26 +63,49 @@ def save_model(path: str, model: Qwen2, cfg: ModelConfig | None = None,
 
 
 def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | None = None,
-                replace_any: bool = False) -> str:
+                replace_any: bool = False, chunks: Mapping[str, tuple[int, ...]] | None = None,
+                extra_json: Mapping[str, dict] | None = None) -> str:
     """Write a checkpoint from a pure-dict param tree (jax or numpy leaves, the structure of
     `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) atomically: the one writer of the format,
-    for `save_model` and the HF converter alike.
+    for `save_model` and the HF converter alike. This process writes it alone (on several hosts
+    the others do not take part).
 
     Synchronous, without orbax's deep copy of numpy leaves and without OCDBT (which buffers
     every array until the commit), to keep the converter's peak memory low (see
     benchmarks/convert.md); `load_model` reads either layout. `path` must be new, empty or an
     earlier checkpoint, unless `replace_any` (the converter's --overwrite).
+
+    `chunks` ({dotted name: shape}, from `shard_chunk_shapes`) stores those numpy leaves in
+    chunks of that shape instead of one chunk per array: a restore reads whole chunks, so with
+    a mesh's shards as chunks each host reads exactly its own shards. `extra_json` files
+    ({name: object}) are written into the checkpoint, inside the same atomic rename.
     """
     if not replace_any:
         check_replaceable(path, "params", "a prove-jax checkpoint", CheckpointError)
+    alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                               active_processes={jax.process_index()})
     with atomic_dir(path) as tmp, _without_ocdbt_merge_warning():
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-                use_ocdbt=False, type_handler_registry=_streaming_handlers())) as ckptr:
+                use_ocdbt=False, type_handler_registry=_streaming_handlers(chunks),
+                multiprocessing_options=alone), multiprocessing_options=alone) as ckptr:
             ckptr.save(os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg.to_json_dict(), f, indent=2)
+        for name, content in (extra_json or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2)
         copy_tokenizer_files(tokenizer_dir, tmp)
     return path
+
+
+def shard_chunk_shapes(cfg: ModelConfig, mesh, rules: Mapping = sharding.DEFAULT_RULES
+                       ) -> dict[str, tuple[int, ...]]:
+    """{dotted parameter name: the shape of one device's shard} on `mesh` (a Mesh, or an
+    AbstractMesh of the sizes of a mesh this machine does not have): the chunks `save_params`
+    stores so that `load_model(mesh=...)` onto that mesh reads each shard as one chunk."""
+    _, placed = abstract_sharded(abstract_model(cfg), mesh, rules)
+    return {name: tuple(leaf.sharding.shard_shape(leaf.shape))
+            for name, leaf in _dotted_leaves(placed).items()}
 
 
 _ABANDONED_READ_ERROR = "Encountered error while reading array index"
@@ -214,13 +239,39 @@ def _without_ocdbt_merge_warning():
         absl.removeFilter(drop)
 
 
-def _streaming_handlers():
+def _streaming_handlers(chunks: Mapping[str, tuple[int, ...]] | None = None):
     """Orbax handlers for a synchronous save: numpy leaves written in place (no deepcopy; the
-    copy only protects callers that mutate arrays during an async save)."""
+    copy only protects callers that mutate arrays during an async save), in `chunks`."""
     handlers = ocp.type_handlers
     return handlers.create_type_handler_registry(
-        (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (np.ndarray, _ChunkedNumpyHandler(chunks or {})),
         (jax.Array, handlers.get_type_handler(jax.Array)))
+
+
+class _ChunkedNumpyHandler(ocp.type_handlers.NumpyHandler):
+    """Orbax's numpy handler, storing each array named in `chunks` in chunks of that shape.
+
+    Orbax stores a numpy array as one chunk (its `SaveArgs.chunk_byte_size` splits the largest
+    dimension first, whatever the mesh), and a read decodes every chunk it touches: one host's
+    slice of a one-chunk array costs the whole array in host memory. A jax.Array is stored in
+    chunks of its shards; this gives a numpy tree the shards of the mesh it will be loaded on.
+    """
+
+    def __init__(self, chunks: Mapping[str, tuple[int, ...]]):
+        super().__init__(deepcopy_host_arrays=False)
+        self._chunks = dict(chunks)
+
+    async def _background_serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        writes = []
+        for value, info, arg in zip(values, infos, args):
+            await info.await_path_creation()
+            chunk = self._chunks.get(info.name, value.shape)
+            tspec = ocp.type_handlers.get_json_tspec_write(
+                info, use_ocdbt=bool(info.is_ocdbt_checkpoint), global_shape=value.shape,
+                local_shape=tuple(chunk), dtype=value.dtype, arg=arg)
+            writes.append(self._open_and_write(value, tspec, info.ts_context))
+        await asyncio.gather(*writes)
 
 
 def load_config(path: str) -> ModelConfig:

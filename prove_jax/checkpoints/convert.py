@@ -4,6 +4,8 @@
 One tensor is in flight at a time, so peak memory is about one copy of the model (see
 benchmarks/convert.md). Every check that needs only headers (keys, shapes, truncation) runs
 before any tensor data is read, and outputs appear under their final name only when complete.
+A conversion for a mesh stores each array in chunks of its shards there, and one made with a
+source record (training's `model.hf_dir`) is reused until the HF files or the mesh change.
 """
 
 from __future__ import annotations
@@ -197,14 +199,18 @@ def _check_against_model(flat: dict[str, np.ndarray], cfg: ModelConfig) -> None:
 
 
 def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: str | None = None,
-               overwrite: bool = False, progress: bool = False) -> ModelConfig:
+               overwrite: bool = False, progress: bool = False, mesh=None,
+               record_source: bool = False) -> ModelConfig:
     """HF dir (config.json + safetensors [+ tokenizer]) -> our checkpoint dir. Returns its config.
 
     `dtype` is the stored parameter dtype (default: the HF config's if float32 or bfloat16, else
     float32: float16 sources are stored as float32), `compute_dtype` the matmul
     dtype recorded in our config (default float32; `load_model(dtype=...)` can override it).
+    With `mesh` (a Mesh, an AbstractMesh or [data, fsdp, tensor] sizes) each array is stored in
+    chunks of its shards on that mesh, so that a load onto it reads each host's shards only;
+    without, one chunk per array. `record_source` writes SOURCE_RECORD (see `conversion_stale`).
     """
-    from prove_jax.checkpoints.checkpoint import save_params
+    from prove_jax.checkpoints.checkpoint import save_params, shard_chunk_shapes
 
     if not os.path.isdir(hf_dir):
         raise safetensors_io.SafetensorsError(f"HF model directory not found: {hf_dir}")
@@ -215,11 +221,76 @@ def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: s
         if v not in DTYPES:
             raise ConfigError(f"unsupported dtype {v!r}; supported: {', '.join(DTYPES)}")
     cfg = cfg.replace(**changes)
+    mesh = None if mesh is None else chunk_mesh(mesh)
+    chunks = None if mesh is None else shard_chunk_shapes(cfg, mesh)
+    record = {SOURCE_RECORD: source_record(hf_dir, mesh)} if record_source else None
     params = convert_hf_to_ours(hf_dir, cfg, progress)
     if progress:
         print(f"hf-to-flax: writing orbax checkpoint to {out}", file=sys.stderr, flush=True)
-    save_params(out, params, cfg, tokenizer_dir=hf_dir, replace_any=overwrite)
+    save_params(out, params, cfg, tokenizer_dir=hf_dir, replace_any=overwrite, chunks=chunks,
+                extra_json=record)
     return cfg
+
+
+def chunk_mesh(mesh):
+    """`mesh` as something `shard_chunk_shapes` lays shards out on: a Mesh or AbstractMesh as
+    it is, [data, fsdp, tensor] sizes as an AbstractMesh (no devices needed)."""
+    if hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
+        return mesh
+    from jax.sharding import AbstractMesh, AxisType
+    from prove_jax.models.sharding import MESH_AXES
+    sizes = tuple(mesh)
+    if len(sizes) != len(MESH_AXES) or not all(isinstance(n, int) and n >= 1 for n in sizes):
+        raise ConfigError(f"mesh must be {len(MESH_AXES)} sizes (data, fsdp, tensor), each a whole "
+                          f"number >= 1, got {list(sizes)}")
+    return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+# ---- convert once, reuse ----------------------------------------------------------------------
+
+SOURCE_RECORD = "source.json"  # in a checkpoint converted with record_source: what it came from
+_RECORD_FORMAT = 1  # raised when a conversion of the same files would now come out differently
+
+
+def source_record(hf_dir: str, mesh=None) -> dict:
+    """What a conversion of `hf_dir` depends on: the directory, the size and modification time of
+    its config, generation config, index and safetensors files (reading no tensor), and the
+    sizes of the mesh whose shards it is stored in (None: one chunk per array)."""
+    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors") or n in (
+        "config.json", "generation_config.json", safetensors_io.INDEX_FILE))
+    files = {}
+    for name in names:
+        st = os.stat(os.path.join(hf_dir, name))
+        files[name] = [st.st_size, st.st_mtime_ns]
+    sizes = None if mesh is None else dict(chunk_mesh(mesh).shape)
+    return {"format": _RECORD_FORMAT, "hf_dir": os.path.realpath(hf_dir), "files": files,
+            "mesh": sizes}
+
+
+def conversion_stale(hf_dir: str, out: str, mesh=None) -> str | None:
+    """Why `out` is not an up-to-date conversion of `hf_dir` stored in the shards of `mesh`
+    (None when it is): missing, made without a record, from another directory, from files that
+    changed since (a file's size or modification time), or for another mesh. Nothing but
+    `out`'s record and `hf_dir`'s file listing is read."""
+    try:
+        with open(os.path.join(out, SOURCE_RECORD)) as f:
+            recorded = json.load(f)
+    except FileNotFoundError:
+        return "not converted yet" if not os.path.exists(out) else f"{out} has no {SOURCE_RECORD}"
+    except (OSError, ValueError) as e:
+        return f"{out}/{SOURCE_RECORD} is unreadable ({e})"
+    now = source_record(hf_dir, mesh)
+    if not isinstance(recorded, dict) or recorded.get("format") != now["format"]:
+        return "converted by an earlier version"
+    if recorded.get("hf_dir") != now["hf_dir"]:
+        return f"converted from {recorded.get('hf_dir')}"
+    old = recorded.get("files") if isinstance(recorded.get("files"), dict) else {}
+    changed = sorted(n for n in set(old) | set(now["files"]) if old.get(n) != now["files"].get(n))
+    if changed:
+        return f"changed since: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}"
+    if recorded.get("mesh") != now["mesh"]:
+        return f"stored in the shards of mesh {recorded.get('mesh')}, not {now['mesh']}"
+    return None
 
 
 # ---- ours -> HF --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`prove-jax convert`: Qwen2 checkpoints between HF safetensors and our orbax format.
 
-    prove-jax convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16]
+    prove-jax convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16] [--mesh 1,64,4]
     prove-jax convert flax-to-hf --ckpt CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
 
 The converter itself, and what it checks before reading any tensor, is
@@ -30,6 +30,19 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    """'1,64,4' -> (1, 64, 4): data, fsdp, tensor sizes, each a whole number >= 1."""
+    parts = text.replace("x", ",").split(",")
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"bad mesh {text!r}; give data,fsdp,tensor sizes, each a "
+                                         f"whole number >= 1, e.g. 1,64,4")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prove-jax convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -41,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "dtype when it is float32 or bfloat16; float16 and other sources are stored as float32)")
     a.add_argument("--compute-dtype", choices=DTYPES, help="matmul dtype recorded in the checkpoint "
                    "config (default float32; bfloat16 is ~5x slower on CPU)")
+    a.add_argument("--mesh", type=parse_mesh, help="data,fsdp,tensor sizes of the mesh the checkpoint "
+                   "will be loaded on (e.g. 1,64,4): each array is stored in chunks of its shards "
+                   "there, so that every host reads only its own (default: one chunk per array)")
     b = sub.add_parser("flax-to-hf", help="prove-jax checkpoint -> HF dir loadable by transformers")
     b.add_argument("--ckpt", required=True, help="prove-jax checkpoint dir (config.json + params/)")
     b.add_argument("--out", required=True, help="HF dir to create (must not exist or be empty)")
@@ -59,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-flax":
             cfg = hf_to_flax(args.hf_dir, args.out, args.dtype, args.compute_dtype, args.overwrite,
-                             progress=not args.quiet)
+                             progress=not args.quiet, mesh=args.mesh)
             what = f"{cfg.num_params / 1e6:.1f}M params, {cfg.param_dtype}"
         else:
             files = flax_to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, args.overwrite,
