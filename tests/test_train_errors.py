@@ -61,7 +61,7 @@ def test_values_of_the_wrong_type_are_named(tmp_path, capsys):
     assert main(["--config", cfg_path, "steps=abc"]) == 2
     assert capsys.readouterr().err.strip() == "error: steps must be int, got 'abc'"
     for override, message in [("optimizer.lr=fast", "optimizer.lr must be float, got 'fast'"),
-                              ("model.remat=3", "model.remat must be bool, got 3"),
+                              ("model.scan_layers=3", "model.scan_layers must be bool, got 3"),
                               ("steps=true", "steps must be int, got True"),
                               ("mesh=4", "mesh must be list, got 4"),
                               ("optimizer.clip_norm=big", "optimizer.clip_norm must be float or null")]:
@@ -246,8 +246,8 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     with pytest.raises(TrainConfigError, match="optimizer.lr must be float, got 'fast'"):
         load_config(str(cfg_path))
     # only fields that take numbers read such text as a number: a bool field is told what was written
-    with pytest.raises(TrainConfigError, match="model.remat must be bool, got '1e3'"):
-        load_config(str(cfg_path), ["model.remat=1e3"])
+    with pytest.raises(TrainConfigError, match="model.scan_layers must be bool, got '1e3'"):
+        load_config(str(cfg_path), ["model.scan_layers=1e3"])
     cfg_path.write_text(text + "mesh: 1e3\n")
     with pytest.raises(TrainConfigError, match="mesh must be list, got '1e3'"):
         load_config(str(cfg_path))

@@ -13,9 +13,10 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models.qwen2 import Qwen2
 
 
-def abstract_model(cfg: ModelConfig, remat: bool = False) -> Qwen2:
-    """A Qwen2 whose parameters are ShapeDtypeStructs: no memory allocated."""
-    return nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0), remat=remat))
+def abstract_model(cfg: ModelConfig, remat: str | bool = "none", scan_layers: bool = False) -> Qwen2:
+    """A Qwen2 whose parameters are ShapeDtypeStructs: no memory allocated. `remat` and
+    `scan_layers` shape the training forward only (`Qwen2`); the parameters are the same."""
+    return nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0), remat=remat, scan_layers=scan_layers))
 
 
 def abstract_sharded(abstract: Qwen2, mesh=None, rules: Mapping = sharding.DEFAULT_RULES
@@ -36,15 +37,16 @@ def abstract_sharded(abstract: Qwen2, mesh=None, rules: Mapping = sharding.DEFAU
 
 
 def create_model(cfg: ModelConfig, seed: int = 0, mesh=None,
-                 rules: Mapping = sharding.DEFAULT_RULES, remat: bool = False) -> Qwen2:
+                 rules: Mapping = sharding.DEFAULT_RULES, remat: str | bool = "none",
+                 scan_layers: bool = False) -> Qwen2:
     """Random-init model; with a mesh, each parameter is created directly in its sharding."""
     if mesh is None:
-        return Qwen2(cfg, nnx.Rngs(seed), remat=remat)
-    graphdef, placed = abstract_sharded(abstract_model(cfg, remat), mesh, rules)
+        return Qwen2(cfg, nnx.Rngs(seed), remat=remat, scan_layers=scan_layers)
+    graphdef, placed = abstract_sharded(abstract_model(cfg, remat, scan_layers), mesh, rules)
 
     @functools.partial(jax.jit, out_shardings=sharding.shardings_of(placed))
     def init():
-        return nnx.to_pure_dict(nnx.state(Qwen2(cfg, nnx.Rngs(seed), remat=remat)))
+        return nnx.to_pure_dict(nnx.state(Qwen2(cfg, nnx.Rngs(seed))))
 
     with jax.set_mesh(mesh):
         return nnx.merge(graphdef, init())

@@ -14,22 +14,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from prove_jax.models.attention import Attention, KVCache, rope_cos_sin
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
+from prove_jax.models.remat import remat_name, with_remat
 from prove_jax.models.sharding import constrain
 
 
 class Qwen2(nnx.Module):
     """Qwen2ForCausalLM. Parameter names follow HF's module tree so conversion is a flat table."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str | bool = "none",
+                 scan_layers: bool = False):
+        """`remat` (a `models.remat` policy name) and `scan_layers` shape only the training
+        forward (no cache); they are static, so a changed choice is a new compile."""
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
-        self.remat = remat
+        self.remat = remat_name(remat)
+        self.scan_layers = bool(scan_layers)
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
@@ -57,18 +63,46 @@ class Qwen2(nnx.Module):
         x = constrain(x, ("batch", "sequence", "embed"))
         # Materialised once per forward: left to fusion, XLA:CPU recomputed cos/sin in every layer.
         cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta))
+        if cache is None:
+            x = self._training_layers(x, cos, sin, attn_mask, kernels)
+            return self.final_norm(x), None
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            if self.remat and cache is None:
-                x, kv = nnx.remat(lambda lyr, *a: lyr(*a, kernels=kernels))(layer, x, cos, sin, attn_mask)
-            else:
-                x, kv = layer(x, cos, sin, attn_mask, kv, kernels)
-            if cache is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
+            x, kv = layer(x, cos, sin, attn_mask, (cache.k[i], cache.v[i]), kernels)
+            new_k.append(kv[0])
+            new_v.append(kv[1])
         x = self.final_norm(x)
-        return x, (None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v)))
+        return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+    def _training_layers(self, x, cos, sin, attn_mask, kernels: KernelOptions):
+        """The layers without a cache, each under the remat policy: unrolled, or (scan_layers)
+        one `lax.scan` over their parameters stacked along a leading "layers" axis, so XLA
+        optimises one layer's program, not num_layers copies (at 32B: 40% less peak memory,
+        benchmarks/tpu_compile.md). The stack is built here, per step, from the
+        per-layer parameters: checkpoints, conversion and decoding keep one entry per layer,
+        and the scan's gradient comes back per layer through the stack's transpose."""
+        graphdef = nnx.graphdef(self.layers[0])
+
+        def layer_fn(state, x, cos, sin, attn_mask):
+            y, _ = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, None, kernels)
+            return y
+
+        if not self.scan_layers:
+            layer_fn = with_remat(layer_fn, self.remat)
+            for layer in self.layers:
+                x = layer_fn(nnx.state(layer), x, cos, sin, attn_mask)
+            return x
+        layer_fn = with_remat(layer_fn, self.remat, prevent_cse=False)
+        stacked = jax.tree.map(lambda *v: jnp.stack(v), *[nnx.state(layer) for layer in self.layers])
+        stacked = jax.tree.map(  # each stacked weight sharded as one layer's, "layers" replicated
+            lambda v: v.replace(constrain(v.get_value(), ("layers",) + tuple(v.logical_axes))),
+            stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+        def body(x, state):
+            return layer_fn(state, x, cos, sin, attn_mask), None
+
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
 
     def logits(self, hidden: jax.Array, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
         """LM head, float32 logits [..., V], accumulated in float32 whatever the compute dtype
@@ -103,10 +137,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x, kernels: KernelOptions = DEFAULT_KERNELS):
         dt = x.dtype
-        gate = dense(x, self.gate_kernel[...].astype(dt), kernels=kernels)
-        up = dense(x, self.up_kernel[...].astype(dt), kernels=kernels)
+        gate = checkpoint_name(dense(x, self.gate_kernel[...].astype(dt), kernels=kernels), "gate_proj")
+        up = checkpoint_name(dense(x, self.up_kernel[...].astype(dt), kernels=kernels), "up_proj")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        return dense(h, self.down_kernel[...].astype(dt), kernels=kernels)
+        return checkpoint_name(dense(h, self.down_kernel[...].astype(dt), kernels=kernels), "down_proj")
 
 
 class RMSNorm(nnx.Module):

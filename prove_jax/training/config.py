@@ -39,8 +39,15 @@ class ModelSource:
     """Compute dtype override (bfloat16: bf16 matmuls)."""
     param_dtype: str | None = None
     """Master-weight dtype override (float32 recommended)."""
-    remat: bool = False
-    """Rematerialise each decoder layer in the backward pass (less memory, more compute)."""
+    remat: str | bool = "none"
+    """What each decoder layer keeps for the backward pass (models/remat.py): none (everything),
+    full (its input only; the layer is recomputed), dots (every projection), attn_proj (q, k, v,
+    o). true/false, from configs before the policies, read as full/none."""
+    scan_layers: bool = False
+    """Run the training forward's layers as one lax.scan: XLA optimises one layer, not
+    num_layers copies, and gathers one layer's weights at a time (the 32B step's peak per chip
+    drops by 40%, benchmarks/tpu_compile.md). Parameters, checkpoints and decoding stay per
+    layer; each step stacks the layer weights (one extra copy)."""
     shape_preset: str | None = None
     """--dry-run only: a preset with the same shapes, used when the weights are not on this machine."""
 
@@ -131,6 +138,13 @@ class TrainConfig:
     """Write checkpoints while training continues."""
     target_chip: str | None = None
     """--dry-run's chip: v5p, v5e, v4, v6e, H100 or H200."""
+    compilation_cache_dir: str | None = None
+    """JAX's persistent compilation cache: compiled programs are written here and a relaunch
+    with the same program (config, mesh, jax version) reads them instead of compiling. Every
+    host may share one folder."""
+    export_dtype: str | None = None
+    """dtype of the exported run_dir/model: float32, or bfloat16 (half the size, for inference;
+    training and its checkpoints keep their dtype). null: the trained weights' dtype."""
 
     def validate(self) -> "TrainConfig":
         _check_types(self)
@@ -167,6 +181,9 @@ class TrainConfig:
         if not (math.isfinite(self.ar_weight) and self.ar_weight >= 0):
             raise TrainConfigError(f"ar_weight must be a finite number >= 0, got {self.ar_weight!r}")
         _check_model_source(self.model)
+        if self.export_dtype not in (None, "float32", "bfloat16"):
+            raise TrainConfigError(f"export_dtype must be float32, bfloat16 or null (the trained "
+                                   f"weights' dtype), got {self.export_dtype!r}")
         if self.optimizer.grad_accum <= 0 or self.global_batch_size % self.optimizer.grad_accum:
             raise TrainConfigError(
                 f"optimizer.grad_accum={self.optimizer.grad_accum} must divide "
@@ -210,10 +227,13 @@ def _check_paths(cfg: "TrainConfig") -> None:
     """run_dir and data are non-empty paths; run_dir can be a directory (it is one, or its
     nearest existing ancestor is, not a file it would have to be created below) and lies
     outside a data folder (whose files are all read as data)."""
-    for name in ("run_dir", "data"):
+    for name in ("run_dir", "data", "compilation_cache_dir"):
         value = getattr(cfg, name)
         if value is not None and not value.strip():
             raise TrainConfigError(f"{name} must be a path, got {value!r}")
+    cache = cfg.compilation_cache_dir
+    if cache is not None and os.path.exists(cache) and not os.path.isdir(cache):
+        raise TrainConfigError(f"compilation_cache_dir {cache} is a file; it must be a directory")
     run_dir = cfg.run_dir
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise TrainConfigError(f"run_dir {run_dir} is a file; it must be a directory (new or a "
@@ -241,6 +261,11 @@ def _check_model_source(src: ModelSource) -> None:
         if value is not None and value not in DTYPES:
             raise TrainConfigError(f"model.{name} must be one of {', '.join(DTYPES)} or null, "
                                    f"got {value!r}")
+    from prove_jax.models.remat import RematError, remat_name
+    try:
+        src.remat = remat_name(src.remat)
+    except RematError as e:
+        raise TrainConfigError(str(e)) from None
     if src.config is not None:
         inline_model_config(src.config)
 
@@ -429,6 +454,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     cfg.data = expand_path(cfg.data)
     cfg.run_dir = expand_path(cfg.run_dir)
     cfg.proposer = expand_path(cfg.proposer)
+    cfg.compilation_cache_dir = expand_path(cfg.compilation_cache_dir)
     for section, key in ((cfg.model, "hf_dir"), (cfg.model, "checkpoint"), (cfg.tokenizer, "path")):
         setattr(section, key, expand_path(getattr(section, key)))
     return cfg.validate()

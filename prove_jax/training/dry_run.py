@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType
 from prove_jax.errors import ProveJaxError
 from prove_jax.models import params as params_lib
 from prove_jax.models.config import PRESETS, ModelConfig, preset
+from prove_jax.models.remat import remat_name
 from prove_jax.training.optimizer import make_optimizer
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax.training import aot
@@ -57,6 +58,7 @@ class DryRunReport:
     frozen_bytes: int = 0  # commit_head: the frozen proposer and verifier
     subject: str = ""  # what is trained, for the first line (default: the model's size)
     step_name: str = "train step"
+    forward: str = ""  # how the layers run: remat policy, scanned or unrolled
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +78,8 @@ class DryRunReport:
             f"({self.devices} x {self.chip}, {self.hbm_bytes / GIB:.0f} GiB HBM each)",
             f"{self.step_name} lowered for TPU: {'ok' if self.lowered else 'FAILED'} "
             f"({self.lower_seconds:.1f} s); per device {self.micro_batch_per_device} sequence(s) "
-            f"x {self.streamed_length} positions per micro-batch",
+            f"x {self.streamed_length} positions per micro-batch"
+            + (f"; {self.forward}" if self.forward else ""),
             "per-device memory:",
         ] + ([f"  frozen models{gib(self.frozen_bytes)}  (proposer and verifier)"]
              if self.frozen_bytes else []) + [
@@ -143,11 +146,12 @@ def _shard_bytes(tree) -> int:
                * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
-def _layer_bytes(m: ModelConfig, rows: int, length: int, tensor: int) -> tuple[int, int, int, int]:
+def _layer_bytes(m: ModelConfig, rows: int, length: int, tensor: int,
+                 remat: str = "none") -> tuple[int, int, int, int, int]:
     """(one decoder layer's intermediates, the bool attention mask, the vocab dimension, bytes of
-    an activation element) for `rows` sequences of `length` on one device, the heads/MLP/vocab
-    dimensions split as the sharding rules split them over a tensor axis of this size (whole
-    where the rules replicate them)."""
+    an activation element, what the remat policy keeps of one layer) for `rows` sequences of
+    `length` on one device, the heads/MLP/vocab dimensions split as the sharding rules split
+    them over a tensor axis of this size (whole where the rules replicate them)."""
     elem_bytes = np.dtype(m.dtype if m.dtype != "bfloat16" else np.float16).itemsize
     hidden, head_dim = m.hidden_size, m.head_dim
     tokens = rows * length
@@ -160,17 +164,24 @@ def _layer_bytes(m: ModelConfig, rows: int, length: int, tensor: int) -> tuple[i
     per_layer_linear = tokens * elem_bytes * (4 * hidden + 2 * heads * head_dim
                                               + 2 * kv_heads * head_dim + 3 * mlp)
     attn = rows * heads * length * length * (4 + elem_bytes)  # f32 scores + probs
-    return per_layer_linear + attn, rows * length * length, vocab, elem_bytes
+    attn_proj = (heads + 2 * kv_heads) * head_dim + hidden  # q, k, v, o
+    kept = tokens * elem_bytes * (hidden + {  # the layer's input, and what the policy saves
+        "none": 0, "full": 0, "attn_proj": attn_proj, "dots": attn_proj + 2 * mlp + hidden,
+    }[remat])
+    return per_layer_linear + attn, rows * length * length, vocab, elem_bytes, kept
 
 
-def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: bool) -> int:
+def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat: str | bool) -> int:
     """Estimated bytes kept for the backward pass of one micro-batch (`rows` sequences) on one
-    device (see `_layer_bytes` for the tensor split)."""
-    per_layer, mask, vocab, elem_bytes = _layer_bytes(m, rows, length, tensor)
+    device (see `_layer_bytes` for the tensor split) under remat policy `remat`
+    (models/remat.py; true/false: full/none): without remat every layer's intermediates, with
+    it what the policy saves of each layer plus one layer's intermediates, recomputed."""
+    remat = remat_name(remat)
+    per_layer, mask, vocab, elem_bytes, kept_per_layer = _layer_bytes(m, rows, length, tensor, remat)
     tokens = rows * length
     logits = 3 * tokens * vocab * 4  # f32 logits, softmax, grad
-    kept = (m.num_layers * tokens * m.hidden_size * elem_bytes + per_layer if remat
-            else m.num_layers * per_layer)
+    kept = (m.num_layers * per_layer if remat == "none"
+            else m.num_layers * kept_per_layer + per_layer)
     return int(kept + mask + logits)
 
 
@@ -179,7 +190,7 @@ def forward_activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int
     """Estimated peak bytes of a forward pass with nothing kept for a backward one (a frozen
     model): one layer's intermediates at a time, the residual stream in and out, the mask, and
     float32 logits with their log-softmax at `logit_positions` per row."""
-    per_layer, mask, vocab, elem_bytes = _layer_bytes(m, rows, length, tensor)
+    per_layer, mask, vocab, elem_bytes, _ = _layer_bytes(m, rows, length, tensor)
     residual = 2 * rows * length * m.hidden_size * elem_bytes
     return int(per_layer + residual + mask + 2 * rows * logit_positions * vocab * 4)
 
@@ -207,7 +218,8 @@ def _abstract_mesh(cfg: TrainConfig, chip: str | None):
 def _lowered_train_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     """(train state layout, the step lowered for TPU with shardings on `mesh`)."""
     tx = make_optimizer(cfg.optimizer, cfg.steps)
-    layout = state_layout(params_lib.abstract_model(model_cfg, cfg.model.remat), tx, mesh)
+    layout = state_layout(params_lib.abstract_model(model_cfg, cfg.model.remat, cfg.model.scan_layers),
+                          tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
                            mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
     step = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum), layout, mesh)
@@ -262,7 +274,9 @@ def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> 
         activation_bytes=activation_bytes(model_cfg, micro // dp, streamed, axis_sizes[2],
                                           cfg.model.remat),
         lowered=True, lower_seconds=seconds, micro_batch_per_device=micro // dp,
-        streamed_length=streamed, compiled=compiled, compile_note=note)
+        streamed_length=streamed, compiled=compiled, compile_note=note,
+        forward=(f"remat {cfg.model.remat}, "
+                 f"{model_cfg.num_layers} layers {'scanned' if cfg.model.scan_layers else 'unrolled'}"))
 
 
 def _proposer_config_for(cfg: TrainConfig) -> ModelConfig:

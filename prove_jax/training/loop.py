@@ -33,6 +33,7 @@ from prove_jax.training.optimizer import lr_schedule, make_optimizer
 from prove_jax.training.preemption import Preempted, PreemptionWatch
 from prove_jax.training.run_checkpoint import (RunCheckpointMismatch,
                                                RunCheckpoints, has_checkpoints, saved_run_meta)
+from prove_jax.training.compile_cache import use_compilation_cache
 from prove_jax.training.config import TrainConfig, TrainConfigError, inline_model_config, to_dict
 from prove_jax.training.objectives import make_loss_fn
 from prove_jax.training.step import (BATCH_SPEC, abstract_batch, build_step_fn, init_state,
@@ -177,21 +178,74 @@ def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
 
 # ---- weights ------------------------------------------------------------------------------
 
+CONVERTED_DIR = "converted"  # RUN_DIR/converted: model.hf_dir as our checkpoint, converted once
+
+
 def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
-    """The starting weights of a fresh run, each array placed in its sharding."""
+    """The starting weights of a fresh run, each array read straight into its sharding: every
+    host reads its own shards (model.hf_dir through its one conversion, `convert_hf_once`)."""
     src = cfg.model
     if src.hf_dir is not None:
-        from prove_jax.checkpoints import convert
-        log_main(f"converting HF weights from {src.hf_dir}")
-        tree = convert.convert_hf_to_ours(src.hf_dir, model_cfg, progress=distributed.is_main_process())
-        graphdef, placed = params_lib.abstract_sharded(params_lib.abstract_model(model_cfg, src.remat),
-                                                       mesh)
-        return nnx.merge(graphdef, jax.device_put(tree, sharding.shardings_of(placed)))
-    if src.checkpoint is not None:
-        log_main(f"loading model checkpoint {src.checkpoint}")
-        return checkpoint.load_model(src.checkpoint, mesh=mesh, dtype=src.dtype,
-                                     param_dtype=model_cfg.param_dtype, remat=src.remat)
-    return params_lib.create_model(model_cfg, seed=cfg.seed, mesh=mesh, remat=src.remat)
+        path = convert_hf_once(cfg, mesh)
+        log_main(f"loading model.hf_dir's weights from {path}")
+    elif src.checkpoint is not None:
+        path = src.checkpoint
+        log_main(f"loading model checkpoint {path}")
+    else:
+        return params_lib.create_model(model_cfg, seed=cfg.seed, mesh=mesh, remat=src.remat)
+    try:
+        model = checkpoint.load_model(path, mesh=mesh, dtype=src.dtype,
+                                      param_dtype=model_cfg.param_dtype, remat=src.remat)
+    except checkpoint.CheckpointError as e:
+        if src.hf_dir is None:
+            raise
+        raise checkpoint.CheckpointError(f"{e}; delete {path} to convert model.hf_dir again") from None
+    if model.cfg != model_cfg:  # settled from the same files before any weight was read
+        raise TrainError(f"the weights in {path} are of another model than this run's config "
+                         f"(was {src.hf_dir or path} changed during the launch?)")
+    return model
+
+
+def convert_hf_once(cfg: TrainConfig, mesh) -> str:
+    """RUN_DIR/converted: model.hf_dir as a prove-jax checkpoint stored in chunks of this run's
+    shards, so that every host then reads only its own shards (no host holds the whole model
+    but host 0 while converting). Host 0 converts, the others wait; a relaunch reuses it while
+    the HF files and the mesh are unchanged (`convert.conversion_stale`)."""
+    from prove_jax.checkpoints import convert
+    hf_dir, out = cfg.model.hf_dir, os.path.join(cfg.run_dir, CONVERTED_DIR)
+
+    def convert_unless_current():
+        why = convert.conversion_stale(hf_dir, out, mesh)
+        if why is None:
+            log_main(f"reusing {out}, converted from {hf_dir} by an earlier launch")
+            return
+        again = f" again ({why})" if os.path.exists(out) else ""
+        log_main(f"converting {hf_dir} into {out}{again}, on host 0 alone; every host then reads "
+                 f"its own shards from there")
+        convert.hf_to_flax(hf_dir, out, overwrite=True, progress=True, mesh=mesh, record_source=True)
+
+    on_main_host_first(convert_unless_current, f"convert model.hf_dir {hf_dir}")
+    return out
+
+
+def on_main_host_first(fn: Callable[[], None], what: str) -> None:
+    """`fn()` on host 0 while the other hosts wait. When it raises there, every host stops: host 0
+    with its error, the others with a line pointing at host 0's log (instead of a collective
+    timing out later)."""
+    error = None
+    if distributed.is_main_process():
+        try:
+            fn()
+        except BaseException as e:  # passed on below, after the other hosts heard of it
+            error = e
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        if not ok and error is None:
+            raise TrainError(f"host 0 could not {what}; its log says why")
+    if error is not None:
+        raise error
 
 
 def _with_mask_token(cfg: TrainConfig, tokenizer, model_cfg: ModelConfig):
@@ -204,13 +258,19 @@ def _with_mask_token(cfg: TrainConfig, tokenizer, model_cfg: ModelConfig):
 
 # ---- export -------------------------------------------------------------------------------
 
-def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, tokenizer_dir: str) -> str:
+def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, tokenizer_dir: str,
+                 dtype: str | None = None) -> str:
     """RUN_DIR/model: a prove_jax model checkpoint that `checkpoint.load_model` reads.
 
     Single process: checkpoint.save_model (atomic rename). Several processes: every host writes
     its shards through orbax (itself atomic: a temp folder finalised by the primary host), then
-    host 0 adds config and tokenizer files.
+    host 0 adds config and tokenizer files. `dtype` (the run's `export_dtype`) stores the
+    weights in that dtype instead of the trained one (bfloat16: half the size, for inference).
     """
+    if dtype is not None and dtype != model_cfg.param_dtype:
+        params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                              else x, params)  # each shard where it lies
+        model_cfg = model_cfg.replace(param_dtype=dtype)
     if jax.process_count() == 1:
         return checkpoint.save_model(path, nnx.merge(graphdef, params), model_cfg, tokenizer_dir)
     import orbax.checkpoint as ocp
@@ -227,22 +287,28 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
 EXPORT_MARKER = "export.json"  # in RUN_DIR/model: {"step": the train step the weights are from}
 
 
-def exported_step(model_dir: str) -> int | None:
+def exported_step(model_dir: str, dtype: str | None = None) -> int | None:
     """The step recorded with an export, None when there is none (or an older export without
-    the record, which is then redone)."""
+    the record, or, given `dtype`, one whose weights are stored in another dtype: then it is
+    redone)."""
     try:
         with open(os.path.join(model_dir, EXPORT_MARKER)) as f:
             step = json.load(f).get("step")
     except (OSError, ValueError, AttributeError):
         return None
     complete = os.path.isfile(os.path.join(model_dir, "config.json"))
+    if complete and dtype is not None:
+        try:
+            complete = checkpoint.load_config(model_dir).param_dtype == dtype
+        except checkpoint.CheckpointError:
+            complete = False
     return step if isinstance(step, int) and complete else None
 
 
 def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: ModelConfig,
-                   tokenizer_dir: str) -> str:
+                   tokenizer_dir: str, dtype: str | None = None) -> str:
     """export_model, then the step record; written last, so a cut-short export has none."""
-    export_model(path, graphdef, params, model_cfg, tokenizer_dir)
+    export_model(path, graphdef, params, model_cfg, tokenizer_dir, dtype)
     if distributed.is_main_process():
         files.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
     distributed.barrier("export_marked")
@@ -392,9 +458,11 @@ def changed_settings(run_dir: str, cfg: TrainConfig) -> list[str]:
 # change would make the relaunch no continuation of the run it resumes.
 OPERATIONAL_SETTINGS = frozenset({
     "steps", "log_every", "save_every", "keep", "export_every_save", "async_save", "target_chip",
-    "mesh", "optimizer.grad_accum", "model.remat", "model.shape_preset", "proposer_shape_preset",
+    "mesh", "optimizer.grad_accum", "model.remat", "model.scan_layers", "compilation_cache_dir",
+    "model.shape_preset", "proposer_shape_preset",
     "run_dir",  # a run dir moved elsewhere
-    "model.hf_dir", "model.checkpoint"})  # a resumed run reads no initial weights
+    "model.hf_dir", "model.checkpoint",  # a resumed run reads no initial weights
+    "export_dtype"})  # the export only
 
 
 RETUNABLE_PREFIX = "optimizer."
@@ -474,7 +542,9 @@ def restore_run(ckpts: RunCheckpoints, layout, data_iter, cfg: TrainConfig):
 
 def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], None]):
     """The jitted train step compiled once for the run's shapes, before any weight is loaded;
-    refused with the sizes when the devices cannot hold it (state, gradients, activations)."""
+    refused with the sizes when the devices cannot hold it (state, gradients, activations).
+    With `compilation_cache_dir` a relaunch reads it from there instead."""
+    use_compilation_cache(cfg.compilation_cache_dir)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(layout.abstract, abstract_batch(
@@ -484,7 +554,7 @@ def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], N
                       f"a train step of {cfg.global_batch_size} x {cfg.max_length} tokens (model and "
                       f"optimizer state, gradients, activations)", error=TrainError, with_arguments=True,
                       advice="lower global_batch_size or max_length, raise optimizer.grad_accum, set "
-                             "model.remat=true, or use more devices")
+                             "model.remat=full (or dots), or use more devices")
     return compiled
 
 
@@ -528,7 +598,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     # the data is read and checked before the step compiles and before the run dir is written
     data_iter = make_data_iterator(cfg, tokenizer, log)
     tx = make_optimizer(cfg.optimizer, cfg.steps)
-    layout = state_layout(params_lib.abstract_model(train_cfg, cfg.model.remat), tx, mesh)
+    layout = state_layout(params_lib.abstract_model(train_cfg, cfg.model.remat, cfg.model.scan_layers),
+                          tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
                            mask_token_id=train_cfg.mask_token_id, ar_weight=cfg.ar_weight)
     step_fn = compile_step(jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
@@ -598,7 +669,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                     if cfg.export_every_save and done != cfg.steps and not preempted:
                         ckpts.wait()
                         export_at_step(os.path.join(run_dir, "model"), done, layout.graphdef,
-                                       state["params"], train_cfg, tok_dir)
+                                       state["params"], train_cfg, tok_dir, cfg.export_dtype)
                 if preempted:  # the kill follows the notice: the checkpoint only, then stop
                     ckpts.wait()
                     break
@@ -614,11 +685,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     final = end if end > start else start
     model_dir = None
     exported = os.path.join(run_dir, "model")
-    if final == cfg.steps and start == final and exported_step(exported) == final:
+    export_dtype = cfg.export_dtype or train_cfg.param_dtype
+    if final == cfg.steps and start == final and exported_step(exported, export_dtype) == final:
         model_dir = exported  # a finished run relaunched, its export complete: nothing to redo
     elif final == cfg.steps:
         model_dir = export_at_step(exported, final, layout.graphdef, state["params"], train_cfg,
-                                   tok_dir)
+                                   tok_dir, cfg.export_dtype)
         log(f"exported the trained model to {model_dir}")
     return TrainResult(run_dir=run_dir, start_step=start, final_step=final, records=records,
                        model_cfg=train_cfg, state=state, model_dir=model_dir)
