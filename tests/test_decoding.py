@@ -594,8 +594,8 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
     for case, expect in [
         (["--model", str(tmp_path / "missing")], "checkpoint not found"),
         (["--model", ckpt, "--mode", "nope"], "invalid choice: 'nope'"),
-        (["--model", ckpt, "--batch-size", "0"], "batch size must be >= 1"),
-        (["--model", ckpt, "--mode", "lossless", "--block-size", "0"], "block size must be >= 1"),
+        (["--model", ckpt, "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--model", ckpt, "--mode", "lossless", "--block-size", "0"], "--block-size must be >= 1"),
         (["--model", ckpt, "--mode", "lossless", "--block-size", "500"],
          "lossless K=500 with 500 mask groups feeds 250000 tokens per step"),
     ]:

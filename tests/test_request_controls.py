@@ -152,7 +152,8 @@ def test_generate_cli_reads_sampling_fields_per_request(tmp_path, capsys):
 @pytest.mark.parametrize("flags,message", [(["--top-p", "0"], "--top-p must be in (0, 1]"),
                                            (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
                                            (["--temperature", "-1"], "--temperature must be a number >= 0"),
-                                           (["--logprobs", "21"], "logprobs must be between 0 and 20")])
+                                           (["--logprobs", "21"], "--logprobs must be between 0 and 20"),
+                                           (["--groups", "0"], "--groups must be >= 1")])
 def test_generate_errors_name_the_flag(flags, message, capsys):
     from prove_jax.cli import generate
     assert generate.main(["--prompt", "x", *flags]) == 2

@@ -184,7 +184,8 @@ def check_mode_options(args) -> None:
 
 
 def decode_options(args) -> DecodeOptions:
-    """The validated DecodeOptions the parsed arguments ask for (after check_mode_options).
+    """The validated DecodeOptions the parsed arguments ask for (after check_mode_options); an
+    error names the flag.
 
     K defaults to 8, and to 4 for fixed-layout lossless (a K=4 step holds 16 tokens); adaptive
     and calibrated lossless default to 8, the widest layout of the GPU/TPU table (K only caps
@@ -195,10 +196,23 @@ def decode_options(args) -> DecodeOptions:
         block = 4 if args.mode == "lossless" and not (args.adaptive or args.calibrate) else 8
     given = {k: v for k, v in (("confidence", args.confidence), ("commit_rule", args.commit_rule),
                                ("tau_v", args.tau_v)) if v is not None}  # else DecodeOptions'
-    return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
-                         max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
-                         head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
-                         logprobs=args.logprobs, **given).validate()
+    if args.batch_size < 1:
+        raise DecodeError(f"--batch-size must be >= 1, got {args.batch_size}")
+    try:
+        return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
+                             max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
+                             head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
+                             logprobs=args.logprobs, **given).validate()
+    except DecodeError as e:  # the library's words for a setting -> the flag that set it
+        message = str(e)
+        for words, flag in OPTION_FLAGS.items():
+            if message.startswith(words + " "):
+                message = flag + message[len(words):]
+        raise DecodeError(message) from None
+
+
+OPTION_FLAGS = {"block size": "--block-size", "max groups": "--groups", "prefill chunk": "--prefill-chunk",
+                "tau": "--tau", "tau_v": "--tau-v", "head threshold": "--head-threshold", "logprobs": "--logprobs"}
 
 
 def default_params(args) -> SamplingParams:
