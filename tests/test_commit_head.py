@@ -134,7 +134,7 @@ def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
     ar = Decoder(proposer, [0], DecodeOptions("ar")).generate(_prompts(), 8).output_ids
     assert [json.loads(line)["output_ids"] for line in out.read_text().splitlines()] == ar
     assert generate.main(common + ["--head-threshold", "nan", "--output", str(tmp_path / "bad.jsonl")]) == 2
-    assert "head threshold must be a finite number" in capsys.readouterr().err
+    assert "--head-threshold must be a finite number" in capsys.readouterr().err
     assert not (tmp_path / "bad.jsonl").exists()
     r = subprocess.run(
         [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
