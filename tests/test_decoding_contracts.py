@@ -10,7 +10,6 @@ errors, labels and defaults.
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import jax

@@ -57,7 +57,6 @@ def test_output_text_leaves_out_the_eos_the_ids_keep(tmp_path, demo_tok):
     without special tokens."""
     eos = demo_tok.eos_token_id
     body = demo_tok.encode("x = 1", add_special_tokens=False)
-    out = tmp_path / "out.jsonl"
     result = requests.RequestResult(body + [eos], "stop", {"generated_tokens": len(body) + 1})
     row = requests.output_record("a", result, demo_tok)
     assert row["output_ids"] == body + [eos]

@@ -151,3 +151,22 @@ def test_proposer_32b_compiles_for_its_v5p_slice_and_fits():
     assert c is not None and c.topology == "v5p:4x8x8"
     assert c.argument_bytes >= report.param_bytes + report.opt_bytes
     assert report.compiled_fits, report.describe()
+
+
+def test_a_step_too_large_for_the_chip_is_one_error_with_xlas_numbers():
+    """libtpu refuses a program that needs more HBM than a chip has (remat none at 32B on v5p:
+    103.7 GiB of temporaries): the dry run says so in one line, no traceback."""
+    import jax
+
+    from prove_jax.errors import ProveJaxError
+    from prove_jax.training import aot
+
+    class Lowered:
+        def compile(self):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                                             "required for HLO temporaries (103.68G) exceeds available HBM "
+                                             "(95.74G).\nmore lines")
+    with pytest.raises(aot.DoesNotFit, match=r"does not fit a chip of v5p:4x8x8: XLA: RESOURCE_EXHAUSTED.*103.68G"
+                                             r".*model.remat=full") as info:
+        aot.compile_stats(Lowered(), "v5p:4x8x8")
+    assert isinstance(info.value, ProveJaxError) and "\n" not in str(info.value)

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import numpy as np
@@ -25,6 +25,9 @@ from prove_jax.decoding.program import ProgramSettings, step_shape
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
 from prove_jax.models.sharding import batch_shards
+
+if TYPE_CHECKING:  # stream.py imports this module's neighbours; the class is made in stream()
+    from prove_jax.decoding.stream import DecodeStream
 
 
 def check_step_width(options: DecodeOptions, max_buffer: int) -> None:

@@ -15,7 +15,7 @@ from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.sampling import GREEDY, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
-from prove_jax.decoding.stream import RequestOutput, StreamEvent
+from prove_jax.decoding.stream import RequestOutput
 from prove_jax.data.jsonl import read_jsonl
 
 

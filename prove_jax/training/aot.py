@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from prove_jax.errors import ProveJaxError
+
 # Chips of a slice by topology: v4/v5p are 3D tori, v5e/v6e 2D (the shapes Cloud TPU offers).
 _TOPOLOGY_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
                 256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
@@ -98,10 +100,22 @@ def collective_counts(hlo_text: str) -> dict:
     return out
 
 
+class DoesNotFit(ProveJaxError, ValueError):
+    """XLA refused to compile a program for a TPU slice: it needs more memory than a chip has."""
+
+
 def compile_stats(lowered, topology: str) -> CompiledStats:
-    """Compile a `jax.stages.Lowered` for its topology and read its memory and collectives."""
+    """Compile a `jax.stages.Lowered` for its topology and read its memory and collectives.
+    A program too large for a chip raises DoesNotFit with XLA's numbers, not its traceback."""
+    import jax
     t0, cpu0 = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise DoesNotFit(f"the step does not fit a chip of {topology}: XLA: {str(e).splitlines()[0]} "
+                         f"(lower the memory: model.remat=full, a larger slice, a smaller batch)") from None
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     memory = compiled.memory_analysis()
     return CompiledStats(topology=topology, compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
