@@ -252,20 +252,13 @@ class Decoder:
         sampling, a request's own `max_new_tokens` and its stop tokens; a request without a
         seed gets `request_seed(seed, i)`. (Stop strings need text: see requests.py.)
         """
-        if max_new_tokens < 1:
-            raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if batch_size is not None and batch_size < 1:
-            raise DecodeError(f"batch size must be >= 1, got {batch_size}")
+        params, budgets, seeds = self._prepare(prompts, max_new_tokens, batch_size, params, seed)
         n = len(prompts)
-        params = _per_request(params, n)
-        budgets = [p.max_new_tokens or max_new_tokens for p in params]
-        self.check_prompts(prompts, budgets)
         rows = self.rows(batch_size or n, max(n, queue_size or 0))
         num_requests = _round_up(max(n, queue_size or 0), rows)  # whole rows: shards like the batch
         options = adapt_for_batch(self.options, rows, table=self.adaptive_table)
         width = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
         num_slots = self.buffer_len(width, max(budgets))
-        seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
         requests = self._request_arrays(prompts, budgets, params, seeds, num_requests, width)
         args = [self.state, self.verifier_state, self.head_state, requests]
         if self.mesh is not None:
@@ -311,27 +304,33 @@ class Decoder:
         prefilled together (stream.py). `params` and `seed` are as in `generate`; `log` gets a
         line before each compile.
         """
-        if max_new_tokens < 1:
-            raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if batch_size is not None and batch_size < 1:
-            raise DecodeError(f"batch size must be >= 1, got {batch_size}")
         if chunk_steps < 1:
             raise DecodeError(f"chunk steps must be >= 1, got {chunk_steps}")
         from prove_jax.decoding.stream import DecodeStream
+        params, budgets, seeds = self._prepare(prompts, max_new_tokens, batch_size, params, seed)
         n = len(prompts)
-        params = _per_request(params, n)
-        budgets = [p.max_new_tokens or max_new_tokens for p in params]
-        self.check_prompts(prompts, budgets)
         rows = self.rows(batch_size or 1, n)
         options = adapt_for_batch(self.options, rows, table=self.adaptive_table)
         width = _round_up(max(len(x) for x in prompts), 16)
-        seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
         # one request more, with no budget: what a row with no request holds
         requests = self._request_arrays(list(prompts) + [[self.pad_id]], budgets + [0],
                                         params + [GREEDY], seeds + [0], n + 1, width)
         settings = dataclasses.replace(self.program_settings(options, rows, self.buffer_len(width, max(budgets))),
                                        sampler=Sampler.for_requests(params))
         return DecodeStream(self, requests, seeds, settings, chunk_steps, log)
+
+    def _prepare(self, prompts, max_new_tokens: int, batch_size: int | None, params, seed: int):
+        """What `generate` and `stream` both check and derive: each request's validated
+        SamplingParams, token budget and seed."""
+        if max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if batch_size is not None and batch_size < 1:
+            raise DecodeError(f"batch size must be >= 1, got {batch_size}")
+        params = _per_request(params, len(prompts))
+        budgets = [p.max_new_tokens or max_new_tokens for p in params]
+        self.check_prompts(prompts, budgets)
+        seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
+        return params, budgets, seeds
 
     def _batch_sharding(self):
         """Requests and rows split over the mesh's batch axes; None without a mesh."""

@@ -181,6 +181,32 @@ class RequestResult:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
+def _stop_strings(params: SamplingParams, tokenizer) -> StopStrings:
+    if tokenizer is None:
+        raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
+                          "use stop_token_ids")
+    return StopStrings(tokenizer, params.stop)
+
+
+def _feed_blocks(stops: StopStrings, ids: Sequence[int], blocks: Sequence[int]) -> bool:
+    """Feed `ids` to `stops` block by block, as decoding committed them; whether one stopped it
+    (a stop string is looked for as each block arrives, so the cut never depends on block size)."""
+    start = 0
+    for n in blocks:
+        if stops.feed(ids[start: start + n]):
+            return True
+        start += n
+    return False
+
+
+def _cut_at_stop(result: RequestResult, stops: StopStrings) -> RequestResult:
+    """`result` ended where `stops` (fed its blocks) found the first stop string."""
+    kept = len(stops.ids)
+    return dataclasses.replace(result, output_ids=result.output_ids[:kept], finish_reason="stop",
+                               text=stops.text, stop=stops.stopped_by,
+                               logprobs=None if result.logprobs is None else result.logprobs[:kept])
+
+
 def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> RequestResult:
     """Request i of a decode call, cut at its first stop string (found on the decoded text as
     the committed blocks arrive; needs a tokenizer)."""
@@ -189,20 +215,22 @@ def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> Re
                            logprobs=None if batch.logprobs is None else batch.logprobs[i])
     if not params.stop:
         return result
-    if tokenizer is None:
-        raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
-                          "use stop_token_ids")
-    stops = StopStrings(tokenizer, params.stop)
+    stops = _stop_strings(params, tokenizer)
     blocks = batch.step_commits[i] if batch.step_commits is not None else [len(ids)]
-    start = 0
-    for n in blocks:
-        if stops.feed(ids[start: start + n]):
-            kept = len(stops.ids)
-            return dataclasses.replace(result, output_ids=ids[:kept], finish_reason="stop", text=stops.text,
-                                       stop=stops.stopped_by,
-                                       logprobs=None if result.logprobs is None else result.logprobs[:kept])
-        start += n
-    return result
+    return _cut_at_stop(result, stops) if _feed_blocks(stops, ids, blocks) else result
+
+
+def summarize(results: Sequence[RequestResult], mode: str, setting: str, seconds: float,
+              compile_seconds: float) -> dict:
+    """Throughput and counts of finished requests: the summary a run prints and writes."""
+    stats = [r.stats for r in results]
+    total = sum(s["generated_tokens"] for s in stats)
+    fwd = sum(s["proposer_forwards"] for s in stats)
+    return {"mode": mode, "setting": setting, "requests": len(results), "generated_tokens": total,
+            "decode_seconds": seconds, "compile_seconds": compile_seconds,
+            "tokens_per_second": total / seconds if seconds else 0.0,
+            "tokens_per_forward": total / fwd if fwd else 0.0, "proposer_forwards": fwd,
+            "verifier_forwards": sum(s["verifier_forwards"] for s in stats)}
 
 
 class RequestStream:
@@ -214,23 +242,16 @@ class RequestStream:
                  batch_size: int, params: Sequence[SamplingParams] | None = None, tokenizer=None,
                  chunk_steps: int = 16, log=None):
         self.params = list(params) if params is not None else [GREEDY] * len(prompts)
-        if tokenizer is None and any(p.stop for p in self.params):
-            raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
-                              "use stop_token_ids")
-        self.stops = {i: StopStrings(tokenizer, p.stop) for i, p in enumerate(self.params) if p.stop}
+        self.stops = {i: _stop_strings(p, tokenizer) for i, p in enumerate(self.params) if p.stop}
         self.stream = decoder.stream(prompts, max_new_tokens, batch_size=batch_size, params=self.params,
                                      chunk_steps=chunk_steps, log=log)
 
     def __iter__(self):
         for event in self.stream:
             stops = self.stops.get(event.index)
-            if stops is not None and not stops.stopped:
-                start = 0
-                for n in event.blocks or [len(event.new_ids)]:
-                    if stops.feed(event.new_ids[start: start + n]):
-                        self.stream.cancel(event.index)
-                        break
-                    start += n
+            if stops is not None and not stops.stopped and \
+                    _feed_blocks(stops, event.new_ids, event.blocks or [len(event.new_ids)]):
+                self.stream.cancel(event.index)
             yield event, None if event.output is None else self._result(event.index, event.output)
 
     def _result(self, index: int, out: RequestOutput) -> RequestResult:
@@ -238,25 +259,12 @@ class RequestStream:
                                stats=_stats(len(out.output_ids), out.forwards, out.verifier_forwards,
                                             out.accept_hist), logprobs=out.logprobs)
         stops = self.stops.get(index)
-        if stops is None or not stops.stopped:
-            return result
-        kept = len(stops.ids)
-        return dataclasses.replace(result, output_ids=out.output_ids[:kept], finish_reason="stop",
-                                   text=stops.text, stop=stops.stopped_by,
-                                   logprobs=None if out.logprobs is None else out.logprobs[:kept])
+        return result if stops is None or not stops.stopped else _cut_at_stop(result, stops)
 
     def summary(self, results: Sequence[RequestResult]) -> dict:
         """Throughput and counts of `results` (this stream's finished requests)."""
-        stats = [r.stats for r in results]
-        total = sum(s["generated_tokens"] for s in stats)
-        fwd = sum(s["proposer_forwards"] for s in stats)
-        seconds = self.stream.seconds
-        return {"mode": self.stream.options.mode, "setting": describe_options(self.stream.options),
-                "requests": len(results), "generated_tokens": total, "decode_seconds": seconds,
-                "compile_seconds": self.stream.compile_seconds,
-                "tokens_per_second": total / seconds if seconds else 0.0,
-                "tokens_per_forward": total / fwd if fwd else 0.0, "proposer_forwards": fwd,
-                "verifier_forwards": sum(s["verifier_forwards"] for s in stats)}
+        return summarize(results, self.stream.options.mode, describe_options(self.stream.options),
+                         self.stream.seconds, self.stream.compile_seconds)
 
 
 QUEUE_BATCHES = 16  # requests per generate call = this many batches (progress + bounded buffers)
@@ -297,19 +305,7 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
             done = sum(len(r.output_ids) for r in results)
             print(f"[{len(results)}/{len(prompts)} requests] {done} tokens, {seconds:.2f}s decode, "
                   f"{compile_s:.1f}s compile", file=sys.stderr, flush=True)
-    stats = [r.stats for r in results]
-    total = sum(s["generated_tokens"] for s in stats)
-    fwd = sum(s["proposer_forwards"] for s in stats)
-    summary = {
-        "mode": decoder.options.mode, "setting": ", ".join(sorted(ran)),
-        "requests": len(prompts), "generated_tokens": total,
-        "decode_seconds": seconds, "compile_seconds": compile_s,
-        "tokens_per_second": total / seconds if seconds else 0.0,
-        "tokens_per_forward": total / fwd if fwd else 0.0,
-        "proposer_forwards": fwd,
-        "verifier_forwards": sum(s["verifier_forwards"] for s in stats),
-    }
-    return results, summary
+    return results, summarize(results, decoder.options.mode, ", ".join(sorted(ran)), seconds, compile_s)
 
 
 def describe_options(options: DecodeOptions) -> str:
