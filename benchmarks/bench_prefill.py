@@ -15,7 +15,6 @@ Writes benchmarks/prefill.json and benchmarks/prefill.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -57,16 +56,12 @@ def main(argv=None) -> int:
 
     from prove_jax import assets
     from prove_jax.evaluation import benchmark as bench_lib
-    from prove_jax.evaluation import humaneval
-    from prove_jax.files import atomic_write_text
     from prove_jax.decoding.calibrate import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions, default_prefill_chunk
-    from prove_jax.decoding.requests import encode_prompts
 
     inflate = None if args.inflate == "none" else args.inflate
     pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
-    records = humaneval.prompt_records(humaneval.load_problems(limit=args.humaneval))
-    prompts = encode_prompts(records, pair.tokenizer)  # as `prove-jax benchmark` and `prove-jax generate` do
+    prompts = bench_lib.humaneval_prompts(pair.tokenizer, args.humaneval)
     lengths = np.array([len(p) for p in prompts])
     rows = []
     for b in args.batch_sizes:
@@ -84,10 +79,8 @@ def main(argv=None) -> int:
             bench_lib.log(f"  chunk {c}: {best[c]:.2f} s")
     meta = {"proposer": assets.DEMO_PROPOSER, "inflated_to": inflate, "prompts": len(prompts),
             "prompt_tokens": int(lengths.sum()), "prompt_lengths": [int(x) for x in lengths],
-            "repeats": args.repeats, "device": bench_lib.cpu_description() if jax.default_backend() == "cpu"
-            else jax.devices()[0].device_kind, "jax": jax.__version__,
+            "repeats": args.repeats, "device": bench_lib.device_description(), "jax": jax.__version__,
             "default_chunk": default_prefill_chunk()}
-    atomic_write_text(os.path.join(args.out, "prefill.json"), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     shape = f"inflated to the {inflate} shape" if inflate else "at its own shape"
     md = ["# Prefill by chunk size (`benchmarks/bench_prefill.py`)", "",
           f"The shipped proposer {shape}; the first {len(prompts)} HumanEval prompts "
@@ -97,8 +90,7 @@ def main(argv=None) -> int:
           "| batch | chunk | seconds | vs fastest | padded prompt tokens |", "|---|---|---|---|---|"]
     md += [f"| {r['batch_size']} | {r['chunk']} | {r['seconds']:.2f} | {r['relative_to_fastest']:.2f}x | "
            f"{r['padded_token_share']:.0%} |" for r in rows]
-    atomic_write_text(os.path.join(args.out, "prefill.md"), "\n".join(md) + "\n")
-    print(f"wrote {os.path.join(args.out, 'prefill.json')}, {os.path.join(args.out, 'prefill.md')}")
+    bench_lib.write_results(args.out, "prefill", {"meta": meta, "rows": rows}, md)
     return 0
 
 

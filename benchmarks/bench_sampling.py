@@ -16,7 +16,6 @@ Writes NAME.json and NAME.md under --out (default runs/benchmarks/, name samplin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -56,15 +55,11 @@ def main(argv=None) -> int:
     from prove_jax import assets
     from prove_jax.decoding import DecodeOptions, SamplingParams
     from prove_jax.decoding.calibrate import fastest_interleaved
-    from prove_jax.decoding.requests import encode_prompts
     from prove_jax.evaluation import benchmark as bench_lib
-    from prove_jax.evaluation import humaneval
-    from prove_jax.files import atomic_write_text
 
     inflate = None if args.inflate == "none" else args.inflate
     pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
-    records = humaneval.prompt_records(humaneval.load_problems(limit=args.humaneval))
-    prompts = encode_prompts(records, pair.tokenizer)
+    prompts = bench_lib.humaneval_prompts(pair.tokenizer, args.humaneval)
     settings = {"ar": DecodeOptions("ar"),
                 "lossless": DecodeOptions("lossless", args.block_size, max_groups=args.groups)}
     results, runs = {}, {}
@@ -94,13 +89,11 @@ def main(argv=None) -> int:
                          "speedup_vs_ar": rate / ar_rate})
             bench_lib.log(f"  T={t:g} {mode}: {rows[-1]['tokens_per_forward']:.2f} tok/fwd, "
                           f"{rate:.1f} tok/s, {rows[-1]['speedup_vs_ar']:.2f}x")
-    device = bench_lib.cpu_description() if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    device = bench_lib.device_description()
     meta = {"proposer": "demo proposer", "inflated_to": inflate, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "batch_size": 1, "lossless": {"K": args.block_size,
                                                                                    "groups": args.groups},
             "repeats": args.repeats, "device": device, "jax": jax.__version__}
-    os.makedirs(args.out, exist_ok=True)
-    atomic_write_text(os.path.join(args.out, args.name + ".json"), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     shape = f"inflated to the {inflate} shape" if inflate else "at its own shape (4M parameters, in cache)"
     md = ["# Lossless vs AR sampling by temperature (`benchmarks/bench_sampling.py`)", "",
           f"The shipped proposer {shape}; the first {len(prompts)} HumanEval prompts x "
@@ -111,8 +104,7 @@ def main(argv=None) -> int:
           "| temperature | mode | tokens/forward | tok/s | speedup vs ar |", "|---|---|---|---|---|"]
     md += [f"| {r['temperature']:g} | {r['mode']} | {r['tokens_per_forward']:.2f} | {r['tokens_per_second']:.1f} | "
            f"{r['speedup_vs_ar']:.2f}x |" for r in rows]
-    atomic_write_text(os.path.join(args.out, args.name + ".md"), "\n".join(md) + "\n")
-    print(f"wrote {os.path.join(args.out, args.name)}.json and .md")
+    bench_lib.write_results(args.out, args.name, {"meta": meta, "rows": rows}, md)
     return 0
 
 

@@ -17,7 +17,6 @@ Writes stream.json and stream.md under --out (default runs/benchmarks/).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -57,7 +56,6 @@ def main(argv=None) -> int:
     from prove_jax.decoding.requests import RequestStream, encode_prompts, run_requests
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.evaluation import humaneval
-    from prove_jax.files import atomic_write_text
 
     pair = bench_lib.load_pair(assets.DEMO_PROPOSER)
     base = encode_prompts(humaneval.prompt_records(humaneval.load_problems()), pair.tokenizer)
@@ -102,12 +100,10 @@ def main(argv=None) -> int:
                          "tokens_per_second": tokens / seconds,
                          "vs_generate": best[(mode, "generate")] / seconds})
             bench_lib.log(f"  {m} {how}: {seconds:.2f} s, {tokens / seconds:.0f} tok/s")
-    device = bench_lib.cpu_description() if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    device = bench_lib.device_description()
     meta = {"requests": args.requests, "batch_size": args.batch_size, "prompt_tokens": [min(map(len, prompts)),
             max(map(len, prompts))], "budgets": [min(budgets), max(budgets)], "repeats": args.repeats,
             "device": device, "jax": jax.__version__}
-    os.makedirs(args.out, exist_ok=True)
-    atomic_write_text(os.path.join(args.out, "stream.json"), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = ["# A batch job: one-call engine vs chunked loop (`benchmarks/bench_stream.py`)", "",
           f"{args.requests} requests (HumanEval prompts cut to {meta['prompt_tokens'][0]}-{meta['prompt_tokens'][1]} "
           f"tokens, budgets {meta['budgets'][0]}-{meta['budgets'][1]} new tokens) at batch {args.batch_size}, the "
@@ -118,8 +114,7 @@ def main(argv=None) -> int:
           "| mode | engine | seconds | tok/s | vs generate |", "|---|---|---|---|---|"]
     md += [f"| {r['mode']} | {r['engine']} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} | "
            f"{r['vs_generate']:.2f}x |" for r in rows]
-    atomic_write_text(os.path.join(args.out, "stream.md"), "\n".join(md) + "\n")
-    print(f"wrote {os.path.join(args.out, 'stream')}.json and .md")
+    bench_lib.write_results(args.out, "stream", {"meta": meta, "rows": rows}, md)
     return 0
 
 

@@ -69,6 +69,30 @@ def cpu_description() -> str:
     return f"{name}, {'AVX-512' if avx512 else 'no AVX-512'}, {default_cpu_form()} matmuls"
 
 
+def device_description() -> str:
+    """What a benchmark ran on: the CPU description on CPU, else the accelerator's kind."""
+    return cpu_description() if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+
+
+def write_results(out_dir: str, name: str, doc: dict, md_lines: Sequence[str]) -> None:
+    """A benchmark's results as NAME.json and NAME.md under `out_dir`, each written whole."""
+    import json
+
+    from prove_jax.files import atomic_write_text
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    atomic_write_text(base + ".json", json.dumps(doc, indent=2) + "\n")
+    atomic_write_text(base + ".md", "\n".join(md_lines) + "\n")
+    print(f"wrote {base}.json and {base}.md")
+
+
+def humaneval_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
+    """The first `limit` HumanEval prompts, encoded as `prove-jax benchmark` and `generate` do."""
+    from prove_jax.decoding.requests import encode_prompts
+    from prove_jax.evaluation import humaneval
+    return encode_prompts(humaneval.prompt_records(humaneval.load_problems(limit=limit)), tokenizer)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
