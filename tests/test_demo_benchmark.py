@@ -343,6 +343,7 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     (["--modes", "ar,threshold", "--block-size", "0"], "--block-size must be >= 1, got 0"),
     (["--modes", "ar,verify", "--tau-vs=-0.5"], "--tau-vs are verifier probabilities"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
     (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),
     (["--dtype", "bfloat16", "--modes", "ar,hf_greedy"], "the transformers peers run float32"),
     # peers would time the 4M-parameter checkpoint on disk against our inflated 0.5B shape
@@ -426,6 +427,29 @@ def test_benchmark_interrupted_says_where_the_finished_batch_sizes_are(pair, tmp
     err = capsys.readouterr().err
     assert rc == 130 and "stopped" in err and "Traceback" not in err and "bench.json.partial" in err
     assert (tmp_path / "bench.json.partial").exists() and not (tmp_path / "bench.json").exists()
+
+
+def test_long_prompts_lead_with_the_others_and_end_with_their_own():
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    long = bench_lib.long_prompts(prompts, 8)
+    assert [len(p) for p in long] == [8, 8, 8]
+    assert long[0] == [7, 8, 9, 4, 5, 1, 2, 3]  # ... prompt 2, prompt 1, then its own
+    assert long[2] == [5, 1, 2, 3, 6, 7, 8, 9]  # cyclic: prompts 1 and 0 lead
+    assert bench_lib.long_prompts([[1, 2, 3]], 7) == [[3, 1, 2, 3, 1, 2, 3]]  # alone: itself again
+    assert bench_lib.long_prompts(prompts, 2) == prompts  # already that long: kept whole
+
+
+def test_benchmark_long_context_run_times_prompts_of_that_length_ungraded(pair, tmp_path, capsys):
+    out = tmp_path / "long"
+    rc = benchmark.main(["--model", pair[0], "--humaneval", "2", "--prompt-tokens", "300",
+                         "--max-new-tokens", "3", "--batch-sizes", "1", "--repeats", "1",
+                         "--modes", "ar,lossless", "--layouts", "2x2", "--no-adaptive", "--no-peers",
+                         "--out", str(out), "--png", "none"])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "long.json").read_text())
+    assert "to 300 tokens (not graded)" in doc["meta"]["prompts"] and not doc["meta"]["graded"]
+    ar, lossless = doc["records"]
+    assert ar["mode"] == "ar" and lossless["exact_match_with_ar"] == 1.0
 
 
 def test_benchmark_reports_go_under_runs_unless_asked(pair, tmp_path, monkeypatch, capsys):

@@ -91,3 +91,11 @@ def test_inflating_a_bfloat16_model_keeps_every_weight_bfloat16():
     big = inflate(create_model(src, seed=0), SHAPE)
     assert {str(v.dtype) for v in flat_params(big).values()} == {"bfloat16"}
     assert big.cfg.param_dtype == "bfloat16" and jnp.dtype(big.embed[...].dtype) == jnp.bfloat16
+
+
+def test_inflated_model_takes_the_shape_context_length():
+    """Long-context timing (`prove-jax benchmark --inflate P --prompt-tokens N`) needs the
+    preset's context, not the small source's."""
+    src = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, max_position_embeddings=2048)
+    assert inflated_config(src, preset("qwen2.5-0.5b")).max_position_embeddings == 32768

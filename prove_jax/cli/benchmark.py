@@ -116,6 +116,10 @@ def parse_args(argv=None):
                     help="run the proposer embedded in a larger preset shape with zero weights "
                          "(same outputs and tokens per forward, that shape's step cost; see "
                          "prove_jax/models/inflate.py): one of " + ", ".join(PRESETS))
+    ap.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                    help="long-context run: lead each prompt with the other prompts' tokens until it "
+                         "is N tokens long, the prompt itself last (speed only: not graded); with "
+                         "--inflate the model takes that preset's context length")
     ap.add_argument("--prefill-baseline", action="store_true",
                     help="also time ar with 1 new token per prompt (the prompts' prefill), "
                          "interleaved, and add a column: each mode's speedup without prefill")
@@ -349,6 +353,8 @@ def main(argv=None) -> int:
             modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=layouts, adaptive=args.adaptive, tau_vs=_float_list(args.tau_vs, "--tau-vs"),
             calibrated=args.calibrated, confidence=args.confidence)
+        if args.prompt_tokens is not None and args.prompt_tokens < 1:
+            raise bench_lib.BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         if args.repeats < 1:  # found before the models load, not after
             raise bench_lib.BenchError(f"--repeats must be >= 1, got {args.repeats}")
         if args.block_size < 1 and {"threshold", "verify"} & set(modes):
@@ -386,6 +392,10 @@ def main(argv=None) -> int:
                             for r, p in zip(records_in, prompts)]
         elif any(r is not None for r in references):
             raise bench_lib.BenchError(f"{args.model} has no tokenizer: grading needs the completions' text")
+        if args.prompt_tokens is not None:
+            prompts = bench_lib.long_prompts(prompts, args.prompt_tokens)
+            references = [None] * len(prompts)
+            prompts_desc += f", each led by the others' tokens to {args.prompt_tokens} tokens (not graded)"
         hf_models = None
         if peers_on:
             hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")

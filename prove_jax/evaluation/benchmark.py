@@ -93,6 +93,21 @@ def humaneval_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return encode_prompts(humaneval.prompt_records(humaneval.load_problems(limit=limit)), tokenizer)
 
 
+def long_prompts(prompts: Sequence[Sequence[int]], length: int) -> list[list[int]]:
+    """Each prompt led by the tokens of the prompts after it (cyclically) until it is `length`
+    tokens long, itself last: long-context prompts of real text for timing. A prompt already that
+    long is kept whole."""
+    out = []
+    for i, p in enumerate(prompts):
+        lead: list[int] = []
+        j = i
+        while len(lead) + len(p) < length:
+            j = (j + 1) % len(prompts)
+            lead = list(prompts[j]) + lead
+        out.append(lead[len(lead) + len(p) - length:] + list(p) if len(p) < length else list(p))
+    return out
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -50,8 +50,11 @@ def inflated_config(src: ModelConfig, shape: ModelConfig) -> ModelConfig:
         problems.append(f"query heads per kv head {group} < {src_group}")
     if problems:
         raise ConfigError("cannot inflate the model into this shape: " + "; ".join(problems))
+    # the shape's context length too: RoPE has no limit of its own, and long-context timing needs
+    # it (past the source's trained length the outputs are its extrapolation)
     return src.replace(
         **{f: getattr(shape, f) for f in SHAPE_FIELDS},
+        max_position_embeddings=max(src.max_position_embeddings, shape.max_position_embeddings),
         rms_norm_eps=src.rms_norm_eps * src.hidden_size / shape.hidden_size,
         rope_theta=src.rope_theta ** (shape.head_dim / src.head_dim))
 
