@@ -21,7 +21,7 @@ LAYERS = {"base": 0, "models": 1, "checkpoints": 2, "data": 2, "decoding": 3, "t
           "evaluation": 5, "cli": 6}
 BASE_MODULES = {"errors", "files", "distributed", "memory", "fieldtypes", "assets"}
 SUBCOMMANDS = ("generate", "train", "convert", "benchmark", "demo", "corpus", "distill", "evaluate",
-               "humaneval")
+               "humaneval", "task")
 
 
 def layer_of(module: str) -> str:

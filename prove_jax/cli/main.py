@@ -24,6 +24,7 @@ COMMANDS = {
     "distill": ("distill", "write self-distillation data: a proposer's own greedy continuations"),
     "evaluate": ("evaluate", "held-out NLL, perplexity and top-1 accuracy of checkpoints"),
     "humaneval": ("humaneval", "write HumanEval prompts as JSONL for generate"),
+    "task": ("task", "write a synthetic task's train and test sets (arithmetic word problems)"),
 }
 
 
