@@ -65,7 +65,16 @@ def main(argv=None) -> int:
     for path, overrides in parse_runs(args.runs):
         cfg = load_config(os.path.join(os.path.dirname(HERE), path), list(overrides))
         print(f"== {path} {' '.join(overrides)}", flush=True)
-        report = dry_run(cfg)
+        try:
+            report = dry_run(cfg)
+        except aot.DoesNotFit as e:  # a cell too large for its chip is a result: record it, go on
+            print(f"does not fit: {e}", flush=True)
+            rows.append({"config": path, "overrides": list(overrides), "objective": cfg.objective,
+                         "global_batch_size": cfg.global_batch_size, "max_length": cfg.max_length,
+                         "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
+                         "does_not_fit": str(e), "compiled": None})
+            write_results(rows, meta, args.out_dir)
+            continue
         print(report.describe(), flush=True)
         c = report.compiled
         rows.append({"config": path, "overrides": list(overrides), "chip": report.chip,
@@ -96,6 +105,11 @@ def write_results(rows: list[dict], meta: dict, out_dir: str) -> None:
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["compiled"]
+        if r.get("does_not_fit"):
+            md.append(f"| `{os.path.basename(r['config'])}` ({r['objective']}) | {r['remat']} | "
+                      f"{'scan' if r['scan_layers'] else 'unrolled'} | does not fit: {r['does_not_fit']} |"
+                      + " |" * 11)
+            continue
         coll = lambda k: f"{c['collectives'][k]['count']} ({c['collectives'][k]['bytes'] / GIB:.2f})"  # noqa: E731
         md.append(f"| `{os.path.basename(r['config'])}` ({r['model_params'] / 1e9:.1f}B, {r['objective']}) | "
                   f"{r['remat']} | {'scan' if r['scan_layers'] else 'unrolled'} | "

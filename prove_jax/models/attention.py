@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
+from prove_jax.models import attention_kernels
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -122,7 +123,10 @@ class Attention(nnx.Module):
             cache_k = write_step(cache_k, own[0], attn_mask.cache_len)
             cache_v = write_step(cache_v, own[1], attn_mask.cache_len)
             kv = (cache_k, cache_v)
-            out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
+            if kernels.attention == "xla":
+                out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
+            else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
+                out = _attend_cached_kernel(q, own, attn_mask.intra, kv, attn_mask.cache_len, kernels)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         out = checkpoint_name(dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels), "o_proj")
         return out, kv
@@ -188,6 +192,16 @@ def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: in
     s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
     return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
+
+
+def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOptions) -> jax.Array:
+    """`_attend_cached` with the committed span read by `kernels.attention`'s kernel."""
+    t, g = q.shape[1], q.shape[3]
+    grouped = _group_queries(q)
+    own_scores = _masked_scores(grouped, own[0], intra, t, g)
+    out = attention_kernels.attend_cached(kernels.attention, grouped, own_scores, own[1], cache,
+                                          cache_len, interpret=kernels.interpret, platform=kernels.platform)
+    return _ungroup_queries(out.astype(q.dtype), t, g)
 
 
 def cache_chunk(slots: int, rows: int = 1) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 MATMUL_FORMS = ("weight_major", "input_major", "plain")
+ATTENTION_KERNELS = ("xla", "pallas_gpu", "pallas_tpu")  # models/attention_kernels.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +26,21 @@ class KernelOptions:
     """Pad weight-major products to whole CPU kernel tiles (see benchmarks/step_cost.md)."""
     lm_head_one_pass: bool = True
     """Allow the lossless step to read the LM head once over every slot when few rows are extra."""
+    attention: str = "xla"
+    """How cached attention reads the committed slots: "xla" (chunked, models/attention.py) or a
+    shipped kernel (models/attention_kernels.py ATTENTION_KERNELS, e.g. "pallas_gpu")."""
+    interpret: bool = False
+    """Run a Pallas attention kernel in interpret mode (any backend; slow: for tests)."""
+    platform: str | None = None
+    """The platform the program is compiled for ("cpu", "gpu", "tpu"), checked against the
+    attention kernel; None: jax's default backend. Set it for an AOT compile for another one."""
 
     def __post_init__(self):
         if self.matmul_form is not None and self.matmul_form not in MATMUL_FORMS:
             raise ValueError(f"unknown matmul form {self.matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"unknown attention kernel {self.attention!r}; "
+                             f"choose one of {', '.join(ATTENTION_KERNELS)}")
 
 
 DEFAULT_KERNELS = KernelOptions()

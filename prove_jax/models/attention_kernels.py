@@ -1,0 +1,160 @@
+"""Cached attention through a kernel JAX ships, reading each row's own committed span.
+
+A step's queries see the committed slots [0, cache_len[b]) and, of the step's own tokens, those an
+intra mask allows (not plain causal in lossless/MARS steps), so no shipped kernel takes the whole
+mask. The work is split: the kernel attends to the committed span and returns its unnormalised
+output with its running max and normaliser; XLA attends to the step's few own keys; the two are
+merged exactly by those normalisers (one softmax over both, as in `attention._attend`).
+
+Kernels (`KernelOptions.attention`; both run on CPU with `KernelOptions.interpret`):
+  "pallas_gpu": jax.experimental.pallas.ops.gpu.decode_attention (split-k flash decoding; visits
+                each row's blocks only up to its cache_len).
+  "pallas_tpu": jax.experimental.pallas.ops.tpu.flash_attention with residuals (its private
+                `_flash_attention_impl`: the public call returns none), each row's span a segment:
+                slots past cache_len are masked but still visited. The TPU kernels that skip them
+                (paged_attention, ragged_paged_attention) return no log-sum-exp, so the exact
+                merge cannot use them. Cost at the 32B shape: benchmarks/attention_kernels.md.
+A buffer's last slots short of one kernel block (ALIGN) are read in XLA with the step's own keys.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+from prove_jax.errors import ProveJaxError
+from prove_jax.models.kernels import ATTENTION_KERNELS
+from prove_jax.models.sharding import logical_to_spec
+
+# backends each kernel compiles for; any backend in interpret mode
+KERNEL_BACKENDS = {"pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)}
+SPLITS = (16, 8, 4, 2, 1)  # split-k factors tried, most first (more splits: more parallel blocks)
+BLOCK_K = 128
+# slots a kernel block holds: the buffer's last slots short of a whole block are read in XLA
+ALIGN = {"pallas_gpu": 16, "pallas_tpu": 128}
+
+
+class AttentionKernelError(ProveJaxError, ValueError):
+    """The chosen attention kernel cannot run on this backend or shape."""
+
+
+def check_backend(kind: str, interpret: bool, backend: str | None = None) -> None:
+    """Raise unless kernel `kind` can run on `backend` (default: jax's)."""
+    backend = backend or jax.default_backend()
+    if kind in KERNEL_BACKENDS and not interpret and backend not in KERNEL_BACKENDS[kind]:
+        raise AttentionKernelError(
+            f"attention kernel {kind!r} runs on {'/'.join(KERNEL_BACKENDS[kind])}, not {backend} "
+            f"(use attention='xla', or interpret=True to emulate it)")
+
+
+def split_k(slots: int) -> tuple[int, int]:
+    """(k_splits, block_k) for `slots` (a multiple of 16) under decode_attention's constraints:
+    slots divisible by the splits, at least 16 slots a split, a split a whole number of blocks."""
+    for splits in SPLITS:
+        per = slots // splits
+        block = next((x for x in (BLOCK_K, 64, 32, 16) if per % x == 0), None)
+        if slots % splits == 0 and per >= 16 and block is not None:
+            return splits, block
+    raise AttentionKernelError(f"attention kernel 'pallas_gpu' needs a multiple of 16 slots, got {slots}")
+
+
+def _committed_gpu(q, cache_k, cache_v, cache_len, interpret: bool):
+    """q [B, K, Q, Dh] against cache [B, K, S, Dh] up to cache_len [B]: unnormalised output
+    [B, K, Q, Dh] (float32), normaliser l and max m [B, K, Q] (float32; l = 0 for an empty span)."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+    splits, block_k = split_k(cache_k.shape[2])
+    inner = functools.partial(
+        da.decode_attn_unbatched, sm_scale=q.shape[-1] ** -0.5, block_h=16, block_k=block_k,
+        k_splits=splits, num_warps=None, num_stages=2, grid=None, interpret=interpret, debug=False,
+        return_residuals=True, normalize_output=False)
+    b, k = q.shape[:2]
+    lens = jnp.broadcast_to(cache_len.astype(jnp.int32)[:, None], (b, k))
+    # vmapped over rows and kv heads where the cache lies (gqa's wrapper wants [B, S, K, Dh])
+    o, (l, m) = jax.vmap(jax.vmap(inner))(q, cache_k, cache_v, None, lens)
+    return o.astype(jnp.float32), l, m
+
+
+def _committed_tpu(q, cache_k, cache_v, cache_len, interpret: bool):
+    """`_committed_gpu` through the TPU flash-attention kernel with its residuals; each row's
+    span is a segment (slots past cache_len are another), so the kernel masks the rest of the
+    buffer but still visits it (the TPU kernels that skip it return no residuals)."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    b, k, nq, dh = q.shape
+    slots = cache_k.shape[2]
+    block_k = next((x for x in (512, 256, 128) if slots % x == 0), None)
+    if block_k is None:
+        raise AttentionKernelError(f"attention kernel 'pallas_tpu' needs a multiple of 128 slots, got {slots}")
+    # queries padded to whole sublane tiles (rows of 8); padded queries are dropped below
+    pad = -nq % 8
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    segments = fa.SegmentIds(q=jnp.ones((b, nq + pad), jnp.int32),
+                             kv=(jnp.arange(slots)[None, :] < cache_len[:, None]).astype(jnp.int32))
+    call = functools.partial(fa._flash_attention_impl, q, cache_k, cache_v, None, segments, True, False,
+                             dh ** -0.5, 1, min(nq + pad, 128),
+                             block_k, block_k, False)
+    if interpret:
+        with pltpu.force_tpu_interpret_mode():
+            o, l, m = call()
+    else:
+        o, l, m = call()
+    o, l, m = o[:, :, :nq], l[:, :, :nq], m[:, :, :nq]
+    return o.astype(jnp.float32) * l[..., None], l, m
+
+
+def _per_shard(call, q, cache_k, cache_v, cache_len):
+    """`call` on each device's rows and kv heads under the ambient mesh (a Pallas kernel cannot
+    be partitioned by XLA); a plain call without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not mesh.shape or any(t != AxisType.Auto for t in mesh.axis_types):
+        return call(q, cache_k, cache_v, cache_len)
+    rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh)
+    rows = P(*rows_heads[:1])
+    heads = P(*rows_heads, None, None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(heads, heads, heads, rows),
+                         out_specs=(heads, P(*rows_heads, None), P(*rows_heads, None)),
+                         check_vma=False)(q, cache_k, cache_v, cache_len)
+
+
+def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interpret: bool = False,
+                  platform: str | None = None):
+    """Attention of grouped queries q [B, K, Q, Dh] (Q = G*T) over the committed span of `cache`
+    (keys, values [B, K, S, Dh]) and the step's own values [B, K, T, Dh] with their masked scaled
+    float32 scores own_scores [B, K, Q, T]. Returns float32 [B, K, Q, Dh] (normalised).
+    `platform`: the one compiled for (None: jax's default backend)."""
+    check_backend(kind, interpret, platform)
+    committed = {"pallas_gpu": _committed_gpu, "pallas_tpu": _committed_tpu}.get(kind)
+    if committed is None:
+        raise AttentionKernelError(f"unknown attention kernel {kind!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+    cache_k, cache_v = cache
+    slots = cache_k.shape[2]
+    aligned = slots - slots % ALIGN[kind]
+    if aligned < slots:  # the last slots (less than one kernel block) are read here, with the step's own
+        dh = q.shape[-1]
+        tail_s = jnp.einsum("bkqd,bksd->bkqs", q, cache_k[:, :, aligned:].astype(q.dtype),
+                            preferred_element_type=jnp.float32) * dh ** -0.5
+        seen = (aligned + jnp.arange(slots - aligned))[None, :] < cache_len[:, None]  # [B, tail]
+        tail_s = jnp.where(seen[:, None, None, :], tail_s, jnp.finfo(jnp.float32).min)
+        own_scores = jnp.concatenate([tail_s, own_scores], axis=-1)
+        own_values = jnp.concatenate([cache_v[:, :, aligned:].astype(own_values.dtype), own_values], axis=2)
+    if aligned == 0:
+        shape = q.shape[:3]
+        acc_c, l_c, m_c = jnp.zeros(q.shape, jnp.float32), jnp.zeros(shape), jnp.full(shape, jnp.finfo(jnp.float32).min)
+    else:  # a buffer sized to whole blocks is passed as it lies (a prefix slice may be copied)
+        part = (lambda c: c) if aligned == slots else (lambda c: c[:, :, :aligned])
+        call = functools.partial(committed, interpret=interpret)
+        acc_c, l_c, m_c = _per_shard(call, q.astype(cache_k.dtype), part(cache_k), part(cache_v),
+                                     jnp.minimum(cache_len, aligned))
+    m_o = jnp.max(own_scores, axis=-1)
+    p = jnp.exp(own_scores - m_o[..., None])
+    l_o = jnp.sum(p, axis=-1)
+    acc_o = jnp.einsum("bkqt,bktd->bkqd", p.astype(own_values.dtype), own_values).astype(jnp.float32)
+    top = jnp.maximum(m_c, m_o)  # every query sees at least itself: m_o is finite
+    w_c, w_o = jnp.exp(m_c - top), jnp.exp(m_o - top)  # w_c = 0 for an empty committed span
+    norm = l_c * w_c + l_o * w_o
+    return (acc_c * w_c[..., None] + acc_o * w_o[..., None]) / norm[..., None]

@@ -1,0 +1,104 @@
+"""Cached attention through shipped kernels (models/attention_kernels.py) against the XLA path.
+
+The Pallas GPU decode kernel runs here in interpret mode (CPU); the oracle is the XLA path, which
+tests/test_decoding.py checks against transformers, and greedy AR decoding token for token."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.models import attention, attention_kernels
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.params import create_model
+from prove_jax.models.sharding import make_mesh
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
+GPU_INTERPRET = KernelOptions(attention="pallas_gpu", interpret=True)
+TPU_INTERPRET = KernelOptions(attention="pallas_tpu", interpret=True)
+KERNELS = [pytest.param(GPU_INTERPRET, id="pallas_gpu"), pytest.param(TPU_INTERPRET, id="pallas_tpu")]
+
+
+def _inputs(b=3, t=3, k=2, g=2, s=64, dh=8, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(keys[0], (b, t, k, g, dh), jnp.float32)
+    own = tuple(jax.random.normal(x, (b, k, t, dh), jnp.float32) for x in keys[1:3])
+    cache = tuple(jax.random.normal(x, (b, k, s, dh), jnp.float32) for x in keys[3:5])
+    return q, own, cache
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("slots,lens", [(64, (0, 17, 64 - 3)), (256, (200, 5, 129)), (48, (48, 1, 30)),
+                                        (200, (0, 199, 130)), (75, (70, 3, 64))])
+def test_kernel_matches_xla_on_ragged_rows(kernels, slots, lens):
+    """Ragged rows, an empty row, buffers of whole kernel blocks and not (the tail read in XLA)."""
+    q, own, cache = _inputs(s=slots)
+    cache_len = jnp.array(lens, jnp.int32)
+    # a non-causal intra mask (as lossless steps use), one per row
+    intra = jnp.array([[[1, 0, 1], [1, 1, 0], [0, 1, 1]],
+                       [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
+                       [[1, 1, 1], [0, 1, 0], [1, 0, 1]]], bool)
+    want = attention._attend_cached(q, own, intra, cache, cache_len)
+    got = attention._attend_cached_kernel(q, own, intra, cache, cache_len, kernels)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_kernel_ignores_slots_past_each_rows_length(kernels):
+    q, own, (ck, cv) = _inputs(s=256)
+    cache_len = jnp.array([10, 0, 33], jnp.int32)
+    intra = jnp.tril(jnp.ones((1, 3, 3), bool))
+    slot = jnp.arange(256)[None, None, :, None]
+    junk = lambda c: jnp.where(slot >= cache_len[:, None, None, None], 1e4, c)
+    a = attention._attend_cached_kernel(q, own, intra, (ck, cv), cache_len, kernels)
+    b = attention._attend_cached_kernel(q, own, intra, (junk(ck), junk(cv)), cache_len, kernels)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_kernel_runs_per_shard_under_a_mesh(kernels):
+    """Under a mesh (rows on data, kv heads on tensor) the kernel runs per shard (XLA cannot
+    partition a Pallas call) and still matches the XLA path."""
+    q, own, cache = _inputs(b=4, s=256)
+    cache_len = jnp.array([0, 200, 31, 129], jnp.int32)
+    intra = jnp.tril(jnp.ones((1, 3, 3), bool))
+    want = attention._attend_cached(q, own, intra, cache, cache_len)
+    with jax.set_mesh(make_mesh((2, 1, 2))):
+        got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, kernels))(q, own, intra, cache, cache_len)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
+        KernelOptions(attention="flash")
+    with pytest.raises(attention_kernels.AttentionKernelError, match="runs on gpu, not cpu"):
+        attention_kernels.check_backend("pallas_gpu", interpret=False, backend="cpu")
+    with pytest.raises(attention_kernels.AttentionKernelError, match="got 8"):
+        attention_kernels.split_k(8)
+    assert attention_kernels.split_k(8192) == (16, 128)
+    assert attention_kernels.split_k(48) == (1, 16)
+    with pytest.raises(attention_kernels.AttentionKernelError, match="runs on tpu, not cpu"):
+        attention_kernels.check_backend("pallas_tpu", interpret=False, backend="cpu")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
+    """Decoding through the kernel (interpret mode) is lossless: AR token for token, and AR
+    through the kernel equals AR through XLA. A long prompt makes the buffer hold whole blocks of
+    both kernels, so the kernel is called (counted)."""
+    name = "_committed_" + kernels.attention.split("_")[1]
+    calls = []
+    real = getattr(attention_kernels, name)
+    monkeypatch.setattr(attention_kernels, name, lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    model = create_model(CFG, seed=3)
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(2, 90, n).tolist() for n in (3, 140, 1)]
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 12)
+    ar_k = Decoder(model, [1], DecodeOptions("ar", kernels=kernels)).generate(prompts, 12)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2, kernels=kernels)
+                       ).generate(prompts, 12)
+    assert calls
+    assert ar_k.output_ids == ar.output_ids
+    assert lossless.output_ids == ar.output_ids
