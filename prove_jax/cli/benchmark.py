@@ -43,7 +43,7 @@ from prove_jax.evaluation import benchmark as bench_lib
 from prove_jax.evaluation import graders, humaneval
 from prove_jax.evaluation.plot import flat_accuracy_line
 from prove_jax.cli.runner import INTERRUPTED, run_cli
-from prove_jax.decoding.options import CONFIDENCE_KINDS
+from prove_jax.decoding.options import CONFIDENCE_KINDS, DecodeError
 from prove_jax.files import atomic_write_text
 from prove_jax.models.config import DTYPES, PRESETS
 
@@ -103,6 +103,9 @@ def parse_args(argv=None):
     ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
                     help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
                          "top1 and (when the verifier has commit_head/) head always run")
+    ap.add_argument("--relaxed-ps", default="",
+                    help="lossless: comma-separated relaxed acceptance probabilities to sweep on each "
+                         "--layouts layout (`relaxed` rows: lossy; see `generate --relaxed-p`; default none)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="run the transformers peers (needs torch; default on)")
     ap.add_argument("--torch-threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
@@ -352,7 +355,14 @@ def main(argv=None) -> int:
         settings = bench_lib.sweep_settings(
             modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=layouts, adaptive=args.adaptive, tau_vs=_float_list(args.tau_vs, "--tau-vs"),
-            calibrated=args.calibrated, confidence=args.confidence)
+            calibrated=args.calibrated, confidence=args.confidence,
+            relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"))
+        for s in settings:
+            if s.options is not None:  # a bad --relaxed-ps (or other value) found before any load
+                try:
+                    s.options.validate()
+                except DecodeError as e:
+                    raise bench_lib.BenchError(f"{s.name}: {e}") from None
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
             raise bench_lib.BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         if args.repeats < 1:  # found before the models load, not after

@@ -127,6 +127,10 @@ def parse_args(argv=None):
     ap.add_argument("--commit-rule", default=None, choices=COMMIT_RULES, help="verify: how the verifier accepts drafts (default top1)")
     ap.add_argument("--tau-v", type=float, default=None,
                     help="verify/prob: verifier probability to commit (default 0.5)")
+    ap.add_argument("--relaxed-p", type=float, default=None, metavar="P",
+                    help="lossless, greedy: also commit a draft the proposer itself gives probability "
+                         ">= P (below 0.5 to matter); lossy, never fewer tokens per forward than exact "
+                         "lossless (default off: output identical to AR)")
     ap.add_argument("--head-threshold", type=float, default=None,
                     help="verify/head: commit-head probability to commit (default: the head's own, "
                          "0.5); lower commits more tokens per forward, less often equal to AR")
@@ -164,7 +168,7 @@ def parse_args(argv=None):
 MODE_OPTIONS = {"block_size": ("threshold", "lossless", "verify"), "groups": ("lossless",),
                 "adaptive": ("lossless",), "calibrate": ("lossless",), "tau": ("threshold",),
                 "confidence": ("threshold",), "verifier": ("verify",), "commit_rule": ("verify",),
-                "tau_v": ("verify",), "head_threshold": ("verify",)}
+                "tau_v": ("verify",), "head_threshold": ("verify",), "relaxed_p": ("lossless",)}
 RULE_OPTIONS = {"tau_v": "prob", "head_threshold": "head"}
 
 
@@ -202,7 +206,7 @@ def decode_options(args) -> DecodeOptions:
         return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                              max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                              head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
-                             logprobs=args.logprobs, **given).validate()
+                             logprobs=args.logprobs, relaxed_p=args.relaxed_p, **given).validate()
     except DecodeError as e:  # the library's words for a setting -> the flag that set it
         message = str(e)
         for words, flag in OPTION_FLAGS.items():
@@ -212,7 +216,8 @@ def decode_options(args) -> DecodeOptions:
 
 
 OPTION_FLAGS = {"block size": "--block-size", "max groups": "--groups", "prefill chunk": "--prefill-chunk",
-                "tau": "--tau", "tau_v": "--tau-v", "head threshold": "--head-threshold", "logprobs": "--logprobs"}
+                "tau": "--tau", "tau_v": "--tau-v", "head threshold": "--head-threshold", "logprobs": "--logprobs",
+                "relaxed_p": "--relaxed-p"}
 
 
 def default_params(args) -> SamplingParams:

@@ -330,6 +330,9 @@ class Decoder:
         budgets = [p.max_new_tokens or max_new_tokens for p in params]
         self.check_prompts(prompts, budgets)
         seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
+        if self.options.relaxed_p is not None and Sampler.for_requests(params) is not None:
+            raise DecodeError("relaxed acceptance (--relaxed-p) is for greedy decoding; sampled "
+                              "lossless is exact speculative sampling: drop one or the other")
         return params, budgets, seeds
 
     def _batch_sharding(self):

@@ -60,6 +60,11 @@ class DecodeOptions:
     head_threshold: float | None = None
     """verify/head: the head probability a token needs; None: the head's own (0.5 as trained).
     Lower commits more per forward; above 1 commits only the exact first token."""
+    relaxed_p: float | None = None
+    """lossless, greedy only: also commit a draft that the proposer's own AR distribution at its
+    slot gives probability >= relaxed_p (lossy: the output may leave AR's; the same forward as
+    lossless, so never fewer tokens per step). None: exact lossless. Only values below 0.5 can
+    add anything (a draft that is not the argmax has probability < 0.5)."""
     record_steps: bool = False
     """Keep the tokens each forward committed (BatchResult.step_commits)."""
     prefill_chunk: int | None = None
@@ -92,6 +97,11 @@ class DecodeOptions:
             raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
         if self.head_threshold is not None and not math.isfinite(self.head_threshold):
             raise DecodeError(f"head threshold must be a finite number, got {self.head_threshold}")
+        if self.relaxed_p is not None:
+            if self.mode != "lossless":
+                raise DecodeError(f"relaxed_p relaxes lossless acceptance; mode {self.mode!r} has none")
+            if not (math.isfinite(self.relaxed_p) and 0 < self.relaxed_p <= 1):
+                raise DecodeError(f"relaxed_p is a probability in (0, 1], got {self.relaxed_p}")
         if self.max_groups is not None and self.max_groups < 1:
             raise DecodeError(f"max groups must be >= 1, got {self.max_groups}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:

@@ -62,7 +62,8 @@ def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int
     block_size, kernels = options.block_size, options.kernels
     if options.mode == "lossless":
         layout = LosslessLayout.build(block_size, options.max_groups)
-        return steps.lossless_step(model, state, layout=layout, mask_id=mask_id, kernels=kernels, sampler=sampler)
+        return steps.lossless_step(model, state, layout=layout, mask_id=mask_id, kernels=kernels, sampler=sampler,
+                                   relaxed_p=options.relaxed_p)
     if options.mode == "verify":
         return steps.verify_step(model, verifier, state, block_size=block_size, mask_id=mask_id,
                                  rule=options.commit_rule, tau_v=options.tau_v, head=head,

@@ -147,7 +147,8 @@ def head_in_one_pass(layout: LosslessLayout, batch: int, kernels: KernelOptions 
 
 
 def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: int,
-                  kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
+                  kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None,
+                  relaxed_p: float | None = None):
     """ProVe-lossless: verify last step's drafts and propose the next ones in one forward.
 
     Row = [t0, d_1..d_M, groups]; g_i = argmax at slot i-1 is exact greedy AR as long as
@@ -166,6 +167,10 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
     afresh from the last mask's). `sampling.speculative_accept` accepts d_i with probability
     min(1, p_i/q_i) and draws the token after the accepted ones from the residual or p, so
     the committed tokens are distributed exactly as AR sampling's (docs/decoding.md).
+
+    `relaxed_p` (greedy, lossy): d_i is also accepted where p_i(d_i) >= relaxed_p. Slot a still
+    reads t0, d_1..d_a, so g_{a+1} stays AR's token after the committed prefix, and the
+    acceptance only grows: never fewer tokens per step than exact lossless.
     """
     m = layout.num_drafts
     width = layout.width
@@ -189,9 +194,11 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
         verify_logits = model.logits(hidden[:, : m + 1], kernels=kernels)
         greedy = greedy_tokens(verify_logits)
     # greedy [B, M+1] = g_1..g_{M+1}
-    if rows is None:
+    if rows is None and relaxed_p is None:
         accepted = leading_true(state.drafts == greedy[:, :m])  # [B] in 0..M
         block = greedy
+    elif rows is None:
+        accepted, block = _accept_relaxed(state, verify_logits, greedy, relaxed_p)
     else:
         accepted, block = _accept_sampled(state, verify_logits, greedy, sampler)
     group = jnp.sum(served <= accepted[:, None], axis=1) - 1  # largest served length <= a (group 0 serves 0)
@@ -214,6 +221,18 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
     state, _ = commit(state, block, accepted + 1, hist_value=accepted, logits=verify_logits)
     # t0 and d_1..d_{n-1} now have valid KV; the last committed token is the new pending t0.
     return state.replace(cache_len=state.length - 1)
+
+
+def _accept_relaxed(state: LoopState, verify_logits: jax.Array, greedy: jax.Array, relaxed_p: float):
+    """(accepted drafts a [B], block [B, M+1] = d_1..d_a then g_{a+1}): a draft is accepted where
+    it is AR's token or AR gives it probability >= relaxed_p; a row's first step has no drafts."""
+    m = state.drafts.shape[1]
+    logp = jax.nn.log_softmax(verify_logits[:, :m].astype(jnp.float32), axis=-1)
+    p_draft = jnp.take_along_axis(logp, state.drafts[..., None], axis=-1)[..., 0]
+    likely = (p_draft >= jnp.log(jnp.float32(relaxed_p))) & (state.forwards > 0)[:, None]
+    accepted = leading_true((state.drafts == greedy[:, :m]) | likely)
+    drafts = jnp.concatenate([state.drafts, state.drafts[:, -1:]], axis=1)
+    return accepted, jnp.where(jnp.arange(m + 1)[None, :] < accepted[:, None], drafts, greedy)
 
 
 def _accept_sampled(state: LoopState, verify_logits: jax.Array, greedy: jax.Array, sampler: Sampler):

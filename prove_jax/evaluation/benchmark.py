@@ -147,6 +147,13 @@ def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
     return Setting("lossless", f"adaptive,K<={k}" if adaptive else f"K={k},G={g}", opts)
 
 
+def relaxed_setting(k: int, groups: int | None, relaxed_p: float) -> Setting:
+    """Lossless's step with relaxed acceptance (`DecodeOptions.relaxed_p`): lossy, shown as its own mode."""
+    opts = DecodeOptions("lossless", block_size=k, max_groups=groups, relaxed_p=relaxed_p)
+    g = LosslessLayout.build(k, groups).num_groups
+    return Setting("relaxed", f"K={k},G={g},p={relaxed_p:g}", opts)
+
+
 def calibrated_setting(k_max: int = 8) -> Setting:
     """Adaptive lossless whose per-batch layout is measured on this machine before timing."""
     return Setting("lossless", f"calibrated,K<={k_max}",
@@ -219,12 +226,14 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
                    torch_threads: Sequence[int] = (1,), taus: Sequence[float] = DEFAULT_TAUS,
                    lossless: Sequence[tuple[int, int | None]] = DEFAULT_LOSSLESS,
                    adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS,
-                   calibrated: bool = True, confidence: str = "prob") -> list[Setting]:
+                   calibrated: bool = True, confidence: str = "prob",
+                   relaxed_ps: Sequence[float] = ()) -> list[Setting]:
     """The benchmark's sweep for the named modes (`ar` always comes first).
 
     `block_size` is the proposal length of `threshold` / `verify` (the proposer's MARS block);
     `taus` are thresholds of the `confidence` statistic; `lossless` lists (K, groups) layouts;
-    each peer runs once per entry of `torch_threads`.
+    each peer runs once per entry of `torch_threads`; `relaxed_ps` adds each lossless layout
+    with that relaxed acceptance (`relaxed` rows).
     `adaptive` adds the platform table's adaptive setting and, with `calibrated`, the calibrated
     one (its measurements compile every candidate layout: minutes at a real model's size).
     """
@@ -237,6 +246,7 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
         out += [threshold_setting(t, block_size, confidence) for t in taus]
     if "lossless" in modes:
         out += [lossless_setting(k, g) for k, g in lossless]
+        out += [relaxed_setting(k, g, p) for k, g in lossless for p in relaxed_ps]
         if adaptive:
             out.append(lossless_setting(8, adaptive=True))  # K<=8: as `prove-jax generate --adaptive`
             if calibrated:

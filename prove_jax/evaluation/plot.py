@@ -13,7 +13,7 @@ import os
 import uuid
 from typing import Sequence
 
-MODE_COLOURS = {"ar": "black", "lossless": "tab:green", "threshold": "tab:orange",
+MODE_COLOURS = {"ar": "black", "lossless": "tab:green", "relaxed": "tab:olive", "threshold": "tab:orange",
                 "verify": "tab:blue", "hf_greedy": "tab:gray", "hf_assisted": "tab:purple",
                 "hf_prompt_lookup": "tab:brown"}
 BATCH_MARKERS = ("o", "s", "^", "D", "v", "P")
