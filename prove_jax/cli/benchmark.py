@@ -358,7 +358,7 @@ def main(argv=None) -> int:
             calibrated=args.calibrated, confidence=args.confidence,
             relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"))
         for s in settings:
-            if s.options is not None:  # a bad --relaxed-ps (or other value) found before any load
+            if s.mode == "relaxed":  # a bad --relaxed-ps found before any load
                 try:
                     s.options.validate()
                 except DecodeError as e:
