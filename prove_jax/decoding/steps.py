@@ -231,8 +231,15 @@ def _accept_relaxed(state: LoopState, verify_logits: jax.Array, greedy: jax.Arra
     p_draft = jnp.take_along_axis(logp, state.drafts[..., None], axis=-1)[..., 0]
     likely = (p_draft >= jnp.log(jnp.float32(relaxed_p))) & (state.forwards > 0)[:, None]
     accepted = leading_true((state.drafts == greedy[:, :m]) | likely)
-    drafts = jnp.concatenate([state.drafts, state.drafts[:, -1:]], axis=1)
-    return accepted, jnp.where(jnp.arange(m + 1)[None, :] < accepted[:, None], drafts, greedy)
+    return accepted, _drafts_then(state.drafts, accepted, greedy)
+
+
+def _drafts_then(drafts: jax.Array, accepted: jax.Array, after: jax.Array) -> jax.Array:
+    """The committed block [B, M+1]: the accepted drafts d_1..d_a, then `after` (broadcast to
+    [B, M+1]; only its entry at slot a is committed)."""
+    m = drafts.shape[1]
+    padded = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
+    return jnp.where(jnp.arange(m + 1)[None, :] < accepted[:, None], padded, after)
 
 
 def _accept_sampled(state: LoopState, verify_logits: jax.Array, greedy: jax.Array, sampler: Sampler):
@@ -246,6 +253,4 @@ def _accept_sampled(state: LoopState, verify_logits: jax.Array, greedy: jax.Arra
     keys = sampling.step_keys(rows.seed, state.forwards, sampling.CORRECT, 1)
     drawn = sampling.draw(keys, after[:, None])[:, 0]
     drawn = jnp.where(rows.temperature > 0, drawn, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0])
-    idx = jnp.arange(m + 1)[None, :]
-    drafts = jnp.concatenate([state.drafts, state.drafts[:, -1:]], axis=1)
-    return accepted, jnp.where(idx < accepted[:, None], drafts, drawn[:, None])
+    return accepted, _drafts_then(state.drafts, accepted, drawn[:, None])

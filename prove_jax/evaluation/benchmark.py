@@ -104,7 +104,7 @@ def long_prompts(prompts: Sequence[Sequence[int]], length: int) -> list[list[int
         while len(lead) + len(p) < length:
             j = (j + 1) % len(prompts)
             lead = list(prompts[j]) + lead
-        out.append(lead[len(lead) + len(p) - length:] + list(p) if len(p) < length else list(p))
+        out.append(lead[len(lead) + len(p) - length:] + list(p))  # no lead: p whole
     return out
 
 
@@ -149,9 +149,9 @@ def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
 
 def relaxed_setting(k: int, groups: int | None, relaxed_p: float) -> Setting:
     """Lossless's step with relaxed acceptance (`DecodeOptions.relaxed_p`): lossy, shown as its own mode."""
-    opts = DecodeOptions("lossless", block_size=k, max_groups=groups, relaxed_p=relaxed_p)
-    g = LosslessLayout.build(k, groups).num_groups
-    return Setting("relaxed", f"K={k},G={g},p={relaxed_p:g}", opts)
+    exact = lossless_setting(k, groups)
+    return Setting("relaxed", f"{exact.label},p={relaxed_p:g}",
+                   dataclasses.replace(exact.options, relaxed_p=relaxed_p))
 
 
 def calibrated_setting(k_max: int = 8) -> Setting:
