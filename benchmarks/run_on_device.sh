@@ -19,6 +19,9 @@
 #   the paper's model size (inflated 7B and 32B, bfloat16; not in the default run, and not yet run
 #   on a device: the limits are estimates), as two calls of at most 10 minutes:
 #     ONLY=decode_7b,decode_32b_4k OUT=... bash benchmarks/run_on_device.sh, then ONLY=decode_32b
+#   the layer scan (DecodeOptions.scan_layers) against unrolled layers, compile and step time at
+#   the 1.5B shape (on CPU the scan copies each layer's weights per step, on TPU it reads them in
+#   place, benchmarks/decode_compile.md; a GPU is unmeasured): ONLY=decode_scan
 #   CPU smoke run of the same script: QUICK=1 OUT=/tmp/dev PYTHONPATH=. bash benchmarks/run_on_device.sh
 # PACK=1: results go to a scratch directory, packed into $OUT/results.tar after every stage (a
 # device run sends back only a few files).
@@ -62,6 +65,7 @@ if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     CHUNKS_PRESET=(--preset qwen2.5-0.5b --buffers 640 --batch-sizes 1 --repeats 1 --steps 2)
     BIG=(--humaneval 2 --max-new-tokens 8 --repeats 1 --batch-sizes 1,2); BIG_7B=qwen2.5-0.5b; BIG_32B=qwen2.5-0.5b
     LONG=(--humaneval 2 --max-new-tokens 8 --repeats 1 --batch-sizes 1 --prompt-tokens 256)
+    SCAN=(--preset qwen2.5-0.5b --layers 2 --modes ar --time qwen2.5-0.5b --prompts 1 --repeats 1)
 else
     # 28 unrolled layers compile for tens of seconds per setting: few settings, and batch 1 and
     # batch 16 as separate stages so a slow compile in one cannot cost the other its results
@@ -79,6 +83,7 @@ else
     # program, so these are their own run: ONLY=decode_7b,decode_32b,decode_32b_4k
     BIG=(--humaneval 16 --max-new-tokens 128 --repeats 2 --batch-sizes 1,4,16); BIG_7B=qwen2.5-7b; BIG_32B=qwen2.5-32b
     LONG=(--humaneval 4 --max-new-tokens 128 --repeats 1 --batch-sizes 1,4 --prompt-tokens 4096)
+    SCAN=(--preset qwen2.5-1.5b --layers 28 --time qwen2.5-1.5b --prompts 4 --repeats 2)
 fi
 
 # flax <= 0.12.9 fails on import with jax 0.11 (docs/environment.md): stop here rather than spend
@@ -110,6 +115,7 @@ if [ -n "${ONLY:-}" ]; then
         --json "$RES/decode_7b.json" --md "$RES/decode_7b.md"
     stage decode_32b 420 $PY -m infer.benchmark "${BIG[@]}" "${BIG_ARGS[@]}" --inflate "$BIG_32B" \
         --json "$RES/decode_32b.json" --md "$RES/decode_32b.md"
+    stage decode_scan 200 $PY benchmarks/bench_decode_compile.py "${SCAN[@]}" --out "$RES"
     stage decode_32b_4k 300 $PY -m infer.benchmark "${LONG[@]}" "${BIG_ARGS[@]}" --inflate "$BIG_32B" \
         --json "$RES/decode_32b_4k.json" --md "$RES/decode_32b_4k.md"
 fi

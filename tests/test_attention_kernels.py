@@ -102,3 +102,9 @@ def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
     assert calls
     assert ar_k.output_ids == ar.output_ids
     assert lossless.output_ids == ar.output_ids
+    # with the layers scanned, the kernel reads each layer of the stacked cache
+    calls.clear()
+    scanned = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2, kernels=kernels, scan_layers=True)
+                      ).generate(prompts, 12)
+    assert calls
+    assert scanned.output_ids == ar.output_ids

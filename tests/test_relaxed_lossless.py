@@ -50,12 +50,15 @@ def test_every_committed_token_is_argmax_or_likely_enough(arith, relaxed_p):
     decoder, prompts = arith
     out = _run(decoder, prompts, relaxed_p)
     model = load_model(assets.ARITH_PROPOSER)
+    # every sequence in one causal forward, padded at the end (padding sees nothing earlier)
+    seqs = [list(prompt) + ids for prompt, ids in zip(prompts, out.output_ids)]
+    t = max(map(len, seqs))
+    batch = jnp.asarray([s + [0] * (t - len(s)) for s in seqs], jnp.int32)
+    forward = jax.jit(lambda tokens: jax.nn.softmax(model(tokens, jnp.arange(t)[None].repeat(len(seqs), 0),
+                                                          causal_mask(len(seqs), t))[0], axis=-1))
+    all_probs = np.asarray(forward(batch))
     relaxed_any = False
-    for prompt, ids in zip(prompts, out.output_ids):
-        seq = jnp.asarray([list(prompt) + ids], jnp.int32)
-        t = seq.shape[1]
-        logits, _ = model(seq, jnp.arange(t)[None], causal_mask(1, t))
-        probs = np.asarray(jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1))
+    for probs, prompt, ids in zip(all_probs, prompts, out.output_ids):
         for i, tok in enumerate(ids):
             row = probs[len(prompt) + i - 1]
             argmax = tok == int(np.argmax(row))

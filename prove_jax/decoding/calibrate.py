@@ -77,7 +77,7 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
     change hits them alike; the fastest run is returned (a shared machine only adds time).
     """
     graphdef, state = nnx.split(model)
-    cache = KVCache.zeros(model.cfg, batch, slots)
+    cache = model.new_cache(batch, slots)
     vocab = model.cfg.vocab_size
 
     @jax.jit

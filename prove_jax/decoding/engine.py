@@ -24,6 +24,7 @@ from prove_jax.decoding.options import MAX_STEP_WIDTH, DecodeError, DecodeOption
 from prove_jax.decoding.program import ProgramSettings, step_shape
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
+from prove_jax.models.qwen2 import stack_layers, unstack_layers
 from prove_jax.models.sharding import batch_shards
 
 if TYPE_CHECKING:  # stream.py imports this module's neighbours; the class is made in stream()
@@ -90,6 +91,20 @@ class BatchResult:
     seeds: list[int] = dataclasses.field(default_factory=list)  # each request's seed, as used
 
 
+@dataclasses.dataclass
+class _Call:
+    settings: ProgramSettings
+    requests: Requests
+    seeds: list[int]
+
+
+def _split(model, scan_layers: bool):
+    """(graph definition, state) of `model` with its layers stacked (`scan_layers`) or per layer."""
+    if model.layers_stacked != scan_layers:
+        model = stack_layers(model) if scan_layers else unstack_layers(model)
+    return nnx.split(model)
+
+
 def request_seed(base: int, index: int) -> int:
     """The seed of a request that gives none: a hash of the call's (or job's) `base` seed and
     the request's `index`, so requests differ and a rerun repeats them."""
@@ -120,8 +135,9 @@ class Decoder:
         self.max_buffer = max_buffer or cfg.max_position_embeddings
         check_step_width(self.options, self.max_buffer)
         self.cfg = cfg
-        self.graphdef, self.state = nnx.split(model)
-        self.verifier_graphdef, self.verifier_state = nnx.split(verifier) if verifier is not None else (None, None)
+        self.graphdef, self.state = _split(model, self.options.scan_layers)
+        self.verifier_graphdef, self.verifier_state = (_split(verifier, self.options.scan_layers)
+                                                       if verifier is not None else (None, None))
         self.head_graphdef, self.head_state = nnx.split(commit_head) if commit_head is not None else (None, None)
         if mesh is not None and self.head_state is not None:
             # the head is a few KB: replicated, so the program sees every input on the mesh
@@ -145,6 +161,11 @@ class Decoder:
         check_step_width(options, self.max_buffer)
         other = copy.copy(self)
         other.options = options
+        if options.scan_layers != self.options.scan_layers:  # the weights in the other layout
+            other.graphdef, other.state = _split(nnx.merge(self.graphdef, self.state), options.scan_layers)
+            if self.verifier_graphdef is not None:
+                other.verifier_graphdef, other.verifier_state = _split(
+                    nnx.merge(self.verifier_graphdef, self.verifier_state), options.scan_layers)
         other._compiled, other._stream_compiled = {}, {}
         return other
 
@@ -252,19 +273,12 @@ class Decoder:
         sampling, a request's own `max_new_tokens` and its stop tokens; a request without a
         seed gets `request_seed(seed, i)`. (Stop strings need text: see requests.py.)
         """
-        params, budgets, seeds = self._prepare(prompts, max_new_tokens, batch_size, params, seed)
-        n = len(prompts)
-        rows = self.rows(batch_size or n, max(n, queue_size or 0))
-        num_requests = _round_up(max(n, queue_size or 0), rows)  # whole rows: shards like the batch
-        options = adapt_for_batch(self.options, rows, table=self.adaptive_table)
-        width = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
-        num_slots = self.buffer_len(width, max(budgets))
-        requests = self._request_arrays(prompts, budgets, params, seeds, num_requests, width)
+        call = self._call(prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed)
+        settings, requests, seeds, n = call.settings, call.requests, call.seeds, len(prompts)
+        rows, num_slots = settings.num_rows, settings.num_slots
         args = [self.state, self.verifier_state, self.head_state, requests]
         if self.mesh is not None:
             args[3] = jax.device_put(args[3], self._batch_sharding())
-        settings = dataclasses.replace(self.program_settings(options, rows, num_slots),
-                                       sampler=Sampler.for_requests(params))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             compiled, compile_seconds = self._compiled_for(settings, args)
             memory.check_fits(compiled, memory.local_devices(self.mesh),
@@ -290,8 +304,36 @@ class Decoder:
                          for s in range(prompt_len[i], length[i])] for i in range(n)]
         return BatchResult(output_ids=outputs, forwards=forwards[:n], verifier_forwards=out.verifier_forwards[:n],
                            accept_hist=out.accept_hist[:n], seconds=seconds, compile_seconds=compile_seconds,
-                           options=options, step_commits=step_commits, loop_steps=int(loop_steps),
+                           options=settings.options, step_commits=step_commits, loop_steps=int(loop_steps),
                            finish_reasons=finish, logprobs=logprobs, seeds=seeds)
+
+    def _call(self, prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed) -> "_Call":
+        """The program settings and request arrays of a `generate` call (checked)."""
+        params, budgets, seeds = self._prepare(prompts, max_new_tokens, batch_size, params, seed)
+        n = len(prompts)
+        rows = self.rows(batch_size or n, max(n, queue_size or 0))
+        num_requests = _round_up(max(n, queue_size or 0), rows)  # whole rows: shards like the batch
+        options = adapt_for_batch(self.options, rows, table=self.adaptive_table)
+        width = _round_up(max([len(x) for x in prompts] + [prompt_width or 0]), 16)
+        num_slots = self.buffer_len(width, max(budgets))
+        requests = self._request_arrays(prompts, budgets, params, seeds, num_requests, width)
+        settings = dataclasses.replace(self.program_settings(options, rows, num_slots),
+                                       sampler=Sampler.for_requests(params))
+        return _Call(settings, requests, seeds)
+
+    def lower(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None,
+              prompt_width: int | None = None, queue_size: int | None = None,
+              params: SamplingParams | Sequence[SamplingParams] | None = None):
+        """The program `generate` would run for these arguments, lowered (`jax.stages.Lowered`)
+        but not compiled or run: for an ahead-of-time compile, where the weights may be
+        abstract (`jax.ShapeDtypeStruct`s with shardings) and the mesh a TPU topology's."""
+        call = self._call(prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, 0)
+        requests = call.requests
+        if self.mesh is not None:  # placed abstractly: the mesh's devices may not be attached
+            batch = self._batch_sharding()
+            requests = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch), requests)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return self._build(call.settings).lower(self.state, self.verifier_state, self.head_state, requests)
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None,
                params: SamplingParams | Sequence[SamplingParams] | None = None, seed: int = 0,

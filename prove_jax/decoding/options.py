@@ -74,6 +74,11 @@ class DecodeOptions:
     at its position (0: the token's alone); None: none."""
     kernels: KernelOptions = DEFAULT_KERNELS
     """Trace-time kernel choices (matmul form, row padding, one-pass LM head)."""
+    scan_layers: bool = False
+    """Run the layers of every forward as one `lax.scan` over weights stacked once when the
+    Decoder is built, with a stacked KV cache: the program holds one layer's code, so compile
+    time stops growing with depth (benchmarks/decode_compile.md). Unrolled: XLA may schedule
+    across layers."""
 
     def validate(self) -> "DecodeOptions":
         """Checked copy; `ar` is normalised to K=1 (one token per forward, no masks)."""
@@ -108,6 +113,8 @@ class DecodeOptions:
             raise DecodeError(f"prefill chunk must be >= 1 tokens, got {self.prefill_chunk}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise DecodeError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if not isinstance(self.scan_layers, bool):
+            raise DecodeError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         if not isinstance(self.kernels, KernelOptions):
             raise DecodeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
         return self

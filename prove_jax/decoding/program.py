@@ -98,7 +98,7 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
         return model.hidden_states(tokens, positions, mask, cache, kernels=kernels)[1]
 
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, n_chunks, write_chunk, KVCache.zeros(model.cfg, rows, size))
+    return jax.lax.fori_loop(0, n_chunks, write_chunk, model.new_cache(rows, size))
 
 
 def start_rows(model, verifier, requests: Requests, settings: ProgramSettings) -> LoopState:

@@ -28,8 +28,8 @@ from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.program import ProgramSettings
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.state import LoopState
-from prove_jax.models.attention import KVCache
-from prove_jax.models.sharding import KV_CACHE_AXES, activation_sharding
+from prove_jax.models.attention import KVCache, cache_axes
+from prove_jax.models.sharding import activation_sharding
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
 
     def cache(c: KVCache | None):
         return None if c is None else jax.tree.map(
-            lambda x: activation_sharding(mesh, KV_CACHE_AXES, x.shape), c)
+            lambda x: activation_sharding(mesh, cache_axes(x.ndim == 5), x.shape), c)
 
     return placed.replace(cache=cache(state.cache), verifier_cache=cache(state.verifier_cache))
 

@@ -38,18 +38,49 @@ GPU_CHUNKED_MIN_ROWS = 16
 
 @struct.dataclass
 class KVCache:
-    """Static per-layer key/value buffers k[i], v[i] [B, K, S, Dh]: heads-major, so attention
-    reads each (row, kv head) as it lies ([B, S, K, Dh] was transposed on every step)."""
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    """Static key/value buffers: per layer, k[i], v[i] [B, K, S, Dh] (heads-major, so attention
+    reads each (row, kv head) as it lies; [B, S, K, Dh] was transposed on every step); or, for a
+    model whose layers are one scanned `LayerStack`, one buffer each, k, v [B, K, L, S, Dh]
+    (rows first, as every per-row state of the decode loop; then heads, so a layer's write is
+    batched over rows and heads where they lie, as the per-layer write is)."""
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None, stacked: bool = False) -> "KVCache":
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
-        # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES)
-        mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES) for _ in range(config.num_layers))
+        if stacked:
+            shape = shape[:2] + (config.num_layers,) + shape[2:]
+            mk = lambda: constrain(jnp.zeros(shape, dtype), cache_axes(stacked=True))  # noqa: E731
+        else:  # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES)
+            mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES)  # noqa: E731
+                               for _ in range(config.num_layers))
         return cls(k=mk(), v=mk())
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+
+def cache_axes(stacked: bool) -> tuple[str, ...]:
+    """Logical axes of one cache buffer: KV_CACHE_AXES, with "layers" after the heads when stacked."""
+    return KV_CACHE_AXES[:2] + ("layers",) + KV_CACHE_AXES[2:] if stacked else KV_CACHE_AXES
+
+
+@struct.dataclass
+class LayerKV:
+    """Layer `layer`'s part of a stacked cache k, v [B, K, L, S, Dh], as a scanned layer sees
+    it: it writes its step's slots into the whole buffer (in place in the scan's carry) and
+    reads its own layer."""
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array  # int32 scalar
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values [B, K, S, Dh]."""
+        take = lambda c: jax.lax.dynamic_index_in_dim(c, self.layer, axis=2, keepdims=False)  # noqa: E731
+        return take(self.k), take(self.v)
 
 
 @struct.dataclass
@@ -119,22 +150,26 @@ class Attention(nnx.Module):
         if kv is None:
             out = _attend(q, [own + (attn_mask,)])
         else:
-            cache_k, cache_v = kv
-            cache_k = write_step(cache_k, own[0], attn_mask.cache_len)
-            cache_v = write_step(cache_v, own[1], attn_mask.cache_len)
-            kv = (cache_k, cache_v)
+            start = attn_mask.cache_len
+            if isinstance(kv, LayerKV):
+                kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer),
+                                v=write_step(kv.v, own[1], start, layer=kv.layer))
+                committed = kv.read()
+            else:
+                kv = committed = (write_step(kv[0], own[0], start), write_step(kv[1], own[1], start))
             if kernels.attention == "xla":
-                out = _attend_cached(q, own, attn_mask.intra, kv, attn_mask.cache_len)
+                out = _attend_cached(q, own, attn_mask.intra, committed, start)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
-                out = _attend_cached_kernel(q, own, attn_mask.intra, kv, attn_mask.cache_len, kernels)
+                out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         out = checkpoint_name(dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels), "o_proj")
         return out, kv
 
 
-def write_step(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """cache [B, K, S, Dh] with row b's step keys (or values) new[b] [K, T, Dh] written at slots
-    start[b] + [0, T); a slot past the buffer end is dropped, never clamped onto valid KV.
+    start[b] + [0, T); a slot past the buffer end is dropped, never clamped onto valid KV. With
+    `layer`, cache is a stacked [B, K, L, S, Dh] and the step goes to that layer.
 
     Written per (row, kv head) (vmapped): rows and heads are the scatter's batching dimensions,
     so on a mesh each device writes the rows and heads it holds, where they lie (explicit row
@@ -147,12 +182,16 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     b, k, t, _ = new.shape
     new = constrain(new, KV_CACHE_AXES)  # where the cache lies (heads a mesh does not divide: whole)
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
+    size = cache.shape[-2]
     if t == 1:
-        slots = jnp.concatenate([slots, start[:, None] + cache.shape[2]], axis=1)
+        slots = jnp.concatenate([slots, start[:, None] + size], axis=1)
         new = jnp.concatenate([new, new], axis=2)
     slots = jnp.broadcast_to(slots[:, None], (b, k, slots.shape[1]))
-    write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # [S, Dh] <- [T, Dh] at [T]
-    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), KV_CACHE_AXES)
+    if layer is None:  # [S, Dh] <- [T, Dh] at [T]
+        write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
+    else:  # [L, S, Dh] <- [T, Dh] at (layer, [T])
+        write = lambda c, u, s: c.at[layer, s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
+    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), cache_axes(stacked=layer is not None))
 
 
 def _attend(q: jax.Array, blocks) -> jax.Array:

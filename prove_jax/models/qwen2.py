@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from prove_jax.models.attention import Attention, KVCache, rope_cos_sin
+from prove_jax.models.attention import Attention, KVCache, LayerKV, rope_cos_sin
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -66,6 +66,9 @@ class Qwen2(nnx.Module):
         if cache is None:
             x = self._training_layers(x, cos, sin, attn_mask, kernels)
             return self.final_norm(x), None
+        if isinstance(self.layers, LayerStack):
+            x, cache = self.layers.scan_cached(x, cos, sin, attn_mask, cache, kernels)
+            return self.final_norm(x), cache
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, attn_mask, (cache.k[i], cache.v[i]), kernels)
@@ -74,6 +77,16 @@ class Qwen2(nnx.Module):
         x = self.final_norm(x)
         return x, KVCache(k=tuple(new_k), v=tuple(new_v))
 
+    @property
+    def layers_stacked(self) -> bool:
+        """The layers are one `LayerStack` (`stack_layers`): a cached forward scans them and
+        takes a stacked `KVCache`."""
+        return isinstance(self.layers, LayerStack)
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        """An empty KV cache of `length` slots for `batch` rows in this model's layer layout."""
+        return KVCache.zeros(self.cfg, batch, length, stacked=self.layers_stacked)
+
     def _training_layers(self, x, cos, sin, attn_mask, kernels: KernelOptions):
         """The layers without a cache, each under the remat policy: unrolled, or (scan_layers)
         one `lax.scan` over their parameters stacked along a leading "layers" axis, so XLA
@@ -81,6 +94,8 @@ class Qwen2(nnx.Module):
         benchmarks/tpu_compile.md). The stack is built here, per step, from the
         per-layer parameters: checkpoints, conversion and decoding keep one entry per layer,
         and the scan's gradient comes back per layer through the stack's transpose."""
+        if isinstance(self.layers, LayerStack):
+            raise ValueError("a model with stacked layers (stack_layers) decodes only; train the per-layer model")
         graphdef = nnx.graphdef(self.layers[0])
 
         def layer_fn(state, x, cos, sin, attn_mask):
@@ -110,6 +125,74 @@ class Qwen2(nnx.Module):
         dt = hidden.dtype
         w = self.embed if self.cfg.tie_word_embeddings else self.lm_head
         return dense(hidden, w[...].astype(dt), kernels=kernels, out_dtype=jnp.float32)
+
+
+class LayerStack(nnx.Module):
+    """The decoder layers as one `DecoderLayer` whose weights carry a leading "layers" axis: a
+    cached forward runs them as one `lax.scan`, so the decode program holds one layer's code
+    whatever the depth (benchmarks/decode_compile.md)."""
+
+    def __init__(self, layer: DecoderLayer, num_layers: int):
+        self.layer = layer
+        self.num_layers = num_layers
+
+    def scan_cached(self, x, cos, sin, attn_mask, cache: KVCache, kernels: KernelOptions):
+        """x through every layer; the stacked cache is carried and each layer writes only its
+        step's slots in place (a cache passed as the scan's xs/ys would be rebuilt every step)."""
+        graphdef, weights = nnx.split(self.layer)
+
+        def body(carry, xs):
+            x, k, v = carry
+            state, index = xs
+            x, kv = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, LayerKV(k, v, index), kernels)
+            return (x, kv.k, kv.v), None
+
+        index = jnp.arange(self.num_layers, dtype=jnp.int32)
+        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (weights, index))
+        return x, KVCache(k=k, v=v)
+
+
+def stack_layers(model: Qwen2) -> Qwen2:
+    """A model sharing `model`'s weights but its layers stacked into one `LayerStack` (new
+    arrays: the per-layer ones stay `model`'s). Works on an abstract model (`nnx.eval_shape`).
+    Each stacked weight is sharded as one layer's, its "layers" axis whole."""
+    graphdef, state = nnx.split(model)
+    stacked_model = nnx.merge(graphdef, state)
+    layers = list(stacked_model.layers)
+    layer_def = nnx.graphdef(layers[0])
+
+    def stack(*variables):
+        first = variables[0]
+        values = [v.get_value() for v in variables]
+        sharding = getattr(values[0], "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+            value = jax.jit(lambda *v: jnp.stack(v), out_shardings=out)(*values)
+        else:
+            value = jnp.stack(values)
+        axes = getattr(first, "logical_axes", None)
+        return first.replace(value, **({} if axes is None else {"logical_axes": ("layers",) + tuple(axes)}))
+
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    stacked = jax.tree.map(stack, *[nnx.state(layer) for layer in layers], is_leaf=is_var)
+    stacked_model.layers = LayerStack(nnx.merge(layer_def, stacked), len(layers))
+    return stacked_model
+
+
+def unstack_layers(model: Qwen2) -> Qwen2:
+    """The inverse of `stack_layers`: a model with one `DecoderLayer` per layer (new arrays)."""
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, state)
+    layer_def, stacked = nnx.split(out.layers.layer)
+
+    def layer(i):
+        def take(v):
+            axes = getattr(v, "logical_axes", None)
+            return v.replace(v.get_value()[i], **({} if axes is None else {"logical_axes": tuple(axes)[1:]}))
+        return nnx.merge(layer_def, jax.tree.map(take, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+    out.layers = nnx.List([layer(i) for i in range(out.layers.num_layers)])
+    return out
 
 
 class DecoderLayer(nnx.Module):
