@@ -34,7 +34,7 @@ def compile_one(kind: str, chip: str, step: int, chips: int = 1) -> dict:
 
     from prove_jax.models import attention
     from prove_jax.models.kernels import KernelOptions
-    from prove_jax.training.aot import topology_mesh
+    from prove_jax.aot import topology_mesh
 
     # rows on the data axis: `chips` chips, ROWS rows each
     mesh, topology = topology_mesh(chip, (chips,), ("data",))

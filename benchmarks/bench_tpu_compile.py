@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import jax
     jax.config.update("jax_platforms", "cpu")  # abstract and libtpu-topology devices only
-    from prove_jax.training import aot
+    from prove_jax import aot
     from prove_jax.training.config import load_config
     from prove_jax.training.dry_run import dry_run
     if not aot.libtpu_available():

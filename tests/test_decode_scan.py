@@ -224,7 +224,7 @@ def test_on_cpu_the_scan_copies_each_layers_weights_per_step():
 def test_on_tpu_the_scan_reads_each_layers_weights_in_place():
     """Compiled for a v6e chip, the scanned step's matmuls read the stacked weights at the
     layer's offset: no weight is sliced into a copy inside the loop."""
-    from prove_jax.training.aot import topology_mesh
+    from prove_jax.aot import topology_mesh
     cfg = WIDE.replace(dtype="bfloat16", param_dtype="bfloat16")
     mesh, _ = topology_mesh("v6e", (1, 1, 1), ("data", "fsdp", "tensor"))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: stack_layers(create_model(cfg, seed=0))))
@@ -236,3 +236,11 @@ def test_on_tpu_the_scan_reads_each_layers_weights_in_place():
     hlo = decoder.lower([[2, 3, 4]], 8).compile().as_text()
     assert "while" in hlo and f"bf16[{cfg.num_layers},{cfg.intermediate_size},{cfg.hidden_size}]" in hlo
     assert not _materialised(hlo, (cfg.intermediate_size, cfg.hidden_size))
+
+
+def test_generate_takes_scan_layers_and_attention_flags():
+    from prove_jax.cli import generate
+    options = generate.decode_options(generate.parse_args(["--prompt", "x", "--scan-layers", "--attention", "pallas_tpu"]))
+    assert options.scan_layers and options.kernels.attention == "pallas_tpu"
+    default = generate.decode_options(generate.parse_args(["--prompt", "x"]))
+    assert not default.scan_layers and default.kernels.attention == "xla"

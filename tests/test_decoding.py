@@ -462,7 +462,7 @@ def test_sharded_decoding_equals_single_device(model, ar_out, monkeypatch):
     chunk_rows = []  # the chunk rule sizes one device's work: 4 rows over 4 data shards is 1 each
     unpatched = model_lib.cache_chunk
     monkeypatch.setattr(model_lib, "cache_chunk",
-                        lambda slots, rows=1: chunk_rows.append(rows) or unpatched(slots, rows))
+                        lambda slots, rows=1, platform=None: chunk_rows.append(rows) or unpatched(slots, rows, platform))
     for opts in (DecodeOptions("ar"), DecodeOptions("lossless", 4)):
         assert Decoder(sharded, [1], opts, mesh=mesh).generate(long, 8).output_ids == want, opts.mode
     assert chunk_rows and set(chunk_rows) == {1}

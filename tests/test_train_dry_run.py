@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from prove_jax.training import aot
+from prove_jax import aot
 from prove_jax.training.dry_run import DryRunError, GIB, dry_run
 from prove_jax.training.config import load_config
 from train.train import main
@@ -159,7 +159,7 @@ def test_a_step_too_large_for_the_chip_is_one_error_with_xlas_numbers():
     import jax
 
     from prove_jax.errors import ProveJaxError
-    from prove_jax.training import aot
+    from prove_jax import aot
 
     class Lowered:
         def compile(self):

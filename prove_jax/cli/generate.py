@@ -44,6 +44,7 @@ from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODE
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
+from prove_jax.models.kernels import ATTENTION_KERNELS, KernelOptions
 from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, RequestStream, ResultsFile,
                                          check_output_path, encode_prompts, error_record, output_record,
                                          read_requests, request_params)
@@ -64,7 +65,7 @@ def parse_args(argv=None):
     ap.add_argument("--mode", default="lossless", choices=MODES,
                     help="lossless (default: output identical to greedy AR, faster where a step is bound "
                          "by weight reads), ar, threshold or verify")
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()  # one of them, unless --dry-run
     src.add_argument("--input", help="JSONL of {id, prompt} or {id, prompt_ids}")
     src.add_argument("--prompt", help="one text prompt: its completion is printed as it is committed")
     ap.add_argument("--output", default=None,
@@ -152,8 +153,23 @@ def parse_args(argv=None):
                     help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: tensor parallel over the "
                          "kv heads as far as the weights need to fit, the rest on data; multi-host: "
                          "every host's devices)")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="run the layers as one lax.scan: compile time stops growing with depth "
+                         "(for large models on TPU; on CPU a step costs more; docs/decoding.md)")
+    ap.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS,
+                    help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
+                         "JAX ships for that platform (docs/decoding.md)")
+    dry = ap.add_argument_group("dry run: compile for a TPU slice from this machine (needs libtpu)")
+    dry.add_argument("--dry-run", default=None, metavar="ACCELERATOR",
+                     help="compile the whole decode program for a Cloud TPU slice, e.g. v5p-8 or v6e-8, "
+                          "and report per-chip memory, compile time and collectives instead of decoding; "
+                          "--model/--verifier may then be preset names (e.g. qwen2.5-32b)")
+    dry.add_argument("--context", type=int, default=2048,
+                     help="--dry-run: tokens per row, prompt and --max-new-tokens together (default 2048)")
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.dry_run is None and args.input is None and args.prompt is None:
+        ap.error("one of the arguments --input --prompt is required (or --dry-run)")
     if args.input is not None and args.output is None:
         ap.error("--input needs --output (the file that gets the records)")
     if args.sort and args.output is None:
@@ -206,7 +222,8 @@ def decode_options(args) -> DecodeOptions:
         return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                              max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
                              head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
-                             logprobs=args.logprobs, relaxed_p=args.relaxed_p, **given).validate()
+                             logprobs=args.logprobs, relaxed_p=args.relaxed_p, scan_layers=args.scan_layers,
+                             kernels=KernelOptions(attention=args.attention), **given).validate()
     except DecodeError as e:  # the library's words for a setting -> the flag that set it
         message = str(e)
         for words, flag in OPTION_FLAGS.items():
@@ -261,6 +278,9 @@ def main(argv=None) -> int:
     try:
         check_mode_options(args)
         options = decode_options(args)
+        if args.dry_run is not None:
+            from prove_jax.cli.decode_dry_run import run_dry_run
+            return run_dry_run(args, options)
         defaults = default_params(args)
         distributed.initialize_from_args(args)  # before anything touches a device
         if args.calibrate and jax.process_count() > 1:

@@ -158,7 +158,7 @@ class Attention(nnx.Module):
             else:
                 kv = committed = (write_step(kv[0], own[0], start), write_step(kv[1], own[1], start))
             if kernels.attention == "xla":
-                out = _attend_cached(q, own, attn_mask.intra, committed, start)
+                out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
                 out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -243,10 +243,10 @@ def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOption
     return _ungroup_queries(out.astype(q.dtype), t, g)
 
 
-def cache_chunk(slots: int, rows: int = 1) -> int:
+def cache_chunk(slots: int, rows: int = 1, platform: str | None = None) -> int:
     """Slots per chunk of a KV buffer of `slots` read by `rows` batch rows on one device
-    (== slots: read in one pass)."""
-    backend = jax.default_backend()
+    (== slots: read in one pass), on `platform` (None: jax's default backend)."""
+    backend = platform or jax.default_backend()
     if backend == "gpu" and rows < GPU_CHUNKED_MIN_ROWS:
         return slots
     shortest = CACHE_CHUNK
@@ -256,7 +256,8 @@ def cache_chunk(slots: int, rows: int = 1) -> int:
     return -(-slots // chunks)
 
 
-def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array) -> jax.Array:
+def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array,
+                   platform: str | None = None) -> jax.Array:
     """`_attend` over a step's own keys/values and the committed slots of a static buffer, which
     is sized for the longest generation: a long one is read a chunk (`cache_chunk`) at a time up
     to the longest row, with a running max and normaliser (the flash-attention recurrence). A
@@ -269,7 +270,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     cache_k, cache_v = cache
     slots = cache_k.shape[2]
     # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
-    size = cache_chunk(slots, rows=rows_per_device(q.shape[0]))
+    size = cache_chunk(slots, rows=rows_per_device(q.shape[0]), platform=platform)
     if size >= slots:  # one pass over the whole (short) buffer
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),

@@ -23,14 +23,15 @@ from prove_jax.models.config import PRESETS, ModelConfig, preset
 from prove_jax.models.remat import remat_name
 from prove_jax.training.optimizer import make_optimizer
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
-from prove_jax.training import aot
+from prove_jax import aot
 from prove_jax.training.config import TrainConfig
 from prove_jax.training.objectives import make_loss_fn
 from prove_jax.training.step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
                                      state_layout)
 
-GIB = 1024 ** 3
-CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
+GIB = aot.GIB
+CHIP_HBM_GIB = aot.CHIP_HBM_GIB
+chip_hbm_bytes = aot.chip_hbm_bytes
 HEADROOM = 0.9  # fraction of HBM the estimate may use
 
 
@@ -115,13 +116,6 @@ class DryRunReport:
     def compiled_fits(self) -> bool | None:
         """The compiled program's peak within the chip's HBM (None without a compile)."""
         return None if self.compiled is None else self.compiled.peak_bytes <= self.hbm_bytes
-
-
-def chip_hbm_bytes(chip: str) -> int:
-    for name, gib in CHIP_HBM_GIB.items():
-        if name.lower() == chip.lower():
-            return gib * GIB
-    raise DryRunError(f"unknown chip {chip!r}; known: {', '.join(CHIP_HBM_GIB)}")
 
 
 def _model_config_for(cfg: TrainConfig) -> ModelConfig:

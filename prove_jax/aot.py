@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of a step for a real TPU topology, from a machine without TPUs.
+"""Ahead-of-time compile of a program for a real TPU topology, from a machine without TPUs.
 
 With the optional `libtpu` package installed, `jax.experimental.topologies` describes a TPU
 slice whose devices a `Mesh` can be laid on; a jitted step lowered with shardings on that mesh
@@ -35,8 +35,38 @@ _COLLECTIVE_LINE = re.compile(r"=\s*(?P<shapes>\(?[a-z0-9]+\[[^=]*?)\s+(?P<kind>
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
+GIB = 1024 ** 3
+CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
+
+
+class UnknownChip(ProveJaxError, ValueError):
+    """A chip name this module has no memory size or topology for."""
+
+
+def chip_hbm_bytes(chip: str) -> int:
+    """Memory of one `chip` (a TPU generation, or H100/H200), in bytes."""
+    for name, gib in CHIP_HBM_GIB.items():
+        if name.lower() == chip.lower():
+            return gib * GIB
+    raise UnknownChip(f"unknown chip {chip!r}; known: {', '.join(CHIP_HBM_GIB)}")
+
+
 def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
+
+
+# Cloud TPU accelerator types ("v5p-8") count TensorCores on v4 and v5p (two per chip), chips
+# on v5e and v6e.
+CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+
+
+def accelerator_chips(accelerator: str) -> tuple[str, int]:
+    """(chip, chips) of a Cloud TPU accelerator type: "v5p-8" -> ("v5p", 4), "v6e-8" -> ("v6e", 8)."""
+    chip, _, count = accelerator.lower().partition("-")
+    if chip not in CORES_PER_CHIP or not count.isdigit() or int(count) % CORES_PER_CHIP[chip]:
+        raise UnknownChip(f"unknown TPU accelerator type {accelerator!r}: give one like v5p-8 or v6e-8 "
+                          f"(generations {', '.join(CORES_PER_CHIP)})")
+    return chip, int(count) // CORES_PER_CHIP[chip]
 
 
 def topology_name(chip: str, devices: int) -> str:
@@ -104,9 +134,11 @@ class DoesNotFit(ProveJaxError, ValueError):
     """XLA refused to compile a program for a TPU slice: it needs more memory than a chip has."""
 
 
-def compile_stats(lowered, topology: str) -> CompiledStats:
+def compile_stats(lowered, topology: str, what: str = "the step",
+                  advice: str = "model.remat=full, a larger slice, a smaller batch") -> CompiledStats:
     """Compile a `jax.stages.Lowered` for its topology and read its memory and collectives.
-    A program too large for a chip raises DoesNotFit with XLA's numbers, not its traceback."""
+    A program too large for a chip raises DoesNotFit with XLA's numbers and `advice` (what to
+    lower), not its traceback."""
     import jax
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
@@ -114,8 +146,8 @@ def compile_stats(lowered, topology: str) -> CompiledStats:
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise DoesNotFit(f"the step does not fit a chip of {topology}: XLA: {str(e).splitlines()[0]} "
-                         f"(lower the memory: model.remat=full, a larger slice, a smaller batch)") from None
+        raise DoesNotFit(f"{what} does not fit a chip of {topology}: XLA: {str(e).splitlines()[0]} "
+                         f"(lower the memory: {advice})") from None
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     memory = compiled.memory_analysis()
     return CompiledStats(topology=topology, compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
