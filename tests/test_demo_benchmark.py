@@ -69,6 +69,15 @@ def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
             assert all(s[:-1] == [4] * (len(s) - 1) for s in traced.step_commits)
 
 
+def test_head_thresholds_sweep_the_commit_head_beside_its_own():
+    settings = [s for s in bench_lib.sweep_settings(["verify"], True, 6, head_thresholds=[0.3, 0.1])
+                if s.options.commit_rule == "head"]
+    assert [s.options.head_threshold for s in settings] == [None, 0.3, 0.1]
+    assert [s.label for s in settings] == ["K=6,head", "K=6,head,p>=0.3", "K=6,head,p>=0.1"]
+    assert not [s for s in bench_lib.sweep_settings(["verify"], False, head_thresholds=[0.3])
+                if s.options.commit_rule == "head"]
+
+
 def test_agreement_and_output_forms():
     assert bench_lib.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == {
         "agreement_with_ar": 1.0, "exact_match_with_ar": 1.0}
@@ -342,6 +351,7 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     (["--layouts", "6x2", "--lossless-blocks", "6x2"], "--lossless-blocks is the old spelling of --layouts"),
     (["--modes", "ar,threshold", "--block-size", "0"], "--block-size must be >= 1, got 0"),
     (["--modes", "ar,verify", "--tau-vs=-0.5"], "--tau-vs are verifier probabilities"),
+    (["--modes", "ar,lossless", "--head-thresholds", "0.3"], "--head-thresholds sweeps verify's commit head"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
     (["--model", "/nonexistent/ckpt"], "model checkpoint not found"),

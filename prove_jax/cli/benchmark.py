@@ -103,6 +103,9 @@ def parse_args(argv=None):
     ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
                     help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
                          "top1 and (when the verifier has commit_head/) head always run")
+    ap.add_argument("--head-thresholds", default="",
+                    help="verify/head: comma-separated head thresholds to sweep beside the head's own "
+                         "(its speed/accuracy curve; default none)")
     ap.add_argument("--relaxed-ps", default="",
                     help="lossless: comma-separated relaxed acceptance probabilities to sweep on each "
                          "--layouts layout (`relaxed` rows: lossy; see `generate --relaxed-p`; default none)")
@@ -356,13 +359,18 @@ def main(argv=None) -> int:
             modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=layouts, adaptive=args.adaptive, tau_vs=_float_list(args.tau_vs, "--tau-vs"),
             calibrated=args.calibrated, confidence=args.confidence,
-            relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"))
+            relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"),
+            head_thresholds=_float_list(args.head_thresholds, "--head-thresholds"))
         for s in settings:
-            if s.mode == "relaxed":  # a bad --relaxed-ps found before any load
+            if s.mode == "relaxed" or s.options is not None and s.options.head_threshold is not None:
+                # a bad --relaxed-ps or --head-thresholds found before any load
                 try:
                     s.options.validate()
                 except DecodeError as e:
                     raise bench_lib.BenchError(f"{s.name}: {e}") from None
+        if args.head_thresholds.strip() and not have_head:
+            raise bench_lib.BenchError("--head-thresholds sweeps verify's commit head: it needs verify in "
+                                       "--modes and a --verifier with a commit_head/ folder")
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
             raise bench_lib.BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         if args.repeats < 1:  # found before the models load, not after
