@@ -46,6 +46,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+NOTES = """Notes.
+- Mesh: the pair's bfloat16 weights (66 GiB) take tensor=2 on v5p (95 GiB chips) and tensor=8 on
+  v6e (32 GiB), as `sharding.inference_tensor_size` picks; lossless (the proposer alone, 61 GiB)
+  takes tensor=4 on v6e. Rows are rounded up to whole data shards: "batch 1" on v5p-8 decodes 2
+  rows.
+- Collectives are counted per program, a loop body's once: scanned, the proposer's and the
+  verifier's layers are one body each (21 all-reduces); unrolled, every layer's appear (409),
+  and the compile takes 171 s instead of 35. The 2 all-gathers are the final token buffers,
+  replicated so every host can read them (`Decoder`'s out_shardings), once per call; no weight or
+  KV cache is gathered.
+- The one program that does not fit is verify at batch 64 with 8k contexts on v6e-8: the
+  verifier's 2 kv heads cannot split 8 ways, so every chip holds the verifier's whole KV cache
+  for all 64 rows (about 19 GiB) beside its eighth of the proposer's. A paged KV pool, or a mesh
+  that splits the rows over data for the verifier, would be the fix; neither is built.
+- The Pallas TPU attention kernel (`--attention pallas_tpu`) compiles inside the whole program
+  at the same memory.
+- Lossless adaptive follows the TPU table: K=6/G=4 up to 4 rows, K=4/G=2 up to 16, plain AR
+  beyond 32 rows (the table's measured break-even on an H200; not measured on TPU)."""
+
+
 def table_row(r: dict) -> str:
     """One markdown row: a compiled program, one XLA refused for memory, or one that failed."""
     head = f"| {r['accelerator']} | {r['label']}"
@@ -126,6 +146,7 @@ def main(argv=None) -> int:
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(table_row(r))
+    md += ["", NOTES]
     bench_lib.write_results(args.out, "decode_tpu_compile", doc, md)
     return 0
 
