@@ -146,6 +146,14 @@ def parse_args(argv=None):
     return args
 
 
+def _shown_path(path: str) -> str:
+    """A checkpoint path as a report shows it: relative to the working directory when inside it
+    (a committed report names the repository's files, not one machine's), else absolute."""
+    full = os.path.abspath(path)
+    relative = os.path.relpath(full)
+    return full if relative.startswith("..") else relative
+
+
 def _float_list(text: str, what: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -211,9 +219,9 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
     import jax
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "proposer": os.path.abspath(args.model),
+        "proposer": _shown_path(args.model),
         # only when a mode ran it (verify, or hf_assisted's draft)
-        "verifier": os.path.abspath(args.verifier) if pair.verifier is not None else None,
+        "verifier": _shown_path(args.verifier) if pair.verifier is not None else None,
         "proposer_config": _config_summary(pair.proposer.cfg),
         "verifier_config": _config_summary(pair.verifier.cfg) if pair.verifier is not None else None,
         "prompts": prompts_desc, "num_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
