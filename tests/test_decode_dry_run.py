@@ -110,3 +110,16 @@ def test_a_program_too_large_for_a_chip_is_reported_not_raised():
     assert "does not fit a chip of v5e:1x1" in report.does_not_fit and "RESOURCE_EXHAUSTED" in report.does_not_fit
     assert "DOES NOT FIT" in report.describe()
     assert np.isfinite(report.weight_bytes)
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
+def test_cli_compiles_a_checkpoints_program_and_prints_the_report(tmp_path, capsys):
+    from prove_jax.checkpoints.checkpoint import save_model
+    save_model(str(tmp_path / "p"), create_model(CFG, seed=0))
+    rc = generate.main(["--model", str(tmp_path / "p"), "--mode", "lossless", "--block-size", "4",
+                        "--dry-run", "v6e-4", "--batch-size", "4", "--context", "256",
+                        "--max-new-tokens", "64", "--dtype", "bfloat16", "--scan-layers"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "v6e:2x2 (4 x v6e" in out and "layers scanned" in out and "FITS" in out
+    assert "192 prompt + 64 new tokens" in out

@@ -15,7 +15,7 @@ import sys
 import time
 
 from prove_jax.checkpoints.convert import DEFAULT_MAX_SHARD_BYTES, DTYPES, flax_to_hf, hf_to_flax
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.errors import ProveJaxError
 
 
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                                progress=not args.quiet)
             what = f"{len(files)} safetensors file(s)"
     except ProveJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     except OSError as e:
         print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
         return 2

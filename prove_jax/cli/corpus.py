@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.data.corpus import DEFAULT_HELDOUT_FRACTION, stdlib_root, write_corpus
 
 
@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         m = write_corpus(args.out, args.root, args.heldout_fraction, args.max_bytes,
                          args.max_prompts)
     except (ProveJaxError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"wrote {args.out}: train {m['train']['files']} files / {m['train']['bytes']:,} bytes, "
           f"held-out {m['heldout']['files']} files / {m['heldout']['bytes']:,} bytes, "
           f"{m['heldout_prompts']['records']} prompts")

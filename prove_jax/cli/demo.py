@@ -25,7 +25,7 @@ import textwrap
 import jax
 
 from prove_jax import assets
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.decoding.adaptive import ADAPTIVE_TABLES
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.options import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU
@@ -241,8 +241,7 @@ def main(argv=None) -> int:
         records, ms = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens, [1],
                                              repeats=args.repeats)
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
 
     cfg = pair.proposer.cfg
     exact = records[1]["exact_match_with_ar"] == 1.0

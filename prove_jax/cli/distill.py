@@ -19,7 +19,7 @@ import sys
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import distributed
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.training.distill import (corpus_text_sample, distill_records, sample_prompts,
                                         train_function_prompts)
 
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if main_process:
             atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in out))
     except (ProveJaxError, OSError, ValueError) as e:  # ValueError: a library's bad-input error (tokenizer, JSON)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     log(f"wrote {args.out}: {len(out)} records")
     return 0
 

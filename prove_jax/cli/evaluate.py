@@ -17,7 +17,7 @@ import time
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import distributed
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.data.pipeline import load_examples, tokenize_examples
 from prove_jax.evaluation.heldout import heldout_metrics
 
@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
             results.append(result)
     except (ProveJaxError, OSError, ValueError) as e:  # ValueError: a library's bad-input error
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if main_process:
         print(json.dumps(results))
     return 0

@@ -37,7 +37,7 @@ import numpy as np
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import assets, distributed
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.checkpoints.checkpoint import load_tokenizer
 from prove_jax.models.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
@@ -374,8 +374,7 @@ def main(argv=None) -> int:
                   f"to continue", file=sys.stderr)
         raise
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if main_process:
         if args.prompt is not None and summary.get("proposer_forwards"):
             print(f"({summary['generated_tokens']} tokens in {summary['proposer_forwards']} forwards: "

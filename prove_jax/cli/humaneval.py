@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.evaluation.humaneval import load_problems, prompt_records
 from prove_jax.files import atomic_write_text
 
@@ -23,8 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         records = prompt_records(load_problems(limit=args.limit))
         atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in records))
     except (ProveJaxError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"wrote {len(records)} HumanEval prompts to {args.out}")
     return 0
 

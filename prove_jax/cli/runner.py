@@ -14,6 +14,13 @@ import sys
 from typing import Callable, NoReturn
 
 INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
+BAD_INPUT = 2  # a user-facing error: bad flags, input or checkpoints (argparse's code too)
+
+
+def fail(error: BaseException) -> int:
+    """Report a user-facing error as one line on stderr; returns BAD_INPUT for `main` to return."""
+    print(f"error: {error}", file=sys.stderr)
+    return BAD_INPUT
 
 
 def run_cli(main: Callable[[], int]) -> NoReturn:

@@ -10,10 +10,9 @@ never share a problem whatever the seed.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.cli.runner import run_cli
+from prove_jax.cli.runner import fail, run_cli
 from prove_jax.data import arithmetic
 
 TASKS = ("arithmetic",)
@@ -34,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         m = arithmetic.write_task(args.out, args.train, args.test, args.seed, args.test_percent)
     except (ProveJaxError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"wrote {args.out}: {m['train']} train and {m['test']} test problems (seed {m['seed']})")
     return 0
 

@@ -16,7 +16,7 @@ import os
 import sys
 
 from prove_jax import distributed
-from prove_jax.cli.runner import INTERRUPTED, run_cli
+from prove_jax.cli.runner import INTERRUPTED, fail, run_cli
 from prove_jax.errors import ProveJaxError
 from prove_jax.training.preemption import PREEMPTED, Preempted
 
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted:  # the loop said which step it saved; every host exits with this code
         return PREEMPTED
     except (ProveJaxError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     except KeyboardInterrupt:  # checkpoints are written atomically: the newest finished one stands
         from prove_jax.training.run_checkpoint import CHECKPOINT_DIR
         if cfg is None:
