@@ -152,6 +152,10 @@ class LayerStack(nnx.Module):
         return x, KVCache(k=k, v=v)
 
 
+def _stack(*values):
+    return jnp.stack(values)
+
+
 def stack_layers(model: Qwen2) -> Qwen2:
     """A model sharing `model`'s weights but its layers stacked into one `LayerStack` (new
     arrays: the per-layer ones stay `model`'s). Works on an abstract model (`nnx.eval_shape`).
@@ -167,7 +171,7 @@ def stack_layers(model: Qwen2) -> Qwen2:
         sharding = getattr(values[0], "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
             out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
-            value = jax.jit(lambda *v: jnp.stack(v), out_shardings=out)(*values)
+            value = jax.jit(_stack, out_shardings=out)(*values)
         else:
             value = jnp.stack(values)
         axes = getattr(first, "logical_axes", None)
