@@ -102,6 +102,8 @@ def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
     assert calls
     assert ar_k.output_ids == ar.output_ids
     assert lossless.output_ids == ar.output_ids
+    if kernels.attention != "pallas_tpu":  # the scan feeds both kernels the same way: one is enough
+        return
     # with the layers scanned, the kernel reads each layer of the stacked cache
     calls.clear()
     scanned = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2, kernels=kernels, scan_layers=True)
