@@ -278,6 +278,27 @@ def test_threshold_tau_above_one_is_ar_and_lower_tau_commits_more(model, ar_out)
     assert (loose.forwards < strict.forwards).all()
 
 
+def test_verify_gated_by_the_proposers_confidence(model, ar_out):
+    """gate_tau: a draft is committed only where the verifier's rule and the proposer's own
+    confidence both pass. With a verifier that accepts everything (prob, tau_v 0) the gate alone
+    decides, which is threshold's rule at the same tau; a gate no draft passes commits AR's
+    first token alone; gate 0 leaves the verifier's commits as they were."""
+    verifier = create_model(CFG.replace(num_layers=1, mask_token_id=None), seed=5)
+    prompts = _prompts()
+
+    def verify(**kw):
+        return Decoder(model, [1], DecodeOptions("verify", 4, **kw), verifier=verifier).generate(prompts, 24)
+    threshold = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.3)).generate(prompts, 24)
+    gated = verify(commit_rule="prob", tau_v=0.0, gate_tau=0.3)
+    assert gated.output_ids == threshold.output_ids
+    np.testing.assert_array_equal(gated.forwards, threshold.forwards)
+    strict = verify(commit_rule="prob", tau_v=0.0, gate_tau=1.01)
+    assert strict.output_ids == ar_out.output_ids and (strict.forwards == 24).all()
+    assert verify(gate_tau=0.0).output_ids == verify().output_ids
+    with pytest.raises(DecodeError, match="gate_tau gates verify"):
+        DecodeOptions("lossless", 4, gate_tau=0.5).validate()
+
+
 def _oracle_confidence(logits: np.ndarray, kind: str) -> np.ndarray:
     """numpy: top-1 probability, top-1 minus top-2 probability, or entropy (nats) per row."""
     p = np.exp(logits - logits.max(-1, keepdims=True))

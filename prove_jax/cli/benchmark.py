@@ -106,6 +106,10 @@ def parse_args(argv=None):
     ap.add_argument("--head-thresholds", default="",
                     help="verify/head: comma-separated head thresholds to sweep beside the head's own "
                          "(its speed/accuracy curve; default none)")
+    ap.add_argument("--gate-taus", default="",
+                    help="verify: comma-separated proposer-confidence gates; each adds the top1 and "
+                         "--tau-vs prob rules committing a draft only if the proposer's own confidence "
+                         "in it (--confidence) passes the gate too (`generate --gate-tau`; default none)")
     ap.add_argument("--relaxed-ps", default="",
                     help="lossless: comma-separated relaxed acceptance probabilities to sweep on each "
                          "--layouts layout (`relaxed` rows: lossy; see `generate --relaxed-p`; default none)")
@@ -368,9 +372,11 @@ def main(argv=None) -> int:
             lossless=layouts, adaptive=args.adaptive, tau_vs=_float_list(args.tau_vs, "--tau-vs"),
             calibrated=args.calibrated, confidence=args.confidence,
             relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"),
-            head_thresholds=_float_list(args.head_thresholds, "--head-thresholds"))
+            head_thresholds=_float_list(args.head_thresholds, "--head-thresholds"),
+            gate_taus=_float_list(args.gate_taus, "--gate-taus") if "verify" in modes else ())
         for s in settings:
-            if s.mode == "relaxed" or s.options is not None and s.options.head_threshold is not None:
+            if s.mode == "relaxed" or s.options is not None and (s.options.head_threshold is not None
+                                                                 or s.options.gate_tau is not None):
                 # a bad --relaxed-ps or --head-thresholds found before any load
                 try:
                     s.options.validate()

@@ -124,7 +124,7 @@ def parse_args(argv=None):
                          "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
                          "is <= tau nats (entropy); default " +
                          ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
-    ap.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS, help="threshold: the confidence statistic (default prob)")
+    ap.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS, help="threshold, and verify with --gate-tau: the confidence statistic (default prob)")
     ap.add_argument("--commit-rule", default=None, choices=COMMIT_RULES, help="verify: how the verifier accepts drafts (default top1)")
     ap.add_argument("--tau-v", type=float, default=None,
                     help="verify/prob: verifier probability to commit (default 0.5)")
@@ -135,6 +135,9 @@ def parse_args(argv=None):
     ap.add_argument("--head-threshold", type=float, default=None,
                     help="verify/head: commit-head probability to commit (default: the head's own, "
                          "0.5); lower commits more tokens per forward, less often equal to AR")
+    ap.add_argument("--gate-tau", type=float, default=None,
+                    help="verify: also require the proposer's own confidence in each draft (--confidence "
+                         "statistic) to pass this, as threshold's --tau (default: the verifier alone)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
@@ -159,6 +162,13 @@ def parse_args(argv=None):
     ap.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS,
                     help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
                          "JAX ships for that platform (docs/decoding.md)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="keep the proposer's KV in a paged pool of pages of this many slots: each request "
+                         "owns the pages its own prompt and budget need, not the longest request's "
+                         "(default: one contiguous buffer per row; docs/decoding.md)")
+    ap.add_argument("--kv-pages", type=int, default=None,
+                    help="--page-size: pages in the pool; a request waits until enough are free "
+                         "(default: enough for every row at the longest request)")
     dry = ap.add_argument_group("dry run: compile for a TPU slice from this machine (needs libtpu)")
     dry.add_argument("--dry-run", default=None, metavar="ACCELERATOR",
                      help="compile the whole decode program for a Cloud TPU slice, e.g. v5p-8 or v6e-8, "
@@ -183,7 +193,7 @@ def parse_args(argv=None):
 # other, they would be silently ignored, so the run would not be the one asked for.
 MODE_OPTIONS = {"block_size": ("threshold", "lossless", "verify"), "groups": ("lossless",),
                 "adaptive": ("lossless",), "calibrate": ("lossless",), "tau": ("threshold",),
-                "confidence": ("threshold",), "verifier": ("verify",), "commit_rule": ("verify",),
+                "confidence": ("threshold", "verify"), "gate_tau": ("verify",), "verifier": ("verify",), "commit_rule": ("verify",),
                 "tau_v": ("verify",), "head_threshold": ("verify",), "relaxed_p": ("lossless",)}
 RULE_OPTIONS = {"tau_v": "prob", "head_threshold": "head"}
 
@@ -221,8 +231,10 @@ def decode_options(args) -> DecodeOptions:
     try:
         return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
                              max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
-                             head_threshold=args.head_threshold, prefill_chunk=args.prefill_chunk,
+                             head_threshold=args.head_threshold, gate_tau=args.gate_tau,
+                             prefill_chunk=args.prefill_chunk,
                              logprobs=args.logprobs, relaxed_p=args.relaxed_p, scan_layers=args.scan_layers,
+                             page_size=args.page_size, kv_pages=args.kv_pages,
                              kernels=KernelOptions(attention=args.attention), **given).validate()
     except DecodeError as e:  # the library's words for a setting -> the flag that set it
         message = str(e)
@@ -234,7 +246,7 @@ def decode_options(args) -> DecodeOptions:
 
 OPTION_FLAGS = {"block size": "--block-size", "max groups": "--groups", "prefill chunk": "--prefill-chunk",
                 "tau": "--tau", "tau_v": "--tau-v", "head threshold": "--head-threshold", "logprobs": "--logprobs",
-                "relaxed_p": "--relaxed-p"}
+                "relaxed_p": "--relaxed-p", "page size": "--page-size", "gate_tau": "--gate-tau", "kv_pages": "--kv-pages"}
 
 
 def default_params(args) -> SamplingParams:

@@ -318,7 +318,8 @@ class Decoder:
         num_slots = self.buffer_len(width, max(budgets))
         requests = self._request_arrays(prompts, budgets, params, seeds, num_requests, width)
         settings = dataclasses.replace(self.program_settings(options, rows, num_slots),
-                                       sampler=Sampler.for_requests(params))
+                                       sampler=Sampler.for_requests(params),
+                                       num_pages=self._pool_pages(prompts, budgets, rows))
         return _Call(settings, requests, seeds)
 
     def lower(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None,
@@ -358,7 +359,8 @@ class Decoder:
         requests = self._request_arrays(list(prompts) + [[self.pad_id]], budgets + [0],
                                         params + [GREEDY], seeds + [0], n + 1, width)
         settings = dataclasses.replace(self.program_settings(options, rows, self.buffer_len(width, max(budgets))),
-                                       sampler=Sampler.for_requests(params))
+                                       sampler=Sampler.for_requests(params),
+                                       num_pages=self._pool_pages(prompts, budgets, rows))
         return DecodeStream(self, requests, seeds, settings, chunk_steps, log)
 
     def _prepare(self, prompts, max_new_tokens: int, batch_size: int | None, params, seed: int):
@@ -376,6 +378,27 @@ class Decoder:
             raise DecodeError("relaxed acceptance (--relaxed-p) is for greedy decoding; sampled "
                               "lossless is exact speculative sampling: drop one or the other")
         return params, budgets, seeds
+
+    def pages_needed(self, prompt_len: int, budget: int) -> int:
+        """Pages of the paged KV pool one request owns while it decodes (0 without one)."""
+        page = self.options.page_size
+        return 0 if page is None else -(-(prompt_len + budget) // page)
+
+    def _pool_pages(self, prompts, budgets, rows: int) -> int:
+        """Pages of the paged KV pool for a call: options.kv_pages, or enough for `rows` rows at
+        the longest request; 0 without a pool. Every request must fit the pool alone."""
+        if self.options.page_size is None:
+            return 0
+        need = [self.pages_needed(len(p), b) for p, b in zip(prompts, budgets)]
+        if self.options.kv_pages is None:
+            return rows * max(need)
+        worst = int(np.argmax(need))
+        if need[worst] > self.options.kv_pages:
+            raise DecodeError(
+                f"prompt {worst} needs {need[worst]} KV pages of {self.options.page_size} slots "
+                f"({len(prompts[worst])} prompt tokens + {budgets[worst]} new), more than the pool's "
+                f"{self.options.kv_pages}: raise --kv-pages or lower --max-new-tokens")
+        return self.options.kv_pages
 
     def _batch_sharding(self):
         """Requests and rows split over the mesh's batch axes; None without a mesh."""

@@ -60,6 +60,10 @@ class DecodeOptions:
     head_threshold: float | None = None
     """verify/head: the head probability a token needs; None: the head's own (0.5 as trained).
     Lower commits more per forward; above 1 commits only the exact first token."""
+    gate_tau: float | None = None
+    """verify: also require the proposer's own confidence in each draft (the `confidence`
+    statistic of its mask's distribution) to pass gate_tau, as `threshold` does with tau; None:
+    the verifier decides alone."""
     relaxed_p: float | None = None
     """lossless, greedy only: also commit a draft that the proposer's own AR distribution at its
     slot gives probability >= relaxed_p (lossy: the output may leave AR's; the same forward as
@@ -79,6 +83,13 @@ class DecodeOptions:
     Decoder is built, with a stacked KV cache: the program holds one layer's code, so compile
     time stops growing with depth (benchmarks/decode_compile.md). Unrolled: XLA may schedule
     across layers."""
+    page_size: int | None = None
+    """Keep the proposer's KV in a paged pool of pages of this many slots, each row owning the
+    pages its own prompt and budget need (models/paged.py); None: one contiguous buffer per
+    row, sized for the call's longest request. Read through the page table in XLA."""
+    kv_pages: int | None = None
+    """Pages in the pool (with page_size): a request waits until enough are free; None: as many
+    as every row needs at the call's longest request (the same memory as contiguous)."""
 
     def validate(self) -> "DecodeOptions":
         """Checked copy; `ar` is normalised to K=1 (one token per forward, no masks)."""
@@ -102,6 +113,11 @@ class DecodeOptions:
             raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
         if self.head_threshold is not None and not math.isfinite(self.head_threshold):
             raise DecodeError(f"head threshold must be a finite number, got {self.head_threshold}")
+        if self.gate_tau is not None:
+            if self.mode != "verify":
+                raise DecodeError(f"gate_tau gates verify's commits by the proposer's confidence; mode {self.mode!r} has none")
+            if not math.isfinite(self.gate_tau):
+                raise DecodeError(f"gate_tau must be a finite number, got {self.gate_tau}")
         if self.relaxed_p is not None:
             if self.mode != "lossless":
                 raise DecodeError(f"relaxed_p relaxes lossless acceptance; mode {self.mode!r} has none")
@@ -117,4 +133,19 @@ class DecodeOptions:
             raise DecodeError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         if not isinstance(self.kernels, KernelOptions):
             raise DecodeError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
+        if self.page_size is not None or self.kv_pages is not None:
+            self._check_paged()
         return self
+
+    def _check_paged(self) -> None:
+        if self.page_size is None:
+            raise DecodeError("kv_pages sizes a paged KV pool: give a page size too (--page-size)")
+        if not (isinstance(self.page_size, int) and self.page_size >= 1):
+            raise DecodeError(f"page size must be a whole number of slots >= 1, got {self.page_size!r}")
+        if self.kv_pages is not None and not (isinstance(self.kv_pages, int) and self.kv_pages >= 1):
+            raise DecodeError(f"kv_pages must be a whole number of pages >= 1, got {self.kv_pages!r}")
+        if self.scan_layers:
+            raise DecodeError("the paged KV pool runs with per-layer weights: drop --scan-layers or --page-size")
+        if self.kernels.attention != "xla":
+            raise DecodeError(f"the paged KV pool is read through its page table in XLA: drop --page-size "
+                              f"or use --attention xla (not {self.kernels.attention})")

@@ -25,6 +25,7 @@ from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.paged import PagedKVCache, pages_needed
 from prove_jax.models.tokens import readable_tokens
 
 
@@ -46,6 +47,8 @@ class ProgramSettings:
     """Prompt tokens per prefill forward."""
     sampler: Sampler | None = None
     """What sampling this program does; None: greedy only (no distributions carried)."""
+    num_pages: int = 0
+    """Pages of the proposer's paged KV pool (options.page_size); 0: contiguous buffers."""
 
 
 def step_shape(options: DecodeOptions) -> tuple[int, int]:
@@ -67,14 +70,16 @@ def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int
     if options.mode == "verify":
         return steps.verify_step(model, verifier, state, block_size=block_size, mask_id=mask_id,
                                  rule=options.commit_rule, tau_v=options.tau_v, head=head,
-                                 head_threshold=options.head_threshold, kernels=kernels, sampler=sampler)
+                                 head_threshold=options.head_threshold, kernels=kernels, sampler=sampler,
+                                 gate=None if options.gate_tau is None else (options.confidence, options.gate_tau))
     return steps.threshold_step(model, state, block_size=block_size, mask_id=mask_id, tau=options.tau,
                                 conf_kind=options.confidence, kernels=kernels, sampler=sampler)
 
 
 def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chunk_size: int, pad_id: int,
-            kernels: KernelOptions = DEFAULT_KERNELS) -> KVCache:
-    """A cache of `size` slots holding the KV of `prompts` [R, P] (row r's first prompt_len[r]).
+            kernels: KernelOptions = DEFAULT_KERNELS, cache: PagedKVCache | None = None) -> KVCache | PagedKVCache:
+    """A cache of `size` slots holding the KV of `prompts` [R, P] (row r's first prompt_len[r]);
+    with `cache`, a paged pool with these rows' pages allocated, written there instead.
 
     Written `chunk_size` tokens at a time up to the longest prompt of these rows, so prefill
     costs what the prompts are long, not the prompt width P of the whole call.
@@ -98,11 +103,14 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
         return model.hidden_states(tokens, positions, mask, cache, kernels=kernels)[1]
 
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, n_chunks, write_chunk, model.new_cache(rows, size))
+    return jax.lax.fori_loop(0, n_chunks, write_chunk, model.new_cache(rows, size) if cache is None else cache)
 
 
-def start_rows(model, verifier, requests: Requests, settings: ProgramSettings) -> LoopState:
-    """Loop state of the rows serving `requests`, right after their prefill."""
+def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
+               pool: PagedKVCache | None = None) -> LoopState:
+    """Loop state of the rows serving `requests`, right after their prefill. With a paged KV
+    pool (options.page_size) each row's pages are taken from `pool` (None: a new, empty one);
+    the caller makes sure they fit (`first_fitting`)."""
     options = settings.options
     width, num_drafts = step_shape(options)
     prompts, prompt_len = requests.prompts, requests.prompt_len
@@ -110,7 +118,15 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings) -
     tokens = jnp.full((rows, settings.num_slots), settings.pad_id, jnp.int32).at[:, :prompt_width].set(prompts)
     static = dict(chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels)
     # room for one step past the buffer: the proposer's step width, the verifier's K
-    cache = prefill(model, prompts, prompt_len, settings.num_slots + width, **static)
+    size = settings.num_slots + width
+    if options.page_size is None:
+        cache = prefill(model, prompts, prompt_len, size, **static)
+    else:
+        page = options.page_size
+        if pool is None:
+            pool = PagedKVCache.zeros(model.cfg, rows, -(-size // page), settings.num_pages, page)
+        pool = pool.allocate(pages_needed(prompt_len, requests.max_new, page))
+        cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
         verifier_cache = prefill(verifier, prompts, prompt_len, settings.num_slots + options.block_size, **static)
@@ -122,18 +138,32 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings) -
                          logprobs=options.logprobs)
 
 
-def admit(model, verifier, requests: Requests, request: jax.Array, settings: ProgramSettings) -> LoopState:
-    """One-row loop state of queued request `request` (traced), right after its prefill."""
-    return start_rows(model, verifier, requests.one(request), settings)
+def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopState,
+          settings: ProgramSettings) -> LoopState:
+    """One-row loop state of queued request `request` (traced), right after its prefill (its
+    pages taken from `state`'s pool when the KV is paged)."""
+    pool = state.cache if settings.options.page_size is not None else None
+    return start_rows(model, verifier, requests.one(request), settings, pool=pool)
+
+
+def first_fitting(requests: Requests, settings: ProgramSettings) -> jax.Array | None:
+    """bool [R]: which of `requests`, taken in order, fit the empty paged pool together (a
+    prefix); None without a paged pool (all fit)."""
+    page = settings.options.page_size
+    if page is None:
+        return None
+    return jnp.cumsum(pages_needed(requests.prompt_len, requests.max_new, page)) <= settings.num_pages
 
 
 def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, requests: Requests,
               num_live: jax.Array, settings: ProgramSettings) -> tuple[LoopState, QueueState]:
     """Refill finished rows from the queue (when it holds more requests than rows), then step."""
     state, queue_state = carry
-    if requests.prompts.shape[0] > settings.num_rows:
+    page = settings.options.page_size
+    if requests.prompts.shape[0] > settings.num_rows or page is not None:
         admit_request = functools.partial(admit, model, verifier, requests, settings=settings)
-        state, queue_state = queue.refill(state, queue_state, num_live, admit_request)
+        need = None if page is None else pages_needed(requests.prompt_len, requests.max_new, page)
+        state, queue_state = queue.refill(state, queue_state, num_live, admit_request, need=need)
     state = decode_step(settings.options, model, state, mask_id=settings.mask_id, verifier=verifier,
                         head=head, sampler=settings.sampler)
     return state.replace(step=state.step + 1), queue_state
@@ -152,8 +182,12 @@ def decode_loop(model, verifier, head, requests: Requests, settings: ProgramSett
     padding and never admitted.
     """
     num_requests, rows = requests.prompts.shape[0], settings.num_rows
-    state = start_rows(model, verifier, requests.rows(0, rows), settings)
-    queue_state = queue.start(num_requests, state)
+    first = requests.rows(0, rows)
+    admitted = first_fitting(first, settings)  # a paged pool may hold only the first few
+    if admitted is not None:
+        first = first.replace(max_new=jnp.where(admitted, first.max_new, 0))
+    state = start_rows(model, verifier, first, settings)
+    queue_state = queue.start(num_requests, state, admitted)
     max_new = requests.max_new
     num_live = jnp.max(jnp.where(max_new > 0, jnp.arange(num_requests, dtype=jnp.int32) + 1, 0))
     # every active step commits >= 1 token: a safety bound, never the reason to stop
@@ -187,16 +221,22 @@ def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSet
 def put_rows(state: LoopState, rows_state: LoopState, rows: jax.Array) -> LoopState:
     """`state` with batch rows `rows` [R] replaced by `rows_state` (R rows); an index past the
     batch is dropped. The scalars (the loop counter) are the batch's and stay."""
-    return jax.tree.map(lambda full, part: full if full.ndim == 0 else full.at[rows].set(part, mode="drop"),
-                        state, rows_state)
+    return queue.put_state(state, rows_state, rows,
+                           lambda full, part: full if full.ndim == 0 else full.at[rows].set(part, mode="drop"))
 
 
 def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, verifier_params,
                state: LoopState, requests: Requests, rows: jax.Array) -> LoopState:
-    """Prefill `requests` (R of them, together) and write them into batch rows `rows` [R]."""
+    """Prefill `requests` (R of them, together) and write them into batch rows `rows` [R]. A
+    paged pool first takes back the pages of every finished row; the host admits only what
+    fits (stream.py)."""
     model = nnx.merge(graphdef, params)
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
-    return put_rows(state, start_rows(model, verifier, requests, settings), rows)
+    pool = None
+    if settings.options.page_size is not None:
+        pool = state.cache.release(state.done)
+        state = state.replace(cache=pool)
+    return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool), rows)
 
 
 def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings, params,
@@ -204,16 +244,18 @@ def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSetti
               stop_when_free: jax.Array, finish: jax.Array) -> LoopState:
     """Up to `max_steps` decode steps of every active row; ends early when all rows are done,
     or, with `stop_when_free` (requests are waiting), as soon as a row is. Rows marked in
-    `finish` [B] (the host cancelled them: a stop string) are done before the first step."""
+    `finish` [B] (the host cancelled them: a stop string) are done before the first step; rows
+    already done then (idle, waiting for a request or for free pages) do not end the chunk."""
     state = state.replace(done=state.done | finish)
+    idle = jnp.sum(state.done)
     model = nnx.merge(graphdef, params)
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
     head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
 
     def more(carry):
         state, n = carry
-        free = jnp.any(state.done)
-        return (n < max_steps) & ~jnp.all(state.done) & ~(stop_when_free & free)
+        freed = jnp.sum(state.done) > idle
+        return (n < max_steps) & ~jnp.all(state.done) & ~(stop_when_free & freed)
 
     def body(carry):
         state, n = carry

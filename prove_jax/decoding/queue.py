@@ -16,6 +16,7 @@ from flax import struct
 
 from prove_jax.decoding.sampling import RowSampling
 from prove_jax.decoding.state import Logprobs, LoopState
+from prove_jax.models.paged import PagedKVCache
 
 
 @struct.dataclass
@@ -50,12 +51,18 @@ class QueueState:
     logprobs: Logprobs | None  # [Q, N, ...] with DecodeOptions.logprobs
 
 
-def start(num_requests: int, state: LoopState) -> QueueState:
-    """Rows 0..B-1 already hold requests 0..B-1 (state built from the first B prompts)."""
+def start(num_requests: int, state: LoopState, admitted: jax.Array | None = None) -> QueueState:
+    """Rows 0..B-1 already hold requests 0..B-1 (state built from the first B prompts); with
+    `admitted` [B] (a prefix: what a paged pool could hold), only those, and the others wait."""
     rows, n_slots = state.tokens.shape
     zeros = jnp.zeros((num_requests,), jnp.int32)
+    request = jnp.arange(rows, dtype=jnp.int32)
+    next_request = jnp.int32(rows)
+    if admitted is not None:  # a row that took none hands nothing out (past the queue: dropped)
+        request = jnp.where(admitted, request, num_requests)
+        next_request = jnp.sum(admitted.astype(jnp.int32))
     return QueueState(
-        request=jnp.arange(rows, dtype=jnp.int32), next_request=jnp.int32(rows),
+        request=request, next_request=next_request,
         tokens=jnp.zeros((num_requests, n_slots), jnp.int32), length=zeros, forwards=zeros,
         verifier_forwards=zeros,
         accept_hist=jnp.zeros((num_requests,) + state.accept_hist.shape[1:], jnp.int32),
@@ -65,45 +72,65 @@ def start(num_requests: int, state: LoopState) -> QueueState:
 
 
 def harvest(queue_state: QueueState, state: LoopState, rows: jax.Array) -> QueueState:
-    """Copy the results of `rows` [R] into their requests' output slots."""
+    """Copy the results of `rows` [R] into their requests' output slots (a row serving none,
+    past the queue: dropped)."""
     dest = queue_state.request[rows]
     commits = queue_state.step_commits
     if commits is not None:
-        commits = commits.at[dest].set(state.step_commits[rows])
+        commits = commits.at[dest].set(state.step_commits[rows], mode="drop")
     logprobs = queue_state.logprobs
     if logprobs is not None:
-        logprobs = jax.tree.map(lambda out, row: out.at[dest].set(row[rows]), logprobs, state.logprobs)
+        logprobs = jax.tree.map(lambda out, row: out.at[dest].set(row[rows], mode="drop"), logprobs, state.logprobs)
     return queue_state.replace(logprobs=logprobs,
-        tokens=queue_state.tokens.at[dest].set(state.tokens[rows]),
-        length=queue_state.length.at[dest].set(state.length[rows]),
-        forwards=queue_state.forwards.at[dest].set(state.forwards[rows]),
-        verifier_forwards=queue_state.verifier_forwards.at[dest].set(state.verifier_forwards[rows]),
-        accept_hist=queue_state.accept_hist.at[dest].set(state.accept_hist[rows]), step_commits=commits)
+        tokens=queue_state.tokens.at[dest].set(state.tokens[rows], mode="drop"),
+        length=queue_state.length.at[dest].set(state.length[rows], mode="drop"),
+        forwards=queue_state.forwards.at[dest].set(state.forwards[rows], mode="drop"),
+        verifier_forwards=queue_state.verifier_forwards.at[dest].set(state.verifier_forwards[rows], mode="drop"),
+        accept_hist=queue_state.accept_hist.at[dest].set(state.accept_hist[rows], mode="drop"), step_commits=commits)
+
+
+def put_state(state: LoopState, part: LoopState, rows: jax.Array, put) -> LoopState:
+    """`state` with `put(full, part)` applied to each per-row leaf; a paged pool is the admitted
+    rows' (their prefill wrote into it), with their page tables put at `rows` [R]."""
+    if not isinstance(state.cache, PagedKVCache):
+        return jax.tree.map(put, state, part)
+    merged = jax.tree.map(put, state.replace(cache=None), part.replace(cache=None))
+    return merged.replace(cache=state.cache.put_rows(part.cache, rows))
 
 
 def put_row(state: LoopState, row: LoopState, index: jax.Array) -> LoopState:
     """`state` with batch row `index` replaced by the one-row state `row`; the scalars (the loop
     counter) are the batch's and stay."""
-    return jax.tree.map(
-        lambda full, one: full if full.ndim == 0 else jax.lax.dynamic_update_slice_in_dim(full, one, index, 0),
-        state, row)
+    return put_state(state, row, index[None], lambda full, one: full if full.ndim == 0 else
+                     jax.lax.dynamic_update_slice_in_dim(full, one, index, 0))
 
 
 def refill(state: LoopState, queue_state: QueueState, num_requests: jax.Array,
-           admit: Callable[[jax.Array], LoopState]) -> tuple[LoopState, QueueState]:
+           admit: Callable[[jax.Array, LoopState], LoopState],
+           need: jax.Array | None = None) -> tuple[LoopState, QueueState]:
     """While a row is done and requests wait: harvest the row, then admit the next request.
 
-    `admit(r)` returns the one-row state of request r right after its prefill.
+    `admit(r, state)` returns the one-row state of request r right after its prefill. With a
+    paged KV pool, `need` [Q] gives each request's pages: the finished rows' pages are freed
+    first, and the next request waits (in order) until its pages are free.
     """
+    paged = need is not None
+    if paged:
+        state = state.replace(cache=state.cache.release(state.done))
+
     def waiting(carry):
         state, queue_state = carry
-        return jnp.any(state.done) & (queue_state.next_request < num_requests)
+        more = jnp.any(state.done) & (queue_state.next_request < num_requests)
+        if paged:
+            nxt = jnp.minimum(queue_state.next_request, need.shape[0] - 1)
+            more &= need[nxt] <= state.cache.free_pages()
+        return more
 
     def admit_one(carry):
         state, queue_state = carry
         row = jnp.argmax(state.done).astype(jnp.int32)
         queue_state = harvest(queue_state, state, row[None])
-        state = put_row(state, admit(queue_state.next_request), row)
+        state = put_row(state, admit(queue_state.next_request, state), row)
         return state, queue_state.replace(request=queue_state.request.at[row].set(queue_state.next_request),
                                           next_request=queue_state.next_request + 1)
 

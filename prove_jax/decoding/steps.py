@@ -105,8 +105,11 @@ def _commit_proposal(state, cache, block, n, logits, verifier_cache=None, verifi
 
 
 def verify_step(model, verifier, state, *, block_size, mask_id, rule, tau_v, head=None,
-                head_threshold=None, kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
-    """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K]."""
+                head_threshold=None, kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None,
+                gate: tuple[str, float] | None = None):
+    """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K].
+    `gate` (confidence kind, tau): a draft is committed only if the proposer's own confidence
+    in it passes tau too (the verifier's rule and the proposer's signal together)."""
     block, logits, cache = propose_block(model, state, block_size, mask_id, kernels, sampler)
     k = block_size
     positions = state.length[:, None] + jnp.arange(k)[None, :]
@@ -129,6 +132,8 @@ def verify_step(model, verifier, state, *, block_size, mask_id, rule, tau_v, hea
             accept = head.accept(hidden[:, :-1], verifier_logits, following, threshold=head_threshold)
         else:
             raise ValueError(f"unknown commit rule {rule!r}")
+        if gate is not None:  # logits at D_2..D_K: the proposer's distribution each was drawn from
+            accept &= confident(logits[:, 1:], *gate)
         n = 1 + leading_true(accept & readable[:, 1:])
     return _commit_proposal(state, cache, block, n, logits, verifier_cache=verifier_cache, verified=True)
 

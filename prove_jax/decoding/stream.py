@@ -29,6 +29,7 @@ from prove_jax.decoding.program import ProgramSettings
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.state import LoopState
 from prove_jax.models.attention import KVCache, cache_axes
+from prove_jax.models.paged import POOL_AXES, PagedKVCache
 from prove_jax.models.sharding import activation_sharding
 
 
@@ -74,7 +75,10 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
     scalar = NamedSharding(mesh, P())
     placed = jax.tree.map(lambda x: batch if x.ndim else scalar, state)
 
-    def cache(c: KVCache | None):
+    def cache(c: KVCache | PagedKVCache | None):
+        if isinstance(c, PagedKVCache):  # the pools split over kv heads, the table like the rows
+            pool = lambda x: activation_sharding(mesh, POOL_AXES, x.shape)  # noqa: E731
+            return c.replace(k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=scalar)
         return None if c is None else jax.tree.map(
             lambda x: activation_sharding(mesh, cache_axes(x.ndim == 5), x.shape), c)
 
@@ -165,7 +169,11 @@ class DecodeStream:
         start_fn, admit_fn, chunk_fn = self._programs()
         params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
         waiting = list(range(num))[::-1]  # popped from the end: in order
-        serving = [waiting.pop() if waiting else -1 for _ in range(rows)]
+        serving = [-1] * rows
+        for r in range(min(rows, num)):  # as many as a paged pool holds (all without one)
+            if not self._fits(waiting[-1], serving):
+                break
+            serving[r] = waiting.pop()
         record = self.options.record_steps
         with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
             first = self._take([i if i >= 0 else dummy for i in serving])
@@ -207,9 +215,26 @@ class DecodeStream:
                     state = self._admit(admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd)
                     self.seconds += time.perf_counter() + self.compile_seconds - t0
 
+    def _need(self, i: int) -> int:
+        return self.decoder.pages_needed(int(self.requests.prompt_len[i]), int(self.requests.max_new[i]))
+
+    def _fits(self, i: int, serving: list[int], also: tuple[int, ...] = ()) -> bool:
+        """Request i's pages are free in the paged pool once the requests `serving` and `also`
+        hold theirs (always, without a pool)."""
+        if self.settings.num_pages == 0:
+            return True
+        held = sum(self._need(j) for j in list(serving) + list(also) if j >= 0)
+        return held + self._need(i) <= self.settings.num_pages
+
     def _admit(self, admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd):
-        """Prefill the next waiting requests into the free rows, together."""
-        count = min(len(free), len(waiting))
+        """Prefill the next waiting requests into the free rows, together: in order, as many as
+        rows are free and (with a paged pool) pages are; none when the next does not fit."""
+        count = 0
+        while count < min(len(free), len(waiting)) and self._fits(waiting[-1 - count], serving,
+                                                                  tuple(waiting[len(waiting) - count:])):
+            count += 1
+        if count == 0:
+            return state
         size = next(b for b in _buckets(self.settings.num_rows, self.decoder._data_size()) if b >= count)
         taken = [waiting.pop() for _ in range(count)]
         rows = free[:count] + [self.settings.num_rows] * (size - count)  # past the batch: dropped

@@ -22,6 +22,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
+from prove_jax.models.paged import PagedKV
 from prove_jax.models.sharding import KV_CACHE_AXES, constrain, rows_per_device
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -130,7 +131,8 @@ class Attention(nnx.Module):
         self.o_kernel = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
 
     def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
-        """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh]."""
+        """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh],
+        a `LayerKV` (stacked cache) or a `PagedKV` (paged pool)."""
         cfg = self.cfg
         dt = x.dtype
         # checkpoint names: what a remat policy may keep (models/remat.py); identity otherwise
@@ -155,6 +157,8 @@ class Attention(nnx.Module):
                 kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer),
                                 v=write_step(kv.v, own[1], start, layer=kv.layer))
                 committed = kv.read()
+            elif isinstance(kv, PagedKV):  # read through the page table (XLA only: options check)
+                kv = committed = kv.write(own[0], own[1], start)
             else:
                 kv = committed = (write_step(kv[0], own[0], start), write_step(kv[1], own[1], start))
             if kernels.attention == "xla":
@@ -264,17 +268,26 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     masked chunk changes nothing bit for bit, so a row's result ignores the other rows' lengths.
 
     q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
-    cache: (keys, values) [B, K, S, Dh]; cache_len int32 [B]. Returns [B, T, K, G, Dh].
+    cache: (keys, values) [B, K, S, Dh], or a `PagedKV` (read through its page table, chunks of
+    whole pages); cache_len int32 [B]. Returns [B, T, K, G, Dh].
     """
     dt = q.dtype
-    cache_k, cache_v = cache
-    slots = cache_k.shape[2]
+    if isinstance(cache, PagedKV):
+        slots, read, page = cache.slots, cache.read, cache.page_size
+    else:
+        cache_k, cache_v = cache
+        slots, page = cache_k.shape[2], 1
+
+        def read(start, size):
+            return (jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2),
+                    jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2))
     # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
     size = cache_chunk(slots, rows=rows_per_device(q.shape[0]), platform=platform)
+    size = min(slots, -(-size // page) * page)
     if size >= slots:  # one pass over the whole (short) buffer
+        keys, values = (cache_k, cache_v) if page == 1 else read(0, slots)
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
-        return _attend(q, [(cache_k.astype(dt), cache_v.astype(dt), committed[:, None, :]),
-                           own + (intra,)])
+        return _attend(q, [(keys.astype(dt), values.astype(dt), committed[:, None, :]), own + (intra,)])
     t, g = q.shape[1], q.shape[3]
     q = _group_queries(q)
 
@@ -293,9 +306,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
         start = jnp.minimum(i * size, slots - size)
         slot = start + jnp.arange(size)
         mask = (slot[None, :] >= i * size) & (slot[None, :] < cache_len[:, None])  # [B, size]
-        keys = jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2).astype(dt)
-        values = jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2)
-        s = _masked_scores(q, keys, mask[:, None, :], t, g)
+        keys, values = read(start, size)
+        s = _masked_scores(q, keys.astype(dt), mask[:, None, :], t, g)
         new_top = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
         rescale = jnp.exp(top - new_top)
         p = jnp.exp(s - new_top)

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from prove_jax.models.attention import Attention, KVCache, LayerKV, rope_cos_sin
+from prove_jax.models.paged import PagedKVCache
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -51,9 +52,10 @@ class Qwen2(nnx.Module):
         hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, kernels)
         return self.logits(hidden, kernels), cache
 
-    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | None = None,
+    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | PagedKVCache | None = None,
                       kernels: KernelOptions = DEFAULT_KERNELS):
-        """Final-norm hidden states [B, T, D] and the updated cache."""
+        """Final-norm hidden states [B, T, D] and the updated cache (a contiguous `KVCache` or,
+        with per-layer weights, a `PagedKVCache`)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         # Gather the table over fsdp first, as FSDP does for every weight: looked up straight from
@@ -69,13 +71,14 @@ class Qwen2(nnx.Module):
         if isinstance(self.layers, LayerStack):
             x, cache = self.layers.scan_cached(x, cos, sin, attn_mask, cache, kernels)
             return self.final_norm(x), cache
+        paged = isinstance(cache, PagedKVCache)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, attn_mask, (cache.k[i], cache.v[i]), kernels)
-            new_k.append(kv[0])
-            new_v.append(kv[1])
+            x, kv = layer(x, cos, sin, attn_mask, cache.layer(i) if paged else (cache.k[i], cache.v[i]), kernels)
+            new_k.append(kv.k if paged else kv[0])
+            new_v.append(kv.v if paged else kv[1])
         x = self.final_norm(x)
-        return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+        return x, cache.replace(k=tuple(new_k), v=tuple(new_v))
 
     @property
     def layers_stacked(self) -> bool:

@@ -1,0 +1,175 @@
+"""The paged KV pool against contiguous per-row buffers: memory of the compiled program at a
+real model's shape, and decode speed side by side.
+
+    nice .venv/bin/python benchmarks/bench_paged_kv.py [--preset qwen2.5-7b] [--time qwen2.5-0.5b]
+        [--out benchmarks]
+
+Memory: `Decoder.generate`'s whole program (lossless K=8, 2 mask groups) at the preset's widths
+in bfloat16 with abstract weights, compiled for this machine's backend, serving a queue of 64
+requests with 16 rows. Prompt lengths follow a long tail (most short, a few near 4k tokens, a
+fixed seed), 256 new tokens each. Contiguous rows each reserve the longest request's slots; the
+pool holds what 16 rows of the queue's mean request need, and a request waits for free pages.
+The table gives the compiled program's argument, temporary and output bytes (XLA's numbers).
+
+Speed (`--time PRESET`): the shipped proposer inflated to that shape (the same outputs, a real
+model's cost per step), HumanEval prompts at batch 4, 128 new tokens; contiguous against the
+pool at its default size and at half of it, the fastest of interleaved rounds.
+
+Writes paged_kv.json and paged_kv.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+PAGE = 64
+ROWS, QUEUE, NEW = 16, 64, 256
+
+
+NOTE = ("Reading the tables: the pool saves more than the KV difference because the contiguous program "
+        "also holds row-sized temporaries of the cache (the admitted row's prefill buffer). The "
+        "temporaries both programs share are the CPU program's own and are not broken down here "
+        "(bench_decode_tpu_compile.py gives a TPU program's). The pool costs nothing per step at its default size (the same loop "
+        "steps and speed); at half the size the rows wait for pages, so fewer decode side by side and "
+        "the loop runs more steps: the memory is traded for throughput, as in any paged server. The "
+        "XLA read gathers a chunk of pages per layer; a Pallas paged kernel would read them in place.")
+
+
+def parse_args(argv=None):
+    from prove_jax.models.config import PRESETS
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS), help="widths (default qwen2.5-7b)")
+    p.add_argument("--time", default=None, choices=sorted(PRESETS), metavar="PRESET",
+                   help="also time decoding at this inflated shape (e.g. qwen2.5-0.5b)")
+    p.add_argument("--prompts", type=int, default=8, help="HumanEval prompts timed with --time (default 8)")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds with --time (default 2)")
+    p.add_argument("--out", default=RESULTS, help="folder for paged_kv.json/.md (default runs/benchmarks/; "
+                                                   "--out benchmarks updates the committed results)")
+    return p.parse_args(argv)
+
+
+def queue_lengths() -> list[int]:
+    """64 prompt lengths with a long tail: 8 to 4000 tokens, median a few hundred."""
+    import numpy as np
+    rng = np.random.RandomState(0)
+    return np.clip(rng.lognormal(5.5, 1.1, QUEUE), 8, 4000).astype(int).tolist()
+
+
+def compiled_bytes(cfg, options, lengths) -> dict:
+    from flax import nnx
+
+    from prove_jax.decoding.engine import Decoder
+    from prove_jax.models.qwen2 import Qwen2
+    model = nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0)))
+    decoder = Decoder(model, list(cfg.eos_token_ids), options, pad_id=cfg.pad_token_id)
+    compiled = decoder.lower([[3] * n for n in lengths], NEW, batch_size=ROWS).compile()
+    stats = compiled.memory_analysis()
+    return dict(argument_bytes=int(stats.argument_size_in_bytes), temp_bytes=int(stats.temp_size_in_bytes),
+                output_bytes=int(stats.output_size_in_bytes))
+
+
+def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
+    import numpy as np
+
+    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.models.config import preset
+    cfg = preset(preset_name).replace(dtype="bfloat16", param_dtype="bfloat16", mask_token_id=151665)
+    lengths = queue_lengths()
+    need = [-(-(n + NEW) // PAGE) for n in lengths]
+    pool = ROWS * int(np.ceil(np.mean(need)))
+    lossless = dict(mode="lossless", block_size=8, max_groups=2)
+    variants = [("contiguous", DecodeOptions(**lossless)),
+                (f"paged, {pool} pages of {PAGE}", DecodeOptions(**lossless, page_size=PAGE, kv_pages=pool))]
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
+    rows = []
+    for name, options in variants:
+        bench_lib.log(f"compiling {name} at the {preset_name} widths ...")
+        row = dict(layout=name, **compiled_bytes(cfg, options, lengths))
+        row["total_bytes"] = row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
+        rows.append(row)
+    workload = dict(lengths=lengths, longest=max(lengths), median=int(np.median(lengths)), pages_needed=need,
+                    pool_pages=pool, kv_bytes_per_slot=per_slot,
+                    contiguous_kv_bytes=ROWS * (max(lengths) + NEW) * per_slot,
+                    pool_kv_bytes=pool * PAGE * per_slot)
+    return rows, workload
+
+
+def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
+    from prove_jax import assets
+    from prove_jax.decoding.calibrate import fastest_interleaved
+    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.evaluation import benchmark as bench_lib
+
+    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate_to)
+    prompts = bench_lib.humaneval_prompts(pair.tokenizer, num_prompts)
+    need = max(-(-(len(p) + 128) // 16) for p in prompts)
+    variants = {"contiguous": DecodeOptions("lossless", 8, max_groups=2),
+                "paged, default pool": DecodeOptions("lossless", 8, max_groups=2, page_size=16),
+                "paged, half the pool": DecodeOptions("lossless", 8, max_groups=2, page_size=16,
+                                                      kv_pages=max(need, 4 * need // 2))}
+    outputs, steps, tokens, runs = {}, {}, {}, {}
+    for name, options in variants.items():
+        decoder = pair.decoder(options)
+
+        def run(decoder=decoder, name=name):
+            result = decoder.generate(prompts, 128, batch_size=4)
+            outputs[name], steps[name] = result.output_ids, result.loop_steps
+            tokens[name] = sum(map(len, result.output_ids))
+            return result.seconds
+        runs[name] = run
+    bench_lib.log(f"timing contiguous and paged at the {inflate_to} shape ...")
+    best = fastest_interleaved(runs, repeats)
+    return [dict(layout=name, seconds=round(s, 3), tok_per_s=round(tokens[name] / s, 2), loop_steps=steps[name],
+                 vs_contiguous=round(best["contiguous"] / s, 3),
+                 same_output_as_contiguous=outputs[name] == outputs["contiguous"]) for name, s in best.items()]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from prove_jax.evaluation import benchmark as bench_lib
+    rows, workload = memory_rows(args.preset)
+    timed = time_rows(args.time, args.prompts, args.repeats) if args.time else []
+    device = bench_lib.device_description()
+    doc = dict(preset=args.preset, backend=jax.default_backend(), device=device, jax=jax.__version__,
+               rows=ROWS, queue=QUEUE, new_tokens=NEW, page_size=PAGE, workload=workload, memory=rows,
+               decode_time=dict(inflate_to=args.time, prompts=args.prompts, repeats=args.repeats, rows=timed))
+    gib = 2 ** 30
+    md = ["# Paged KV pool against contiguous rows",
+          "",
+          f"`benchmarks/bench_paged_kv.py`: `Decoder.generate`'s whole program, lossless K=8 with 2 mask "
+          f"groups, at the {args.preset} widths in bfloat16 (abstract weights), compiled for "
+          f"{jax.default_backend()} ({device}), jax {jax.__version__}: {ROWS} rows serving {QUEUE} requests "
+          f"of {NEW} new tokens, prompts of {min(workload['lengths'])} to {workload['longest']} tokens "
+          f"(median {workload['median']}). Contiguous rows each reserve the longest request's slots; the "
+          f"pool holds {workload['pool_pages']} pages of {PAGE} slots ({ROWS} rows of the mean request), and "
+          f"a request waits until its pages are free. Bytes are the compiled program's (XLA's memory analysis).",
+          "",
+          "| layout | KV bytes (computed) | arguments GiB | temporaries GiB | outputs GiB | total GiB |",
+          "|---|---|---|---|---|---|"]
+    kv = [workload["contiguous_kv_bytes"], workload["pool_kv_bytes"]]
+    md += [f"| {r['layout']} | {kv[i] / gib:.2f} GiB | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
+           f"{r['output_bytes'] / gib:.2f} | {r['total_bytes'] / gib:.2f} |" for i, r in enumerate(rows)]
+    if timed:
+        md += ["", f"Decoding with the shipped proposer inflated to the {args.time} shape (float32), "
+                   f"{args.prompts} HumanEval prompts x 128 new tokens at batch 4, pages of 16 slots, the "
+                   f"fastest of {args.repeats} interleaved rounds:", "",
+               "| layout | tok/s | loop steps | vs contiguous | same output |", "|---|---|---|---|---|"]
+        md += [f"| {r['layout']} | {r['tok_per_s']:.1f} | {r['loop_steps']} | {r['vs_contiguous']:.2f}x | "
+               f"{'yes' if r['same_output_as_contiguous'] else 'NO'} |" for r in timed]
+    md += ["", NOTE]
+    bench_lib.write_results(args.out, "paged_kv", doc, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
