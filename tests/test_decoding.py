@@ -450,7 +450,7 @@ def test_admitting_a_request_into_a_row_equals_starting_it_there(model):
     settings = program.ProgramSettings(options=options, num_rows=2, num_slots=64, pad_id=0,
                                        mask_id=CFG.mask_token_id, prefill_chunk=4)
     batch = program.start_rows(model, model, requests.rows(0, 2), settings)
-    row = program.admit(model, model, requests, jnp.int32(2), settings)
+    row = program.admit(model, model, requests, jnp.int32(2), batch, jnp.int32(1), settings)
     admitted = queue.put_row(batch.replace(step=jnp.int32(5)), row, jnp.int32(1))
     pick = jnp.asarray([0, 2])
     fresh = program.start_rows(model, model, jax.tree.map(lambda x: x[pick], requests), settings)

@@ -8,6 +8,9 @@ loop serves one at a time when only one fits); the compiled program holds less m
 mesh gathers nothing; and bad settings are one-line errors.
 """
 
+import functools
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +26,9 @@ from prove_jax.models.params import create_model
 from tests.test_decode_in_place import CFG
 from tests.test_inference_mesh import CFG as MESH_CFG, NEW, PROMPTS, collectives
 
+XLA = KernelOptions()
+TPU_INTERPRET = KernelOptions(attention="pallas_tpu", interpret=True)
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # mixed lengths: the longest request needs 4x the pages of the shortest
 LENGTHS = [3, 40, 5, 12, 70, 2, 9]
 MODES = {
@@ -47,11 +53,13 @@ def prompts():
     return [rng.randint(2, 90, k).tolist() for k in LENGTHS]
 
 
-@pytest.mark.parametrize("slots", [64, 1024], ids=["one-pass", "chunked"])
-def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots):
-    """Prefill 3 rows of different lengths, then a wide step with a non-causal intra mask, both
-    through a contiguous cache and through a pool whose pages are handed out in shuffled order:
-    the hidden states are the same (the chunked read visits pages in chunks)."""
+@pytest.mark.parametrize("slots,kernels", [(64, XLA), (1024, XLA), (64, TPU_INTERPRET)],
+                         ids=["one-pass", "chunked", "pallas_tpu"])
+def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots, kernels):
+    """Prefill 3 rows of different lengths, then a one-token and a wide step with a non-causal
+    intra mask, both through a contiguous cache and through a pool whose pages are handed out
+    in shuffled order: the hidden states are the same (the chunked read visits pages in chunks;
+    the paged Pallas TPU kernel, in interpret mode, reads each row's pages through its table)."""
     model = models[0]
     rows, page = 3, 8
     lens = jnp.asarray([5, 37, 20], jnp.int32)
@@ -61,18 +69,20 @@ def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots):
     prefill = StepMask(jnp.zeros(rows, jnp.int32), causal_mask(rows, 40) & (positions < lens[:, None])[:, None, :])
     pool = PagedKVCache.zeros(model.cfg, rows, slots // page, num_pages=rows * slots // page + 3, page_size=page)
     # every other page taken by no one, so the rows' pages are scattered over the pool
-    pool = pool.replace(free=pool.free.at[jnp.asarray(rng.permutation(pool.num_pages)[: pool.num_pages // 2])].set(False))
+    taken = rng.permutation(pool.pages_per_shard)[: pool.pages_per_shard // 2]
+    pool = pool.replace(free=pool.free.at[0, jnp.asarray(taken)].set(False))
     pool = pool.allocate(jnp.asarray([2, 6, 4], jnp.int32))
-    assert len(set(np.asarray(pool.table)[np.asarray(pool.table) < pool.num_pages].tolist())) == 12
-    forward = jax.jit(model.hidden_states)
-    _, contiguous = forward(tokens, positions, prefill, model.new_cache(rows, slots))
+    owned = np.asarray(pool.table)[np.asarray(pool.table) < pool.pages_per_shard]
+    assert len(set(owned.tolist())) == 12 and not set(owned.tolist()) & set(taken.tolist())
+    forward = jax.jit(functools.partial(model.hidden_states, kernels=kernels))
+    _, contiguous = jax.jit(model.hidden_states)(tokens, positions, prefill, model.new_cache(rows, slots))
     _, pool = forward(tokens, positions, prefill, pool)
     for width, intra in [(1, jnp.ones((1, 1, 1), bool)),
                          (5, jnp.asarray(rng.rand(rows, 5, 5) < 0.6) | jnp.eye(5, dtype=bool)[None])]:
         step = jnp.asarray(rng.randint(2, 90, (rows, width)), jnp.int32)
         at = lens[:, None] + jnp.arange(width)[None, :]
         mask = StepMask(lens, intra)
-        want, new_contiguous = forward(step, at, mask, contiguous)
+        want, new_contiguous = jax.jit(model.hidden_states)(step, at, mask, contiguous)
         got, new_pool = forward(step, at, mask, pool)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # the step's keys landed on the rows' own pages, where the contiguous cache has them
@@ -82,8 +92,7 @@ def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots):
 
 
 def test_pages_are_taken_without_overlap_and_given_back():
-    cfg = CFG
-    pool = PagedKVCache.zeros(cfg, 4, 6, num_pages=12, page_size=4)
+    pool = PagedKVCache.zeros(CFG, 4, 6, num_pages=12, page_size=4)
     need = pages_needed(jnp.asarray([3, 9, 1, 5]), jnp.asarray([5, 6, 0, 2]), 4)
     assert need.tolist() == [2, 4, 0, 2]
     taken = pool.allocate(need)
@@ -91,11 +100,25 @@ def test_pages_are_taken_without_overlap_and_given_back():
     owned = [row[row < 12].tolist() for row in table]
     assert [len(o) for o in owned] == need.tolist()
     flat = sum(owned, [])
-    assert len(set(flat)) == len(flat) == 8 and int(taken.free_pages()) == 4
-    assert not np.asarray(taken.free)[flat].any()
+    assert len(set(flat)) == len(flat) == 8 and taken.free_pages().tolist() == [4]
+    assert not np.asarray(taken.free)[0, flat].any()
     back = taken.release(jnp.asarray([False, True, False, True]))
-    assert int(back.free_pages()) == 4 + 6 and np.asarray(back.table)[[1, 3]].min() == 12
+    assert back.free_pages().tolist() == [4 + 6] and np.asarray(back.table)[[1, 3]].min() == 12
     assert np.asarray(back.table)[0].tolist() == table[0].tolist()
+
+
+def test_each_data_shard_has_its_own_pool():
+    """Under a data=2 mesh a 4-row batch has two pools: rows 0-1 take pages of the first, rows
+    2-3 of the second, and a view's rows (an admission) take them from the shard named."""
+    mesh = sharding.make_mesh((2, 1, 1))
+    with jax.set_mesh(mesh):
+        pool = jax.jit(lambda: PagedKVCache.zeros(CFG, 4, 4, num_pages=12, page_size=4))()
+        assert pool.shards == 2 and pool.pages_per_shard == 6
+        taken = jax.jit(lambda p: p.allocate(jnp.asarray([2, 3, 1, 4], jnp.int32)))(pool)
+        assert taken.free_pages().tolist() == [1, 1]
+        view = jax.jit(lambda p: p.release(jnp.asarray([True, True, False, False]))
+                       .allocate(jnp.asarray([4], jnp.int32), home=jnp.asarray([0])))(taken)
+    assert view.free_pages().tolist() == [2, 1] and len(set(np.asarray(view.table)[0].tolist())) == 4
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -153,13 +176,16 @@ def test_the_pool_takes_less_memory_than_contiguous_rows(models, prompts):
     assert saved >= 0.6 * (cache_bytes(3 * 138) - cache_bytes(128)), saved
 
 
-def test_on_a_tensor_mesh_the_pool_is_split_over_kv_heads_and_nothing_is_gathered():
+def test_on_a_mesh_each_data_shard_has_its_pool_split_over_kv_heads_and_nothing_is_gathered():
+    """data=2 x tensor=4: each data shard's rows keep their pages in that shard's pool, whose kv
+    heads lie over the tensor axis, so the chunk program holds no all-gather; outputs are one
+    device's AR."""
     model = create_model(MESH_CFG, seed=3)
-    mesh = sharding.make_mesh((1, 1, 4))
+    mesh = sharding.make_mesh((2, 1, 4))
     graphdef, state = nnx.split(model)
     on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
     want = Decoder(model, [1], DecodeOptions("ar")).generate(PROMPTS, NEW).output_ids
-    options = paged(DecodeOptions("lossless", 4, kernels=KernelOptions(matmul_form="plain")), 8, kv_pages=6)
+    options = paged(DecodeOptions("lossless", 4, kernels=KernelOptions(matmul_form="plain")), 8, kv_pages=8)
     decoder = Decoder(on_mesh, [1], options, mesh=mesh)
     streamed = {}
     for event in decoder.stream(PROMPTS, NEW, batch_size=2):
@@ -169,7 +195,30 @@ def test_on_a_tensor_mesh_the_pool_is_split_over_kv_heads_and_nothing_is_gathere
     (compiled,) = [c for key, c in decoder._stream_compiled.items() if key[0] == "chunk"]
     assert {op for op, _, _ in collectives(compiled.as_text())} <= {"all-reduce"}
     pool = compiled.output_shardings.cache.k[0]
-    assert pool.spec[0] == "tensor"
+    assert tuple(pool.spec)[:2] == (("data",), "tensor") or tuple(pool.spec)[:2] == ("data", "tensor"), pool.spec
+    assert decoder.generate(PROMPTS, NEW, batch_size=2).output_ids == want
+
+
+def test_lossless_through_the_paged_tpu_kernel_is_ar(models, prompts):
+    """The paged Pallas TPU kernel (interpret mode) reads the committed pages of every step,
+    prefill included; lossless stays AR token for token."""
+    few = prompts[3:6]  # 12, 70 and 2 tokens; interpret mode runs every grid step in Python
+    want = Decoder(models[0], [1], MODES["ar"]).generate(few, 16).output_ids
+    options = paged(DecodeOptions("lossless", 4, max_groups=2, kernels=TPU_INTERPRET), 8, kv_pages=14)
+    assert Decoder(models[0], [1], options).generate(few, 16, batch_size=2).output_ids == want
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
+def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective():
+    """The whole paged program with the Pallas kernel, compiled by the dry run for v5p-8 (4
+    chips, data parallel): it fits, and nothing the size of a page pool is gathered."""
+    from prove_jax.decoding.dry_run import dry_run_decode
+    from tests.test_decode_dry_run import CFG as TPU_CFG
+    options = DecodeOptions("lossless", 4, max_groups=2, page_size=128, kernels=KernelOptions(attention="pallas_tpu"))
+    report = dry_run_decode(TPU_CFG.replace(head_dim=128), options, chip="v5p", chips=4, batch=8, context=512,
+                            new_tokens=64)
+    assert report.fits and report.mesh["data"] == 4
+    assert all(v["bytes"] < 2**20 for v in report.stats.collectives.values()), report.stats.collectives
 
 
 def test_bad_paged_settings_are_one_line_errors(models, prompts):
@@ -179,7 +228,7 @@ def test_bad_paged_settings_are_one_line_errors(models, prompts):
         DecodeOptions("ar", page_size=0).validate()
     with pytest.raises(DecodeError, match="drop --scan-layers"):
         DecodeOptions("ar", page_size=8, scan_layers=True).validate()
-    with pytest.raises(DecodeError, match="--attention xla"):
+    with pytest.raises(DecodeError, match="read by --attention xla or pallas_tpu, not pallas_gpu"):
         DecodeOptions("ar", page_size=8, kernels=KernelOptions(attention="pallas_gpu")).validate()
     decoder = Decoder(models[0], [1], paged(MODES["ar"], 8, kv_pages=4))
     with pytest.raises(DecodeError, match=r"^prompt 4 needs 12 KV pages of 8 slots \(70 prompt tokens \+ 24 new\), more than the pool.s 4: raise --kv-pages"):

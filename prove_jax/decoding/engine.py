@@ -385,20 +385,25 @@ class Decoder:
         return 0 if page is None else -(-(prompt_len + budget) // page)
 
     def _pool_pages(self, prompts, budgets, rows: int) -> int:
-        """Pages of the paged KV pool for a call: options.kv_pages, or enough for `rows` rows at
-        the longest request; 0 without a pool. Every request must fit the pool alone."""
+        """Pages of the paged KV pool for a call: options.kv_pages (rounded up to whole pools for
+        the data shards: each shard's rows have a pool of their own), or enough for `rows` rows
+        at the longest request; 0 without a pool. Every request must fit one shard's pool."""
         if self.options.page_size is None:
             return 0
         need = [self.pages_needed(len(p), b) for p, b in zip(prompts, budgets)]
         if self.options.kv_pages is None:
             return rows * max(need)
+        shards = self._data_size()
+        per_shard = -(-self.options.kv_pages // shards)
         worst = int(np.argmax(need))
-        if need[worst] > self.options.kv_pages:
+        if need[worst] > per_shard:
+            pool = (f"the pool's {per_shard}" if shards == 1 else
+                    f"each of the {shards} data shards' pools ({per_shard} of --kv-pages {self.options.kv_pages})")
             raise DecodeError(
                 f"prompt {worst} needs {need[worst]} KV pages of {self.options.page_size} slots "
-                f"({len(prompts[worst])} prompt tokens + {budgets[worst]} new), more than the pool's "
-                f"{self.options.kv_pages}: raise --kv-pages or lower --max-new-tokens")
-        return self.options.kv_pages
+                f"({len(prompts[worst])} prompt tokens + {budgets[worst]} new), more than {pool}: "
+                f"raise --kv-pages or lower --max-new-tokens")
+        return per_shard * shards
 
     def _batch_sharding(self):
         """Requests and rows split over the mesh's batch axes; None without a mesh."""

@@ -86,7 +86,8 @@ class DecodeOptions:
     page_size: int | None = None
     """Keep the proposer's KV in a paged pool of pages of this many slots, each row owning the
     pages its own prompt and budget need (models/paged.py); None: one contiguous buffer per
-    row, sized for the call's longest request. Read through the page table in XLA."""
+    row, sized for the call's longest request. Read through the page table in XLA, or by the
+    paged Pallas TPU kernel with kernels.attention="pallas_tpu"."""
     kv_pages: int | None = None
     """Pages in the pool (with page_size): a request waits until enough are free; None: as many
     as every row needs at the call's longest request (the same memory as contiguous)."""
@@ -146,6 +147,6 @@ class DecodeOptions:
             raise DecodeError(f"kv_pages must be a whole number of pages >= 1, got {self.kv_pages!r}")
         if self.scan_layers:
             raise DecodeError("the paged KV pool runs with per-layer weights: drop --scan-layers or --page-size")
-        if self.kernels.attention != "xla":
-            raise DecodeError(f"the paged KV pool is read through its page table in XLA: drop --page-size "
-                              f"or use --attention xla (not {self.kernels.attention})")
+        if self.kernels.attention not in ("xla", "pallas_tpu"):
+            raise DecodeError(f"the paged KV pool is read by --attention xla or pallas_tpu, not "
+                              f"{self.kernels.attention}")

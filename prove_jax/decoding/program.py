@@ -25,7 +25,7 @@ from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
-from prove_jax.models.paged import PagedKVCache, pages_needed
+from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed
 from prove_jax.models.tokens import readable_tokens
 
 
@@ -107,10 +107,11 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
 
 
 def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
-               pool: PagedKVCache | None = None) -> LoopState:
+               pool: PagedKVCache | None = None, home: jax.Array | None = None) -> LoopState:
     """Loop state of the rows serving `requests`, right after their prefill. With a paged KV
-    pool (options.page_size) each row's pages are taken from `pool` (None: a new, empty one);
-    the caller makes sure they fit (`first_fitting`)."""
+    pool (options.page_size) each row's pages are taken from `pool` (None: a new, empty one
+    for the batch), from the pool of data shard `home` [R] (None: the batch's own rows); the
+    caller makes sure they fit (`first_fitting`)."""
     options = settings.options
     width, num_drafts = step_shape(options)
     prompts, prompt_len = requests.prompts, requests.prompt_len
@@ -125,7 +126,7 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         page = options.page_size
         if pool is None:
             pool = PagedKVCache.zeros(model.cfg, rows, -(-size // page), settings.num_pages, page)
-        pool = pool.allocate(pages_needed(prompt_len, requests.max_new, page))
+        pool = pool.allocate(pages_needed(prompt_len, requests.max_new, page), home)
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
@@ -138,21 +139,28 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
                          logprobs=options.logprobs)
 
 
-def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopState,
+def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopState, row: jax.Array,
           settings: ProgramSettings) -> LoopState:
-    """One-row loop state of queued request `request` (traced), right after its prefill (its
-    pages taken from `state`'s pool when the KV is paged)."""
-    pool = state.cache if settings.options.page_size is not None else None
-    return start_rows(model, verifier, requests.one(request), settings, pool=pool)
+    """One-row loop state of queued request `request` (traced) for batch row `row`, right after
+    its prefill (its pages taken from the pool of the row's shard when the KV is paged)."""
+    if settings.options.page_size is None:
+        return start_rows(model, verifier, requests.one(request), settings)
+    home = state.cache.row_homes()[row][None]
+    return start_rows(model, verifier, requests.one(request), settings, pool=state.cache, home=home)
 
 
 def first_fitting(requests: Requests, settings: ProgramSettings) -> jax.Array | None:
-    """bool [R]: which of `requests`, taken in order, fit the empty paged pool together (a
-    prefix); None without a paged pool (all fit)."""
+    """bool [B]: which of the batch's first `requests` (one per row) fit the empty paged pools
+    of their rows' data shards, taken in order (a prefix); None without a paged pool."""
     page = settings.options.page_size
     if page is None:
         return None
-    return jnp.cumsum(pages_needed(requests.prompt_len, requests.max_new, page)) <= settings.num_pages
+    need = pages_needed(requests.prompt_len, requests.max_new, page)
+    rows = need.shape[0]
+    shards = data_shards(rows)
+    mine = (jnp.arange(rows)[:, None] // (rows // shards) == jnp.arange(shards)[None, :]) * need[:, None]
+    fits = jnp.all(jnp.cumsum(mine, axis=0) <= settings.num_pages // shards, axis=1)
+    return jnp.cumprod(fits.astype(jnp.int32)).astype(bool)
 
 
 def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, requests: Requests,
@@ -232,11 +240,12 @@ def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, v
     fits (stream.py)."""
     model = nnx.merge(graphdef, params)
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
-    pool = None
+    pool = home = None
     if settings.options.page_size is not None:
         pool = state.cache.release(state.done)
         state = state.replace(cache=pool)
-    return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool), rows)
+        home = pool.row_homes()[jnp.minimum(rows, settings.num_rows - 1)]
+    return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool, home=home), rows)
 
 
 def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings, params,

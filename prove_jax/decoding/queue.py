@@ -110,27 +110,32 @@ def refill(state: LoopState, queue_state: QueueState, num_requests: jax.Array,
            need: jax.Array | None = None) -> tuple[LoopState, QueueState]:
     """While a row is done and requests wait: harvest the row, then admit the next request.
 
-    `admit(r, state)` returns the one-row state of request r right after its prefill. With a
-    paged KV pool, `need` [Q] gives each request's pages: the finished rows' pages are freed
-    first, and the next request waits (in order) until its pages are free.
+    `admit(r, state, row)` returns the one-row state of request r for `row` right after its
+    prefill. With a paged KV pool, `need` [Q] gives each request's pages: the finished rows'
+    pages are freed first, and the next request waits (in order) until a done row's data shard
+    has its pages free.
     """
     paged = need is not None
     if paged:
         state = state.replace(cache=state.cache.release(state.done))
 
+    def free_rows(state, queue_state):
+        """bool [B]: done rows the next request may take (paged: its shard has its pages free)."""
+        if not paged:
+            return state.done
+        nxt = jnp.minimum(queue_state.next_request, need.shape[0] - 1)
+        room = state.cache.free_pages() >= need[nxt]  # [D]
+        return state.done & room[state.cache.row_homes()]
+
     def waiting(carry):
         state, queue_state = carry
-        more = jnp.any(state.done) & (queue_state.next_request < num_requests)
-        if paged:
-            nxt = jnp.minimum(queue_state.next_request, need.shape[0] - 1)
-            more &= need[nxt] <= state.cache.free_pages()
-        return more
+        return jnp.any(free_rows(state, queue_state)) & (queue_state.next_request < num_requests)
 
     def admit_one(carry):
         state, queue_state = carry
-        row = jnp.argmax(state.done).astype(jnp.int32)
+        row = jnp.argmax(free_rows(state, queue_state)).astype(jnp.int32)
         queue_state = harvest(queue_state, state, row[None])
-        state = put_row(state, admit(queue_state.next_request, state), row)
+        state = put_row(state, admit(queue_state.next_request, state, row), row)
         return state, queue_state.replace(request=queue_state.request.at[row].set(queue_state.next_request),
                                           next_request=queue_state.next_request + 1)
 

@@ -78,7 +78,7 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
     def cache(c: KVCache | PagedKVCache | None):
         if isinstance(c, PagedKVCache):  # the pools split over kv heads, the table like the rows
             pool = lambda x: activation_sharding(mesh, POOL_AXES, x.shape)  # noqa: E731
-            return c.replace(k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=scalar)
+            return c.replace(k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=batch)
         return None if c is None else jax.tree.map(
             lambda x: activation_sharding(mesh, cache_axes(x.ndim == 5), x.shape), c)
 
@@ -170,10 +170,9 @@ class DecodeStream:
         params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
         waiting = list(range(num))[::-1]  # popped from the end: in order
         serving = [-1] * rows
-        for r in range(min(rows, num)):  # as many as a paged pool holds (all without one)
-            if not self._fits(waiting[-1], serving):
-                break
-            serving[r] = waiting.pop()
+        for r, i in self._placements(list(range(rows)), waiting, serving):  # all that fit
+            serving[r] = i
+            waiting.pop()
         record = self.options.record_steps
         with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
             first = self._take([i if i >= 0 else dummy for i in serving])
@@ -218,30 +217,46 @@ class DecodeStream:
     def _need(self, i: int) -> int:
         return self.decoder.pages_needed(int(self.requests.prompt_len[i]), int(self.requests.max_new[i]))
 
-    def _fits(self, i: int, serving: list[int], also: tuple[int, ...] = ()) -> bool:
-        """Request i's pages are free in the paged pool once the requests `serving` and `also`
-        hold theirs (always, without a pool)."""
-        if self.settings.num_pages == 0:
-            return True
-        held = sum(self._need(j) for j in list(serving) + list(also) if j >= 0)
-        return held + self._need(i) <= self.settings.num_pages
+    def _placements(self, free: list[int], waiting: list[int], serving: list[int]) -> list[tuple[int, int]]:
+        """(row, request) for the next waiting requests, in order, each in a free row whose data
+        shard's paged pool has its pages free once the rows `serving` and those placed before
+        hold theirs (any free row without a pool); up to the first that fits nowhere."""
+        pages = self.settings.num_pages
+        if pages == 0:
+            return list(zip(free, waiting[::-1]))
+        rows = self.settings.num_rows
+        shards = self.decoder._data_size() if rows % self.decoder._data_size() == 0 else 1
+        home = lambda r: r // (rows // shards)  # noqa: E731
+        used = [0] * shards
+        for r, i in enumerate(serving):
+            if i >= 0:
+                used[home(r)] += self._need(i)
+        placed, open_rows = [], list(free)
+        for i in waiting[::-1]:
+            row = next((r for r in open_rows if used[home(r)] + self._need(i) <= pages // shards), None)
+            if row is None:
+                break
+            used[home(row)] += self._need(i)
+            open_rows.remove(row)
+            placed.append((row, i))
+        return placed
 
     def _admit(self, admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd):
         """Prefill the next waiting requests into the free rows, together: in order, as many as
-        rows are free and (with a paged pool) pages are; none when the next does not fit."""
-        count = 0
-        while count < min(len(free), len(waiting)) and self._fits(waiting[-1 - count], serving,
-                                                                  tuple(waiting[len(waiting) - count:])):
-            count += 1
+        rows are free and (with a paged pool) their shards' pages are; none when the next fits
+        nowhere."""
+        placed = self._placements(free, waiting, serving)
+        count = len(placed)
         if count == 0:
             return state
         size = next(b for b in _buckets(self.settings.num_rows, self.decoder._data_size()) if b >= count)
-        taken = [waiting.pop() for _ in range(count)]
-        rows = free[:count] + [self.settings.num_rows] * (size - count)  # past the batch: dropped
+        taken = [i for _, i in placed]
+        del waiting[len(waiting) - count:]
+        rows = [r for r, _ in placed] + [self.settings.num_rows] * (size - count)  # past the batch: dropped
         state = self._run("admit", size, admit_fn, params, vparams, state,
                           self._take(taken + [len(self.seeds)] * (size - count)),
                           np.asarray(rows, np.int32), donate=(2,))
-        for r, i in zip(free, taken):
+        for r, i in placed:
             serving[r], seen[r], seen_fwd[r] = i, int(self.requests.prompt_len[i]), 0
         return state
 

@@ -157,11 +157,12 @@ class Attention(nnx.Module):
                 kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer),
                                 v=write_step(kv.v, own[1], start, layer=kv.layer))
                 committed = kv.read()
-            elif isinstance(kv, PagedKV):  # read through the page table (XLA only: options check)
+            elif isinstance(kv, PagedKV):  # read through the page table (by XLA or the paged kernel)
                 kv = committed = kv.write(own[0], own[1], start)
             else:
                 kv = committed = (write_step(kv[0], own[0], start), write_step(kv[1], own[1], start))
-            if kernels.attention == "xla":
+            # a view of admitted rows (their prefill) is read in XLA: its rows lie on any shard
+            if kernels.attention == "xla" or isinstance(kv, PagedKV) and kv.home is not None:
                 out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
                 out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels)

@@ -6,9 +6,11 @@ prompt and budget need (`pages_needed`), taken when it is admitted (`allocate`) 
 when it finishes (`release`), so rows reserve what they use and a queue of mixed lengths runs
 in less memory (benchmarks/paged_kv.md).
 
-Layout: per layer k, v [K, P, page, Dh] (kv heads first, as JAX's TPU paged-attention kernel
-takes them, and split over the tensor axis like the k/v kernels); table [B, R] int32 maps row
-b's logical page j (slots [j*page, (j+1)*page)) to a pool page, `num_pages` where the row owns
+Layout: per layer k, v [D, K, Pl, page, Dh]: one pool of Pl pages per data shard of the batch
+(D = 1 without a mesh), so a row's pages lie on the devices that hold the row and no write or
+read crosses them; within a shard, kv heads first (split over the tensor axis like the k/v
+kernels, as JAX's TPU paged-attention kernel takes them). table [B, R] int32 maps row b's
+logical page j (slots [j*page, (j+1)*page)) to a page of its shard's pool, Pl where it owns
 none: a write there is dropped, a read there is masked (it lies past the row's committed slots).
 """
 
@@ -19,10 +21,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.sharding import constrain
+from prove_jax.models.sharding import constrain, rows_per_device
 
-# one pool page: kv heads on tensor, like KV_CACHE_AXES; pages and slots whole on every device
-POOL_AXES = ("kv_heads", None, None, "head_dim")
+# a pool: one per data shard, kv heads on tensor (as KV_CACHE_AXES); pages and slots whole
+POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")
+
+
+def data_shards(rows: int) -> int:
+    """How many ways the ambient mesh splits a batch of `rows` rows (1 without one)."""
+    return rows // rows_per_device(rows)
 
 
 def pages_needed(prompt_len: jax.Array, max_new: jax.Array, page_size: int) -> jax.Array:
@@ -32,113 +39,185 @@ def pages_needed(prompt_len: jax.Array, max_new: jax.Array, page_size: int) -> j
     return jnp.where(max_new > 0, (prompt_len + max_new + page_size - 1) // page_size, 0).astype(jnp.int32)
 
 
+def _homes(rows: int, shards: int) -> jax.Array:
+    """The data shard of each of a batch's rows: rows split into `shards` contiguous blocks."""
+    return jnp.arange(rows, dtype=jnp.int32) // max(1, rows // shards)
+
+
 @struct.dataclass
 class PagedKVCache:
-    """The pool of every layer, the page table of the rows it serves and which pages are free."""
-    k: tuple[jax.Array, ...]  # per layer [K, P, page, Dh]
+    """The pools of every layer, the page table of the rows it serves and which pages are free.
+    `home` [R] names each row's data shard in a cache of some admitted rows (a view made by
+    `allocate` for their prefill); None for the batch's own rows (row r on shard r // (B/D))."""
+    k: tuple[jax.Array, ...]  # per layer [D, K, Pl, page, Dh]
     v: tuple[jax.Array, ...]
-    table: jax.Array  # [B, R] int32; num_pages: none
-    free: jax.Array  # [P] bool
+    table: jax.Array  # [B, R] int32 page of the row's shard; Pl: none
+    free: jax.Array  # [D, Pl] bool
+    home: jax.Array | None = None
 
     @classmethod
     def zeros(cls, config: ModelConfig, rows: int, row_pages: int, num_pages: int, page_size: int,
               dtype=None) -> "PagedKVCache":
-        """An empty pool (every page free) and rows owning no page."""
+        """An empty pool of `num_pages` in all (split evenly over the data shards of `rows`
+        rows; the caller makes it divide) and rows owning no page."""
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
-        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+        shards = data_shards(rows)
+        per_shard = num_pages // shards
+        shape = (shards, config.num_kv_heads, per_shard, page_size, config.head_dim)
         mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), POOL_AXES)  # noqa: E731
                            for _ in range(config.num_layers))
-        return cls(k=mk(), v=mk(), table=jnp.full((rows, row_pages), num_pages, jnp.int32),
-                   free=jnp.ones((num_pages,), bool))
+        return cls(k=mk(), v=mk(), table=jnp.full((rows, row_pages), per_shard, jnp.int32),
+                   free=jnp.ones((shards, per_shard), bool))
 
     @property
     def stacked(self) -> bool:
         return False
 
     @property
-    def num_pages(self) -> int:
-        return self.k[0].shape[1]
+    def shards(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.k[0].shape[2]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[3]
+
+    def row_homes(self) -> jax.Array:
+        return _homes(self.table.shape[0], self.shards) if self.home is None else self.home
 
     def layer(self, i: int) -> "PagedKV":
-        return PagedKV(self.k[i], self.v[i], self.table)
+        return PagedKV(self.k[i], self.v[i], self.table, self.home)
 
     def free_pages(self) -> jax.Array:
-        return jnp.sum(self.free.astype(jnp.int32))
+        """Free pages of each shard's pool [D]."""
+        return jnp.sum(self.free.astype(jnp.int32), axis=1)
 
-    def allocate(self, need: jax.Array) -> "PagedKVCache":
-        """The pool with `need` [R] pages taken for each of R rows (the lowest free pages, in row
-        order), as a cache of those R rows (table [R, row pages]). The caller makes sure they
-        fit (sum(need) <= free_pages())."""
-        p, row_pages = self.num_pages, self.table.shape[1]
-        free_list = jnp.nonzero(self.free, size=p, fill_value=p)[0].astype(jnp.int32)  # [P]
-        first = jnp.cumsum(need) - need  # [R]
+    def allocate(self, need: jax.Array, home: jax.Array | None = None) -> "PagedKVCache":
+        """The pools with `need` [R] pages taken for each of R rows from the pool of its shard
+        (`home` [R]; None: R is the batch, in its own order), the lowest free pages first, in row
+        order: a cache of those R rows. The caller makes sure they fit."""
+        d, p, row_pages = self.shards, self.pages_per_shard, self.table.shape[1]
+        homes = jnp.clip(_homes(need.shape[0], d) if home is None else home, 0, d - 1)
+        mine = (homes[:, None] == jnp.arange(d)[None, :]).astype(jnp.int32) * need[:, None]  # [R, D]
+        first = jnp.take_along_axis(jnp.cumsum(mine, axis=0) - mine, homes[:, None], axis=1)[:, 0]
+        free_lists = jax.vmap(lambda f: jnp.nonzero(f, size=p, fill_value=p)[0])(self.free).astype(jnp.int32)
         j = jnp.arange(row_pages, dtype=jnp.int32)[None, :]
         pick = jnp.minimum(first[:, None] + j, p - 1)
-        table = jnp.where(j < need[:, None], free_list[pick], p)
-        free = self.free.at[table.reshape(-1)].set(False, mode="drop")
-        return self.replace(table=table, free=free)
+        table = jnp.where(j < need[:, None], free_lists[homes[:, None], pick], p)
+        free = self.free.at[homes[:, None], table].set(False, mode="drop")
+        return self.replace(table=table, free=free, home=home)
 
     def release(self, rows: jax.Array) -> "PagedKVCache":
-        """The pool with the pages of the rows marked in `rows` [B] (bool) free again; those rows
-        own none."""
-        owned = jnp.where(rows[:, None], self.table, self.num_pages)
-        return self.replace(free=self.free.at[owned.reshape(-1)].set(True, mode="drop"),
-                            table=jnp.where(rows[:, None], self.num_pages, self.table))
+        """The pools with the pages of the batch rows marked in `rows` [B] (bool) free again;
+        those rows own none."""
+        p = self.pages_per_shard
+        owned = jnp.where(rows[:, None], self.table, p)
+        return self.replace(free=self.free.at[self.row_homes()[:, None], owned].set(True, mode="drop"),
+                            table=jnp.where(rows[:, None], p, self.table))
 
     def put_rows(self, part: "PagedKVCache", rows: jax.Array) -> "PagedKVCache":
-        """This cache with `part`'s pool (written by the admitted rows' prefill) and its rows'
+        """This cache with `part`'s pools (written by the admitted rows' prefill) and its rows'
         tables at batch rows `rows` [R] (an index past the batch: dropped)."""
-        return part.replace(table=self.table.at[rows].set(part.table, mode="drop"))
+        return part.replace(table=self.table.at[rows].set(part.table, mode="drop"), home=self.home)
+
+
+def _write_pool(pool, new, start, table):
+    """One shard's pool [K, P, page, Dh] with row b's new [b] [K, T, Dh] at its slots
+    start[b] + [0, T) through its table [b, R] (a page it does not own: dropped)."""
+    b, k, t, _ = new.shape
+    p, page, row_pages = pool.shape[1], pool.shape[2], table.shape[1]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [b, T]
+    logical = slots // page
+    owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
+    # one more, dropped entry: a single-token write stays a scatter (see attention.write_step)
+    pages = jnp.append(jnp.where(logical < row_pages, owned, p).reshape(-1), p)
+    offsets = jnp.append((slots % page).reshape(-1), 0)
+    flat = new.transpose(1, 0, 2, 3).reshape(k, b * t, -1)
+    flat = jnp.concatenate([flat, flat[:, :1]], axis=1).astype(pool.dtype)
+    return pool.at[:, pages, offsets].set(flat, mode="drop")
+
+
+def _read_pool(pool, table, first: jax.Array, count: int):
+    """Rows' logical pages [first, first + count) of one shard's pool, [b, K, count * page, Dh]."""
+    pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(table, first, count, axis=1), pool.shape[1] - 1)
+    x = pool[:, pages]  # [K, b, c, page, Dh]
+    return x.transpose(1, 0, 2, 3, 4).reshape(pages.shape[0], pool.shape[0], -1, pool.shape[-1])
 
 
 @struct.dataclass
 class PagedKV:
-    """One layer's pool and the rows' page table, as the attention layer sees it."""
-    k: jax.Array  # [K, P, page, Dh]
+    """One layer's pools, the rows' page table (and `home`, as in `PagedKVCache`), as the
+    attention layer sees them. The batch's own rows are written and read per shard (vmapped
+    over the shards, each row on its shard's devices); a view's rows by explicit shard indices."""
+    k: jax.Array  # [D, K, Pl, page, Dh]
     v: jax.Array
     table: jax.Array  # [B, R]
+    home: jax.Array | None = None
 
     @property
     def slots(self) -> int:
         """Logical slots of a row: its table's pages times the page size."""
-        return self.table.shape[1] * self.k.shape[2]
+        return self.table.shape[1] * self.page_size
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
+
+    def _by_shard(self) -> bool:
+        return self.home is None and self.table.shape[0] % self.k.shape[0] == 0
+
+    def _split(self, x: jax.Array) -> jax.Array:
+        """[B, ...] -> [D, B/D, ...]: the rows of each shard."""
+        return x.reshape((self.k.shape[0], -1) + x.shape[1:])
 
     def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "PagedKV":
         """Row b's step keys and values new[b] [K, T, Dh] written at its slots start[b] + [0, T);
         a slot on a page the row does not own is dropped."""
-        b, _, t, _ = new_k.shape
-        page, p, row_pages = self.page_size, self.k.shape[1], self.table.shape[1]
-        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [B, T]
-        logical = slots // page
-        owned = jnp.take_along_axis(self.table, jnp.minimum(logical, row_pages - 1), axis=1)
-        # one more, dropped entry: a single-token write stays a scatter (see attention.write_step)
-        pages = jnp.append(jnp.where(logical < row_pages, owned, p).reshape(-1), p)
-        offsets = jnp.append((slots % page).reshape(-1), 0)
+        if self._by_shard():
+            table, start_d = self._split(self.table), self._split(start)
 
-        def put(pool, new):  # [K, B*T + 1, Dh] at (page, offset) per entry
-            flat = new.transpose(1, 0, 2, 3).reshape(new.shape[1], b * t, -1)
-            flat = jnp.concatenate([flat, flat[:, :1]], axis=1).astype(pool.dtype)
-            return constrain(pool.at[:, pages, offsets].set(flat, mode="drop"), POOL_AXES)
-
+            def put(pool, new):
+                return constrain(jax.vmap(_write_pool)(pool, self._split(new), start_d, table), POOL_AXES)
+        else:
+            def put(pool, new):
+                return _write_rows(pool, new, start, self.table, self._homes())
         return self.replace(k=put(self.k, new_k), v=put(self.v, new_v))
 
     def read(self, start: int | jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values [B, K, size, Dh] of every row's logical slots [start, start + size),
         both whole pages (a page the row does not own reads as some page: mask it)."""
-        page = self.page_size
-        pages = jax.lax.dynamic_slice_in_dim(self.table, start // page, size // page, axis=1)
-        pages = jnp.minimum(pages, self.k.shape[1] - 1)
+        first, count = start // self.page_size, size // self.page_size
+        if self._by_shard():
+            table = self._split(self.table)
 
-        def take(pool):  # [K, B, c, page, Dh] -> [B, K, c * page, Dh]
-            x = pool[:, pages]
-            return x.transpose(1, 0, 2, 3, 4).reshape(pages.shape[0], pool.shape[0], size, pool.shape[-1])
-
+            def take(pool):
+                x = jax.vmap(lambda shard, t: _read_pool(shard, t, first, count))(pool, table)
+                return x.reshape((-1,) + x.shape[2:])
+        else:
+            def take(pool):
+                pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(self.table, first, count, axis=1),
+                                    pool.shape[2] - 1)
+                x = pool[self._homes()[:, None], :, pages]  # [R, c, K, page, Dh]
+                return x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], size, x.shape[-1])
         return take(self.k), take(self.v)
+
+    def _homes(self) -> jax.Array:
+        homes = _homes(self.table.shape[0], self.k.shape[0]) if self.home is None else self.home
+        return jnp.clip(homes, 0, self.k.shape[0] - 1)
+
+
+def _write_rows(pool, new, start, table, homes):
+    """All shards' pools [D, K, P, page, Dh] with row r's new[r] [K, T, Dh] at its slots through
+    its table [R, pages] on its shard homes[r] (a view's rows: indices explicit)."""
+    r, _, t, _ = new.shape
+    p, page, row_pages = pool.shape[2], pool.shape[3], table.shape[1]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [R, T]
+    logical = slots // page
+    owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
+    pages = jnp.where(logical < row_pages, owned, p)
+    shard = jnp.broadcast_to(homes[:, None], (r, t))
+    values = new.transpose(0, 2, 1, 3).astype(pool.dtype)  # [R, T, K, Dh]
+    return pool.at[shard, :, pages, slots % page].set(values, mode="drop")
