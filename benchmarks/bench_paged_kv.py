@@ -11,6 +11,11 @@ fixed seed), 256 new tokens each. Contiguous rows each reserve the longest reque
 pool holds what 16 rows of the queue's mean request need, and a request waits for free pages.
 The table gives the compiled program's argument, temporary and output bytes (XLA's numbers).
 
+TPU (`--tpu ACCELERATOR`, needs libtpu): the same queue's program for that slice (e.g. v5p-8),
+as `generate --dry-run` compiles it: contiguous, the pool read by XLA and the pool read by the
+paged Pallas kernel (`--attention pallas_tpu`); XLA's per-chip memory, compile time and
+collectives.
+
 Speed (`--time PRESET`): the shipped proposer inflated to that shape (the same outputs, a real
 model's cost per step), HumanEval prompts at batch 4, 128 new tokens; contiguous against the
 pool at its default size and at half of it, the fastest of interleaved rounds.
@@ -38,8 +43,12 @@ NOTE = ("Reading the tables: the pool saves more than the KV difference because 
         "temporaries both programs share are the CPU program's own and are not broken down here "
         "(bench_decode_tpu_compile.py gives a TPU program's). The pool costs nothing per step at its default size (the same loop "
         "steps and speed); at half the size the rows wait for pages, so fewer decode side by side and "
-        "the loop runs more steps: the memory is traded for throughput, as in any paged server. The "
-        "XLA read gathers a chunk of pages per layer; a Pallas paged kernel would read them in place.")
+        "the loop runs more steps: the memory is traded for throughput, as in any paged server. On "
+        "v5p-8 the XLA read gathers a chunk of pages per layer into temporaries; the paged Pallas "
+        "kernel (`--attention pallas_tpu`) reads them in place. The paged programs' extra all-reduces "
+        "are admission's: a row prefilled into the pool of whichever shard it lands on is "
+        "written and read by explicit shard indices, which GSPMD combines across the data axis; the "
+        "decode step itself moves no page (tests/test_paged_kv.py, on an 8-device CPU mesh).")
 
 
 def parse_args(argv=None):
@@ -48,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS), help="widths (default qwen2.5-7b)")
     p.add_argument("--time", default=None, choices=sorted(PRESETS), metavar="PRESET",
                    help="also time decoding at this inflated shape (e.g. qwen2.5-0.5b)")
+    p.add_argument("--tpu", default=None, metavar="ACCELERATOR",
+                   help="also compile the queue's program for this TPU slice (e.g. v5p-8; needs libtpu)")
     p.add_argument("--prompts", type=int, default=8, help="HumanEval prompts timed with --time (default 8)")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds with --time (default 2)")
     p.add_argument("--out", default=RESULTS, help="folder for paged_kv.json/.md (default runs/benchmarks/; "
@@ -102,6 +113,41 @@ def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
     return rows, workload
 
 
+def tpu_rows(preset_name: str, accelerator: str) -> list[dict]:
+    import dataclasses
+
+    import numpy as np
+
+    from prove_jax import aot
+    from prove_jax.decoding.dry_run import dry_run_decode
+    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.models.config import preset
+    from prove_jax.models.kernels import KernelOptions
+    cfg = preset(preset_name).replace(mask_token_id=151665)
+    chip, chips = aot.accelerator_chips(accelerator)
+    lengths = queue_lengths()
+    pool = ROWS * int(np.ceil(np.mean([-(-(n + NEW) // PAGE) for n in lengths])))
+    lossless = DecodeOptions("lossless", block_size=8, max_groups=2)
+    paged = dataclasses.replace(lossless, page_size=PAGE, kv_pages=pool)
+    variants = [("contiguous", lossless), (f"paged, {pool} pages of {PAGE}, XLA read", paged),
+                (f"paged, {pool} pages of {PAGE}, Pallas kernel",
+                 dataclasses.replace(paged, kernels=KernelOptions(attention="pallas_tpu")))]
+    rows = []
+    for name, options in variants:
+        bench_lib.log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")
+        report = dry_run_decode(cfg, options, chip=chip, chips=chips, batch=ROWS, context=max(lengths) + NEW + 1,
+                                new_tokens=NEW, prompt_lengths=lengths)
+        stats = report.stats
+        row = dict(layout=name, accelerator=accelerator, mesh=report.mesh, fits=report.fits,
+                   does_not_fit=report.does_not_fit)
+        if stats is not None:
+            row.update(compile_seconds=round(stats.compile_seconds, 1), argument_bytes=stats.argument_bytes,
+                       temp_bytes=stats.temp_bytes, peak_bytes=stats.peak_bytes, collectives=stats.collectives)
+        rows.append(row)
+    return rows
+
+
 def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
     from prove_jax import assets
     from prove_jax.decoding.calibrate import fastest_interleaved
@@ -138,10 +184,11 @@ def main(argv=None) -> int:
 
     from prove_jax.evaluation import benchmark as bench_lib
     rows, workload = memory_rows(args.preset)
+    tpu = tpu_rows(args.preset, args.tpu) if args.tpu else []
     timed = time_rows(args.time, args.prompts, args.repeats) if args.time else []
     device = bench_lib.device_description()
     doc = dict(preset=args.preset, backend=jax.default_backend(), device=device, jax=jax.__version__,
-               rows=ROWS, queue=QUEUE, new_tokens=NEW, page_size=PAGE, workload=workload, memory=rows,
+               rows=ROWS, queue=QUEUE, new_tokens=NEW, page_size=PAGE, workload=workload, memory=rows, tpu=tpu,
                decode_time=dict(inflate_to=args.time, prompts=args.prompts, repeats=args.repeats, rows=timed))
     gib = 2 ** 30
     md = ["# Paged KV pool against contiguous rows",
@@ -159,6 +206,19 @@ def main(argv=None) -> int:
     kv = [workload["contiguous_kv_bytes"], workload["pool_kv_bytes"]]
     md += [f"| {r['layout']} | {kv[i] / gib:.2f} GiB | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
            f"{r['output_bytes'] / gib:.2f} | {r['total_bytes'] / gib:.2f} |" for i, r in enumerate(rows)]
+    if tpu:
+        md += ["", f"The same queue's program compiled for {args.tpu} from this CPU with libtpu, as "
+                   f"`generate --dry-run` compiles it (mesh {tpu[0]['mesh']}), XLA's per-chip numbers:", "",
+               "| layout | arguments GiB | temporaries GiB | peak GiB | compile s | collectives (count, MiB) |",
+               "|---|---|---|---|---|---|"]
+        for r in tpu:
+            if "peak_bytes" not in r:
+                md.append(f"| {r['layout']} | - | - | - | - | does not fit: {r['does_not_fit']} |")
+                continue
+            coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f})" for k, v in r["collectives"].items()
+                             if v["count"])
+            md.append(f"| {r['layout']} | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
+                      f"{r['peak_bytes'] / gib:.2f} | {r['compile_seconds']:.0f} | {coll or 'none'} |")
     if timed:
         md += ["", f"Decoding with the shipped proposer inflated to the {args.time} shape (float32), "
                    f"{args.prompts} HumanEval prompts x 128 new tokens at batch 4, pages of 16 slots, the "

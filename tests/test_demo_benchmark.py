@@ -78,6 +78,14 @@ def test_head_thresholds_sweep_the_commit_head_beside_its_own():
                 if s.options.commit_rule == "head"]
 
 
+def test_gate_taus_add_the_gated_verifier_rules():
+    settings = [s for s in bench_lib.sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.8, 0.6])
+                if s.options.gate_tau is not None]
+    assert [(s.options.commit_rule, s.options.tau_v, s.options.gate_tau) for s in settings] == [
+        ("top1", 0.5, 0.8), ("top1", 0.5, 0.6), ("prob", 0.3, 0.8), ("prob", 0.3, 0.6)]
+    assert [s.label for s in settings][-1] == "K=6,prob,tau_v=0.3,gate=0.6"
+
+
 def test_agreement_and_output_forms():
     assert bench_lib.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == {
         "agreement_with_ar": 1.0, "exact_match_with_ar": 1.0}

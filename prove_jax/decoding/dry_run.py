@@ -140,10 +140,12 @@ def _bytes_per_chip(model, mesh) -> int:
 
 def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips: int, batch: int,
                    context: int, new_tokens: int = DEFAULT_NEW_TOKENS, verifier: ModelConfig | None = None,
-                   dtype: str = "bfloat16") -> DecodeDryRun:
+                   dtype: str = "bfloat16", prompt_lengths: list[int] | None = None) -> DecodeDryRun:
     """Compile the decode program of `batch` rows, each a prompt of `context - new_tokens`
-    tokens and `new_tokens` to generate, for a slice of `chips` `chip`s (needs libtpu). A
-    program XLA refuses for lack of memory comes back as a report with `does_not_fit` set."""
+    tokens and `new_tokens` to generate, for a slice of `chips` `chip`s (needs libtpu). With
+    `prompt_lengths`, `batch` rows serve a queue of prompts of those lengths instead (each
+    below `context`). A program XLA refuses for lack of memory comes back as a report with
+    `does_not_fit` set."""
     if not aot.libtpu_available():
         raise DecodeError('the decode dry run compiles for a TPU slice and needs libtpu: '
                           'pip install "libtpu==0.0.42.*" (docs/environment.md)')
@@ -172,7 +174,8 @@ def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, 
                           proposer_params=proposer.num_params,
                           verifier_params=configs[1].num_params if len(configs) > 1 else 0,
                           weight_bytes=sum(_bytes_per_chip(m, mesh) for m in models), hbm_bytes=hbm)
-    lowered = decoder.lower([prompt] * batch, new_tokens, batch_size=batch)
+    prompts = [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
+    lowered = decoder.lower(prompts, new_tokens, batch_size=batch)
     report.options = adapt_for_batch(options, decoder.rows(batch, batch), table=ADAPTIVE_TABLES["tpu"])
     try:
         report.stats = aot.compile_stats(lowered, topology, what="the decode program", advice=DOES_NOT_FIT_ADVICE)
