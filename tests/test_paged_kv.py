@@ -23,7 +23,7 @@ from prove_jax.models import sharding
 from prove_jax.models.attention import StepMask, causal_mask
 from prove_jax.models.paged import PagedKVCache, pages_needed
 from prove_jax.models.params import create_model
-from tests.test_decode_in_place import CFG
+from tests.test_decode_in_place import CFG, moves_of_shape
 from tests.test_inference_mesh import CFG as MESH_CFG, NEW, PROMPTS, collectives
 
 XLA = KernelOptions()
@@ -144,6 +144,27 @@ def test_decoding_through_a_small_pool_gives_ars_tokens(models, prompts, mode):
     assert [streamed[i] for i in range(len(prompts))] == want.output_ids
 
 
+def test_scanned_layers_carry_stacked_pools_in_place(models, prompts):
+    """With scan_layers the pools of every layer are one [D, K, L, Pl, page, Dh] array carried
+    through the scan: lossless through it is AR token for token on the batch and stream paths,
+    and the loop never copies a pool, nor one layer's."""
+    model = create_model(CFG.replace(num_layers=3), seed=0)
+    want = Decoder(model, [1], MODES["ar"]).generate(prompts, 24).output_ids
+    options = DecodeOptions("lossless", 4, max_groups=2, page_size=8, kv_pages=16, scan_layers=True)
+    decoder = Decoder(model, [1], options)
+    assert decoder.generate(prompts, 24, batch_size=3).output_ids == want
+    streamed = {}
+    for event in decoder.stream(prompts, 24, batch_size=3, chunk_steps=3):
+        if event.output is not None:
+            streamed[event.index] = event.output.output_ids
+    assert [streamed[i] for i in range(len(prompts))] == want
+    (compiled, _), = decoder._compiled.values()
+    hlo = compiled.as_text()
+    pool = (1, CFG.num_kv_heads, 3, 16, 8, CFG.head_dim)
+    assert "f32[{},{},{},{},{},{}]".format(*pool) in hlo  # the shape looked for is the pools'
+    assert not moves_of_shape(hlo, pool) and not moves_of_shape(hlo, pool[:2] + pool[3:])
+
+
 def test_a_pool_that_holds_one_request_serves_them_one_at_a_time(models):
     """A pool of the longest request's pages, which no two requests fit together: every request
     still decodes, but one at a time, so the loop runs at least as many steps as all requests'
@@ -215,13 +236,15 @@ def test_lossless_through_the_paged_tpu_kernel_is_ar(models, prompts):
     assert Decoder(models[0], [1], options).generate(few, 16, batch_size=2).output_ids == want
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
-def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective():
+def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective(scan_layers):
     """The whole paged program with the Pallas kernel, compiled by the dry run for v5p-8 (4
     chips, data parallel): it fits, and nothing the size of a page pool is gathered."""
     from prove_jax.decoding.dry_run import dry_run_decode
     from tests.test_decode_dry_run import CFG as TPU_CFG
-    options = DecodeOptions("lossless", 4, max_groups=2, page_size=128, kernels=KernelOptions(attention="pallas_tpu"))
+    options = DecodeOptions("lossless", 4, max_groups=2, page_size=128, scan_layers=scan_layers,
+                            kernels=KernelOptions(attention="pallas_tpu"))
     report = dry_run_decode(TPU_CFG.replace(head_dim=128), options, chip="v5p", chips=4, batch=8, context=512,
                             new_tokens=64)
     assert report.fits and report.mesh["data"] == 4
@@ -233,8 +256,6 @@ def test_bad_paged_settings_are_one_line_errors(models, prompts):
         DecodeOptions("ar", kv_pages=4).validate()
     with pytest.raises(DecodeError, match="page size must be"):
         DecodeOptions("ar", page_size=0).validate()
-    with pytest.raises(DecodeError, match="drop --scan-layers"):
-        DecodeOptions("ar", page_size=8, scan_layers=True).validate()
     with pytest.raises(DecodeError, match="read by --attention xla or pallas_tpu, not pallas_gpu"):
         DecodeOptions("ar", page_size=8, kernels=KernelOptions(attention="pallas_gpu")).validate()
     decoder = Decoder(models[0], [1], paged(MODES["ar"], 8, kv_pages=4))

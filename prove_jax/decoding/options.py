@@ -145,8 +145,6 @@ class DecodeOptions:
             raise DecodeError(f"page size must be a whole number of slots >= 1, got {self.page_size!r}")
         if self.kv_pages is not None and not (isinstance(self.kv_pages, int) and self.kv_pages >= 1):
             raise DecodeError(f"kv_pages must be a whole number of pages >= 1, got {self.kv_pages!r}")
-        if self.scan_layers:
-            raise DecodeError("the paged KV pool runs with per-layer weights: drop --scan-layers or --page-size")
         if self.kernels.attention not in ("xla", "pallas_tpu"):
             raise DecodeError(f"the paged KV pool is read by --attention xla or pallas_tpu, not "
                               f"{self.kernels.attention}")

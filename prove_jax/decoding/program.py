@@ -125,7 +125,8 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
     else:
         page = options.page_size
         if pool is None:
-            pool = PagedKVCache.zeros(model.cfg, rows, -(-size // page), settings.num_pages, page)
+            pool = PagedKVCache.zeros(model.cfg, rows, -(-size // page), settings.num_pages, page,
+                                      stacked=model.layers_stacked)
         pool = pool.allocate(pages_needed(prompt_len, requests.max_new, page), home)
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None

@@ -29,7 +29,7 @@ from prove_jax.decoding.program import ProgramSettings
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.state import LoopState
 from prove_jax.models.attention import KVCache, cache_axes
-from prove_jax.models.paged import POOL_AXES, PagedKVCache
+from prove_jax.models.paged import PagedKVCache, pool_axes
 from prove_jax.models.sharding import activation_sharding
 
 
@@ -77,7 +77,7 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
 
     def cache(c: KVCache | PagedKVCache | None):
         if isinstance(c, PagedKVCache):  # the pools split over kv heads, the table like the rows
-            pool = lambda x: activation_sharding(mesh, POOL_AXES, x.shape)  # noqa: E731
+            pool = lambda x: activation_sharding(mesh, pool_axes(x.ndim == 6), x.shape)  # noqa: E731
             return c.replace(k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=batch)
         return None if c is None else jax.tree.map(
             lambda x: activation_sharding(mesh, cache_axes(x.ndim == 5), x.shape), c)

@@ -125,18 +125,18 @@ def _per_shard(call, q, cache_k, cache_v, cache_len):
                          check_vma=False)(q, cache_k, cache_v, cache_len)
 
 
-def _per_shard_paged(call, q, cache, cache_len):
-    """`_per_shard` for a paged pool: each device reads its own shard's pool, its kv heads, for
-    its rows (the table and lengths split like the batch); `call` takes one shard's pool."""
+def _per_shard_paged(call, q, cache, cache_len, layer):
+    """`_per_shard` for a paged pool: each device reads its own shard's pools [1, K, L, P, page,
+    Dh], its kv heads, for its rows (the table and lengths split like the batch)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not mesh.shape or any(t != AxisType.Auto for t in mesh.axis_types):
-        return call(q, cache.k, cache.v, cache.table, cache_len)
+        return call(q, cache.k, cache.v, cache.table, cache_len, layer)
     rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh)
     rows, heads = P(*rows_heads[:1]), P(*rows_heads, None, None)
-    pool = P(*rows_heads, None, None, None)
-    return jax.shard_map(call, mesh=mesh, in_specs=(heads, pool, pool, P(*rows_heads[:1], None), rows),
+    pool = P(*rows_heads, None, None, None, None)
+    return jax.shard_map(call, mesh=mesh, in_specs=(heads, pool, pool, P(*rows_heads[:1], None), rows, P()),
                          out_specs=(heads, P(*rows_heads, None), P(*rows_heads, None)),
-                         check_vma=False)(q, cache.k, cache.v, cache.table, cache_len)
+                         check_vma=False)(q, cache.k, cache.v, cache.table, cache_len, layer)
 
 
 def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interpret: bool = False,
@@ -153,8 +153,11 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
     if isinstance(cache, PagedKV):
         if kind != "pallas_tpu":
             raise AttentionKernelError(f"the paged KV pool is read by 'pallas_tpu' or 'xla', not {kind!r}")
+        layer = jnp.zeros((1,), jnp.int32) if cache.layer is None else jnp.reshape(cache.layer, (1,)).astype(jnp.int32)
+        if cache.layer is None:  # per-layer pools as a stack of one
+            cache = cache.replace(k=cache.k[:, :, None], v=cache.v[:, :, None])
         call = functools.partial(_committed_paged_tpu, interpret=interpret)
-        return _merge(_per_shard_paged(call, q.astype(cache.k.dtype), cache, cache_len),
+        return _merge(_per_shard_paged(call, q.astype(cache.k.dtype), cache, cache_len, layer),
                       own_scores, own_values)
     cache_k, cache_v = cache
     slots = cache_k.shape[2]
@@ -201,7 +204,7 @@ def _merge(committed, own_scores, own_values):
 LANES = 128  # the max and normaliser are kept lane-broadcast: TPU vector tiles are [8, 128]
 
 
-def _paged_kernel(table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *,
+def _paged_kernel(table_ref, lens_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *,
                   page: int, scale: float):
     from jax.experimental import pallas as pl
 
@@ -240,9 +243,9 @@ def _paged_kernel(table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref,
         m_ref[...] = m_sc[...]
 
 
-def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, interpret: bool):
-    """q [B, K, Q, Dh] against each row's pages (one shard's pools [1, K, P, page, Dh], table
-    [B, R]) up to
+def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: bool):
+    """q [B, K, Q, Dh] against each row's pages (one shard's pools [1, K, L, P, page, Dh] at
+    layer `layer` [1] int32, table [B, R]) up to
     cache_len [B]: unnormalised output [B, K, Q, Dh], normaliser l and max m [B, K, Q] (float32).
     A row's pages past its length are not read: their blocks repeat its last page's index, so
     the pipeline fetches nothing new."""
@@ -251,7 +254,7 @@ def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, interpret: bool):
 
     pool_k, pool_v = pool_k[0], pool_v[0]
     b, k, nq, dh = q.shape
-    num_pages, page = pool_k.shape[1], pool_k.shape[2]
+    num_pages, page = pool_k.shape[2], pool_k.shape[3]
     row_pages = table.shape[1]
     pad = -nq % 8
     q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -259,16 +262,16 @@ def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, interpret: bool):
     table = jnp.minimum(table, num_pages - 1).astype(jnp.int32)
     lens = cache_len.astype(jnp.int32)
 
-    def kv_block(bi, h, j, table_ref, lens_ref):
+    def kv_block(bi, h, j, table_ref, lens_ref, layer_ref):
         last = jnp.maximum((lens_ref[bi] + page - 1) // page - 1, 0)
-        return h, table_ref[bi, jnp.minimum(j, last)], 0, 0
+        return h, layer_ref[0], table_ref[bi, jnp.minimum(j, last)], 0, 0
 
-    row_block = lambda bi, h, j, table_ref, lens_ref: (bi, h, 0, 0)  # noqa: E731
+    row_block = lambda bi, h, j, table_ref, lens_ref, layer_ref: (bi, h, 0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, k, row_pages),
+        num_scalar_prefetch=3, grid=(b, k, row_pages),
         in_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
-                  pl.BlockSpec((None, None, page, dh), kv_block),
-                  pl.BlockSpec((None, None, page, dh), kv_block)],
+                  pl.BlockSpec((None, None, None, page, dh), kv_block),
+                  pl.BlockSpec((None, None, None, page, dh), kv_block)],
         out_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
                    pl.BlockSpec((None, None, qn, LANES), row_block),
                    pl.BlockSpec((None, None, qn, LANES), row_block)],
@@ -282,7 +285,7 @@ def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, interpret: bool):
                        jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32),
                        jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32)],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        )(table, lens, q, pool_k, pool_v)
+        )(table, lens, layer, q, pool_k, pool_v)
     if interpret:
         with pltpu.force_tpu_interpret_mode():
             o, l, m = call()

@@ -27,6 +27,11 @@ from prove_jax.models.sharding import constrain, rows_per_device
 POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")
 
 
+def pool_axes(stacked: bool) -> tuple:
+    """Logical axes of a pool: POOL_AXES, with "layers" after the kv heads when stacked."""
+    return POOL_AXES[:2] + ("layers",) + POOL_AXES[2:] if stacked else POOL_AXES
+
+
 def data_shards(rows: int) -> int:
     """How many ways the ambient mesh splits a batch of `rows` rows (1 without one)."""
     return rows // rows_per_device(rows)
@@ -49,41 +54,50 @@ class PagedKVCache:
     """The pools of every layer, the page table of the rows it serves and which pages are free.
     `home` [R] names each row's data shard in a cache of some admitted rows (a view made by
     `allocate` for their prefill); None for the batch's own rows (row r on shard r // (B/D))."""
-    k: tuple[jax.Array, ...]  # per layer [D, K, Pl, page, Dh]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array  # per layer [D, K, Pl, page, Dh]; stacked [D, K, L, Pl, page, Dh]
+    v: tuple[jax.Array, ...] | jax.Array
     table: jax.Array  # [B, R] int32 page of the row's shard; Pl: none
     free: jax.Array  # [D, Pl] bool
     home: jax.Array | None = None
 
     @classmethod
     def zeros(cls, config: ModelConfig, rows: int, row_pages: int, num_pages: int, page_size: int,
-              dtype=None) -> "PagedKVCache":
+              dtype=None, stacked: bool = False) -> "PagedKVCache":
         """An empty pool of `num_pages` in all (split evenly over the data shards of `rows`
-        rows; the caller makes it divide) and rows owning no page."""
+        rows; the caller makes it divide) and rows owning no page; one array of every layer's
+        pools for a scanned model (`stacked`), else one per layer."""
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shards = data_shards(rows)
         per_shard = num_pages // shards
         shape = (shards, config.num_kv_heads, per_shard, page_size, config.head_dim)
-        mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), POOL_AXES)  # noqa: E731
-                           for _ in range(config.num_layers))
+        if stacked:
+            shape = shape[:2] + (config.num_layers,) + shape[2:]
+            mk = lambda: constrain(jnp.zeros(shape, dtype), pool_axes(True))  # noqa: E731
+        else:
+            mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), POOL_AXES)  # noqa: E731
+                               for _ in range(config.num_layers))
         return cls(k=mk(), v=mk(), table=jnp.full((rows, row_pages), per_shard, jnp.int32),
                    free=jnp.ones((shards, per_shard), bool))
 
     @property
     def stacked(self) -> bool:
-        return False
+        return not isinstance(self.k, tuple)
+
+    @property
+    def _first(self) -> jax.Array:
+        return self.k if self.stacked else self.k[0]
 
     @property
     def shards(self) -> int:
-        return self.k[0].shape[0]
+        return self._first.shape[0]
 
     @property
     def pages_per_shard(self) -> int:
-        return self.k[0].shape[2]
+        return self._first.shape[-3]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[3]
+        return self._first.shape[-2]
 
     def row_homes(self) -> jax.Array:
         return _homes(self.table.shape[0], self.shards) if self.home is None else self.home
@@ -124,11 +138,12 @@ class PagedKVCache:
         return part.replace(table=self.table.at[rows].set(part.table, mode="drop"), home=self.home)
 
 
-def _write_pool(pool, new, start, table):
-    """One shard's pool [K, P, page, Dh] with row b's new [b] [K, T, Dh] at its slots
-    start[b] + [0, T) through its table [b, R] (a page it does not own: dropped)."""
+def _write_pool(pool, new, start, table, layer=None):
+    """One shard's pool [K, P, page, Dh] (or layer `layer` of [K, L, P, page, Dh]) with row b's
+    new[b] [K, T, Dh] at its slots start[b] + [0, T) through its table [b, R] (a page it does
+    not own: dropped)."""
     b, k, t, _ = new.shape
-    p, page, row_pages = pool.shape[1], pool.shape[2], table.shape[1]
+    p, page, row_pages = pool.shape[-3], pool.shape[-2], table.shape[1]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [b, T]
     logical = slots // page
     owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
@@ -137,13 +152,16 @@ def _write_pool(pool, new, start, table):
     offsets = jnp.append((slots % page).reshape(-1), 0)
     flat = new.transpose(1, 0, 2, 3).reshape(k, b * t, -1)
     flat = jnp.concatenate([flat, flat[:, :1]], axis=1).astype(pool.dtype)
-    return pool.at[:, pages, offsets].set(flat, mode="drop")
+    if layer is None:
+        return pool.at[:, pages, offsets].set(flat, mode="drop")
+    return pool.at[:, layer, pages, offsets].set(flat, mode="drop")
 
 
-def _read_pool(pool, table, first: jax.Array, count: int):
-    """Rows' logical pages [first, first + count) of one shard's pool, [b, K, count * page, Dh]."""
-    pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(table, first, count, axis=1), pool.shape[1] - 1)
-    x = pool[:, pages]  # [K, b, c, page, Dh]
+def _read_pool(pool, table, first: jax.Array, count: int, layer=None):
+    """Rows' logical pages [first, first + count) of one shard's pool (its layer `layer` when
+    stacked), [b, K, count * page, Dh]."""
+    pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(table, first, count, axis=1), pool.shape[-3] - 1)
+    x = pool[:, pages] if layer is None else pool[:, layer, pages]  # [K, b, c, page, Dh]
     return x.transpose(1, 0, 2, 3, 4).reshape(pages.shape[0], pool.shape[0], -1, pool.shape[-1])
 
 
@@ -152,10 +170,11 @@ class PagedKV:
     """One layer's pools, the rows' page table (and `home`, as in `PagedKVCache`), as the
     attention layer sees them. The batch's own rows are written and read per shard (vmapped
     over the shards, each row on its shard's devices); a view's rows by explicit shard indices."""
-    k: jax.Array  # [D, K, Pl, page, Dh]
+    k: jax.Array  # [D, K, Pl, page, Dh]; with `layer`, every layer's [D, K, L, Pl, page, Dh]
     v: jax.Array
     table: jax.Array  # [B, R]
     home: jax.Array | None = None
+    layer: jax.Array | None = None  # int32 scalar: this layer of stacked pools (a scanned model)
 
     @property
     def slots(self) -> int:
@@ -164,7 +183,11 @@ class PagedKV:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[-2]
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.k.shape[-3]
 
     def _by_shard(self) -> bool:
         return self.home is None and self.table.shape[0] % self.k.shape[0] == 0
@@ -176,14 +199,16 @@ class PagedKV:
     def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "PagedKV":
         """Row b's step keys and values new[b] [K, T, Dh] written at its slots start[b] + [0, T);
         a slot on a page the row does not own is dropped."""
+        layer = self.layer
         if self._by_shard():
             table, start_d = self._split(self.table), self._split(start)
 
             def put(pool, new):
-                return constrain(jax.vmap(_write_pool)(pool, self._split(new), start_d, table), POOL_AXES)
+                write = jax.vmap(lambda p, n, s, t: _write_pool(p, n, s, t, layer))
+                return constrain(write(pool, self._split(new), start_d, table), pool_axes(layer is not None))
         else:
             def put(pool, new):
-                return _write_rows(pool, new, start, self.table, self._homes())
+                return _write_rows(pool, new, start, self.table, self._homes(), layer)
         return self.replace(k=put(self.k, new_k), v=put(self.v, new_v))
 
     def read(self, start: int | jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
@@ -194,13 +219,15 @@ class PagedKV:
             table = self._split(self.table)
 
             def take(pool):
-                x = jax.vmap(lambda shard, t: _read_pool(shard, t, first, count))(pool, table)
+                x = jax.vmap(lambda shard, t: _read_pool(shard, t, first, count, self.layer))(pool, table)
                 return x.reshape((-1,) + x.shape[2:])
         else:
             def take(pool):
                 pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(self.table, first, count, axis=1),
-                                    pool.shape[2] - 1)
-                x = pool[self._homes()[:, None], :, pages]  # [R, c, K, page, Dh]
+                                    self.pages_per_shard - 1)
+                homes = self._homes()[:, None]
+                # [R, c, K, page, Dh]
+                x = pool[homes, :, pages] if self.layer is None else pool[homes, :, self.layer, pages]
                 return x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], size, x.shape[-1])
         return take(self.k), take(self.v)
 
@@ -209,15 +236,18 @@ class PagedKV:
         return jnp.clip(homes, 0, self.k.shape[0] - 1)
 
 
-def _write_rows(pool, new, start, table, homes):
-    """All shards' pools [D, K, P, page, Dh] with row r's new[r] [K, T, Dh] at its slots through
-    its table [R, pages] on its shard homes[r] (a view's rows: indices explicit)."""
+def _write_rows(pool, new, start, table, homes, layer=None):
+    """All shards' pools [D, K, P, page, Dh] (or layer `layer` of [D, K, L, P, page, Dh]) with
+    row r's new[r] [K, T, Dh] at its slots through its table [R, pages] on its shard homes[r]
+    (a view's rows: indices explicit)."""
     r, _, t, _ = new.shape
-    p, page, row_pages = pool.shape[2], pool.shape[3], table.shape[1]
+    p, page, row_pages = pool.shape[-3], pool.shape[-2], table.shape[1]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [R, T]
     logical = slots // page
     owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
     pages = jnp.where(logical < row_pages, owned, p)
     shard = jnp.broadcast_to(homes[:, None], (r, t))
     values = new.transpose(0, 2, 1, 3).astype(pool.dtype)  # [R, T, K, Dh]
-    return pool.at[shard, :, pages, slots % page].set(values, mode="drop")
+    if layer is None:
+        return pool.at[shard, :, pages, slots % page].set(values, mode="drop")
+    return pool.at[shard, :, layer, pages, slots % page].set(values, mode="drop")

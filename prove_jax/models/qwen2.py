@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from prove_jax.models.attention import Attention, KVCache, LayerKV, rope_cos_sin
-from prove_jax.models.paged import PagedKVCache
+from prove_jax.models.paged import PagedKV, PagedKVCache
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -54,8 +54,8 @@ class Qwen2(nnx.Module):
 
     def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | PagedKVCache | None = None,
                       kernels: KernelOptions = DEFAULT_KERNELS):
-        """Final-norm hidden states [B, T, D] and the updated cache (a contiguous `KVCache` or,
-        with per-layer weights, a `PagedKVCache`)."""
+        """Final-norm hidden states [B, T, D] and the updated cache (a contiguous `KVCache` or a
+        `PagedKVCache`, per layer or stacked as the layers are)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         # Gather the table over fsdp first, as FSDP does for every weight: looked up straight from
@@ -139,20 +139,23 @@ class LayerStack(nnx.Module):
         self.layer = layer
         self.num_layers = num_layers
 
-    def scan_cached(self, x, cos, sin, attn_mask, cache: KVCache, kernels: KernelOptions):
-        """x through every layer; the stacked cache is carried and each layer writes only its
-        step's slots in place (a cache passed as the scan's xs/ys would be rebuilt every step)."""
+    def scan_cached(self, x, cos, sin, attn_mask, cache: KVCache | PagedKVCache, kernels: KernelOptions):
+        """x through every layer; the stacked cache (or stacked paged pools) is carried and each
+        layer writes only its step's slots in place (a cache passed as the scan's xs/ys would be
+        rebuilt every step)."""
         graphdef, weights = nnx.split(self.layer)
+        paged = isinstance(cache, PagedKVCache)
 
         def body(carry, xs):
             x, k, v = carry
             state, index = xs
-            x, kv = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, LayerKV(k, v, index), kernels)
+            kv = PagedKV(k, v, cache.table, cache.home, index) if paged else LayerKV(k, v, index)
+            x, kv = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, kv, kernels)
             return (x, kv.k, kv.v), None
 
         index = jnp.arange(self.num_layers, dtype=jnp.int32)
         (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (weights, index))
-        return x, KVCache(k=k, v=v)
+        return x, cache.replace(k=k, v=v)
 
 
 def _stack(*values):
