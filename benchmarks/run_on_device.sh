@@ -22,6 +22,8 @@
 #   the layer scan (DecodeOptions.scan_layers) against unrolled layers, compile and step time at
 #   the 1.5B shape (on CPU the scan copies each layer's weights per step, on TPU it reads them in
 #   place, benchmarks/decode_compile.md; a GPU is unmeasured): ONLY=decode_scan
+#   the gated verifier against lossless on the arithmetic task (#38) and the paged KV pool
+#   (#37): ONLY=arith_gate,paged_kv
 #   CPU smoke run of the same script: QUICK=1 OUT=/tmp/dev PYTHONPATH=. bash benchmarks/run_on_device.sh
 # PACK=1: results go to a scratch directory, packed into $OUT/results.tar after every stage (a
 # device run sends back only a few files).
@@ -66,6 +68,8 @@ if [ -n "${QUICK:-}" ]; then  # CPU smoke run: same stages, tiny sizes
     BIG=(--humaneval 2 --max-new-tokens 8 --repeats 1 --batch-sizes 1,2); BIG_7B=qwen2.5-0.5b; BIG_32B=qwen2.5-0.5b
     LONG=(--humaneval 2 --max-new-tokens 8 --repeats 1 --batch-sizes 1 --prompt-tokens 256)
     SCAN=(--preset qwen2.5-0.5b --layers 2 --modes ar --time qwen2.5-0.5b --prompts 1 --repeats 1)
+    ARITH=(--limit 4 --batch-sizes 1 --repeats 1 --inflate qwen2.5-0.5b)
+    PAGED=(--preset qwen2.5-0.5b --time qwen2.5-0.5b --prompts 1 --repeats 1)
 else
     # 28 unrolled layers compile for tens of seconds per setting: few settings, and batch 1 and
     # batch 16 as separate stages so a slow compile in one cannot cost the other its results
@@ -84,6 +88,11 @@ else
     BIG=(--humaneval 16 --max-new-tokens 128 --repeats 2 --batch-sizes 1,4,16); BIG_7B=qwen2.5-7b; BIG_32B=qwen2.5-32b
     LONG=(--humaneval 4 --max-new-tokens 128 --repeats 1 --batch-sizes 1,4 --prompt-tokens 4096)
     SCAN=(--preset qwen2.5-1.5b --layers 28 --time qwen2.5-1.5b --prompts 4 --repeats 2)
+    # #38 on an accelerator: is the gated verifier still 1.1x the fastest lossless where a
+    # step's cost does not grow with its width? (on CPU the narrower K=6 G=2 step is what it beats)
+    ARITH=(--limit 64 --batch-sizes 1,16 --repeats 2 --inflate qwen2.5-1.5b)
+    # #37: the paged pool read by XLA against contiguous rows (memory at 7B widths, speed at 1.5B)
+    PAGED=(--preset qwen2.5-7b --time qwen2.5-1.5b --prompts 8 --repeats 2)
 fi
 
 # flax <= 0.12.9 fails on import with jax 0.11 (docs/environment.md): stop here rather than spend
@@ -118,4 +127,9 @@ if [ -n "${ONLY:-}" ]; then
     stage decode_scan 200 $PY benchmarks/bench_decode_compile.py "${SCAN[@]}" --out "$RES"
     stage decode_32b_4k 300 $PY -m infer.benchmark "${LONG[@]}" "${BIG_ARGS[@]}" --inflate "$BIG_32B" \
         --json "$RES/decode_32b_4k.json" --md "$RES/decode_32b_4k.md"
+    stage arith_gate 300 $PY -m infer.benchmark --model prove_jax/demo_models/arith_proposer \
+        --verifier prove_jax/demo_models/arith_verifier --prompts prove_jax/demo_models/arith_test.jsonl \
+        "${ARITH[@]}" --modes ar,lossless,verify --layouts 8x2,6x2 --no-adaptive --tau-vs 0.3 --gate-taus 0.6 \
+        --max-new-tokens 64 --no-peers --png none --json "$RES/arith_gate.json" --md "$RES/arith_gate.md"
+    stage paged_kv 240 $PY benchmarks/bench_paged_kv.py "${PAGED[@]}" --out "$RES"
 fi

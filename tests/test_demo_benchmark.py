@@ -86,6 +86,18 @@ def test_gate_taus_add_the_gated_verifier_rules():
     assert [s.label for s in settings][-1] == "K=6,prob,tau_v=0.3,gate=0.6"
 
 
+def test_limit_takes_the_first_records_of_a_prompts_file():
+    from prove_jax import assets
+    path = os.path.join(os.path.dirname(assets.ARITH_PROPOSER), "arith_test.jsonl")
+    records, desc = benchmark.load_prompt_records(benchmark.parse_args(["--prompts", path, "--limit", "16"]))
+    with open(path) as f:
+        first = [json.loads(line)["id"] for line in f][:16]
+    assert [r["id"] for r in records] == first and desc.startswith("the first 16 records of ")
+    for argv, message in [(["--limit", "4"], "give a file"), (["--prompts", path, "--limit", "0"], ">= 1, got 0")]:
+        with pytest.raises(bench_lib.BenchError, match=message):
+            benchmark.load_prompt_records(benchmark.parse_args(argv))
+
+
 def test_agreement_and_output_forms():
     assert bench_lib.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == {
         "agreement_with_ar": 1.0, "exact_match_with_ar": 1.0}

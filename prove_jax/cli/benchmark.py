@@ -67,6 +67,8 @@ def parse_args(argv=None):
                           "a record with an \"answer\" (and optionally its own \"grader\" and "
                           "\"stop\") is graded; a HumanEval task id with that task's prompt is "
                           "graded by humaneval without one")
+    ap.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="--prompts: the file's first N records only (default all)")
     src.add_argument("--heldout", type=int, default=None, metavar="N",
                      help="use N held-out CPython stdlib function prompts instead of HumanEval")
     src.add_argument("--humaneval", type=int, default=None, metavar="N",
@@ -177,9 +179,15 @@ def layouts_arg(args) -> tuple[str, tuple[tuple[int, int | None], ...]]:
 
 def load_prompt_records(args) -> tuple[list[dict], str]:
     """(records {"id", "prompt" | "prompt_ids"}, description of the source)."""
+    if args.limit is not None and (args.prompts is None or args.limit < 1):
+        raise bench_lib.BenchError("--limit takes the first N records of --prompts: give a file and N >= 1"
+                                   if args.prompts is None else f"--limit must be >= 1, got {args.limit}")
     if args.prompts is not None:
         from prove_jax.decoding.requests import read_requests
-        return read_requests(args.prompts), f"file {args.prompts}"
+        records = read_requests(args.prompts)
+        if args.limit is None:
+            return records, f"file {args.prompts}"
+        return records[: args.limit], f"the first {min(args.limit, len(records))} records of {args.prompts}"
     if args.heldout is not None:
         if args.heldout < 1:
             raise bench_lib.BenchError(f"--heldout must be >= 1, got {args.heldout}")
