@@ -19,6 +19,7 @@ from flax import nnx
 
 from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
 from prove_jax.decoding.options import DecodeError
+from prove_jax.decoding.sampling import SamplingParams
 from prove_jax.models import sharding
 from prove_jax.models.attention import StepMask, causal_mask
 from prove_jax.models.paged import PagedKVCache, pages_needed
@@ -125,8 +126,8 @@ def test_each_data_shard_has_its_own_pool():
 def test_decoding_through_a_small_pool_gives_ars_tokens(models, prompts, mode):
     """3 rows, 7 requests of 2 to 70 prompt tokens, a pool of 16 pages of 8 slots: the longest
     request needs 12 of them, so it decodes with at most one short one beside it. Lossless is
-    AR token for token, on the batch and the stream paths; ar and verify equal their
-    contiguous programs."""
+    AR token for token, on the batch and the stream paths, and sampled lossless draws what the
+    contiguous program draws; ar and verify equal their contiguous programs."""
     proposer, verifier = models
     kwargs = dict(verifier=verifier) if mode == "verify" else {}
     want = Decoder(proposer, [1], MODES[mode], **kwargs).generate(prompts, 24, batch_size=3)
@@ -137,6 +138,11 @@ def test_decoding_through_a_small_pool_gives_ars_tokens(models, prompts, mode):
     if mode != "lossless":  # the stream's admission and release are the same in every mode
         return
     assert got.output_ids == Decoder(proposer, [1], MODES["ar"]).generate(prompts, 24).output_ids
+    # sampling draws from each row's own keys: the pool changes no draw
+    hot = SamplingParams(temperature=0.8, top_p=0.9)
+    sampled = [d.generate(prompts, 24, batch_size=3, params=hot, seed=3).output_ids
+               for d in (Decoder(proposer, [1], MODES[mode]), decoder)]
+    assert sampled[0] == sampled[1]
     streamed = {}
     for event in decoder.stream(prompts, 24, batch_size=3, chunk_steps=3):
         if event.output is not None:
