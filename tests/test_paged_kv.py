@@ -92,6 +92,13 @@ def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots, kernels):
         np.testing.assert_allclose(np.asarray(k[r, :, :n]), np.asarray(new_contiguous.k[0][r, :, :n]), atol=1e-6)
 
 
+def test_pages_of_one_slot_read_as_the_contiguous_cache(models):
+    """page_size 1: every slot a page of its own (the one-pass read goes through the table)."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    want = Decoder(models[0], [1], MODES["lossless"]).generate(prompts, 12).output_ids
+    assert Decoder(models[0], [1], paged(MODES["lossless"], 1)).generate(prompts, 12).output_ids == want
+
+
 def test_pages_are_taken_without_overlap_and_given_back():
     pool = PagedKVCache.zeros(CFG, 4, 6, num_pages=12, page_size=4)
     need = pages_needed(jnp.asarray([3, 9, 1, 5]), jnp.asarray([5, 6, 0, 2]), 4)

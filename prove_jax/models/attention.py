@@ -273,7 +273,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     whole pages); cache_len int32 [B]. Returns [B, T, K, G, Dh].
     """
     dt = q.dtype
-    if isinstance(cache, PagedKV):
+    paged = isinstance(cache, PagedKV)
+    if paged:
         slots, read, page = cache.slots, cache.read, cache.page_size
     else:
         cache_k, cache_v = cache
@@ -286,7 +287,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     size = cache_chunk(slots, rows=rows_per_device(q.shape[0]), platform=platform)
     size = min(slots, -(-size // page) * page)
     if size >= slots:  # one pass over the whole (short) buffer
-        keys, values = (cache_k, cache_v) if page == 1 else read(0, slots)
+        keys, values = read(0, slots) if paged else cache
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(keys.astype(dt), values.astype(dt), committed[:, None, :]), own + (intra,)])
     t, g = q.shape[1], q.shape[3]
