@@ -26,6 +26,7 @@ Writes paged_kv.json and paged_kv.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -73,6 +74,19 @@ def queue_lengths() -> list[int]:
     return np.clip(rng.lognormal(5.5, 1.1, QUEUE), 8, 4000).astype(int).tolist()
 
 
+def pool_variants(lengths: list[int]):
+    """(pages each request needs, the pool's pages: ROWS rows of the mean request, [(name,
+    options)] for contiguous rows and the pool), lossless K=8 with 2 mask groups."""
+    import numpy as np
+
+    from prove_jax.decoding.options import DecodeOptions
+    need = [-(-(n + NEW) // PAGE) for n in lengths]
+    pool = ROWS * int(np.ceil(np.mean(need)))
+    lossless = DecodeOptions("lossless", block_size=8, max_groups=2)
+    return need, pool, [("contiguous", lossless),
+                        (f"paged, {pool} pages of {PAGE}", dataclasses.replace(lossless, page_size=PAGE, kv_pages=pool))]
+
+
 def compiled_bytes(cfg, options, lengths) -> dict:
     from flax import nnx
 
@@ -89,16 +103,11 @@ def compiled_bytes(cfg, options, lengths) -> dict:
 def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from prove_jax.decoding.options import DecodeOptions
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.models.config import preset
     cfg = preset(preset_name).replace(dtype="bfloat16", param_dtype="bfloat16", mask_token_id=151665)
     lengths = queue_lengths()
-    need = [-(-(n + NEW) // PAGE) for n in lengths]
-    pool = ROWS * int(np.ceil(np.mean(need)))
-    lossless = dict(mode="lossless", block_size=8, max_groups=2)
-    variants = [("contiguous", DecodeOptions(**lossless)),
-                (f"paged, {pool} pages of {PAGE}", DecodeOptions(**lossless, page_size=PAGE, kv_pages=pool))]
+    need, pool, variants = pool_variants(lengths)
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
     rows = []
     for name, options in variants:
@@ -114,25 +123,17 @@ def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
 
 
 def tpu_rows(preset_name: str, accelerator: str) -> list[dict]:
-    import dataclasses
-
-    import numpy as np
-
     from prove_jax import aot
     from prove_jax.decoding.dry_run import dry_run_decode
-    from prove_jax.decoding.options import DecodeOptions
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.models.config import preset
     from prove_jax.models.kernels import KernelOptions
     cfg = preset(preset_name).replace(mask_token_id=151665)
     chip, chips = aot.accelerator_chips(accelerator)
     lengths = queue_lengths()
-    pool = ROWS * int(np.ceil(np.mean([-(-(n + NEW) // PAGE) for n in lengths])))
-    lossless = DecodeOptions("lossless", block_size=8, max_groups=2)
-    paged = dataclasses.replace(lossless, page_size=PAGE, kv_pages=pool)
-    variants = [("contiguous", lossless), (f"paged, {pool} pages of {PAGE}, XLA read", paged),
-                (f"paged, {pool} pages of {PAGE}, Pallas kernel",
-                 dataclasses.replace(paged, kernels=KernelOptions(attention="pallas_tpu")))]
+    _, _, ((contiguous, lossless), (paged_name, paged)) = pool_variants(lengths)
+    variants = [(contiguous, lossless), (f"{paged_name}, XLA read", paged),
+                (f"{paged_name}, Pallas kernel", dataclasses.replace(paged, kernels=KernelOptions(attention="pallas_tpu")))]
     rows = []
     for name, options in variants:
         bench_lib.log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")

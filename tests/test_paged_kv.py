@@ -186,7 +186,7 @@ def test_a_pool_that_holds_one_request_serves_them_one_at_a_time(models):
     decoder = Decoder(models[0], [1], options)
     rng = np.random.RandomState(2)
     prompts = [rng.randint(2, 90, k).tolist() for k in (40, 70, 50, 60, 45)]
-    need = max(decoder.pages_needed(len(p), 24) for p in prompts)
+    need = int(decoder.pages_needed([len(p) for p in prompts], 24).max())
     one = Decoder(models[0], [1], paged(MODES["lossless"], 16, kv_pages=need)).generate(prompts, 24, batch_size=3)
     side_by_side = decoder.generate(prompts, 24, batch_size=3)
     assert one.output_ids == side_by_side.output_ids

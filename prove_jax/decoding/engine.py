@@ -24,6 +24,7 @@ from prove_jax.decoding.options import MAX_STEP_WIDTH, DecodeError, DecodeOption
 from prove_jax.decoding.program import ProgramSettings, step_shape
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
+from prove_jax.models.paged import pages_needed
 from prove_jax.models.qwen2 import stack_layers, unstack_layers
 from prove_jax.models.sharding import batch_shards
 
@@ -379,10 +380,13 @@ class Decoder:
                               "lossless is exact speculative sampling: drop one or the other")
         return params, budgets, seeds
 
-    def pages_needed(self, prompt_len: int, budget: int) -> int:
-        """Pages of the paged KV pool one request owns while it decodes (0 without one)."""
+    def pages_needed(self, prompt_len, budget) -> np.ndarray:
+        """Pages of the paged KV pool each request (prompt lengths and budgets, one or an array
+        each) owns while it decodes; 0 without a pool (`paged.pages_needed`)."""
         page = self.options.page_size
-        return 0 if page is None else -(-(prompt_len + budget) // page)
+        if page is None:
+            return np.zeros(np.shape(prompt_len), np.int32)
+        return np.asarray(pages_needed(np.asarray(prompt_len), np.asarray(budget), page))
 
     def _pool_pages(self, prompts, budgets, rows: int) -> int:
         """Pages of the paged KV pool for a call: options.kv_pages (rounded up to whole pools for
@@ -390,9 +394,9 @@ class Decoder:
         at the longest request; 0 without a pool. Every request must fit one shard's pool."""
         if self.options.page_size is None:
             return 0
-        need = [self.pages_needed(len(p), b) for p, b in zip(prompts, budgets)]
+        need = self.pages_needed([len(p) for p in prompts], budgets)
         if self.options.kv_pages is None:
-            return rows * max(need)
+            return rows * int(need.max())
         shards = self._data_size()
         per_shard = -(-self.options.kv_pages // shards)
         worst = int(np.argmax(need))

@@ -25,6 +25,7 @@ from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models import paged
 from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed
 from prove_jax.models.tokens import readable_tokens
 
@@ -157,11 +158,7 @@ def first_fitting(requests: Requests, settings: ProgramSettings) -> jax.Array | 
     if page is None:
         return None
     need = pages_needed(requests.prompt_len, requests.max_new, page)
-    rows = need.shape[0]
-    shards = data_shards(rows)
-    mine = (jnp.arange(rows)[:, None] // (rows // shards) == jnp.arange(shards)[None, :]) * need[:, None]
-    fits = jnp.all(jnp.cumsum(mine, axis=0) <= settings.num_pages // shards, axis=1)
-    return jnp.cumprod(fits.astype(jnp.int32)).astype(bool)
+    return paged.first_fitting(need, settings.num_pages // data_shards(need.shape[0]))
 
 
 def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, requests: Requests,

@@ -112,6 +112,7 @@ class DecodeStream:
         self.compile_seconds = 0.0
         self.chunks = 0
         self._cancelled: set[int] = set()
+        self._needs: list[int] | None = None  # paged KV pages of each request (`_placements`)
         self._state_sharding = None
 
     def cancel(self, index: int) -> None:
@@ -214,9 +215,6 @@ class DecodeStream:
                     state = self._admit(admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd)
                     self.seconds += time.perf_counter() + self.compile_seconds - t0
 
-    def _need(self, i: int) -> int:
-        return self.decoder.pages_needed(int(self.requests.prompt_len[i]), int(self.requests.max_new[i]))
-
     def _placements(self, free: list[int], waiting: list[int], serving: list[int]) -> list[tuple[int, int]]:
         """(row, request) for the next waiting requests, in order, each in a free row whose data
         shard's paged pool has its pages free once the rows `serving` and those placed before
@@ -224,19 +222,21 @@ class DecodeStream:
         pages = self.settings.num_pages
         if pages == 0:
             return list(zip(free, waiting[::-1]))
-        rows = self.settings.num_rows
-        shards = self.decoder._data_size() if rows % self.decoder._data_size() == 0 else 1
+        if self._needs is None:  # each request's pages, once
+            self._needs = self.decoder.pages_needed(self.requests.prompt_len, self.requests.max_new).tolist()
+        need = self._needs
+        rows, shards = self.settings.num_rows, self.decoder._data_size()  # rows: whole shards (Decoder.rows)
         home = lambda r: r // (rows // shards)  # noqa: E731
         used = [0] * shards
         for r, i in enumerate(serving):
             if i >= 0:
-                used[home(r)] += self._need(i)
+                used[home(r)] += need[i]
         placed, open_rows = [], list(free)
         for i in waiting[::-1]:
-            row = next((r for r in open_rows if used[home(r)] + self._need(i) <= pages // shards), None)
+            row = next((r for r in open_rows if used[home(r)] + need[i] <= pages // shards), None)
             if row is None:
                 break
-            used[home(row)] += self._need(i)
+            used[home(row)] += need[i]
             open_rows.remove(row)
             placed.append((row, i))
         return placed

@@ -44,9 +44,27 @@ def pages_needed(prompt_len: jax.Array, max_new: jax.Array, page_size: int) -> j
     return jnp.where(max_new > 0, (prompt_len + max_new + page_size - 1) // page_size, 0).astype(jnp.int32)
 
 
-def _homes(rows: int, shards: int) -> jax.Array:
-    """The data shard of each of a batch's rows: rows split into `shards` contiguous blocks."""
-    return jnp.arange(rows, dtype=jnp.int32) // max(1, rows // shards)
+def _homes(rows: int, shards: int, home: jax.Array | None = None) -> jax.Array:
+    """The data shard of each of `rows` rows: `home` [rows] when given (a view's rows), else the
+    batch's, split into `shards` contiguous blocks; clipped to the shards."""
+    if home is None:
+        return jnp.arange(rows, dtype=jnp.int32) // max(1, rows // shards)
+    return jnp.clip(home, 0, shards - 1)
+
+
+def shard_cumsum(need: jax.Array, homes: jax.Array, shards: int) -> jax.Array:
+    """Each row's need [R] added up over the rows before it and itself on its shard (`homes`
+    [R]): what its shard's pool has given out once the row has its pages."""
+    mine = (homes[:, None] == jnp.arange(shards)[None, :]).astype(jnp.int32) * need[:, None]  # [R, D]
+    return jnp.take_along_axis(jnp.cumsum(mine, axis=0), homes[:, None], axis=1)[:, 0]
+
+
+def first_fitting(need: jax.Array, pages_per_shard: int) -> jax.Array:
+    """bool [B]: which of a batch's rows, needing `need` [B] pages each, fit their shards' empty
+    pools when taken in order (a prefix: the queue admits in order)."""
+    shards = data_shards(need.shape[0])
+    fits = shard_cumsum(need, _homes(need.shape[0], shards), shards) <= pages_per_shard
+    return jnp.cumprod(fits.astype(jnp.int32)).astype(bool)
 
 
 @struct.dataclass
@@ -100,7 +118,7 @@ class PagedKVCache:
         return self._first.shape[-2]
 
     def row_homes(self) -> jax.Array:
-        return _homes(self.table.shape[0], self.shards) if self.home is None else self.home
+        return _homes(self.table.shape[0], self.shards, self.home)
 
     def layer(self, i: int) -> "PagedKV":
         return PagedKV(self.k[i], self.v[i], self.table, self.home)
@@ -114,9 +132,8 @@ class PagedKVCache:
         (`home` [R]; None: R is the batch, in its own order), the lowest free pages first, in row
         order: a cache of those R rows. The caller makes sure they fit."""
         d, p, row_pages = self.shards, self.pages_per_shard, self.table.shape[1]
-        homes = jnp.clip(_homes(need.shape[0], d) if home is None else home, 0, d - 1)
-        mine = (homes[:, None] == jnp.arange(d)[None, :]).astype(jnp.int32) * need[:, None]  # [R, D]
-        first = jnp.take_along_axis(jnp.cumsum(mine, axis=0) - mine, homes[:, None], axis=1)[:, 0]
+        homes = _homes(need.shape[0], d, home)
+        first = shard_cumsum(need, homes, d) - need  # the row's first page in its shard's free list
         free_lists = jax.vmap(lambda f: jnp.nonzero(f, size=p, fill_value=p)[0])(self.free).astype(jnp.int32)
         j = jnp.arange(row_pages, dtype=jnp.int32)[None, :]
         pick = jnp.minimum(first[:, None] + j, p - 1)
@@ -138,18 +155,25 @@ class PagedKVCache:
         return part.replace(table=self.table.at[rows].set(part.table, mode="drop"), home=self.home)
 
 
+def _step_slots(pool, start, t: int, table):
+    """(pool page, offset) [b, T] of each row's step slots start[b] + [0, T) through its table
+    [b, R]; the page is P (past the pool: a dropped write) where the row owns none."""
+    p, page, row_pages = pool.shape[-3], pool.shape[-2], table.shape[1]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+    logical = slots // page
+    owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
+    return jnp.where(logical < row_pages, owned, p), slots % page
+
+
 def _write_pool(pool, new, start, table, layer=None):
     """One shard's pool [K, P, page, Dh] (or layer `layer` of [K, L, P, page, Dh]) with row b's
     new[b] [K, T, Dh] at its slots start[b] + [0, T) through its table [b, R] (a page it does
     not own: dropped)."""
     b, k, t, _ = new.shape
-    p, page, row_pages = pool.shape[-3], pool.shape[-2], table.shape[1]
-    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [b, T]
-    logical = slots // page
-    owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
+    pages, offsets = _step_slots(pool, start, t, table)
     # one more, dropped entry: a single-token write stays a scatter (see attention.write_step)
-    pages = jnp.append(jnp.where(logical < row_pages, owned, p).reshape(-1), p)
-    offsets = jnp.append((slots % page).reshape(-1), 0)
+    pages = jnp.append(pages.reshape(-1), pool.shape[-3])
+    offsets = jnp.append(offsets.reshape(-1), 0)
     flat = new.transpose(1, 0, 2, 3).reshape(k, b * t, -1)
     flat = jnp.concatenate([flat, flat[:, :1]], axis=1).astype(pool.dtype)
     if layer is None:
@@ -190,7 +214,8 @@ class PagedKV:
         return self.k.shape[-3]
 
     def _by_shard(self) -> bool:
-        return self.home is None and self.table.shape[0] % self.k.shape[0] == 0
+        """The batch's own rows (a whole number per shard, as `data_shards` splits them)."""
+        return self.home is None
 
     def _split(self, x: jax.Array) -> jax.Array:
         """[B, ...] -> [D, B/D, ...]: the rows of each shard."""
@@ -232,8 +257,7 @@ class PagedKV:
         return take(self.k), take(self.v)
 
     def _homes(self) -> jax.Array:
-        homes = _homes(self.table.shape[0], self.k.shape[0]) if self.home is None else self.home
-        return jnp.clip(homes, 0, self.k.shape[0] - 1)
+        return _homes(self.table.shape[0], self.k.shape[0], self.home)
 
 
 def _write_rows(pool, new, start, table, homes, layer=None):
@@ -241,13 +265,9 @@ def _write_rows(pool, new, start, table, homes, layer=None):
     row r's new[r] [K, T, Dh] at its slots through its table [R, pages] on its shard homes[r]
     (a view's rows: indices explicit)."""
     r, _, t, _ = new.shape
-    p, page, row_pages = pool.shape[-3], pool.shape[-2], table.shape[1]
-    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [R, T]
-    logical = slots // page
-    owned = jnp.take_along_axis(table, jnp.minimum(logical, row_pages - 1), axis=1)
-    pages = jnp.where(logical < row_pages, owned, p)
+    pages, offsets = _step_slots(pool, start, t, table)  # [R, T]
     shard = jnp.broadcast_to(homes[:, None], (r, t))
     values = new.transpose(0, 2, 1, 3).astype(pool.dtype)  # [R, T, K, Dh]
     if layer is None:
-        return pool.at[shard, :, pages, slots % page].set(values, mode="drop")
-    return pool.at[shard, :, layer, pages, slots % page].set(values, mode="drop")
+        return pool.at[shard, :, pages, offsets].set(values, mode="drop")
+    return pool.at[shard, :, layer, pages, offsets].set(values, mode="drop")
