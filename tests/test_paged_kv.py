@@ -142,19 +142,36 @@ def test_decoding_through_a_small_pool_gives_ars_tokens(models, prompts, mode):
     got = decoder.generate(prompts, 24, batch_size=3)
     assert got.output_ids == want.output_ids
     np.testing.assert_array_equal(got.forwards, want.forwards)
-    if mode != "lossless":  # the stream's admission and release are the same in every mode
+    if mode == "ar":
         return
-    assert got.output_ids == Decoder(proposer, [1], MODES["ar"]).generate(prompts, 24).output_ids
-    # sampling draws from each row's own keys: the pool changes no draw
-    hot = SamplingParams(temperature=0.8, top_p=0.9)
-    sampled = [d.generate(prompts, 24, batch_size=3, params=hot, seed=3).output_ids
-               for d in (Decoder(proposer, [1], MODES[mode]), decoder)]
-    assert sampled[0] == sampled[1]
+    if mode == "lossless":
+        assert got.output_ids == Decoder(proposer, [1], MODES["ar"]).generate(prompts, 24).output_ids
+        # sampling draws from each row's own keys: the pool changes no draw
+        hot = SamplingParams(temperature=0.8, top_p=0.9)
+        sampled = [d.generate(prompts, 24, batch_size=3, params=hot, seed=3).output_ids
+                   for d in (Decoder(proposer, [1], MODES[mode]), decoder)]
+        assert sampled[0] == sampled[1]
+    # the stream admits and releases on the host (verify: the verifier's pool with the proposer's)
     streamed = {}
     for event in decoder.stream(prompts, 24, batch_size=3, chunk_steps=3):
         if event.output is not None:
             streamed[event.index] = event.output.output_ids
     assert [streamed[i] for i in range(len(prompts))] == want.output_ids
+
+
+def test_in_bfloat16_the_pool_decodes_what_contiguous_rows_decode(prompts):
+    """bfloat16 weights and KV (as on a TPU or GPU): pages hold the same bf16 keys and values as
+    contiguous rows and are read into the same attention, so lossless and verify through a
+    small pool commit the contiguous programs' tokens at the same steps."""
+    bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
+    proposer = create_model(CFG.replace(**bf16), seed=0)
+    verifier = create_model(CFG.replace(num_layers=1, mask_token_id=None, **bf16), seed=1)
+    for mode in ("lossless", "verify"):
+        kwargs = dict(verifier=verifier) if mode == "verify" else {}
+        want = Decoder(proposer, [1], MODES[mode], **kwargs).generate(prompts, 16, batch_size=3)
+        got = Decoder(proposer, [1], paged(MODES[mode], 8, kv_pages=16), **kwargs).generate(prompts, 16, batch_size=3)
+        assert got.output_ids == want.output_ids, mode
+        np.testing.assert_array_equal(got.forwards, want.forwards)
 
 
 def test_scanned_layers_carry_stacked_pools_in_place(models, prompts):
@@ -194,11 +211,17 @@ def test_a_pool_that_holds_one_request_serves_them_one_at_a_time(models):
     assert side_by_side.loop_steps < 0.6 * int(side_by_side.forwards.sum())
 
 
-def test_the_pool_takes_less_memory_than_contiguous_rows(models, prompts):
+@pytest.mark.parametrize("mode", ["lossless", "verify"])
+def test_the_pool_takes_less_memory_than_contiguous_rows(models, prompts, mode):
     """Compiled for 3 rows at the 70-token prompt: the contiguous program holds 3 rows of the
-    longest request's slots; a pool of 16 pages of 8 slots holds 128 slots in all."""
-    contiguous = Decoder(models[0], [1], MODES["lossless"])
-    pool = Decoder(models[0], [1], paged(MODES["lossless"], 8, kv_pages=16))
+    longest request's slots; a pool of 16 pages of 8 slots holds 128 slots in all. Verify's
+    verifier (here as deep as the proposer) keeps its KV on the same pages, so it saves as much
+    again."""
+    kwargs = {}
+    if mode == "verify":
+        kwargs["verifier"] = create_model(CFG.replace(mask_token_id=None), seed=1)
+    contiguous = Decoder(models[0], [1], MODES[mode], **kwargs)
+    pool = Decoder(models[0], [1], paged(MODES[mode], 8, kv_pages=16), **kwargs)
 
     def bytes_of(decoder):
         compiled = decoder.lower(prompts, 24, batch_size=3).compile()
@@ -207,9 +230,13 @@ def test_the_pool_takes_less_memory_than_contiguous_rows(models, prompts):
 
     cache_bytes = lambda slots: 2 * CFG.num_layers * CFG.num_kv_heads * slots * CFG.head_dim * 4  # noqa: E731
     saved = bytes_of(contiguous) - bytes_of(pool)
-    # contiguous rows: 3 x (buffer 128 + step width 10) slots; the pool: 128 slots, less the
-    # pages the XLA read gathers per layer as temporaries (one layer's rows at a time)
-    assert saved >= 0.6 * (cache_bytes(3 * 138) - cache_bytes(128)), saved
+    # contiguous rows: 3 x (buffer 128 + step width) slots; the pool: 128 slots, less the pages
+    # the XLA read gathers per layer as temporaries (one layer's rows at a time)
+    if mode == "lossless":
+        want = cache_bytes(3 * 138) - cache_bytes(128)  # step width 10
+    else:  # proposer: step width 5 (K=3); verifier: buffer 128 + K 3, on a pool as the proposer's
+        want = cache_bytes(3 * 133) + cache_bytes(3 * 131) - 2 * cache_bytes(128)
+    assert saved >= 0.6 * want, (saved, want)
 
 
 def test_on_a_mesh_each_data_shard_has_its_pool_split_over_kv_heads_and_nothing_is_gathered():
@@ -249,17 +276,21 @@ def test_lossless_through_the_paged_tpu_kernel_is_ar(models, prompts):
     assert Decoder(models[0], [1], options).generate(few, 14, batch_size=2).output_ids == want
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("mode,scan_layers", [("lossless", False), ("lossless", True), ("verify", True)],
+                         ids=["unrolled", "scanned", "verify-scanned"])
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
-def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective(scan_layers):
-    """The whole paged program with the Pallas kernel, compiled by the dry run for v5p-8 (4
-    chips, data parallel): it fits, and nothing the size of a page pool is gathered."""
+def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective(mode, scan_layers):
+    """The whole paged program with the Pallas kernel (verify: the verifier's pools too),
+    compiled by the dry run for v5p-8 (4 chips, data parallel): it fits, and nothing the size of
+    a page pool is gathered."""
     from prove_jax.decoding.dry_run import dry_run_decode
     from tests.test_decode_dry_run import CFG as TPU_CFG
-    options = DecodeOptions("lossless", 4, max_groups=2, page_size=128, scan_layers=scan_layers,
-                            kernels=KernelOptions(attention="pallas_tpu"))
-    report = dry_run_decode(TPU_CFG.replace(head_dim=128), options, chip="v5p", chips=4, batch=8, context=512,
-                            new_tokens=64)
+    cfg = TPU_CFG.replace(head_dim=128)
+    options = DecodeOptions(mode, 4, max_groups=2 if mode == "lossless" else None, page_size=128,
+                            scan_layers=scan_layers, kernels=KernelOptions(attention="pallas_tpu"))
+    verifier = cfg.replace(num_layers=1, mask_token_id=None) if mode == "verify" else None
+    report = dry_run_decode(cfg, options, chip="v5p", chips=4, batch=8, context=512, new_tokens=64,
+                            verifier=verifier)
     assert report.fits and report.mesh["data"] == 4
     assert all(v["bytes"] < 2**20 for v in report.stats.collectives.values()), report.stats.collectives
 
@@ -272,8 +303,34 @@ def test_bad_paged_settings_are_one_line_errors(models, prompts):
     with pytest.raises(DecodeError, match="read by --attention xla or pallas_tpu, not pallas_gpu"):
         DecodeOptions("ar", page_size=8, kernels=KernelOptions(attention="pallas_gpu")).validate()
     decoder = Decoder(models[0], [1], paged(MODES["ar"], 8, kv_pages=4))
-    with pytest.raises(DecodeError, match=r"^prompt 4 needs 12 KV pages of 8 slots \(70 prompt tokens \+ 24 new\), more than the pool.s 4: raise --kv-pages"):
+    with pytest.raises(DecodeError, match=r"^prompt 1 needs 8 KV pages of 8 slots \(40 prompt tokens \+ 24 new\), more than the pool.s 4: raise --kv-pages"):
         decoder.generate(prompts, 24)
+
+
+def test_a_request_too_big_for_the_pool_fails_alone(tmp_path, models, prompts, capsys):
+    """generate --kv-pages: a request that needs more pages than the pool has gets an error
+    record naming its pages and the pool's; the others decode as AR would (exit status 3)."""
+    import json
+
+    from prove_jax.checkpoints.checkpoint import save_model
+    from prove_jax.cli import generate
+    ckpt = str(tmp_path / "ckpt")
+    save_model(ckpt, models[0])
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = {2: "big"}  # 70 prompt tokens + 24 new: 12 pages of 8, the pool has 8
+    inp.write_text("".join(json.dumps({"id": ids.get(i, i), "prompt_ids": p}) + "\n"
+                           for i, p in enumerate(prompts[2:6])))
+    args = ["--model", ckpt, "--mode", "lossless", "--input", str(inp), "--output", str(out),
+            "--max-new-tokens", "24", "--batch-size", "2", "--page-size", "8", "--kv-pages", "8", "--sort", "--mesh", "1,1,1"]
+    assert generate.main(args) == generate.SOME_REQUESTS_FAILED
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[2] == {"id": "big", "error": rows[2]["error"]}
+    assert rows[2]["error"].startswith("the prompt needs 12 KV pages of 8 slots (70 prompt tokens + 24 new), "
+                                       "more than the pool's 8: raise --kv-pages"), rows[2]["error"]
+    good = [p for i, p in enumerate(prompts[2:6]) if i != 2]
+    want = Decoder(models[0], [1], MODES["ar"]).generate(good, 24).output_ids
+    assert [r["output_ids"] for r in rows if "error" not in r] == want
+    capsys.readouterr()
 
 
 def test_generate_takes_page_flags():

@@ -147,8 +147,9 @@ def parse_args(argv=None):
                          "(default: such a request fails with an error)")
     ap.add_argument("--strict", action="store_true",
                     help="stop the job at the first bad request (default: a request whose prompt is "
-                         "missing, malformed, empty, out of vocabulary or too long gets an 'error' "
-                         "field in its output record, the rest run, and the exit status is 3)")
+                         "missing, malformed, empty, out of vocabulary, too long, or too big for "
+                         "--kv-pages gets an 'error' field in its output record, the rest run, and "
+                         "the exit status is 3)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES,
                     help="compute/param dtype (default float32; bfloat16 halves weight reads on "
                          "TPU/GPU, where lossless can then differ from AR at a near-tie)")
@@ -163,7 +164,8 @@ def parse_args(argv=None):
                     help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
                          "JAX ships for that platform (docs/decoding.md)")
     ap.add_argument("--page-size", type=int, default=None,
-                    help="keep the proposer's KV in a paged pool of pages of this many slots: each request "
+                    help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this many "
+                         "slots: each request "
                          "owns the pages its own prompt and budget need, not the longest request's "
                          "(default: one contiguous buffer per row; docs/decoding.md)")
     ap.add_argument("--kv-pages", type=int, default=None,

@@ -245,7 +245,7 @@ class Decoder:
             return (f"has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it needs "
                     f"{len(prompt) + max_new_tokens} positions, longer than the buffer limit "
                     f"{self.max_buffer}: {fix} (generate: --truncate left|right cuts it)")
-        return None
+        return self._pool_problem(len(prompt), max_new_tokens)
 
     @property
     def vocab_limit(self) -> int:
@@ -397,17 +397,29 @@ class Decoder:
         need = self.pages_needed([len(p) for p in prompts], budgets)
         if self.options.kv_pages is None:
             return rows * int(need.max())
-        shards = self._data_size()
-        per_shard = -(-self.options.kv_pages // shards)
         worst = int(np.argmax(need))
-        if need[worst] > per_shard:
-            pool = (f"the pool's {per_shard}" if shards == 1 else
-                    f"each of the {shards} data shards' pools ({per_shard} of --kv-pages {self.options.kv_pages})")
-            raise DecodeError(
-                f"prompt {worst} needs {need[worst]} KV pages of {self.options.page_size} slots "
-                f"({len(prompts[worst])} prompt tokens + {budgets[worst]} new), more than {pool}: "
-                f"raise --kv-pages or lower --max-new-tokens")
-        return per_shard * shards
+        problem = self._pool_problem(len(prompts[worst]), int(np.broadcast_to(budgets, need.shape)[worst]))
+        if problem is not None:
+            raise DecodeError(f"prompt {worst} {problem}")
+        return self._pages_per_shard() * self._data_size()
+
+    def _pages_per_shard(self) -> int:
+        """Pages of each data shard's pool with options.kv_pages (split evenly, rounded up)."""
+        return -(-self.options.kv_pages // self._data_size())
+
+    def _pool_problem(self, prompt_len: int, budget: int) -> str | None:
+        """Why a request of `prompt_len` tokens and `budget` new ones can never be admitted to
+        the paged pool options.kv_pages sizes (a phrase following "request X"), or None."""
+        if self.options.page_size is None or self.options.kv_pages is None:
+            return None
+        need, per_shard = int(self.pages_needed(prompt_len, budget)), self._pages_per_shard()
+        if need <= per_shard:
+            return None
+        shards = self._data_size()
+        pool = (f"the pool's {per_shard}" if shards == 1 else
+                f"each of the {shards} data shards' pools ({per_shard} of --kv-pages {self.options.kv_pages})")
+        return (f"needs {need} KV pages of {self.options.page_size} slots ({prompt_len} prompt tokens + "
+                f"{budget} new), more than {pool}: raise --kv-pages or lower --max-new-tokens")
 
     def _batch_sharding(self):
         """Requests and rows split over the mesh's batch axes; None without a mesh."""

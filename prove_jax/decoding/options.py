@@ -84,10 +84,11 @@ class DecodeOptions:
     time stops growing with depth (benchmarks/decode_compile.md). Unrolled: XLA may schedule
     across layers."""
     page_size: int | None = None
-    """Keep the proposer's KV in a paged pool of pages of this many slots, each row owning the
-    pages its own prompt and budget need (models/paged.py); None: one contiguous buffer per
-    row, sized for the call's longest request. Read through the page table in XLA, or by the
-    paged Pallas TPU kernel with kernels.attention="pallas_tpu"."""
+    """Keep the KV (the proposer's, and the verifier's on the same pages) in paged pools of
+    pages of this many slots, each row owning the pages its own prompt and budget need
+    (models/paged.py); None: one contiguous buffer per row, sized for the call's longest
+    request. Read through the page table in XLA, or by the paged Pallas TPU kernel with
+    kernels.attention="pallas_tpu"."""
     kv_pages: int | None = None
     """Pages in the pool (with page_size): a request waits until enough are free; None: as many
     as every row needs at the call's longest request (the same memory as contiguous)."""

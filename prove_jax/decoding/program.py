@@ -49,7 +49,8 @@ class ProgramSettings:
     sampler: Sampler | None = None
     """What sampling this program does; None: greedy only (no distributions carried)."""
     num_pages: int = 0
-    """Pages of the proposer's paged KV pool (options.page_size); 0: contiguous buffers."""
+    """Pages of the paged KV pools (options.page_size; the verifier's pool has as many, on the
+    same page table); 0: contiguous buffers."""
 
 
 def step_shape(options: DecodeOptions) -> tuple[int, int]:
@@ -108,11 +109,13 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
 
 
 def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
-               pool: PagedKVCache | None = None, home: jax.Array | None = None) -> LoopState:
+               pool: PagedKVCache | None = None, home: jax.Array | None = None,
+               verifier_pool: PagedKVCache | None = None) -> LoopState:
     """Loop state of the rows serving `requests`, right after their prefill. With a paged KV
     pool (options.page_size) each row's pages are taken from `pool` (None: a new, empty one
     for the batch), from the pool of data shard `home` [R] (None: the batch's own rows); the
-    caller makes sure they fit (`first_fitting`)."""
+    caller makes sure they fit (`first_fitting`). The verifier's KV goes to `verifier_pool`
+    (None: a new one), on the same pages (`PagedKVCache.with_pages_of`)."""
     options = settings.options
     width, num_drafts = step_shape(options)
     prompts, prompt_len = requests.prompts, requests.prompt_len
@@ -121,10 +124,10 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
     static = dict(chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels)
     # room for one step past the buffer: the proposer's step width, the verifier's K
     size = settings.num_slots + width
-    if options.page_size is None:
+    page = options.page_size
+    if page is None:
         cache = prefill(model, prompts, prompt_len, size, **static)
     else:
-        page = options.page_size
         if pool is None:
             pool = PagedKVCache.zeros(model.cfg, rows, -(-size // page), settings.num_pages, page,
                                       stacked=model.layers_stacked)
@@ -132,7 +135,13 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
-        verifier_cache = prefill(verifier, prompts, prompt_len, settings.num_slots + options.block_size, **static)
+        if page is not None:  # the proposer's pages, in the verifier's own pools
+            if verifier_pool is None:
+                verifier_pool = PagedKVCache.zeros(verifier.cfg, rows, pool.table.shape[1], settings.num_pages,
+                                                   page, stacked=verifier.layers_stacked)
+            verifier_pool = verifier_pool.with_pages_of(pool)
+        verifier_cache = prefill(verifier, prompts, prompt_len, settings.num_slots + options.block_size,
+                                 cache=verifier_pool, **static)
     lossless_sampling = options.mode == "lossless" and settings.sampler is not None
     return initial_state(tokens, prompt_len, requests.max_new, requests.stop_ids, cache, verifier_cache,
                          num_drafts=num_drafts, block_size=options.block_size, pad_id=settings.pad_id,
@@ -148,7 +157,8 @@ def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopSt
     if settings.options.page_size is None:
         return start_rows(model, verifier, requests.one(request), settings)
     home = state.cache.row_homes()[row][None]
-    return start_rows(model, verifier, requests.one(request), settings, pool=state.cache, home=home)
+    return start_rows(model, verifier, requests.one(request), settings, pool=state.cache, home=home,
+                      verifier_pool=state.verifier_cache)
 
 
 def first_fitting(requests: Requests, settings: ProgramSettings) -> jax.Array | None:
@@ -240,10 +250,11 @@ def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, v
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
     pool = home = None
     if settings.options.page_size is not None:
-        pool = state.cache.release(state.done)
-        state = state.replace(cache=pool)
+        state = queue.release_done(state)
+        pool = state.cache
         home = pool.row_homes()[jnp.minimum(rows, settings.num_rows - 1)]
-    return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool, home=home), rows)
+    return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool, home=home,
+                                      verifier_pool=state.verifier_cache), rows)
 
 
 def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings, params,

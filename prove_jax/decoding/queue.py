@@ -90,12 +90,27 @@ def harvest(queue_state: QueueState, state: LoopState, rows: jax.Array) -> Queue
 
 
 def put_state(state: LoopState, part: LoopState, rows: jax.Array, put) -> LoopState:
-    """`state` with `put(full, part)` applied to each per-row leaf; a paged pool is the admitted
-    rows' (their prefill wrote into it), with their page tables put at `rows` [R]."""
+    """`state` with `put(full, part)` applied to each per-row leaf; a paged pool (the proposer's,
+    and the verifier's on the same pages) is the admitted rows' (their prefill wrote into it),
+    with their page tables put at `rows` [R]."""
     if not isinstance(state.cache, PagedKVCache):
         return jax.tree.map(put, state, part)
-    merged = jax.tree.map(put, state.replace(cache=None), part.replace(cache=None))
-    return merged.replace(cache=state.cache.put_rows(part.cache, rows))
+    paged_verifier = isinstance(state.verifier_cache, PagedKVCache)
+    merged = jax.tree.map(put, state.replace(cache=None, verifier_cache=None),
+                          part.replace(cache=None, verifier_cache=None))
+    verifier_cache = (state.verifier_cache.put_rows(part.verifier_cache, rows) if paged_verifier
+                      else jax.tree.map(put, state.verifier_cache, part.verifier_cache))
+    return merged.replace(cache=state.cache.put_rows(part.cache, rows), verifier_cache=verifier_cache)
+
+
+def release_done(state: LoopState) -> LoopState:
+    """`state` with the pages of its done rows back in the paged pools (the verifier's follows
+    the proposer's)."""
+    cache = state.cache.release(state.done)
+    verifier_cache = state.verifier_cache
+    if isinstance(verifier_cache, PagedKVCache):
+        verifier_cache = verifier_cache.with_pages_of(cache)
+    return state.replace(cache=cache, verifier_cache=verifier_cache)
 
 
 def put_row(state: LoopState, row: LoopState, index: jax.Array) -> LoopState:
@@ -117,7 +132,7 @@ def refill(state: LoopState, queue_state: QueueState, num_requests: jax.Array,
     """
     paged = need is not None
     if paged:
-        state = state.replace(cache=state.cache.release(state.done))
+        state = release_done(state)
 
     def free_rows(state, queue_state):
         """bool [B]: done rows the next request may take (paged: its shard has its pages free)."""

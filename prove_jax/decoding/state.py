@@ -8,6 +8,7 @@ from flax import struct
 
 from prove_jax.decoding.sampling import RowSampling
 from prove_jax.models.attention import KVCache
+from prove_jax.models.paged import PagedKVCache
 
 
 def write_rows(buffer: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
@@ -58,11 +59,11 @@ class LoopState:
     prompt_len: jax.Array  # [B]
     max_new: jax.Array  # [B] per-row budget of new tokens
     done: jax.Array  # [B] bool
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     cache_len: jax.Array  # [B]
     drafts: jax.Array  # [B, M] lossless drafts for the next step (M >= 1; unused otherwise)
     draft_len: jax.Array  # [B] how many of them are real predictions (the rest is filler)
-    verifier_cache: KVCache | None
+    verifier_cache: KVCache | PagedKVCache | None  # paged: on the proposer pool's pages
     verifier_cache_len: jax.Array  # [B]
     forwards: jax.Array  # [B] proposer forwards while the row was active
     verifier_forwards: jax.Array  # [B]

@@ -12,6 +12,10 @@ read crosses them; within a shard, kv heads first (split over the tensor axis li
 kernels, as JAX's TPU paged-attention kernel takes them). table [B, R] int32 maps row b's
 logical page j (slots [j*page, (j+1)*page)) to a page of its shard's pool, Pl where it owns
 none: a write there is dropped, a read there is masked (it lies past the row's committed slots).
+
+A verifier's cache holds the same tokens as the proposer's, so its pool (pools of its own layer
+and head shapes) shares the proposer pool's pages: the same table and free list
+(`PagedKVCache.with_pages_of`), allocated and released together.
 """
 
 from __future__ import annotations
@@ -140,6 +144,11 @@ class PagedKVCache:
         table = jnp.where(j < need[:, None], free_lists[homes[:, None], pick], p)
         free = self.free.at[homes[:, None], table].set(False, mode="drop")
         return self.replace(table=table, free=free, home=home)
+
+    def with_pages_of(self, other: "PagedKVCache") -> "PagedKVCache":
+        """These pools with `other`'s page table, free list and homes: a verifier's pool, whose
+        rows hold the same tokens as the proposer's, owns the same pages of its own pools."""
+        return self.replace(table=other.table, free=other.free, home=other.home)
 
     def release(self, rows: jax.Array) -> "PagedKVCache":
         """The pools with the pages of the batch rows marked in `rows` [B] (bool) free again;
