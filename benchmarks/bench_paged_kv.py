@@ -16,6 +16,11 @@ as `generate --dry-run` compiles it: contiguous, the pool read by XLA and the po
 paged Pallas kernel (`--attention pallas_tpu`); XLA's per-chip memory, compile time and
 collectives.
 
+The paper's pair (`--pair ACCELERATOR`, needs libtpu; runs alone and writes paged_kv_pair.json
+and .md): verify with a Qwen2.5-32B proposer (K=16) and a Qwen2.5-3B verifier, whose KV sits on
+the same pages of pools of its own, the same queue compiled for that slice, contiguous against
+the pool (XLA read and Pallas kernel), scanned layers as `generate --dry-run` compiles them.
+
 Speed (`--time PRESET`): the shipped proposer inflated to that shape (the same outputs, a real
 model's cost per step), HumanEval prompts at batch 4, 128 new tokens; contiguous against the
 pool at its default size and at half of it, the fastest of interleaved rounds.
@@ -60,6 +65,9 @@ def parse_args(argv=None):
                    help="also time decoding at this inflated shape (e.g. qwen2.5-0.5b)")
     p.add_argument("--tpu", default=None, metavar="ACCELERATOR",
                    help="also compile the queue's program for this TPU slice (e.g. v5p-8; needs libtpu)")
+    p.add_argument("--pair", default=None, metavar="ACCELERATOR",
+                   help="only compile the paper's pair (32B proposer, 3B verifier) on this TPU slice "
+                        "(e.g. v6e-8; needs libtpu), writing paged_kv_pair.json/.md")
     p.add_argument("--prompts", type=int, default=8, help="HumanEval prompts timed with --time (default 8)")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds with --time (default 2)")
     p.add_argument("--out", default=RESULTS, help="folder for paged_kv.json/.md (default runs/benchmarks/; "
@@ -122,23 +130,31 @@ def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
     return rows, workload
 
 
-def tpu_rows(preset_name: str, accelerator: str) -> list[dict]:
+def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) -> list[dict]:
+    """The queue's program compiled for `accelerator`: lossless K=8 G=2 at the preset's
+    widths, or with `verifier` (a preset) verify K=16 with scanned layers."""
     from prove_jax import aot
     from prove_jax.decoding.dry_run import dry_run_decode
+    from prove_jax.decoding.options import DecodeOptions
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.models.config import preset
     from prove_jax.models.kernels import KernelOptions
     cfg = preset(preset_name).replace(mask_token_id=151665)
     chip, chips = aot.accelerator_chips(accelerator)
     lengths = queue_lengths()
-    _, _, ((contiguous, lossless), (paged_name, paged)) = pool_variants(lengths)
-    variants = [(contiguous, lossless), (f"{paged_name}, XLA read", paged),
+    _, _, ((contiguous, base), (paged_name, paged)) = pool_variants(lengths)
+    verifier_cfg = None
+    if verifier is not None:
+        verifier_cfg = preset(verifier)
+        verify = DecodeOptions("verify", block_size=16, scan_layers=True)
+        base, paged = verify, dataclasses.replace(verify, page_size=paged.page_size, kv_pages=paged.kv_pages)
+    variants = [(contiguous, base), (f"{paged_name}, XLA read", paged),
                 (f"{paged_name}, Pallas kernel", dataclasses.replace(paged, kernels=KernelOptions(attention="pallas_tpu")))]
     rows = []
     for name, options in variants:
         bench_lib.log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")
         report = dry_run_decode(cfg, options, chip=chip, chips=chips, batch=ROWS, context=max(lengths) + NEW + 1,
-                                new_tokens=NEW, prompt_lengths=lengths)
+                                new_tokens=NEW, prompt_lengths=lengths, verifier=verifier_cfg)
         stats = report.stats
         row = dict(layout=name, accelerator=accelerator, mesh=report.mesh, fits=report.fits,
                    does_not_fit=report.does_not_fit)
@@ -179,8 +195,76 @@ def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
                  same_output_as_contiguous=outputs[name] == outputs["contiguous"]) for name, s in best.items()]
 
 
+def tpu_table(rows: list[dict]) -> list[str]:
+    """Markdown rows of compiled TPU programs: per-chip memory, compile time, collectives."""
+    gib = 2 ** 30
+    md = ["| layout | arguments GiB | temporaries GiB | peak GiB | compile s | collectives (count, MiB) |",
+          "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "peak_bytes" not in r:
+            md.append(f"| {r['layout']} | - | - | - | - | does not fit: {r['does_not_fit']} |")
+            continue
+        coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f})" for k, v in r["collectives"].items()
+                         if v["count"])
+        md.append(f"| {r['layout']} | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
+                  f"{r['peak_bytes'] / gib:.2f} | {r['compile_seconds']:.0f} | {coll or 'none'} |")
+    return md
+
+
+PAIR_NOTE = ("Reading the table: the verifier's KV holds the same tokens as the proposer's, so its pools "
+             "(of its own 36 layers and 2 kv heads) use the proposer's page table and free list: one "
+             "allocation serves both. The pool keeps per-chip temporaries to what the queue's requests "
+             "hold at once instead of every row at the longest request, for both models. Contiguous rows "
+             "were the reason verify at batch 64 with 8k contexts did not fit v6e-8 "
+             "(benchmarks/decode_tpu_compile.md): the verifier's 2 kv heads cannot split 8 ways, so each "
+             "chip holds its whole cache; the pool shrinks that cache to what is in use, but does not "
+             "split it (a queue of 8k prompts still needs as much). With the Pallas kernel the proposer's "
+             "layers read through the kernel and the verifier's through XLA: a kernel runs per device on "
+             "whole kv heads, and the verifier's 2 do not split over tensor=8, so GSPMD lays its pool "
+             "out like the query heads; read by the kernel, the verifier's whole pool was all-gathered "
+             "in the loop (6 all-gathers, 953 MiB per program, 2.07 GiB of temporaries) before "
+             "attention left such heads to XLA.")
+
+
+def pair_main(args) -> int:
+    """--pair: the paper's pair on a TPU slice, contiguous against the pool; its own files."""
+    import jax
+
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.models.config import preset
+    proposer, verifier = "qwen2.5-32b", "qwen2.5-3b"
+    rows = tpu_rows(proposer, args.pair, verifier=verifier)
+    lengths = queue_lengths()
+    need, pool, _ = pool_variants(lengths)
+    slot = {name: 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 for name, c in
+            ((proposer, preset(proposer)), (verifier, preset(verifier)))}  # k and v, bf16
+    workload = dict(lengths=lengths, pages_needed=need, pool_pages=pool, kv_bytes_per_slot=slot,
+                    contiguous_kv_bytes={m: ROWS * (max(lengths) + NEW) * b for m, b in slot.items()},
+                    pool_kv_bytes={m: pool * PAGE * b for m, b in slot.items()})
+    doc = dict(proposer=proposer, verifier=verifier, accelerator=args.pair, jax=jax.__version__, rows=ROWS,
+               queue=QUEUE, new_tokens=NEW, page_size=PAGE, workload=workload, tpu=rows)
+    gib = 2 ** 30
+    kv = workload["contiguous_kv_bytes"], workload["pool_kv_bytes"]
+    md = ["# Paged KV pool for the paper's pair on a TPU slice",
+          "",
+          f"`benchmarks/bench_paged_kv.py --pair {args.pair}`: verify (K=16, scanned layers) with a {proposer} "
+          f"proposer and a {verifier} verifier in bfloat16, the whole decode program compiled for {args.pair} "
+          f"from a CPU host with libtpu (jax {jax.__version__}), abstract weights on the mesh `generate` picks "
+          f"({rows[0]['mesh']}): {ROWS} rows serving {QUEUE} requests of {NEW} new tokens, prompts of "
+          f"{min(lengths)} to {max(lengths)} tokens (median {int(sorted(lengths)[len(lengths) // 2])}). "
+          f"Contiguous rows each reserve the longest request's slots in both caches; the pools hold "
+          f"{pool} pages of {PAGE} slots each ({ROWS} rows of the mean request). KV in all (computed): "
+          f"proposer {kv[0][proposer] / gib:.2f} -> {kv[1][proposer] / gib:.2f} GiB, verifier "
+          f"{kv[0][verifier] / gib:.2f} -> {kv[1][verifier] / gib:.2f} GiB. XLA's per-chip numbers:",
+          ""] + tpu_table(rows) + ["", PAIR_NOTE]
+    bench_lib.write_results(args.out, "paged_kv_pair", doc, md)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.pair:
+        return pair_main(args)
     import jax
 
     from prove_jax.evaluation import benchmark as bench_lib
@@ -210,16 +294,7 @@ def main(argv=None) -> int:
     if tpu:
         md += ["", f"The same queue's program compiled for {args.tpu} from this CPU with libtpu, as "
                    f"`generate --dry-run` compiles it (mesh {tpu[0]['mesh']}), XLA's per-chip numbers:", "",
-               "| layout | arguments GiB | temporaries GiB | peak GiB | compile s | collectives (count, MiB) |",
-               "|---|---|---|---|---|---|"]
-        for r in tpu:
-            if "peak_bytes" not in r:
-                md.append(f"| {r['layout']} | - | - | - | - | does not fit: {r['does_not_fit']} |")
-                continue
-            coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.1f})" for k, v in r["collectives"].items()
-                             if v["count"])
-            md.append(f"| {r['layout']} | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
-                      f"{r['peak_bytes'] / gib:.2f} | {r['compile_seconds']:.0f} | {coll or 'none'} |")
+               ] + tpu_table(tpu)
     if timed:
         md += ["", f"Decoding with the shipped proposer inflated to the {args.time} shape (float32), "
                    f"{args.prompts} HumanEval prompts x 128 new tokens at batch 4, pages of 16 slots, the "

@@ -110,3 +110,24 @@ def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
                       ).generate(prompts, 12)
     assert calls
     assert scanned.output_ids == ar.output_ids
+
+
+def test_the_kernel_reads_only_kv_heads_the_mesh_splits_whole(monkeypatch):
+    """A kernel runs per device on whole kv heads. Where the tensor axis cannot split them (2 kv
+    heads over 4 devices, as a 3B verifier's 2 over a v6e-8 slice), GSPMD splits the cache like
+    the query heads and the kernel's call would gather the cache every step
+    (benchmarks/paged_kv_pair.md): that layer reads through XLA; where they split, the kernel."""
+    calls = []
+    xla = attention._attend_cached
+    monkeypatch.setattr(attention, "_attend_cached_kernel",
+                        lambda q, own, intra, committed, start, kernels: calls.append(1) or xla(q, own, intra, committed, start))
+    model = create_model(CFG, seed=3)
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    mask = attention.StepMask(jnp.zeros((2,), jnp.int32), attention.causal_mask(1, 3))
+    for shape, kernel in (((2, 1, 2), True), ((1, 1, 4), False), ((4, 1, 1), True)):
+        calls.clear()
+        with jax.set_mesh(make_mesh(shape)):
+            jax.eval_shape(lambda c: model.hidden_states(tokens, positions, mask, c, kernels=TPU_INTERPRET)[0],
+                           model.new_cache(2, 16))
+        assert bool(calls) == kernel, shape

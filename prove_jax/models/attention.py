@@ -23,7 +23,7 @@ from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.paged import PagedKV
-from prove_jax.models.sharding import KV_CACHE_AXES, constrain, rows_per_device
+from prove_jax.models.sharding import KV_CACHE_AXES, constrain, rows_per_device, splits_evenly
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -161,8 +161,12 @@ class Attention(nnx.Module):
                 kv = committed = kv.write(own[0], own[1], start)
             else:
                 kv = committed = (write_step(kv[0], own[0], start), write_step(kv[1], own[1], start))
-            # a view of admitted rows (their prefill) is read in XLA: its rows lie on any shard
-            if kernels.attention == "xla" or isinstance(kv, PagedKV) and kv.home is not None:
+            # in XLA: a view of admitted rows (their prefill; its rows lie on any shard), and kv
+            # heads the mesh cannot split (a verifier's 2 over tensor=8): GSPMD then splits the
+            # cache like the query heads, and a per-device kernel would gather all of it on every
+            # call (benchmarks/paged_kv_pair.md)
+            if (kernels.attention == "xla" or isinstance(kv, PagedKV) and kv.home is not None
+                    or not splits_evenly("kv_heads", cfg.num_kv_heads)):
                 out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
                 out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels)

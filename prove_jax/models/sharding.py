@@ -219,6 +219,17 @@ def activation_sharding(mesh, logical_axes: Sequence[str | None], shape=None,
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
+def splits_evenly(logical_axis: str, size: int, rules: Mapping = DEFAULT_RULES) -> bool:
+    """Whether the ambient mesh splits a dimension of `size` over every mesh axis (of more than
+    one device) its logical axis' rule names; True without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not mesh.shape:
+        return True
+    target = rules.get(logical_axis)
+    names = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+    return size % _mesh_axis_size(mesh, tuple(a for a in names if a in mesh.shape)) == 0
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping = DEFAULT_RULES):
     """with_sharding_constraint under the ambient mesh (`jax.set_mesh`); a no-op without one."""
     mesh = jax.sharding.get_abstract_mesh()
