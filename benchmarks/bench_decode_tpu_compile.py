@@ -58,8 +58,10 @@ NOTES = """Notes.
   KV cache is gathered.
 - The one program that does not fit is verify at batch 64 with 8k contexts on v6e-8: the
   verifier's 2 kv heads cannot split 8 ways, so every chip holds the verifier's whole KV cache
-  for all 64 rows (about 19 GiB) beside its eighth of the proposer's. A paged KV pool, or a mesh
-  that splits the rows over data for the verifier, would be the fix; neither is built.
+  for all 64 rows (about 19 GiB) beside its eighth of the proposer's. The paged pool (the
+  verifier's KV on the proposer's pages, benchmarks/paged_kv_pair.md) keeps only what the
+  queue's requests hold, which does not shrink 64 rows of 8k prompts; a mesh that splits the
+  verifier's rows over data would be the fix, and is not built.
 - The Pallas TPU attention kernel (`--attention pallas_tpu`) compiles inside the whole program
   at the same memory.
 - Lossless adaptive follows the TPU table: K=6/G=4 up to 4 rows, K=4/G=2 up to 16, plain AR

@@ -135,7 +135,9 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
-        if page is not None:  # the proposer's pages, in the verifier's own pools
+        if page is None:  # contiguous rows of their own
+            verifier_pool = None
+        else:  # the proposer's pages, in the verifier's own pools
             if verifier_pool is None:
                 verifier_pool = PagedKVCache.zeros(verifier.cfg, rows, pool.table.shape[1], settings.num_pages,
                                                    page, stacked=verifier.layers_stacked)
