@@ -229,6 +229,7 @@ PAIR_NOTE = ("Reading the table: the verifier's KV holds the same tokens as the 
 def pair_main(args) -> int:
     """--pair: the paper's pair on a TPU slice, contiguous against the pool; its own files."""
     import jax
+    import numpy as np
 
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.models.config import preset
@@ -251,7 +252,7 @@ def pair_main(args) -> int:
           f"proposer and a {verifier} verifier in bfloat16, the whole decode program compiled for {args.pair} "
           f"from a CPU host with libtpu (jax {jax.__version__}), abstract weights on the mesh `generate` picks "
           f"({rows[0]['mesh']}): {ROWS} rows serving {QUEUE} requests of {NEW} new tokens, prompts of "
-          f"{min(lengths)} to {max(lengths)} tokens (median {int(sorted(lengths)[len(lengths) // 2])}). "
+          f"{min(lengths)} to {max(lengths)} tokens (median {int(np.median(lengths))}). "
           f"Contiguous rows each reserve the longest request's slots in both caches; the pools hold "
           f"{pool} pages of {PAGE} slots each ({ROWS} rows of the mean request). KV in all (computed): "
           f"proposer {kv[0][proposer] / gib:.2f} -> {kv[1][proposer] / gib:.2f} GiB, verifier "

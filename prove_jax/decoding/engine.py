@@ -391,16 +391,12 @@ class Decoder:
     def _pool_pages(self, prompts, budgets, rows: int) -> int:
         """Pages of the paged KV pool for a call: options.kv_pages (rounded up to whole pools for
         the data shards: each shard's rows have a pool of their own), or enough for `rows` rows
-        at the longest request; 0 without a pool. Every request must fit one shard's pool."""
+        at the longest request; 0 without a pool. `check_prompts` has made sure every request
+        fits one shard's pool (`_pool_problem`)."""
         if self.options.page_size is None:
             return 0
-        need = self.pages_needed([len(p) for p in prompts], budgets)
         if self.options.kv_pages is None:
-            return rows * int(need.max())
-        worst = int(np.argmax(need))
-        problem = self._pool_problem(len(prompts[worst]), int(np.broadcast_to(budgets, need.shape)[worst]))
-        if problem is not None:
-            raise DecodeError(f"prompt {worst} {problem}")
+            return rows * int(self.pages_needed([len(p) for p in prompts], budgets).max())
         return self._pages_per_shard() * self._data_size()
 
     def _pages_per_shard(self) -> int:

@@ -135,9 +135,7 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
-        if page is None:  # contiguous rows of their own
-            verifier_pool = None
-        else:  # the proposer's pages, in the verifier's own pools
+        if page is not None:  # the proposer's pages, in the verifier's own pools
             if verifier_pool is None:
                 verifier_pool = PagedKVCache.zeros(verifier.cfg, rows, pool.table.shape[1], settings.num_pages,
                                                    page, stacked=verifier.layers_stacked)
@@ -250,13 +248,13 @@ def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, v
     fits (stream.py)."""
     model = nnx.merge(graphdef, params)
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
-    pool = home = None
+    pool = home = verifier_pool = None
     if settings.options.page_size is not None:
         state = queue.release_done(state)
-        pool = state.cache
+        pool, verifier_pool = state.cache, state.verifier_cache
         home = pool.row_homes()[jnp.minimum(rows, settings.num_rows - 1)]
     return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool, home=home,
-                                      verifier_pool=state.verifier_cache), rows)
+                                      verifier_pool=verifier_pool), rows)
 
 
 def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings, params,

@@ -95,11 +95,11 @@ def put_state(state: LoopState, part: LoopState, rows: jax.Array, put) -> LoopSt
     with their page tables put at `rows` [R]."""
     if not isinstance(state.cache, PagedKVCache):
         return jax.tree.map(put, state, part)
-    paged_verifier = isinstance(state.verifier_cache, PagedKVCache)
     merged = jax.tree.map(put, state.replace(cache=None, verifier_cache=None),
                           part.replace(cache=None, verifier_cache=None))
-    verifier_cache = (state.verifier_cache.put_rows(part.verifier_cache, rows) if paged_verifier
-                      else jax.tree.map(put, state.verifier_cache, part.verifier_cache))
+    verifier_cache = state.verifier_cache  # paged with the proposer's (start_rows), or None
+    if verifier_cache is not None:
+        verifier_cache = verifier_cache.put_rows(part.verifier_cache, rows)
     return merged.replace(cache=state.cache.put_rows(part.cache, rows), verifier_cache=verifier_cache)
 
 
@@ -108,7 +108,7 @@ def release_done(state: LoopState) -> LoopState:
     the proposer's)."""
     cache = state.cache.release(state.done)
     verifier_cache = state.verifier_cache
-    if isinstance(verifier_cache, PagedKVCache):
+    if verifier_cache is not None:
         verifier_cache = verifier_cache.with_pages_of(cache)
     return state.replace(cache=cache, verifier_cache=verifier_cache)
 
