@@ -8,7 +8,8 @@ decode program, prefill, loop and verifier, for the slice, with abstract bfloat1
 mesh `generate` picks there, layers scanned. Verify runs K=16 with the top-1 rule at every batch
 size and context; lossless runs the TPU adaptive table (K and groups shrink as the batch
 grows) at each batch size and the shorter context; one verify row is compiled with the layers
-unrolled (compile time) and one with the Pallas TPU attention kernel. Needs libtpu.
+unrolled (compile time) and two with the Pallas TPU attention kernel (the first slice's batch 16,
+the last one's largest program). Needs libtpu.
 
 Writes decode_tpu_compile.json and decode_tpu_compile.md.
 """
@@ -40,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--verifier", default="qwen2.5-3b")
     p.add_argument("--block-size", type=int, default=16, help="verify's K (default 16)")
     p.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
-                   help="the lossless rows, the unrolled row and the Pallas-kernel row (default on)")
+                   help="the lossless rows, the unrolled row and the Pallas-kernel rows (default on)")
     p.add_argument("--out", default=RESULTS, help="folder for decode_tpu_compile.json/.md (default runs/benchmarks/; "
                                                    "--out benchmarks updates the committed results)")
     return p.parse_args(argv)
@@ -53,17 +54,22 @@ NOTES = """Notes.
   rows.
 - Collectives are counted per program, a loop body's once: scanned, the proposer's and the
   verifier's layers are one body each (21 all-reduces); unrolled, every layer's appear (409),
-  and the compile takes 171 s instead of 35. The 2 all-gathers are the final token buffers,
-  replicated so every host can read them (`Decoder`'s out_shardings), once per call; no weight or
-  KV cache is gathered.
-- The one program that does not fit is verify at batch 64 with 8k contexts on v6e-8: the
-  verifier's 2 kv heads cannot split 8 ways, so every chip holds the verifier's whole KV cache
-  for all 64 rows (about 19 GiB) beside its eighth of the proposer's. The paged pool (the
-  verifier's KV on the proposer's pages, benchmarks/paged_kv_pair.md) keeps only what the
-  queue's requests hold, which does not shrink 64 rows of 8k prompts; a mesh that splits the
-  verifier's rows over data would be the fix, and is not built.
+  and the compile takes about 5 times as long (102 s against 22 in this run). The 2
+  all-gathers are the final token buffers, replicated so every host can read them (`Decoder`'s
+  out_shardings), once per call; no weight or KV cache is gathered.
+- On v6e-8 the verifier's 2 kv heads cannot split over tensor=8. From 16 rows its KV cache and
+  attention split over the rows instead (`sharding.kv_rules`, docs/decoding.md): each chip
+  holds its eighth of the rows, both heads, and the step's queries and attention outputs cross
+  by all-to-all (4 per program: the verifier's scanned layer in its step and in its prefill;
+  activations, 17 MiB at 64 rows). Before, every chip held the verifier's whole cache (about
+  19 GiB at 64 rows of 8k), and verify at batch 64 with 8k contexts did not fit (43 GiB of
+  temporaries); batch 16 at 8k took 21.3 GiB and batch 64 at 2k 22.5. At batch 1 (one row)
+  the cache stays whole on every chip. What is left at batch 64 with 8k is the proposer's own
+  KV, 18 GiB per chip, beside its weights.
 - The Pallas TPU attention kernel (`--attention pallas_tpu`) compiles inside the whole program
-  at the same memory.
+  at about the same memory: on v5p-8 the same, on v6e-8 at batch 64 with 8k contexts 30.9 GiB
+  against XLA's 30.4, with the verifier's attention split over rows too (the kernel reads each
+  chip's rows, both heads).
 - Lossless adaptive follows the TPU table: K=6/G=4 up to 4 rows, K=4/G=2 up to 16, plain AR
   beyond 32 rows (the table's measured break-even on an H200; not measured on TPU)."""
 
@@ -117,8 +123,11 @@ def main(argv=None) -> int:
     if args.extras:
         first = args.accelerators.split(",")[0]
         jobs.append((first, dataclasses.replace(verify, scan_layers=False), 16, args.contexts[0], "verify, unrolled"))
-        jobs.append((first, dataclasses.replace(verify, kernels=KernelOptions(attention="pallas_tpu")), 16,
-                     args.contexts[0], "verify, Pallas attention"))
+        pallas = dataclasses.replace(verify, kernels=KernelOptions(attention="pallas_tpu"))
+        jobs.append((first, pallas, 16, args.contexts[0], "verify, Pallas attention"))
+        last = args.accelerators.split(",")[-1]
+        if last != first:  # the largest program, where a verifier's cache splits over rows
+            jobs.append((last, pallas, max(args.batch_sizes), max(args.contexts), "verify, Pallas attention"))
     rows = []
     for accelerator, options, batch, context, label in jobs:
         chip, chips = aot.accelerator_chips(accelerator)

@@ -214,16 +214,16 @@ def tpu_table(rows: list[dict]) -> list[str]:
 PAIR_NOTE = ("Reading the table: the verifier's KV holds the same tokens as the proposer's, so its pools "
              "(of its own 36 layers and 2 kv heads) use the proposer's page table and free list: one "
              "allocation serves both. The pool keeps per-chip temporaries to what the queue's requests "
-             "hold at once instead of every row at the longest request, for both models. Contiguous rows "
-             "were the reason verify at batch 64 with 8k contexts did not fit v6e-8 "
-             "(benchmarks/decode_tpu_compile.md): the verifier's 2 kv heads cannot split 8 ways, so each "
-             "chip holds its whole cache; the pool shrinks that cache to what is in use, but does not "
-             "split it (a queue of 8k prompts still needs as much). With the Pallas kernel the proposer's "
-             "layers read through the kernel and the verifier's through XLA: a kernel runs per device on "
-             "whole kv heads, and the verifier's 2 do not split over tensor=8, so GSPMD lays its pool "
-             "out like the query heads; read by the kernel, the verifier's whole pool was all-gathered "
-             "in the loop (6 all-gathers, 953 MiB per program, 2.07 GiB of temporaries) before "
-             "attention left such heads to XLA.")
+             "hold at once instead of every row at the longest request, for both models. The verifier's "
+             "2 kv heads cannot split over tensor=8: its contiguous cache splits over the rows instead "
+             "(docs/decoding.md, Several devices), each chip holding 2 of the 16 rows (contiguous "
+             "temporaries were 5.66 GiB while every chip held all 16), at the cost of the 4 small "
+             "all-to-alls of the verifier's queries and outputs; its pools do not split that way yet and "
+             "lie whole on every chip. With the Pallas kernel the proposer's layers read through the "
+             "kernel and the verifier's pool through XLA: a kernel runs per device on whole kv heads, and "
+             "GSPMD lays such a pool out like the query heads; read by the kernel, the verifier's whole "
+             "pool was all-gathered in the loop (6 all-gathers, 953 MiB per program, 2.07 GiB of "
+             "temporaries) before attention left such heads to XLA.")
 
 
 def pair_main(args) -> int:

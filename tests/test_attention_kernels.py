@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
-from prove_jax.models import attention, attention_kernels
+from prove_jax.models import attention, attention_kernels, sharding
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.params import create_model
 from prove_jax.models.sharding import make_mesh
@@ -68,6 +68,11 @@ def test_kernel_runs_per_shard_under_a_mesh(kernels):
     with jax.set_mesh(make_mesh((2, 1, 2))):
         got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, kernels))(q, own, intra, cache, cache_len)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    # rows split over data x tensor, both heads on each device (sharding.kv_rules)
+    with jax.set_mesh(make_mesh((2, 1, 2))):
+        got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, kernels, sharding.ROW_SPLIT_RULES))(
+            q, own, intra, cache, cache_len)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_kernel_errors_name_the_problem():
@@ -114,20 +119,25 @@ def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
 
 def test_the_kernel_reads_only_kv_heads_the_mesh_splits_whole(monkeypatch):
     """A kernel runs per device on whole kv heads. Where the tensor axis cannot split them (2 kv
-    heads over 4 devices, as a 3B verifier's 2 over a v6e-8 slice), GSPMD splits the cache like
-    the query heads and the kernel's call would gather the cache every step
-    (benchmarks/paged_kv_pair.md): that layer reads through XLA; where they split, the kernel."""
+    heads over 4 devices, as a 3B verifier's 2 over a v6e-8 slice) and the rows are too few to
+    split there instead, GSPMD splits the cache like the query heads and the kernel's call would
+    gather the cache every step (benchmarks/paged_kv_pair.md): that layer reads through XLA.
+    Where the heads split, or the rows do (the cache then lies split over rows), the kernel."""
     calls = []
     xla = attention._attend_cached
     monkeypatch.setattr(attention, "_attend_cached_kernel",
-                        lambda q, own, intra, committed, start, kernels: calls.append(1) or xla(q, own, intra, committed, start))
+                        lambda q, own, intra, committed, start, kernels, rules: calls.append(rules)
+                        or xla(q, own, intra, committed, start))
     model = create_model(CFG, seed=3)
-    tokens = jnp.zeros((2, 3), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
-    mask = attention.StepMask(jnp.zeros((2,), jnp.int32), attention.causal_mask(1, 3))
-    for shape, kernel in (((2, 1, 2), True), ((1, 1, 4), False), ((4, 1, 1), True)):
+    for rows, shape, kernel in ((2, (2, 1, 2), True), (2, (1, 1, 4), False), (2, (4, 1, 1), True),
+                                (4, (1, 1, 4), True)):
+        tokens = jnp.zeros((rows, 3), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (rows, 3))
+        mask = attention.StepMask(jnp.zeros((rows,), jnp.int32), attention.causal_mask(1, 3))
         calls.clear()
         with jax.set_mesh(make_mesh(shape)):
             jax.eval_shape(lambda c: model.hidden_states(tokens, positions, mask, c, kernels=TPU_INTERPRET)[0],
-                           model.new_cache(2, 16))
-        assert bool(calls) == kernel, shape
+                           model.new_cache(rows, 16))
+        assert bool(calls) == kernel, (rows, shape)
+        if rows == 4:  # each device's own row, both heads
+            assert calls[0] is sharding.ROW_SPLIT_RULES

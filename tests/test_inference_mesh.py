@@ -30,12 +30,13 @@ PROMPTS = [np.random.RandomState(0).randint(2, 90, n).tolist() for n in (3, 9, 1
 NEW = 12
 GIB = 2**30
 
-_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-to-all|reduce-scatter|all-reduce|"
+# a result's first array: `= f32[..]{..} op(` or a tuple's, `= (f32[..]{..}, f32[..]{..}) op(`
+_COLLECTIVE = re.compile(r"= \(?(\w+)\[([\d,]*)\][^()=]*?\)? (all-gather|all-to-all|reduce-scatter|all-reduce|"
                          r"collective-permute)(?:-start)?\(")
 
 
 def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(op, element type, shape) of every collective in an HLO text."""
+    """(op, element type, shape) of every collective in an HLO text (of a tuple's first array)."""
     return [(op, dtype, tuple(int(d) for d in dims.split(",") if d))
             for dtype, dims, op in _COLLECTIVE.findall(hlo)]
 
@@ -118,21 +119,41 @@ def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(mode
 
 def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothing(models):
     """A Qwen2.5-3B verifier has 2 kv heads, a 32B proposer 8: on tensor=4 the verifier's k/v
-    weights and cache stay whole on each tensor device (its query heads split 4 ways); its
-    cache was all-gathered in every layer when GSPMD split the write 2 ways on its own."""
+    weights stay whole on each tensor device (its query heads split 4 ways); its cache was
+    all-gathered in every layer when GSPMD split the write 2 ways on its own. With rows enough
+    for every device, its cache and attention split over rows on the tensor axis too (each
+    device holds an eighth of it, not half); the queries and outputs cross by all-to-all."""
     model, sharded, mesh = models
     verifier_cfg = CFG.replace(num_heads=4, num_kv_heads=2, mask_token_id=None)
     verifier = create_model(verifier_cfg, seed=4)
     graphdef, state = nnx.split(verifier)
     verifier_on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
-    options = DecodeOptions("verify", 4, kernels=KernelOptions(matmul_form="plain"))
-    want = Decoder(model, [1], options, verifier=verifier).generate(PROMPTS, NEW).output_ids
-    decoder = Decoder(sharded, [1], options, verifier=verifier_on_mesh, mesh=mesh)
-    assert _stream(decoder) == want
-    found = collectives(_chunk_program(decoder).as_text())
-    assert {op for op, _, _ in found} == {"all-reduce"}, found
-    state = _chunk_program(decoder).output_shardings
-    assert all(s.spec == P("data") for s in state.verifier_cache.k + state.verifier_cache.v)
+    prompts = PROMPTS * 2
+    for rows, scan, spec in ((4, False, P("data")), (8, True, P(("data", "tensor")))):
+        options = DecodeOptions("verify", 4, kernels=KernelOptions(matmul_form="plain"), scan_layers=scan)
+        want = Decoder(model, [1], options, verifier=verifier).generate(prompts, NEW).output_ids
+        decoder = Decoder(sharded, [1], options, verifier=verifier_on_mesh, mesh=mesh)
+        got = {}
+        for event in decoder.stream(prompts, NEW, batch_size=rows):
+            if event.output is not None:
+                got[event.index] = event.output.output_ids
+        assert [got[i] for i in range(len(prompts))] == want, rows
+        assert decoder.generate(prompts, NEW, batch_size=rows).output_ids == want, rows
+        hlo = _chunk_program(decoder).as_text()
+        found = collectives(hlo)
+        if rows == 4:  # rows over data alone: the heads whole on each tensor device
+            assert {op for op, _, _ in found} == {"all-reduce"}, found
+        else:  # two all-to-alls a layer, of the step's queries and outputs [rows, W, heads, Dh]
+            assert {op for op, _, _ in found} == {"all-reduce", "all-to-all"}, found
+            moved = [c for c in found if c[0] == "all-to-all"]
+            assert len(moved) == 2, moved  # the scanned layer's body, once
+            width = step_shape(options)[0] + 1
+            assert all(np.prod(shape) <= rows * width * verifier_cfg.num_heads * CFG.head_dim
+                       for _, _, shape in moved), moved
+        buffers = _chunk_program(decoder).output_shardings.verifier_cache
+        assert all(s.spec == spec for s in jax.tree.leaves(buffers)), buffers
+        if rows == 8:  # one row per device [1, both kv heads, every layer, S, Dh]
+            assert re.search(r"f32\[1,2,{},\d+,{}\]".format(verifier_cfg.num_layers, CFG.head_dim), hlo)
 
 
 def test_the_tensor_axis_is_the_smallest_kv_head_split_that_fits():
@@ -159,6 +180,15 @@ def test_the_tensor_axis_is_the_smallest_kv_head_split_that_fits():
     mesh = sharding.inference_mesh([CFG, CFG], "bfloat16", device_bytes=small)
     assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     assert sharding.inference_mesh([CFG], devices=jax.devices()[:1]) is None
+
+    # a cache splits over rows on the tensor axis only where tensor cannot split its kv heads
+    # and data x tensor splits its rows
+    mesh = sharding.make_mesh((2, 1, 4))
+    assert sharding.kv_rules(2, 8, mesh) is sharding.ROW_SPLIT_RULES
+    assert sharding.kv_rules(2, 4, mesh) is sharding.DEFAULT_RULES  # 4 rows over 8 devices
+    assert sharding.kv_rules(4, 8, mesh) is sharding.DEFAULT_RULES  # the heads split
+    assert sharding.kv_rules(2, 8, sharding.make_mesh((8, 1, 1))) is sharding.DEFAULT_RULES
+    assert sharding.kv_rules(2, 8) is sharding.DEFAULT_RULES  # no ambient mesh
 
 
 def test_build_decoder_picks_the_inference_mesh_and_an_explicit_mesh_wins(tmp_path, monkeypatch, one_device):

@@ -30,7 +30,7 @@ from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.state import LoopState
 from prove_jax.models.attention import KVCache, cache_axes
 from prove_jax.models.paged import PagedKVCache, pool_axes
-from prove_jax.models.sharding import activation_sharding
+from prove_jax.models.sharding import activation_sharding, kv_rules
 
 
 @dataclasses.dataclass
@@ -68,9 +68,10 @@ def _to_host(tree):
 
 def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
     """Where each leaf of the (abstract) loop state lies: rows as `batch` splits them, the
-    scalars replicated, and the KV caches split over their kv heads too (`KV_CACHE_AXES`), as
-    the model writes them (pinned to the batch axes alone, the caches were all-gathered over
-    the tensor axis at the end of every call)."""
+    scalars replicated, and the KV caches split over their kv heads too (`KV_CACHE_AXES`;
+    contiguous caches whose heads the tensor axis cannot split: over their rows,
+    `sharding.kv_rules`), as the model writes them (pinned to the batch axes alone, the caches
+    were all-gathered over the tensor axis at the end of every call)."""
     mesh = batch.mesh
     scalar = NamedSharding(mesh, P())
     placed = jax.tree.map(lambda x: batch if x.ndim else scalar, state)
@@ -79,8 +80,8 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
         if isinstance(c, PagedKVCache):  # the pools split over kv heads, the table like the rows
             pool = lambda x: activation_sharding(mesh, pool_axes(x.ndim == 6), x.shape)  # noqa: E731
             return c.replace(k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=batch)
-        return None if c is None else jax.tree.map(
-            lambda x: activation_sharding(mesh, cache_axes(x.ndim == 5), x.shape), c)
+        return None if c is None else jax.tree.map(lambda x: activation_sharding(
+            mesh, cache_axes(x.ndim == 5), x.shape, kv_rules(x.shape[1], x.shape[0], mesh)), c)
 
     return placed.replace(cache=cache(state.cache), verifier_cache=cache(state.verifier_cache))
 

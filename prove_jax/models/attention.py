@@ -23,7 +23,8 @@ from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.paged import PagedKV
-from prove_jax.models.sharding import KV_CACHE_AXES, constrain, rows_per_device, splits_evenly
+from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules, rows_per_device,
+                                      splits_evenly)
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -51,11 +52,14 @@ class KVCache:
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None, stacked: bool = False) -> "KVCache":
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
+        # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES), or
+        # rows on both where tensor cannot split the heads (`kv_rules`)
+        rules = kv_rules(config.num_kv_heads, batch)
         if stacked:
             shape = shape[:2] + (config.num_layers,) + shape[2:]
-            mk = lambda: constrain(jnp.zeros(shape, dtype), cache_axes(stacked=True))  # noqa: E731
-        else:  # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES)
-            mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES)  # noqa: E731
+            mk = lambda: constrain(jnp.zeros(shape, dtype), cache_axes(stacked=True), rules)  # noqa: E731
+        else:
+            mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES, rules)  # noqa: E731
                                for _ in range(config.num_layers))
         return cls(k=mk(), v=mk())
 
@@ -147,6 +151,15 @@ class Attention(nnx.Module):
 
         b, t = x.shape[:2]
         g = cfg.num_heads // cfg.num_kv_heads
+        # a contiguous cache whose heads the tensor axis cannot split is read split over rows:
+        # the queries move there (an all-to-all of the step's activations, not of the cache)
+        rules = DEFAULT_RULES if kv is None or isinstance(kv, PagedKV) else kv_rules(cfg.num_kv_heads, b)
+        if rules is not DEFAULT_RULES:
+            q, k, v = (_to_rows(x, ("batch", "sequence", axis, "head_dim"), rules)
+                       for x, axis in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
+            attn_mask = StepMask(_to_rows(attn_mask.cache_len, ("batch",), rules),
+                                 attn_mask.intra if attn_mask.intra.shape[0] == 1
+                                 else _to_rows(attn_mask.intra, ("batch", None, None), rules))
         q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
         own = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))  # [B, K, T, Dh]
         if kv is None:
@@ -154,28 +167,40 @@ class Attention(nnx.Module):
         else:
             start = attn_mask.cache_len
             if isinstance(kv, LayerKV):
-                kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer),
-                                v=write_step(kv.v, own[1], start, layer=kv.layer))
+                kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer, rules=rules),
+                                v=write_step(kv.v, own[1], start, layer=kv.layer, rules=rules))
                 committed = kv.read()
             elif isinstance(kv, PagedKV):  # read through the page table (by XLA or the paged kernel)
                 kv = committed = kv.write(own[0], own[1], start)
             else:
-                kv = committed = (write_step(kv[0], own[0], start), write_step(kv[1], own[1], start))
+                kv = committed = (write_step(kv[0], own[0], start, rules=rules),
+                                  write_step(kv[1], own[1], start, rules=rules))
             # in XLA: a view of admitted rows (their prefill; its rows lie on any shard), and kv
-            # heads the mesh cannot split (a verifier's 2 over tensor=8): GSPMD then splits the
-            # cache like the query heads, and a per-device kernel would gather all of it on every
-            # call (benchmarks/paged_kv_pair.md)
+            # heads the mesh cannot split left whole (rows too few to split over tensor): GSPMD
+            # splits such a cache like the query heads, and a per-device kernel would gather all
+            # of it on every call (benchmarks/paged_kv_pair.md)
             if (kernels.attention == "xla" or isinstance(kv, PagedKV) and kv.home is not None
-                    or not splits_evenly("kv_heads", cfg.num_kv_heads)):
-                out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform)
+                    or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
+                out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform, rules)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
-                out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels)
+                out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        if rules is not DEFAULT_RULES:  # back to the heads the output projection's kernel holds
+            out = constrain(constrain(out, ("batch", "sequence", "heads", "head_dim"), rules),
+                            ("batch", "sequence", "heads", "head_dim"))
         out = checkpoint_name(dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels), "o_proj")
         return out, kv
 
 
-def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+def _to_rows(x: jax.Array, axes: tuple, rules) -> jax.Array:
+    """`x` pinned where the model computes it (`DEFAULT_RULES`), then moved to `rules`' layout:
+    pinned on both sides, GSPMD slices it there instead of carrying the row split back into
+    the code that made it (whose other readers then gathered it back)."""
+    return constrain(constrain(x, axes), axes, rules)
+
+
+def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Array | None = None,
+               rules=DEFAULT_RULES) -> jax.Array:
     """cache [B, K, S, Dh] with row b's step keys (or values) new[b] [K, T, Dh] written at slots
     start[b] + [0, T); a slot past the buffer end is dropped, never clamped onto valid KV. With
     `layer`, cache is a stacked [B, K, L, S, Dh] and the step goes to that layer.
@@ -186,10 +211,11 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Ar
     A one-token step also writes a second, dropped slot (S + start): XLA turns a scatter of a
     single window (one row, one head, one token on a device) into an update-slice that it
     duplicates into the cache's readers, copying the buffer on every step
-    (tests/test_decode_in_place.py, tests/test_inference_mesh.py).
+    (tests/test_decode_in_place.py, tests/test_inference_mesh.py). `rules`: where the cache lies
+    (`sharding.kv_rules`).
     """
     b, k, t, _ = new.shape
-    new = constrain(new, KV_CACHE_AXES)  # where the cache lies (heads a mesh does not divide: whole)
+    new = constrain(new, KV_CACHE_AXES, rules)  # where the cache lies
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
     size = cache.shape[-2]
     if t == 1:
@@ -200,7 +226,7 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Ar
         write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
     else:  # [L, S, Dh] <- [T, Dh] at (layer, [T])
         write = lambda c, u, s: c.at[layer, s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
-    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), cache_axes(stacked=layer is not None))
+    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), cache_axes(stacked=layer is not None), rules)
 
 
 def _attend(q: jax.Array, blocks) -> jax.Array:
@@ -242,13 +268,15 @@ def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: in
     return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
 
 
-def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOptions) -> jax.Array:
-    """`_attend_cached` with the committed span read by `kernels.attention`'s kernel."""
+def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOptions, rules=DEFAULT_RULES) -> jax.Array:
+    """`_attend_cached` with the committed span read by `kernels.attention`'s kernel, on each
+    device's rows and kv heads as `rules` lay them."""
     t, g = q.shape[1], q.shape[3]
     grouped = _group_queries(q)
     own_scores = _masked_scores(grouped, own[0], intra, t, g)
     out = attention_kernels.attend_cached(kernels.attention, grouped, own_scores, own[1], cache,
-                                          cache_len, interpret=kernels.interpret, platform=kernels.platform)
+                                          cache_len, interpret=kernels.interpret, platform=kernels.platform,
+                                          rules=rules)
     return _ungroup_queries(out.astype(q.dtype), t, g)
 
 
@@ -266,7 +294,7 @@ def cache_chunk(slots: int, rows: int = 1, platform: str | None = None) -> int:
 
 
 def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array,
-                   platform: str | None = None) -> jax.Array:
+                   platform: str | None = None, rules=DEFAULT_RULES) -> jax.Array:
     """`_attend` over a step's own keys/values and the committed slots of a static buffer, which
     is sized for the longest generation: a long one is read a chunk (`cache_chunk`) at a time up
     to the longest row, with a running max and normaliser (the flash-attention recurrence). A
@@ -274,7 +302,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
 
     q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
     cache: (keys, values) [B, K, S, Dh], or a `PagedKV` (read through its page table, chunks of
-    whole pages); cache_len int32 [B]. Returns [B, T, K, G, Dh].
+    whole pages); cache_len int32 [B]; `rules`: how the rows split (`sharding.kv_rules`).
+    Returns [B, T, K, G, Dh].
     """
     dt = q.dtype
     paged = isinstance(cache, PagedKV)
@@ -288,7 +317,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
             return (jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2),
                     jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2))
     # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
-    size = cache_chunk(slots, rows=rows_per_device(q.shape[0]), platform=platform)
+    size = cache_chunk(slots, rows=rows_per_device(q.shape[0], rules), platform=platform)
     size = min(slots, -(-size // page) * page)
     if size >= slots:  # one pass over the whole (short) buffer
         keys, values = read(0, slots) if paged else cache

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from prove_jax.errors import ProveJaxError
 from prove_jax.models.kernels import ATTENTION_KERNELS
 from prove_jax.models.paged import PagedKV
-from prove_jax.models.sharding import logical_to_spec
+from prove_jax.models.sharding import DEFAULT_RULES, logical_to_spec
 
 # backends each kernel compiles for; any backend in interpret mode
 KERNEL_BACKENDS = {"pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)}
@@ -111,13 +111,13 @@ def _committed_tpu(q, cache_k, cache_v, cache_len, interpret: bool):
     return o.astype(jnp.float32) * l[..., None], l, m
 
 
-def _per_shard(call, q, cache_k, cache_v, cache_len):
-    """`call` on each device's rows and kv heads under the ambient mesh (a Pallas kernel cannot
-    be partitioned by XLA); a plain call without one."""
+def _per_shard(call, q, cache_k, cache_v, cache_len, rules=DEFAULT_RULES):
+    """`call` on each device's rows and kv heads under the ambient mesh, as `rules` lay them (a
+    Pallas kernel cannot be partitioned by XLA); a plain call without one."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not mesh.shape or any(t != AxisType.Auto for t in mesh.axis_types):
         return call(q, cache_k, cache_v, cache_len)
-    rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh)
+    rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh, rules)
     rows = P(*rows_heads[:1])
     heads = P(*rows_heads, None, None)
     return jax.shard_map(call, mesh=mesh, in_specs=(heads, heads, heads, rows),
@@ -140,12 +140,13 @@ def _per_shard_paged(call, q, cache, cache_len, layer):
 
 
 def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interpret: bool = False,
-                  platform: str | None = None):
+                  platform: str | None = None, rules=DEFAULT_RULES):
     """Attention of grouped queries q [B, K, Q, Dh] (Q = G*T) over the committed span of `cache`
     (keys, values [B, K, S, Dh], or a `PagedKV` pool: "pallas_tpu" only) and the step's own
     values [B, K, T, Dh] with their masked scaled
     float32 scores own_scores [B, K, Q, T]. Returns float32 [B, K, Q, Dh] (normalised).
-    `platform`: the one compiled for (None: jax's default backend)."""
+    `platform`: the one compiled for (None: jax's default backend); `rules`: how the mesh lays
+    out the rows and kv heads (`sharding.kv_rules`)."""
     check_backend(kind, interpret, platform)
     committed = {"pallas_gpu": _committed_gpu, "pallas_tpu": _committed_tpu}.get(kind)
     if committed is None:
@@ -177,7 +178,7 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
         part = (lambda c: c) if aligned == slots else (lambda c: c[:, :, :aligned])
         call = functools.partial(committed, interpret=interpret)
         acc_c, l_c, m_c = _per_shard(call, q.astype(cache_k.dtype), part(cache_k), part(cache_v),
-                                     jnp.minimum(cache_len, aligned))
+                                     jnp.minimum(cache_len, aligned), rules)
     return _merge((acc_c, l_c, m_c), own_scores, own_values)
 
 

@@ -4,7 +4,8 @@ Every parameter carries `logical_axes` metadata (e.g. ("embed", "heads", "head_d
 the parallelism means editing `DEFAULT_RULES`, nothing else. A dimension that the mesh axis does
 not divide is replicated instead of failing, so size-1 axes and odd head counts always work.
 Decoding's default mesh (`inference_mesh`) puts the tensor axis over the kv heads, as far as the
-weights need, and the rest on data; its KV cache lies as `KV_CACHE_AXES` says.
+weights need, and the rest on data; its KV cache lies as `KV_CACHE_AXES` says, or split over
+rows where the tensor axis cannot split a model's kv heads (`kv_rules`).
 """
 
 from __future__ import annotations
@@ -45,19 +46,41 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
 # each device writes and reads the keys and values it computes (models/attention.py).
 KV_CACHE_AXES = ("batch", "kv_heads", "cache_sequence", "head_dim")
 
+# Attention split over rows: for a model whose kv heads the tensor axis cannot split (a 3B
+# verifier's 2 over tensor=8), whose cache would otherwise lie whole on every tensor device. Its
+# rows' KV and attention split over the tensor axis too; its weights stay tensor-parallel, and
+# the queries and outputs cross between the layouts by all-to-all (`kv_rules`,
+# benchmarks/decode_tpu_compile.md).
+ROW_SPLIT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
+    **DEFAULT_RULES, "batch": ("data", "fsdp", "tensor"), "heads": None, "kv_heads": None}
 
-def batch_shards(mesh) -> int:
-    """How many ways a batch's rows are split: data x fsdp (`DEFAULT_RULES["batch"]`)."""
-    return math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp"))
+
+def batch_shards(mesh, rules: Mapping = DEFAULT_RULES) -> int:
+    """How many ways a batch's rows are split: over the mesh axes `rules["batch"]` names (data x
+    fsdp by default)."""
+    return _mesh_axis_size(mesh, _present(mesh, rules["batch"]))
 
 
-def rows_per_device(rows: int) -> int:
+def rows_per_device(rows: int, rules: Mapping = DEFAULT_RULES) -> int:
     """Rows of a traced `rows`-row batch that one device computes: the batch split over the
     mesh set with `jax.set_mesh` (all of them outside one, or when they do not split evenly,
     in which case the batch is replicated, see the module docstring)."""
     mesh = jax.sharding.get_abstract_mesh()
-    shards = 1 if mesh.empty else batch_shards(mesh)
+    shards = 1 if mesh.empty else batch_shards(mesh, rules)
     return rows // shards if rows % shards == 0 else rows
+
+
+def kv_rules(num_kv_heads: int, rows: int, mesh=None) -> Mapping:
+    """The rules a KV cache of `rows` rows and `num_kv_heads` heads, and the attention reading
+    it, follow on `mesh` (default: the ambient one): `ROW_SPLIT_RULES` where the tensor axis
+    does not divide the heads but data x fsdp x tensor divides the rows, else `DEFAULT_RULES`."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty or not mesh.shape:
+        return DEFAULT_RULES
+    tensor = mesh.shape.get("tensor", 1)
+    if tensor == 1 or num_kv_heads % tensor == 0:
+        return DEFAULT_RULES
+    return ROW_SPLIT_RULES if rows % batch_shards(mesh, ROW_SPLIT_RULES) == 0 else DEFAULT_RULES
 
 
 def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
@@ -145,6 +168,12 @@ def device_memory(devices) -> int | None:
     return int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
+def _present(mesh, axis) -> tuple[str, ...]:
+    """The mesh axes of a rule's target (None, a name or a tuple) that `mesh` has."""
+    names = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+    return tuple(a for a in names if a in mesh.shape)
+
+
 def _mesh_axis_size(mesh, axis) -> int:
     if axis is None:
         return 1
@@ -225,9 +254,7 @@ def splits_evenly(logical_axis: str, size: int, rules: Mapping = DEFAULT_RULES) 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not mesh.shape:
         return True
-    target = rules.get(logical_axis)
-    names = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-    return size % _mesh_axis_size(mesh, tuple(a for a in names if a in mesh.shape)) == 0
+    return size % _mesh_axis_size(mesh, _present(mesh, rules.get(logical_axis))) == 0
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping = DEFAULT_RULES):
