@@ -138,7 +138,8 @@ def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothi
             if event.output is not None:
                 got[event.index] = event.output.output_ids
         assert [got[i] for i in range(len(prompts))] == want, rows
-        assert decoder.generate(prompts, NEW, batch_size=rows).output_ids == want, rows
+        if rows == 8:  # the one-call program too (its loop state lies as propagation puts it)
+            assert decoder.generate(prompts, NEW, batch_size=rows).output_ids == want
         hlo = _chunk_program(decoder).as_text()
         found = collectives(hlo)
         if rows == 4:  # rows over data alone: the heads whole on each tensor device
