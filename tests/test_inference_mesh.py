@@ -128,7 +128,7 @@ def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothi
     verifier = create_model(verifier_cfg, seed=4)
     graphdef, state = nnx.split(verifier)
     verifier_on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
-    prompts = PROMPTS * 2
+    prompts = PROMPTS * 3  # 12 requests: rows refilled (8 rows: in the loop, by generate)
     for rows, scan, spec in ((4, False, P("data")), (8, True, P(("data", "tensor")))):
         options = DecodeOptions("verify", 4, kernels=KernelOptions(matmul_form="plain"), scan_layers=scan)
         want = Decoder(model, [1], options, verifier=verifier).generate(prompts, NEW).output_ids
