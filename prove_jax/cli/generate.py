@@ -164,10 +164,9 @@ def parse_args(argv=None):
                     help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
                          "JAX ships for that platform (docs/decoding.md)")
     ap.add_argument("--page-size", type=int, default=None,
-                    help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this many "
-                         "slots: each request "
-                         "owns the pages its own prompt and budget need, not the longest request's "
-                         "(default: one contiguous buffer per row; docs/decoding.md)")
+                    help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this "
+                         "many slots: each request owns the pages its own prompt and budget need, not the "
+                         "longest request's (default: one contiguous buffer per row; docs/decoding.md)")
     ap.add_argument("--kv-pages", type=int, default=None,
                     help="--page-size: pages in the pool; a request waits until enough are free "
                          "(default: enough for every row at the longest request)")

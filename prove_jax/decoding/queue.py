@@ -97,10 +97,11 @@ def put_state(state: LoopState, part: LoopState, rows: jax.Array, put) -> LoopSt
         return jax.tree.map(put, state, part)
     merged = jax.tree.map(put, state.replace(cache=None, verifier_cache=None),
                           part.replace(cache=None, verifier_cache=None))
-    verifier_cache = state.verifier_cache  # paged with the proposer's (start_rows), or None
+    cache = state.cache.put_rows(part.cache, rows)
+    verifier_cache = part.verifier_cache  # paged on the proposer's pages (start_rows), or None
     if verifier_cache is not None:
-        verifier_cache = verifier_cache.put_rows(part.verifier_cache, rows)
-    return merged.replace(cache=state.cache.put_rows(part.cache, rows), verifier_cache=verifier_cache)
+        verifier_cache = verifier_cache.with_pages_of(cache)
+    return merged.replace(cache=cache, verifier_cache=verifier_cache)
 
 
 def release_done(state: LoopState) -> LoopState:
