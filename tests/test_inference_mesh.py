@@ -157,6 +157,24 @@ def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothi
             assert re.search(r"f32\[1,2,{},\d+,{}\]".format(verifier_cfg.num_layers, CFG.head_dim), hlo)
 
 
+def test_rows_round_up_to_split_a_verifier_cache_where_that_holds_less_kv(models):
+    """On data=2 x tensor=4 a 2-head verifier's cache splits over rows in multiples of 8. Six
+    requested rows become 8 (each device: 1 row of both verifier heads and 4 of one proposer
+    head, 96 elements a slot against 3 x 2 + 3 x 1 rows' 144); one row stays 2 (the data axis's
+    multiple); ties, paged pools and modes without the verifier keep the requested rows."""
+    model, sharded, mesh = models
+    verifier = create_model(CFG.replace(num_heads=4, num_kv_heads=2, mask_token_id=None), seed=4)
+    verify = Decoder(sharded, [1], DecodeOptions("verify", 4), verifier=verifier, mesh=mesh)
+    assert [verify.rows(b, 12) for b in (1, 4, 6, 8, 12)] == [2, 4, 8, 8, 16]
+    assert verify.rows(6, 5) == 8  # a row with no request costs less than the whole cache
+    assert verify.with_options(DecodeOptions("verify", 4, page_size=16)).rows(6, 12) == 6
+    assert verify.with_options(DecodeOptions("lossless", 4)).rows(6, 12) == 6
+    assert Decoder(model, [1], DecodeOptions("verify", 4), verifier=verifier).rows(6, 12) == 6
+    # per device, (row, kv head) pairs: split over rows, over data and heads, or replicated
+    assert sharding.kv_per_device(2, 8, mesh) == 2 and sharding.kv_per_device(2, 6, mesh) == 6
+    assert sharding.kv_per_device(4, 6, mesh) == 3 and sharding.kv_per_device(4, 5, mesh) == 5
+
+
 def test_the_tensor_axis_is_the_smallest_kv_head_split_that_fits():
     size = sharding.inference_tensor_size
     # a 32B proposer in bfloat16 (61 GiB of weights; 8 kv heads) on 8 devices: a v5p chip

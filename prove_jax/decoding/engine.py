@@ -26,7 +26,7 @@ from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
 from prove_jax.models.paged import pages_needed
 from prove_jax.models.qwen2 import stack_layers, unstack_layers
-from prove_jax.models.sharding import batch_shards
+from prove_jax.models.sharding import ROW_SPLIT_RULES, batch_shards, kv_per_device
 
 if TYPE_CHECKING:  # stream.py imports this module's neighbours; the class is made in stream()
     from prove_jax.decoding.stream import DecodeStream
@@ -178,11 +178,24 @@ class Decoder:
     def rows(self, batch_size: int, num_requests: int) -> int:
         """Rows a call decodes with: `batch_size`, but no more than the requests it queues (a
         row with no request would be computed every step for nothing, and would steer the
-        adaptive layout toward a larger batch), rounded up to whole shards of the data axis."""
-        return _round_up(min(batch_size, num_requests), self._data_size())
+        adaptive layout toward a larger batch), rounded up to whole shards of the data axis.
+        With contiguous caches on a mesh whose tensor axis cannot split a model's kv heads, up
+        to whole shards of data x tensor instead where that lowers the KV each device holds:
+        that model's cache then splits over rows (`sharding.kv_rules`), so 12 rows of a 2-head
+        verifier on v6e-8 become 16 and each chip holds 2 rows' cache, not 12."""
+        rows = _round_up(min(batch_size, num_requests), self._data_size())
+        if self.mesh is None or self.options.page_size is not None:
+            return rows
+        split = _round_up(rows, batch_shards(self.mesh, ROW_SPLIT_RULES))
+        return split if self._kv_per_device(split) < self._kv_per_device(rows) else rows
 
     def _data_size(self) -> int:
         return 1 if self.mesh is None else batch_shards(self.mesh)
+
+    def _kv_per_device(self, rows: int) -> int:
+        """KV elements per cache slot one device holds at `rows` rows, both models' caches."""
+        cfgs = (self.cfg, self.verifier_cfg) if self.options.mode == "verify" else (self.cfg,)
+        return sum(c.num_layers * c.head_dim * kv_per_device(c.num_kv_heads, rows, self.mesh) for c in cfgs)
 
     # ---- the compiled program ---------------------------------------------------------------
 
