@@ -51,7 +51,8 @@ NOTES = """Notes.
 - Mesh: the pair's bfloat16 weights (66 GiB) take tensor=2 on v5p (95 GiB chips) and tensor=8 on
   v6e (32 GiB), as `sharding.inference_tensor_size` picks; lossless (the proposer alone, 61 GiB)
   takes tensor=4 on v6e. Rows are rounded up to whole data shards: "batch 1" on v5p-8 decodes 2
-  rows.
+  rows (and to whole data x tensor shards where that splits the verifier's cache and holds
+  less KV: a batch of 12 on v6e-8 would decode 16 rows).
 - Collectives are counted per program, a loop body's once: scanned, the proposer's and the
   verifier's layers are one body each (21 all-reduces); unrolled, every layer's appear (409),
   and the compile takes about 5 times as long (102 s against 22 in this run). The 2
@@ -61,7 +62,9 @@ NOTES = """Notes.
   attention split over the rows instead (`sharding.kv_rules`, docs/decoding.md): each chip
   holds its eighth of the rows, both heads, and the step's queries and attention outputs cross
   by all-to-all (4 per program: the verifier's scanned layer in its step and in its prefill;
-  activations, 17 MiB at 64 rows). Before, every chip held the verifier's whole cache (about
+  activations, 17 MiB at 64 rows), and no all-reduce is added: the chunked KV read's bound,
+  the longest row, is taken before the rows move (taken over the split rows, it was a scalar
+  all-reduce across the tensor axis in every layer of every step). Before, every chip held the verifier's whole cache (about
   19 GiB at 64 rows of 8k), and verify at batch 64 with 8k contexts did not fit (43 GiB of
   temporaries); batch 16 at 8k took 21.3 GiB and batch 64 at 2k 22.5. At batch 1 (one row)
   the cache stays whole on every chip. What is left at batch 64 with 8k is the proposer's own

@@ -157,6 +157,23 @@ def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothi
             assert re.search(r"f32\[1,2,{},\d+,{}\]".format(verifier_cfg.num_layers, CFG.head_dim), hlo)
 
 
+def test_a_row_split_cache_read_in_chunks_agrees_its_bound_without_a_collective():
+    """A long buffer is read a chunk at a time up to the longest row. With the cache split over
+    rows on tensor=8 (4 kv heads), that bound taken over each device's rows was a scalar
+    all-reduce across the tensor axis in every layer of every step; taken where the rows lie
+    whole (here: every device holds every row's length), it needs none."""
+    mesh = sharding.make_mesh((1, 1, 8))
+    graphdef, state = nnx.split(create_model(CFG, seed=3))
+    model = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+    decoder = Decoder(model, [1], DecodeOptions("lossless", 4, kernels=KernelOptions(matmul_form="plain")), mesh=mesh)
+    assert sharding.kv_rules(CFG.num_kv_heads, 8, mesh) is sharding.ROW_SPLIT_RULES
+    hlo = decoder.lower(PROMPTS * 2, NEW, batch_size=8, prompt_width=1024).compile().as_text()
+    assert "/while/body/while/body" in hlo  # the chunk loop inside the decode loop
+    bounds = [line for line in hlo.splitlines()
+              if re.search(r"= s32\[\] all-reduce(-start)?\(", line) and "reduce_max" in line]
+    assert not bounds, bounds
+
+
 def test_rows_round_up_to_split_a_verifier_cache_where_that_holds_less_kv(models):
     """On data=2 x tensor=4 a 2-head verifier's cache splits over rows in multiples of 8. Six
     requested rows become 8 (each device: 1 row of both verifier heads and 4 of one proposer

@@ -154,7 +154,11 @@ class Attention(nnx.Module):
         # a contiguous cache whose heads the tensor axis cannot split is read split over rows:
         # the queries move there (an all-to-all of the step's activations, not of the cache)
         rules = DEFAULT_RULES if kv is None or isinstance(kv, PagedKV) else kv_rules(cfg.num_kv_heads, b)
+        longest = None
         if rules is not DEFAULT_RULES:
+            # the chunked read's bound, taken where the rows lie whole: over rows split across
+            # tensor it is an all-reduce in every layer (benchmarks/decode_tpu_compile.md)
+            longest = jnp.max(attn_mask.cache_len)
             q, k, v = (_to_rows(x, ("batch", "sequence", axis, "head_dim"), rules)
                        for x, axis in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
             attn_mask = StepMask(_to_rows(attn_mask.cache_len, ("batch",), rules),
@@ -181,7 +185,7 @@ class Attention(nnx.Module):
             # of it on every call (benchmarks/paged_kv_pair.md)
             if (kernels.attention == "xla" or isinstance(kv, PagedKV) and kv.home is not None
                     or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
-                out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform, rules)
+                out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform, rules, longest)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
                 out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -294,7 +298,7 @@ def cache_chunk(slots: int, rows: int = 1, platform: str | None = None) -> int:
 
 
 def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array,
-                   platform: str | None = None, rules=DEFAULT_RULES) -> jax.Array:
+                   platform: str | None = None, rules=DEFAULT_RULES, longest: jax.Array | None = None) -> jax.Array:
     """`_attend` over a step's own keys/values and the committed slots of a static buffer, which
     is sized for the longest generation: a long one is read a chunk (`cache_chunk`) at a time up
     to the longest row, with a running max and normaliser (the flash-attention recurrence). A
@@ -302,7 +306,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
 
     q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
     cache: (keys, values) [B, K, S, Dh], or a `PagedKV` (read through its page table, chunks of
-    whole pages); cache_len int32 [B]; `rules`: how the rows split (`sharding.kv_rules`).
+    whole pages); cache_len int32 [B]; `rules`: how the rows split (`sharding.kv_rules`);
+    `longest`: max(cache_len) if the caller has it (default: taken here).
     Returns [B, T, K, G, Dh].
     """
     dt = q.dtype
@@ -349,6 +354,6 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
         return (new_top, norm * rescale + jnp.sum(p, axis=-1, keepdims=True),
                 acc * rescale + weighted(p, values))
 
-    chunks = (jnp.max(cache_len) + size - 1) // size
+    chunks = ((jnp.max(cache_len) if longest is None else longest) + size - 1) // size
     _, norm, acc = jax.lax.fori_loop(0, chunks, visit, running)
     return _ungroup_queries((acc / norm).astype(dt), t, g)
