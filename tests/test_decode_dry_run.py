@@ -99,6 +99,7 @@ def test_a_small_pair_compiles_for_v5p_8_and_reports_its_memory():
     text = report.describe()
     assert "FITS" in text and "v5p:2x2x1" in text and "verify (K=4)" in text
     assert report.record()["peak_bytes"] == stats.peak_bytes
+    assert report.rows == report.record()["rows"] == 8 and "(8 rows)" not in text  # as asked
 
 
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
@@ -123,3 +124,16 @@ def test_cli_compiles_a_checkpoints_program_and_prints_the_report(tmp_path, caps
     assert rc == 0, out
     assert "v6e:2x2 (4 x v6e" in out and "layers scanned" in out and "FITS" in out
     assert "192 prompt + 64 new tokens" in out
+
+
+def test_the_report_says_how_many_rows_the_program_decodes_when_not_the_batch():
+    """A batch is rounded up to whole shards (12 -> 16 on v6e-8 with the 3B verifier,
+    `Decoder.rows`): the memory is that of the rows, so the report names them."""
+    from prove_jax.decoding.dry_run import DecodeDryRun
+    report = DecodeDryRun(chip="v6e", chips=8, topology="v6e:2x4", mesh={"data": 1, "fsdp": 1, "tensor": 8},
+                          options=DecodeOptions("verify", 16), batch=12, prompt_tokens=1536, new_tokens=512,
+                          proposer_params=1, verifier_params=1, weight_bytes=1, hbm_bytes=1,
+                          does_not_fit="XLA: RESOURCE_EXHAUSTED", rows=16)
+    assert "batch 12 (16 rows)," in report.describe() and report.record()["rows"] == 16
+    report.rows = 12
+    assert "batch 12, 1536 prompt" in report.describe()

@@ -51,6 +51,8 @@ class DecodeDryRun:
     stats: aot.CompiledStats | None = None
     does_not_fit: str = ""
     """XLA's refusal (the program needs more memory than a chip has), when it refused."""
+    rows: int = 0
+    """Rows the program decodes: the batch rounded up to whole shards (`Decoder.rows`)."""
 
     @property
     def context(self) -> int:
@@ -66,7 +68,8 @@ class DecodeDryRun:
         layout = f"K={o.block_size}" + (f", {o.max_groups} groups" if o.mode == "lossless" and o.max_groups else "")
         rows = [f"decode dry run: {o.mode} ({layout}), proposer {self.proposer_params / 1e9:.1f}B"
                 + (f" + verifier {self.verifier_params / 1e9:.1f}B" if self.verifier_params else "")
-                + f", batch {self.batch}, {self.prompt_tokens} prompt + {self.new_tokens} new tokens, "
+                + f", batch {self.batch}" + (f" ({self.rows} rows)" if self.rows not in (0, self.batch) else "")
+                + f", {self.prompt_tokens} prompt + {self.new_tokens} new tokens, "
                 f"layers {'scanned' if o.scan_layers else 'unrolled'}, attention {o.kernels.attention}",
                 f"on {self.topology} ({self.chips} x {self.chip}, {self.hbm_bytes / gib:.0f} GiB each), "
                 f"mesh {self.mesh}; weights {self.weight_bytes / gib:.2f} GiB per chip"]
@@ -88,7 +91,7 @@ class DecodeDryRun:
         o = self.options
         out = dict(chip=self.chip, chips=self.chips, topology=self.topology, mesh=self.mesh, mode=o.mode,
                    block_size=o.block_size, groups=o.max_groups, scan_layers=o.scan_layers,
-                   attention=o.kernels.attention, batch=self.batch, prompt_tokens=self.prompt_tokens,
+                   attention=o.kernels.attention, batch=self.batch, rows=self.rows, prompt_tokens=self.prompt_tokens,
                    new_tokens=self.new_tokens, context=self.context, proposer_params=self.proposer_params,
                    verifier_params=self.verifier_params, weight_bytes=self.weight_bytes,
                    hbm_bytes=self.hbm_bytes, fits=self.fits, does_not_fit=self.does_not_fit)
@@ -176,7 +179,8 @@ def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, 
                           weight_bytes=sum(_bytes_per_chip(m, mesh) for m in models), hbm_bytes=hbm)
     prompts = [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
     lowered = decoder.lower(prompts, new_tokens, batch_size=batch)
-    report.options = adapt_for_batch(options, decoder.rows(batch, batch), table=ADAPTIVE_TABLES["tpu"])
+    report.rows = decoder.rows(batch, batch)
+    report.options = adapt_for_batch(options, report.rows, table=ADAPTIVE_TABLES["tpu"])
     try:
         report.stats = aot.compile_stats(lowered, topology, what="the decode program", advice=DOES_NOT_FIT_ADVICE)
     except aot.DoesNotFit as e:
