@@ -84,6 +84,12 @@ def test_gate_taus_add_the_gated_verifier_rules():
     assert [(s.options.commit_rule, s.options.tau_v, s.options.gate_tau) for s in settings] == [
         ("top1", 0.5, 0.8), ("top1", 0.5, 0.6), ("prob", 0.3, 0.8), ("prob", 0.3, 0.6)]
     assert [s.label for s in settings][-1] == "K=6,prob,tau_v=0.3,gate=0.6"
+    assert {s.options.confidence for s in settings} == {"prob"}
+    # --confidence picks the gate's statistic, as generate's does
+    margin = [s for s in bench_lib.sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.4],
+                                                  confidence="margin") if s.options.gate_tau is not None]
+    assert [s.options.confidence for s in margin] == ["margin", "margin"]
+    assert [s.label for s in margin] == ["K=6,top1,margin gate=0.4", "K=6,prob,tau_v=0.3,margin gate=0.4"]
 
 
 def test_limit_takes_the_first_records_of_a_prompts_file():

@@ -166,12 +166,14 @@ def threshold_setting(tau: float, k: int = 8, confidence: str = "prob") -> Setti
 
 
 def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5, head_threshold: float | None = None,
-                   gate_tau: float | None = None) -> Setting:
+                   gate_tau: float | None = None, confidence: str = "prob") -> Setting:
+    """Verify with commit `rule`; `gate_tau` gates it by the proposer's `confidence` statistic."""
+    gate = "" if gate_tau is None else f",gate={gate_tau:g}" if confidence == "prob" else f",{confidence} gate={gate_tau:g}"
     label = (f"K={k},{rule}" + (f",tau_v={tau_v:g}" if rule == "prob" else "")
-             + (f",p>={head_threshold:g}" if head_threshold is not None else "")
-             + (f",gate={gate_tau:g}" if gate_tau is not None else ""))
+             + (f",p>={head_threshold:g}" if head_threshold is not None else "") + gate)
     return Setting("verify", label, DecodeOptions("verify", block_size=k, commit_rule=rule, tau_v=tau_v,
-                                                  head_threshold=head_threshold, gate_tau=gate_tau))
+                                                  head_threshold=head_threshold, gate_tau=gate_tau,
+                                                  confidence=confidence))
 
 
 DEFAULT_TAUS = (0.95, 0.8, 0.5)
@@ -240,7 +242,7 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     each peer runs once per entry of `torch_threads`; `relaxed_ps` adds each lossless layout
     with that relaxed acceptance (`relaxed` rows); `head_thresholds` sweeps the commit head's
     threshold (its operating curve) beside its own; `gate_taus` adds verify's top-1 and prob
-    rules gated by the proposer's confidence at each tau (`DecodeOptions.gate_tau`).
+    rules gated by the proposer's `confidence` statistic at each tau (`DecodeOptions.gate_tau`).
     `adaptive` adds the platform table's adaptive setting and, with `calibrated`, the calibrated
     one (its measurements compile every candidate layout: minutes at a real model's size).
     """
@@ -261,8 +263,9 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     if "verify" in modes:
         out.append(verify_setting("top1", block_size))
         out += [verify_setting("prob", block_size, t) for t in tau_vs]
-        out += [verify_setting("top1", block_size, gate_tau=g) for g in gate_taus]
-        out += [verify_setting("prob", block_size, t, gate_tau=g) for g in gate_taus for t in tau_vs]
+        out += [verify_setting("top1", block_size, gate_tau=g, confidence=confidence) for g in gate_taus]
+        out += [verify_setting("prob", block_size, t, gate_tau=g, confidence=confidence)
+                for g in gate_taus for t in tau_vs]
         if have_head:
             out.append(verify_setting("head", block_size))
             out += [verify_setting("head", block_size, head_threshold=t) for t in head_thresholds]
