@@ -86,11 +86,9 @@ def kv_rules(num_kv_heads: int, rows: int, mesh=None) -> Mapping:
 def kv_per_device(num_kv_heads: int, rows: int, mesh) -> int:
     """(row, kv head) pairs of a `rows`-row cache one device of `mesh` holds, laid out as
     `kv_rules` says (a split that does not divide a dimension replicates it)."""
-    rules = kv_rules(num_kv_heads, rows, mesh)
-    shards = batch_shards(mesh, rules)
-    heads = _mesh_axis_size(mesh, _present(mesh, rules["kv_heads"]))
-    return ((rows // shards if rows % shards == 0 else rows)
-            * (num_kv_heads // heads if num_kv_heads % heads == 0 else num_kv_heads))
+    shape = (rows, num_kv_heads)
+    placed = activation_sharding(mesh, KV_CACHE_AXES[:2], shape, kv_rules(num_kv_heads, rows, mesh))
+    return math.prod(placed.shard_shape(shape))
 
 
 def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
