@@ -89,7 +89,7 @@ else
     LONG=(--humaneval 4 --max-new-tokens 128 --repeats 1 --batch-sizes 1,4 --prompt-tokens 4096)
     SCAN=(--preset qwen2.5-1.5b --layers 28 --time qwen2.5-1.5b --prompts 4 --repeats 2)
     # #38 on an accelerator: the gated verifier against the fastest lossless at the 1.5B shape
-    # (projected 1.06-1.26x from the H200's step costs, benchmarks/trajectory_verifier.md)
+    # (projected 1.03-1.26x from the H200's step costs, benchmarks/trajectory_verifier.md)
     ARITH=(--limit 64 --batch-sizes 1,16 --repeats 2 --inflate qwen2.5-1.5b)
     # #37: the paged pool read by XLA against contiguous rows (memory at 7B widths, speed at 1.5B)
     PAGED=(--preset qwen2.5-7b --time qwen2.5-1.5b --prompts 8 --repeats 2)
@@ -129,7 +129,7 @@ if [ -n "${ONLY:-}" ]; then
         --json "$RES/decode_32b_4k.json" --md "$RES/decode_32b_4k.md"
     stage arith_gate 300 $PY -m infer.benchmark --model prove_jax/demo_models/arith_proposer \
         --verifier prove_jax/demo_models/arith_verifier --prompts prove_jax/demo_models/arith_test.jsonl \
-        "${ARITH[@]}" --modes ar,lossless,verify --layouts 8x2,6x2 --no-adaptive --tau-vs 0.3 --gate-taus 0.6 \
-        --max-new-tokens 64 --no-peers --png none --json "$RES/arith_gate.json" --md "$RES/arith_gate.md"
+        "${ARITH[@]}" --modes ar,lossless,verify --layouts 8x2,6x2,5x2 --no-adaptive --rules prob --tau-vs 0.3 \
+        --gate-taus 0.6 --prefill-baseline --max-new-tokens 64 --no-peers --png none --json "$RES/arith_gate.json" --md "$RES/arith_gate.md"
     stage paged_kv 240 $PY benchmarks/bench_paged_kv.py "${PAGED[@]}" --out "$RES"
 fi

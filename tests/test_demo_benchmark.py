@@ -92,6 +92,15 @@ def test_gate_taus_add_the_gated_verifier_rules():
     assert [s.label for s in margin] == ["K=6,top1,margin gate=0.4", "K=6,prob,tau_v=0.3,margin gate=0.4"]
 
 
+def test_rules_pick_the_verify_settings():
+    settings = bench_lib.sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["prob"])
+    assert [s.label for s in settings] == ["-", "K=8,prob,tau_v=0.3", "K=8,prob,tau_v=0.3,gate=0.6"]
+    both = bench_lib.sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["top1", "head"])
+    assert [s.label for s in both] == ["-", "K=8,top1", "K=8,top1,gate=0.6", "K=8,head"]
+    # the default runs every rule, head only where the verifier has one
+    assert {s.options.commit_rule for s in bench_lib.sweep_settings(["verify"], False)[1:]} == {"top1", "prob"}
+
+
 def test_limit_takes_the_first_records_of_a_prompts_file():
     from prove_jax import assets
     path = os.path.join(os.path.dirname(assets.ARITH_PROPOSER), "arith_test.jsonl")
@@ -394,6 +403,8 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     (["--md", "{tmp}/b.json"], "--json and --md name the same file"),  # the JSON replaced the report
     # the peers named in --modes were dropped without a word
     (["--modes", "ar,hf_greedy", "--no-peers"], "--modes names hf_greedy but --no-peers leaves the peers out"),
+    (["--modes", "ar,verify", "--rules", "prob,best"], "--rules: unknown 'best'; choose from top1, prob, head"),
+    (["--modes", "ar,verify", "--rules", ""], "--rules '' leaves verify nothing to run"),
 ])
 def test_benchmark_bad_input_one_line_error_no_files(pair, tmp_path, capsys, argv, message):
     args = ["--model", pair[0], "--verifier", pair[1], "--humaneval", "1", "--json",

@@ -43,7 +43,7 @@ from prove_jax.evaluation import benchmark as bench_lib
 from prove_jax.evaluation import graders, humaneval
 from prove_jax.evaluation.plot import flat_accuracy_line
 from prove_jax.cli.runner import INTERRUPTED, run_cli
-from prove_jax.decoding.options import CONFIDENCE_KINDS, DecodeError
+from prove_jax.decoding.options import COMMIT_RULES, CONFIDENCE_KINDS, DecodeError
 from prove_jax.files import atomic_write_text
 from prove_jax.models.config import DTYPES, PRESETS
 
@@ -104,7 +104,10 @@ def parse_args(argv=None):
                          "calibrating compiles every candidate layout, minutes at a real model's size)")
     ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
                     help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
-                         "top1 and (when the verifier has commit_head/) head always run")
+                         "top1 and (when the verifier has commit_head/) head run unless --rules leaves them out")
+    ap.add_argument("--rules", default=",".join(COMMIT_RULES),
+                    help="verify: comma-separated commit rules to run, from "
+                         f"{','.join(COMMIT_RULES)} (default all; head needs a verifier with commit_head/)")
     ap.add_argument("--head-thresholds", default="",
                     help="verify/head: comma-separated head thresholds to sweep beside the head's own "
                          "(its speed/accuracy curve; default none)")
@@ -381,7 +384,8 @@ def main(argv=None) -> int:
             calibrated=args.calibrated, confidence=args.confidence,
             relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"),
             head_thresholds=_float_list(args.head_thresholds, "--head-thresholds"),
-            gate_taus=_float_list(args.gate_taus, "--gate-taus") if "verify" in modes else ())
+            gate_taus=_float_list(args.gate_taus, "--gate-taus") if "verify" in modes else (),
+            rules=bench_lib.parse_choices(args.rules, COMMIT_RULES, "--rules"))
         for s in settings:
             if s.mode == "relaxed" or s.options is not None and (s.options.head_threshold is not None
                                                                  or s.options.gate_tau is not None):
@@ -405,6 +409,9 @@ def main(argv=None) -> int:
         if "threshold" in modes and not taus:
             raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
                                        "or drop the mode")
+        if "verify" in modes and not any(s.mode == "verify" for s in settings):
+            raise bench_lib.BenchError(f"--rules {args.rules!r} leaves verify nothing to run (head needs a "
+                                       "--verifier with a commit_head/ folder): name a rule or drop the mode")
         if "lossless" in modes and not any(s.mode == "lossless" for s in settings):
             raise bench_lib.BenchError(f"{layouts_flag} is empty and --no-adaptive is set but "
                                        "lossless is in --modes: give a layout or drop the mode")

@@ -40,6 +40,7 @@ import jax
 from prove_jax.errors import ProveJaxError
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
+from prove_jax.decoding.options import COMMIT_RULES
 from prove_jax.evaluation import graders
 from prove_jax.evaluation.peers import PEER_MODES
 from prove_jax.models.matmul import default_cpu_form
@@ -234,7 +235,7 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
                    adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS,
                    calibrated: bool = True, confidence: str = "prob",
                    relaxed_ps: Sequence[float] = (), head_thresholds: Sequence[float] = (),
-                   gate_taus: Sequence[float] = ()) -> list[Setting]:
+                   gate_taus: Sequence[float] = (), rules: Sequence[str] = COMMIT_RULES) -> list[Setting]:
     """The benchmark's sweep for the named modes (`ar` always comes first).
 
     `block_size` is the proposal length of `threshold` / `verify` (the proposer's MARS block);
@@ -242,7 +243,8 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     each peer runs once per entry of `torch_threads`; `relaxed_ps` adds each lossless layout
     with that relaxed acceptance (`relaxed` rows); `head_thresholds` sweeps the commit head's
     threshold (its operating curve) beside its own; `gate_taus` adds verify's top-1 and prob
-    rules gated by the proposer's `confidence` statistic at each tau (`DecodeOptions.gate_tau`).
+    rules gated by the proposer's `confidence` statistic at each tau (`DecodeOptions.gate_tau`);
+    verify runs only the commit `rules` named (head also needs `have_head`).
     `adaptive` adds the platform table's adaptive setting and, with `calibrated`, the calibrated
     one (its measurements compile every candidate layout: minutes at a real model's size).
     """
@@ -261,12 +263,16 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
             if calibrated:
                 out.append(calibrated_setting(8))
     if "verify" in modes:
-        out.append(verify_setting("top1", block_size))
-        out += [verify_setting("prob", block_size, t) for t in tau_vs]
-        out += [verify_setting("top1", block_size, gate_tau=g, confidence=confidence) for g in gate_taus]
-        out += [verify_setting("prob", block_size, t, gate_tau=g, confidence=confidence)
-                for g in gate_taus for t in tau_vs]
-        if have_head:
+        if "top1" in rules:
+            out.append(verify_setting("top1", block_size))
+        if "prob" in rules:
+            out += [verify_setting("prob", block_size, t) for t in tau_vs]
+        if "top1" in rules:
+            out += [verify_setting("top1", block_size, gate_tau=g, confidence=confidence) for g in gate_taus]
+        if "prob" in rules:
+            out += [verify_setting("prob", block_size, t, gate_tau=g, confidence=confidence)
+                    for g in gate_taus for t in tau_vs]
+        if have_head and "head" in rules:
             out.append(verify_setting("head", block_size))
             out += [verify_setting("head", block_size, head_threshold=t) for t in head_thresholds]
     for n in torch_threads:  # peers once per torch thread count (threads fight on a busy CPU)
