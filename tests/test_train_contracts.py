@@ -217,11 +217,14 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
     ctx, ctx_valid, used = ch.sample_contexts(ids, loss_mask, valid, context_len, key)
     assert np.asarray(used).all()
 
-    def plain(model, tokens):
-        n = len(tokens)
-        x = jnp.asarray(tokens, jnp.int32)[None]
+    @nnx.jit  # one compiled forward per length: op by op it took most of the test's time
+    def forward(model, x):
+        n = x.shape[1]
         hidden, _ = model.hidden_states(x, jnp.arange(n)[None], causal_mask(1, n))
         return hidden[0], model.logits(hidden)[0]
+
+    def plain(model, tokens):
+        return forward(model, jnp.asarray(tokens, jnp.int32)[None])
 
     for row in range(2):
         context = [int(t) for t, ok in zip(np.asarray(ctx[row]), np.asarray(ctx_valid[row])) if ok]
