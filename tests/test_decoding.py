@@ -3,6 +3,7 @@
 Oracles: transformers `generate(do_sample=False)` for AR; our AR for the lossless modes.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -591,7 +592,7 @@ def _cli(*args):
                           capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
 
 
-def test_cli_end_to_end_and_errors(tmp_path, model):
+def test_cli_end_to_end_and_errors(tmp_path, model, capsys):
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, model)
     inp = tmp_path / "in.jsonl"
@@ -611,6 +612,17 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
     summary = json.loads(r.stderr.strip().splitlines()[-2])
     assert summary["generated_tokens"] == sum(len(o) for o in ar.output_ids)
 
+    # the errors in-process (the same `main`; a subprocess each cost seconds of start-up)
+    from prove_jax.cli import generate
+
+    def fails(*args, expect):
+        with pytest.raises(SystemExit) if "invalid choice" in expect else contextlib.nullcontext() as e:
+            rc = generate.main([*args, "--output", str(bad)])
+        rc = e.value.code if e is not None else rc
+        err = capsys.readouterr().err
+        assert rc == 2 and expect in err and "Traceback" not in err, err
+        assert not bad.exists()
+
     bad = tmp_path / "bad.jsonl"
     for case, expect in [
         (["--model", str(tmp_path / "missing")], "checkpoint not found"),
@@ -620,26 +632,18 @@ def test_cli_end_to_end_and_errors(tmp_path, model):
         (["--model", ckpt, "--mode", "lossless", "--block-size", "500"],
          "lossless K=500 with 500 mask groups feeds 250000 tokens per step"),
     ]:
-        r = _cli(*case, "--input", str(inp), "--output", str(bad))
-        assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
-        assert not bad.exists()
+        fails(*case, "--input", str(inp), expect=expect)
     text = tmp_path / "text.jsonl"  # a text prompt: the missing model is named, not its tokenizer
     text.write_text(json.dumps({"id": 0, "prompt": "def f():"}) + "\n")
-    for args, expect in [(["--model", str(tmp_path / "missing"), "--input", str(text)],
-                          "error: model checkpoint not found"),
-                         (["--model", ckpt, "--input", str(tmp_path)], "is a directory; give a JSON Lines file")]:
-        r = _cli(*args, "--output", str(bad))
-        assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert not bad.exists()
+    fails("--model", str(tmp_path / "missing"), "--input", str(text), expect="error: model checkpoint not found")
+    fails("--model", ckpt, "--input", str(tmp_path), expect="is a directory; give a JSON Lines file")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"id": 0, "prompt_ids": []}) + "\n")
-    r = _cli("--model", ckpt, "--input", str(empty), "--output", str(bad), "--strict")
-    assert r.returncode == 2 and "empty" in r.stderr and not bad.exists()
+    fails("--model", ckpt, "--input", str(empty), "--strict", expect="empty")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": 0, "prompt_ids": [3] * 600}) + "\n")
-    r = _cli("--model", ckpt, "--input", str(long), "--output", str(bad), "--max-new-tokens", "32500",
-             "--strict")
-    assert r.returncode == 2 and "longer than the buffer" in r.stderr and not bad.exists()
+    fails("--model", ckpt, "--input", str(long), "--max-new-tokens", "32500", "--strict",
+          expect="longer than the buffer")
 
 
 def test_one_bad_request_fails_alone(tmp_path, model, capsys):
