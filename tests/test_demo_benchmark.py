@@ -350,6 +350,34 @@ def test_benchmark_stopped_midway_keeps_finished_batch_sizes_beside_the_report(p
     assert "**Partial results**: batch sizes 1 of 1, 2" in md and md.count("\n| lossless | K=3,G=3 | 1 |") == 1
 
 
+def test_lossy_rows_are_compared_with_the_fastest_lossless_setting_round_by_round():
+    def rec(mode, setting, tokens, seconds, peer=False):
+        ordered = sorted(seconds)
+        return {"mode": mode, "setting": setting, "batch_size": 1, "peer": peer, "generated_tokens": tokens,
+                "seconds_all": seconds, "tokens_per_second": tokens / ordered[len(ordered) // 2]}
+    recs = [rec("ar", "-", 100, [20.0, 21.0, 22.0]),
+            rec("lossless", "K=6,G=2", 100, [10.0, 13.0, 11.0]),  # median 11: 9.09 tok/s
+            rec("lossless", "K=5,G=2", 100, [12.0, 10.5, 10.5]),  # median 10.5: the fastest
+            rec("verify", "K=8,top1", 100, [9.0, 10.0, 10.0]),
+            rec("relaxed", "K=6,G=2,p=0.3", 100, [11.0, 11.0, 12.0]),
+            rec("hf_greedy", "threads=1", 100, [5.0, 5.0, 5.0], peer=True)]
+    bench_lib.add_vs_lossless(recs)
+    verify, relaxed = recs[3], recs[4]
+    assert verify["fastest_lossless"] == relaxed["fastest_lossless"] == "K=5,G=2"
+    assert verify["vs_lossless"] == pytest.approx(10.5 / 10.0)
+    # each round against that round's faster lossless pass: 10.0, 10.5, 10.5 seconds
+    assert verify["vs_lossless_rounds"] == pytest.approx([10.0 / 9.0, 10.5 / 10.0, 10.5 / 10.0])
+    assert relaxed["vs_lossless"] == pytest.approx(10.5 / 11.0)
+    assert all("vs_lossless" not in r for r in recs[:3] + recs[5:])  # ar, lossless and peers: none
+    note = bench_lib.lossless_note(recs)
+    assert "- batch 1, verify K=8,top1: 1.05x lossless K=5,G=2 (by round: 1.11x, 1.05x, 1.05x)" in note
+    no_lossless = [dict(r) for r in recs if r["mode"] != "lossless"]
+    for r in no_lossless:
+        r.pop("vs_lossless", None)
+    bench_lib.add_vs_lossless(no_lossless)
+    assert bench_lib.lossless_note(no_lossless) == ""
+
+
 def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
     recs = [{"peer": False, "generated_tokens": 100, "seconds_median": 12.0},  # ar
             {"peer": False, "generated_tokens": 100, "seconds_median": 7.0},

@@ -332,7 +332,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         "at batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same "
         "weights converted with our flax-to-hf, in static batches of B; assisted and prompt "
         "lookup exist at batch 1 only.\n\n"
-        + bench_lib.markdown_table(records))
+        + bench_lib.markdown_table(records) + bench_lib.lossless_note(records))
 
 
 PARTIAL = ".partial"
@@ -488,7 +488,7 @@ def main(argv=None) -> int:
     finally:
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)
-    print(bench_lib.markdown_table(records))
+    print(bench_lib.markdown_table(records) + bench_lib.lossless_note(records))
     print(f"wrote {args.json}, {args.md}" + (f", {args.png}" if args.png != "none" else ""), file=sys.stderr)
     return 0
 

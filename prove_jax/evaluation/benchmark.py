@@ -718,6 +718,7 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
         batch_records = [make_record(m, ms[0], max_new_tokens, len(prompts)) for m in ms]
         if prefill is not None:
             add_decode_only(batch_records, prefill.median_seconds)
+        add_vs_lossless(batch_records)
         records += batch_records
         measurements += ms
         if on_batch_done is not None:
@@ -741,6 +742,48 @@ def add_decode_only(records: list[dict], prefill_seconds: float) -> None:
         r["decode_speedup_vs_ar"] = (None if r["peer"] or decode <= 0 or ar_decode <= 0 else
                                      r["generated_tokens"] / decode
                                      / (records[0]["generated_tokens"] / ar_decode))
+
+
+LOSSY_MODES = ("threshold", "verify", "relaxed")
+
+
+def add_vs_lossless(records: list[dict]) -> None:
+    """Give each lossy record of ours (one batch size) its speed against the fastest lossless
+    setting of the same run: `vs_lossless` = its tokens per second over that setting's (median
+    passes), named in `fastest_lossless`, and `vs_lossless_rounds`, one ratio per interleaved
+    round against that round's fastest lossless pass (the passes of a round ran back to back, so
+    their spread is the run's noise). The question a lossy mode must answer (docs/benchmarks.md);
+    nothing is added without a lossless record."""
+    lossless = [r for r in records if r["mode"] == "lossless" and not r["peer"]]
+    if not lossless:
+        return
+    best = max(lossless, key=lambda r: r["tokens_per_second"])
+    rounds = min(len(r["seconds_all"]) for r in records if not r["peer"])
+    best_rounds = [max(r["generated_tokens"] / r["seconds_all"][i] for r in lossless) for i in range(rounds)]
+    for r in records:
+        if r["peer"] or r["mode"] not in LOSSY_MODES:
+            continue
+        r["fastest_lossless"] = best["setting"]
+        r["vs_lossless"] = r["tokens_per_second"] / best["tokens_per_second"]
+        r["vs_lossless_rounds"] = [r["generated_tokens"] / r["seconds_all"][i] / best_rounds[i]
+                                   for i in range(rounds)]
+
+
+def lossless_note(records: Sequence[dict]) -> str:
+    """Markdown lines: each lossy row against the fastest lossless setting of its batch size
+    (`add_vs_lossless`), or '' when no record has one."""
+    lines = []
+    for r in records:
+        if r.get("vs_lossless") is None:
+            continue
+        per_round = ", ".join(f"{x:.2f}x" for x in r["vs_lossless_rounds"])
+        lines.append(f"- batch {r['batch_size']}, {r['mode']} {r['setting']}: {r['vs_lossless']:.2f}x "
+                     f"lossless {r['fastest_lossless']}" + (f" (by round: {per_round})"
+                                                             if len(r["vs_lossless_rounds"]) > 1 else ""))
+    if not lines:
+        return ""
+    return ("\nAgainst the fastest lossless setting of the run at the same batch size (median passes; "
+            "by round: each round's passes, which ran back to back):\n\n" + "\n".join(lines) + "\n")
 
 
 # ---- tables ---------------------------------------------------------------------------------------
