@@ -28,7 +28,7 @@ from prove_jax.checkpoints import checkpoint
 from prove_jax.models import params as params_lib
 from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig, preset
-from prove_jax.training.metrics import MetricsLogger, train_flops_per_step
+from prove_jax.training.metrics import Goodput, MetricsLogger, train_flops_per_step
 from prove_jax.training.optimizer import lr_schedule, make_optimizer
 from prove_jax.training.preemption import Preempted, PreemptionWatch
 from prove_jax.training.run_checkpoint import (RunCheckpointMismatch,
@@ -565,6 +565,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
 
     A SIGTERM during the steps saves the step all hosts agree on and raises `Preempted`
     (training/preemption.py); the same call again continues from there."""
+    goodput = Goodput()  # this launch's wall time, from here
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
@@ -602,13 +603,15 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                           tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
                            mask_token_id=train_cfg.mask_token_id, ar_weight=cfg.ar_weight)
-    step_fn = compile_step(jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
-                                    layout, mesh), layout, mesh, cfg, log)
+    with goodput.timing("compile"):
+        step_fn = compile_step(jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum),
+                                        layout, mesh), layout, mesh, cfg, log)
 
     tok_dir = _save_run_tokenizer(tokenizer, run_dir)  # the run dir is written from here on
     ckpts = RunCheckpoints(run_dir, keep=cfg.keep, async_save=cfg.async_save, log=log)
     try:
-        restored = restore_run(ckpts, layout, data_iter, cfg)
+        with goodput.timing("checkpoint"):
+            restored = restore_run(ckpts, layout, data_iter, cfg)
     except BaseException:
         ckpts.close()
         raise
@@ -644,14 +647,17 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                            flops_per_step=train_flops_per_step(train_cfg, cfg.global_batch_size,
                                                                cfg.max_length, cfg.objective),
                            tokens_per_step=tokens_per_step,
-                           show_bar=show_bar and distributed.is_main_process())
+                           show_bar=show_bar and distributed.is_main_process(),
+                           learning_rate=lr_schedule(cfg.optimizer, cfg.steps), goodput=goodput)
     records = []
     preempted = False
     try:
         with jax.set_mesh(mesh), PreemptionWatch(start, log) as preemption:
             from prove_jax.data import pipeline as data_lib
+            goodput.begin_steps()
             for step in range(start, end):
-                batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
+                with goodput.timing("data_wait"):
+                    batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
                 state, metrics = step_fn(state, batch)
                 done = step + 1
                 # asked at every step on every host (JAX's manager agrees on a step it was
@@ -665,14 +671,17 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                 elif saving:  # never checkpoint a diverged state, logged step or not
                     check_finite(done, float(metrics["loss"]), state["params"])
                 if saving:
-                    ckpts.save(done, state, data_iter, meta)
-                    if cfg.export_every_save and done != cfg.steps and not preempted:
-                        ckpts.wait()
-                        export_at_step(os.path.join(run_dir, "model"), done, layout.graphdef,
-                                       state["params"], train_cfg, tok_dir, cfg.export_dtype)
+                    jax.block_until_ready(state)  # the step's compute counts as a step's
+                    with goodput.timing("checkpoint"):
+                        ckpts.save(done, state, data_iter, meta)
+                        if cfg.export_every_save and done != cfg.steps and not preempted:
+                            ckpts.wait()
+                            export_at_step(os.path.join(run_dir, "model"), done, layout.graphdef,
+                                           state["params"], train_cfg, tok_dir, cfg.export_dtype)
                 if preempted:  # the kill follows the notice: the checkpoint only, then stop
                     ckpts.wait()
                     break
+            goodput.end_steps()
         ckpts.wait()
     finally:
         logger.close()

@@ -1,4 +1,5 @@
-"""Training progress: a tqdm bar and RUN_DIR/metrics.jsonl (one JSON record per logged step).
+"""Training progress: a tqdm bar, RUN_DIR/metrics.jsonl (one JSON record per logged step) and
+the same scalars as TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir`).
 
 Throughput is counted in real tokens per second: the step's tokens without row padding (a
 step's `real_tokens` metric; batch x length when a step has none), of the MARS clean stream only
@@ -9,9 +10,11 @@ for MARS, whose forward is over 2L positions, + attention) over step time x devi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -53,15 +56,119 @@ def _scalar(x) -> float:
     return float(np.asarray(x))
 
 
+class Goodput:
+    """Where a launch's wall time goes, from the moment this is made.
+
+    `timing(kind)` adds the time of a block to one of `KINDS`; the step loop runs between
+    `begin_steps()` and `end_steps()`, and its time less the kinds timed inside it is the
+    productive step time. `summary()` may be called at any point.
+    """
+
+    KINDS = ("compile", "checkpoint", "data_wait")
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.start = clock()
+        self.spent = dict.fromkeys(self.KINDS, 0.0)
+        self.productive = 0.0
+        self._loop = None  # (clock, sum of spent) when the step loop began
+
+    @contextlib.contextmanager
+    def timing(self, kind: str):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.spent[kind] += self.clock() - t0
+
+    def begin_steps(self) -> None:
+        self._loop = (self.clock(), sum(self.spent.values()))
+
+    def _in_loop(self, now: float) -> float:
+        if self._loop is None:
+            return 0.0
+        t0, spent0 = self._loop
+        return (now - t0) - (sum(self.spent.values()) - spent0)
+
+    def end_steps(self) -> None:
+        self.productive += self._in_loop(self.clock())
+        self._loop = None
+
+    def summary(self) -> dict:
+        """{goodput, wall_s, productive_s, compile_s, checkpoint_s, data_wait_s, startup_s}."""
+        now = self.clock()
+        wall = now - self.start
+        productive = self.productive + self._in_loop(now)
+        out = {"goodput": productive / wall if wall > 0 else None, "wall_s": wall,
+               "productive_s": productive}
+        out.update({f"{k}_s": v for k, v in self.spent.items()})
+        out["startup_s"] = wall - productive - sum(self.spent.values())
+        return out
+
+
+# TensorBoard tag of each record key (the group it is shown under); other numeric keys go
+# under train/, and a list (accuracy by block position) as one scalar per position
+TB_TAGS = {
+    "loss": "train/loss", "learning_rate": "train/learning_rate",
+    "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "step_time_s": "perf/step_time_s",
+    "padding_fraction": "data/padding_fraction",
+    "goodput": "goodput/goodput", "wall_s": "goodput/wall_s", "productive_s": "goodput/productive_s",
+    "compile_s": "goodput/compile_s", "checkpoint_s": "goodput/checkpoint_s",
+    "data_wait_s": "goodput/data_wait_s", "startup_s": "goodput/startup_s",
+}
+
+TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard: `tensorboard --logdir RUN_DIR/tensorboard`
+
+
+def tensorboard_scalars(rec: dict) -> dict[str, float]:
+    """{tag: value} of a metrics record's numeric entries (None and the step left out)."""
+    out = {}
+    for k, v in rec.items():
+        if k == "step" or v is None:
+            continue
+        if isinstance(v, list):
+            out.update({f"train/{k}/{i}": float(x) for i, x in enumerate(v)
+                        if isinstance(x, (int, float))})
+        elif isinstance(v, (int, float)):
+            out[TB_TAGS.get(k, f"train/{k}")] = float(v)
+    return out
+
+
+class TensorBoardWriter:
+    """Scalars as TensorBoard event files in `logdir` (tensorboardX: no TensorFlow needed).
+
+    A relaunch that resumes at `start_step` marks the steps after it as purged, so TensorBoard
+    shows the steps the restored run redoes once, as metrics.jsonl does."""
+
+    def __init__(self, logdir: str, start_step: int = 0):
+        from tensorboardX import SummaryWriter
+        self.writer = SummaryWriter(logdir, purge_step=start_step + 1 if start_step else None,
+                                    flush_secs=30)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class MetricsLogger:
-    """Writes jsonl on process 0 only; every process may call it (others are no-ops)."""
+    """Writes jsonl and TensorBoard events on process 0 only; every process may call it (others
+    are no-ops). `learning_rate` is the optimizer's schedule (the rate of step s is its value at
+    s - 1, the update count before it); `goodput` the launch's `Goodput`."""
 
     def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, flops_per_step=None,
-                 tokens_per_step: int = 0, block_size: int | None = None, show_bar: bool = True):
+                 tokens_per_step: int = 0, block_size: int | None = None, show_bar: bool = True,
+                 learning_rate: Callable | None = None, goodput: Goodput | None = None,
+                 tensorboard: bool = True):
         self.main = distributed.is_main_process()
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tokens_per_step = tokens_per_step
         self.block_size = block_size
+        self.learning_rate = learning_rate
+        self.goodput = goodput
+        self.tb = None
         peak = peak_flops(jax.devices()[0].device_kind)
         self.peak_total = peak * jax.device_count() if peak else None
         self.flops_per_step = flops_per_step
@@ -70,6 +177,8 @@ class MetricsLogger:
         if self.main:
             os.makedirs(run_dir, exist_ok=True)
             self._drop_records_after(start_step)
+            if tensorboard:
+                self.tb = TensorBoardWriter(os.path.join(run_dir, TENSORBOARD_DIR), start_step)
             if show_bar:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
@@ -103,9 +212,15 @@ class MetricsLogger:
         rec["tokens_per_s"] = real / dt if dt > 0 else None
         if self.peak_total and self.flops_per_step:
             rec["mfu"] = self.flops_per_step * share / dt / self.peak_total
+        if self.learning_rate is not None:
+            rec["learning_rate"] = float(self.learning_rate(step - 1))
+        if self.goodput is not None:
+            rec.update(self.goodput.summary())
         if self.main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.tb is not None:
+                self.tb.write(step, tensorboard_scalars(rec))
             if self.bar is not None:
                 self.bar.update(step - self.bar.n)
                 self.bar.set_postfix_str(self.describe(rec), refresh=True)
@@ -125,8 +240,12 @@ class MetricsLogger:
             parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
         if rec.get("mfu") is not None:
             parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+        if rec.get("goodput") is not None:
+            parts.append(f"goodput {100 * rec['goodput']:.0f}%")
         return ", ".join(parts)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
