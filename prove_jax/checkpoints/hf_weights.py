@@ -1,7 +1,8 @@
-"""The one table between HF Qwen2 tensor names/layouts and our parameter tree.
+"""The one table between HF Qwen2/Qwen3 tensor names/layouts and our parameter tree.
 
 Each rule: an HF name regex, our path template, the HF shape expected (from the config), and a
-numpy transform. Both directions use the same rules, so a key or layout fix is made once.
+numpy transform; a family's own tensors (qwen2's q/k/v biases, qwen3's q/k norms) only in
+configs of that family. Both directions use the same rules, so a key or layout fix is made once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class _Rule:
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
     to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
     to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    applies: Callable[[ModelConfig], bool] = lambda cfg: True  # the families that have the tensor
 
 
 def _unchanged(x, cfg):
@@ -59,6 +61,14 @@ def _kv_heads(cfg):
     return cfg.num_kv_heads
 
 
+def _has_bias(cfg):
+    return cfg.attention_bias
+
+
+def _has_qk_norm(cfg):
+    return cfg.qk_norm
+
+
 _LAYER = r"model\.layers\.(?P<i>\d+)\."  # the prefix of every per-layer tensor name
 
 RULES: tuple[_Rule, ...] = (
@@ -82,11 +92,19 @@ RULES: tuple[_Rule, ...] = (
           lambda cfg: (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
           _split_heads(_kv_heads), _merge_heads),
     _Rule(_LAYER + r"self_attn\.q_proj\.bias", "layers.{i}.attn.q_bias",
-          lambda cfg: (cfg.num_heads * cfg.head_dim,), _split_heads(_query_heads), _merge_heads),
+          lambda cfg: (cfg.num_heads * cfg.head_dim,), _split_heads(_query_heads), _merge_heads,
+          _has_bias),
     _Rule(_LAYER + r"self_attn\.k_proj\.bias", "layers.{i}.attn.k_bias",
-          lambda cfg: (cfg.num_kv_heads * cfg.head_dim,), _split_heads(_kv_heads), _merge_heads),
+          lambda cfg: (cfg.num_kv_heads * cfg.head_dim,), _split_heads(_kv_heads), _merge_heads,
+          _has_bias),
     _Rule(_LAYER + r"self_attn\.v_proj\.bias", "layers.{i}.attn.v_bias",
-          lambda cfg: (cfg.num_kv_heads * cfg.head_dim,), _split_heads(_kv_heads), _merge_heads),
+          lambda cfg: (cfg.num_kv_heads * cfg.head_dim,), _split_heads(_kv_heads), _merge_heads,
+          _has_bias),
+    # Qwen3: one [Dh] weight per layer, shared by every query (key) head
+    _Rule(_LAYER + r"self_attn\.q_norm\.weight", "layers.{i}.attn.q_norm.weight",
+          lambda cfg: (cfg.head_dim,), _unchanged, _unchanged, _has_qk_norm),
+    _Rule(_LAYER + r"self_attn\.k_norm\.weight", "layers.{i}.attn.k_norm.weight",
+          lambda cfg: (cfg.head_dim,), _unchanged, _unchanged, _has_qk_norm),
     _Rule(_LAYER + r"self_attn\.o_proj\.weight", "layers.{i}.attn.o_kernel",
           lambda cfg: (cfg.hidden_size, cfg.num_heads * cfg.head_dim), _split_o_heads, _merge_o_heads),
     _Rule(_LAYER + r"mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_kernel",
@@ -107,7 +125,7 @@ def expected_hf_keys(cfg: ModelConfig) -> list[str]:
     if not cfg.tie_word_embeddings:
         keys.append("lm_head.weight")
     for rule in RULES:
-        if "(?P<i>" in rule.hf:
+        if "(?P<i>" in rule.hf and rule.applies(cfg):
             template = rule.hf.replace(_LAYER, "model.layers.{i}.").replace("\\.", ".")
             keys += [template.format(i=i) for i in range(cfg.num_layers)]
     return keys
@@ -127,6 +145,9 @@ def _match(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str | N
         m = pattern.match(name)
         if not m:
             continue
+        if not rule.applies(cfg):
+            raise WeightError(f"unexpected weight {name!r} (shape {shape}): a {cfg.model_type} model "
+                              f"has no such tensor; is config.json's model_type right?")
         if rule.ours == "lm_head" and cfg.tie_word_embeddings:
             # tied: the head is the embedding; a copy in the file is equal to it (convert's
             # read_hf_config unties the config when it differs, as transformers does)
@@ -139,7 +160,7 @@ def _match(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str | N
         if i is not None and int(i) >= cfg.num_layers:
             raise WeightError(f"unexpected key {name}: layer {i} but config has {cfg.num_layers} layers")
         return rule.ours.format(i=i), rule
-    raise WeightError(f"unmapped weight {name!r} (shape {shape}): not part of a Qwen2 model")
+    raise WeightError(f"unmapped weight {name!r} (shape {shape}): not part of a {cfg.model_type} model")
 
 
 def hf_to_ours(name: str, array: np.ndarray, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
@@ -155,7 +176,7 @@ def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     for pattern, rule in _COMPILED:
         if pattern.match(name):
             return tuple(rule.hf_shape(cfg))
-    raise WeightError(f"unmapped weight {name!r}: not part of a Qwen2 model")
+    raise WeightError(f"unmapped weight {name!r}: not part of a {cfg.model_type} model")
 
 
 def ours_to_hf(flat_params: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:

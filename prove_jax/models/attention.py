@@ -22,6 +22,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
+from prove_jax.models.norm import RMSNorm
 from prove_jax.models.paged import PagedKV
 from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules, rows_per_device,
                                       splits_evenly)
@@ -127,12 +128,17 @@ class Attention(nnx.Module):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
         self.q_kernel = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), pd)
-        self.q_bias = param(rngs, (h, dh), ("heads", "head_dim"), pd, init="zeros")
         self.k_kernel = param(rngs, (k, dh, d), ("kv_heads", "head_dim", "embed"), pd)
-        self.k_bias = param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
         self.v_kernel = param(rngs, (k, dh, d), ("kv_heads", "head_dim", "embed"), pd)
-        self.v_bias = param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
         self.o_kernel = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), pd)
+        # the family's part (ModelConfig.model_type): qwen2's q/k/v biases, qwen3's q/k norms
+        if cfg.attention_bias:
+            self.q_bias = param(rngs, (h, dh), ("heads", "head_dim"), pd, init="zeros")
+            self.k_bias = param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.v_bias = param(rngs, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, pd, rngs, axis="head_dim")
+            self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, pd, rngs, axis="head_dim")
 
     def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
         """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh],
@@ -140,12 +146,14 @@ class Attention(nnx.Module):
         cfg = self.cfg
         dt = x.dtype
         # checkpoint names: what a remat policy may keep (models/remat.py); identity otherwise
-        q = checkpoint_name(dense(x, self.q_kernel[...].astype(dt), kernels=kernels)
-                            + self.q_bias[...].astype(dt), "q_proj")
-        k = checkpoint_name(dense(x, self.k_kernel[...].astype(dt), kernels=kernels)
-                            + self.k_bias[...].astype(dt), "k_proj")
-        v = checkpoint_name(dense(x, self.v_kernel[...].astype(dt), kernels=kernels)
-                            + self.v_bias[...].astype(dt), "v_proj")
+        q = dense(x, self.q_kernel[...].astype(dt), kernels=kernels)
+        k = dense(x, self.k_kernel[...].astype(dt), kernels=kernels)
+        v = dense(x, self.v_kernel[...].astype(dt), kernels=kernels)
+        if cfg.attention_bias:
+            q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
+        q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
+        if cfg.qk_norm:  # Qwen3: each head over head_dim, before RoPE, as transformers' Qwen3Attention
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
 

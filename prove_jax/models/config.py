@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for the Qwen2 family, read from / written to HF config.json."""
+"""Model configuration: one frozen dataclass for the Qwen2 and Qwen3 (dense) families, read from /
+written to HF config.json."""
 
 from __future__ import annotations
 
@@ -10,7 +11,19 @@ from typing import Any
 from prove_jax.errors import ProveJaxError
 from prove_jax import fieldtypes
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+# The decoder families (`ModelConfig.model_type`): one decoder, switched by the config. qwen2 has
+# q/k/v biases; qwen3 has none and RMSNorms each query and key head before RoPE.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+# Families people hold beside them that this decoder does not implement, and why (named in the
+# refusal, so that "unsupported" says what is missing rather than only what is there).
+UNSUPPORTED_FAMILIES = {
+    "qwen3_moe": "a mixture-of-experts model (Qwen3-30B-A3B, 235B-A22B): only dense MLPs here",
+    "qwen2_moe": "a mixture-of-experts model: only dense MLPs here",
+    "qwen3_next": "hybrid linear attention and mixture of experts: only dense full attention here",
+    "qwen2_vl": "a vision-language model: text-only decoders here",
+    "qwen2_5_vl": "a vision-language model: text-only decoders here",
+    "qwen3_vl": "a vision-language model: text-only decoders here",
+}
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # what `dtype` / `param_dtype` may name
@@ -25,15 +38,15 @@ SILU_NAMES = ("silu", "swish")
 
 
 def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
-    """Refuse HF Qwen2 settings this model does not implement rather than convert them into a
+    """Refuse HF Qwen2/Qwen3 settings this model does not implement rather than convert them into a
     different model: an activation other than SiLU, or sliding-window attention on any layer.
-    The window follows transformers' Qwen2Config: `sliding_window` counts only with
+    The window follows transformers' Qwen2Config (Qwen3Config reads it the same way): `sliding_window` counts only with
     `use_sliding_window`, on the layers `layer_types` marks (default: from `max_window_layers`
     on). Official Qwen2.5 configs carry a window with use_sliding_window false: full attention.
     """
     act = hf.get("hidden_act", "silu")
     if act not in SILU_NAMES:
-        raise ConfigError(f"hidden_act {act!r} is not supported (Qwen2's MLP here is SiLU-gated)")
+        raise ConfigError(f"hidden_act {act!r} is not supported (the MLP here is SiLU-gated)")
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
     if window is None:
         return
@@ -47,6 +60,14 @@ def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
                           f"not supported: every layer here attends to the whole context")
 
 
+def _default_head_dim(model_type: str, hidden: int, heads: int) -> int:
+    """head_dim when config.json leaves it out, as transformers reads it: Qwen3Config's default is
+    128 whatever the width; Qwen2's is hidden_size / num_attention_heads."""
+    if model_type == "qwen3":
+        return 128
+    return hidden // heads if heads > 0 else 0
+
+
 def _field_value(key: str, value: Any, annotation: str, where: str) -> Any:
     """`value` as ModelConfig field `key` holds it (the rule is `fieldtypes.conform`'s), or a
     ConfigError naming the key."""
@@ -58,7 +79,8 @@ def _field_value(key: str, value: Any, annotation: str, where: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen2 model's shape, special tokens and numerics (HF names: `from_hf_dict`)."""
+    """A Qwen2 or Qwen3 (dense) model's family, shape, special tokens and numerics (HF names:
+    `from_hf_dict`)."""
 
     vocab_size: int
     """Embedding rows, padded past the tokenizer's ids (151,936 for Qwen2.5 up to 3B)."""
@@ -94,6 +116,9 @@ class ModelConfig:
     """dtype the weights are stored in (one of DTYPES)."""
     dtype: str = "float32"
     """dtype activations and matmuls run in (one of DTYPES)."""
+    model_type: str = "qwen2"
+    """The decoder family, HF's name for it (one of SUPPORTED_MODEL_TYPES): "qwen2" adds a bias
+    to q/k/v; "qwen3" has no bias and RMSNorms each query and key head before RoPE."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -108,13 +133,28 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ConfigError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                              f"got {self.model_type!r}")
+
+    @property
+    def attention_bias(self) -> bool:
+        """q/k/v projections carry a bias (Qwen2; Qwen3 has none)."""
+        return self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Each query and key head is RMSNormed over head_dim before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
 
     @property
     def num_params(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        attn = d * q + q + 2 * (d * kv + kv) + q * d
+        attn = d * q + 2 * d * kv + q * d
+        attn += q + 2 * kv if self.attention_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
         per_layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else d * v
         return v * d + self.num_layers * per_layer + d + head
@@ -126,14 +166,24 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """An HF Qwen2 config.json as a ModelConfig. Every value is checked against its field's
+        """An HF Qwen2 or Qwen3 config.json as a ModelConfig; a family or a setting this decoder
+        does not implement is refused here, before any weight is read. Every value is checked against its field's
         annotation (`fieldtypes.conform`, as `from_json_dict` does), so a null size or a string
         eos id fails naming the HF key instead of being written into a checkpoint that then
         cannot be read back."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            why = UNSUPPORTED_FAMILIES.get(model_type) if isinstance(model_type, str) else None
             raise ConfigError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"unsupported model_type {model_type!r}{f' ({why})' if why else ''}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
+        if experts:
+            raise ConfigError(f"HF config has {experts!r} experts (a mixture-of-experts model): "
+                              f"only dense MLPs are supported")
+        if model_type == "qwen3" and hf.get("attention_bias"):
+            raise ConfigError("attention_bias true is not supported for qwen3 (its q/k/v/o "
+                              "projections here have no bias, as in every published Qwen3)")
         types = {f.name: f.type for f in dataclasses.fields(cls)}
 
         def value(field: str, hf_key: str, raw: Any) -> Any:
@@ -181,7 +231,7 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=value("num_kv_heads", "num_key_value_heads", hf.get("num_key_value_heads") or heads),
-            head_dim=value("head_dim", "head_dim", hf.get("head_dim") or (hidden // heads if heads > 0 else 0)),
+            head_dim=value("head_dim", "head_dim", hf.get("head_dim") or _default_head_dim(model_type, hidden, heads)),
             rope_theta=theta,
             rms_norm_eps=value("rms_norm_eps", "rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             # null reads as false, as transformers' `if config.tie_word_embeddings` does
@@ -194,13 +244,15 @@ class ModelConfig:
             pad_token_id=value("pad_token_id", "pad_token_id", hf.get("pad_token_id")),
             mask_token_id=value("mask_token_id", "mask_token_id", hf.get("mask_token_id")),
             param_dtype=dtype if dtype in ("float32", "bfloat16") else "float32",
+            model_type=model_type,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         eos = list(self.eos_token_ids)
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
+        family = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+        if self.model_type == "qwen3":
+            family = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False}
+        return family | {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -226,7 +278,7 @@ class ModelConfig:
     # ---- our own config.json (a superset of HF's) ------------------------------------------
 
     def to_json_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"model_type": "qwen2"}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json_dict(cls, d: dict[str, Any], where: str = "model config") -> "ModelConfig":
@@ -284,6 +336,24 @@ PRESETS: dict[str, ModelConfig] = {
                                num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
     "qwen2.5-32b": ModelConfig(hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
                                num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
+}
+# Real Qwen3 (dense) shapes, from the published config.json files: one vocabulary (151,936 rows)
+# at every size, head_dim 128 whatever the width, 8 kv heads, tied heads up to 4B, 40,960 positions.
+_QWEN3_COMMON = _QWEN25_COMMON | dict(model_type="qwen3", head_dim=128, num_kv_heads=8,
+                                      max_position_embeddings=40_960)
+PRESETS |= {
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                              tie_word_embeddings=True, **_QWEN3_COMMON),
+    "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                              tie_word_embeddings=True, **_QWEN3_COMMON),
+    "qwen3-4b": ModelConfig(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                            tie_word_embeddings=True, **_QWEN3_COMMON),
+    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                            **_QWEN3_COMMON),
+    "qwen3-14b": ModelConfig(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
+                             **_QWEN3_COMMON),
+    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+                             **_QWEN3_COMMON),
 }
 
 

@@ -24,6 +24,8 @@ How each part stays exact (D -> D' hidden, F -> F' MLP, H/K -> H'/K' heads, L ->
 - layers: the extra layers (after the source's) have zero o and down weights, so they add
   exactly zero to the residual; their other weights are zero too.
 The vocabulary and special tokens stay the source's: the tokenizer must keep working.
+A qwen3 model (per-head q/k RMSNorm) inflates with its head_dim kept: the norm of a zero head is
+zero, so the extra heads stay silent, but over Dh' dims the norm would see other mean squares.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def inflated_config(src: ModelConfig, shape: ModelConfig) -> ModelConfig:
     (see the module docstring)."""
     problems = [f"{f} {getattr(shape, f)} < {getattr(src, f)}" for f in SHAPE_FIELDS
                 if getattr(shape, f) < getattr(src, f)]
+    if src.qk_norm and shape.head_dim != src.head_dim:
+        problems.append(f"head_dim {shape.head_dim} != {src.head_dim} (a {src.model_type} model's "
+                        f"per-head q/k norm averages over head_dim)")
     if shape.head_dim % 2:
         problems.append(f"head_dim {shape.head_dim} is odd (RoPE rotates dims in pairs)")
     src_group, group = src.num_heads // src.num_kv_heads, shape.num_heads // shape.num_kv_heads
@@ -94,12 +99,16 @@ def inflate(model: Qwen2, shape: ModelConfig) -> Qwen2:
             new[p + norm + ".weight"] = _embed(old[p + norm + ".weight"] * norm_scale, (d,))
         a = p + "attn."
         new[a + "q_kernel"] = _embed(old[a + "q_kernel"] * q_scale, (h, dh, d), (q_heads, rope_dims))
-        new[a + "q_bias"] = _embed(old[a + "q_bias"] * q_scale, (h, dh), (q_heads, rope_dims))
         # source kv head j is target kv head j
         new[a + "k_kernel"] = _embed(old[a + "k_kernel"], (kv, dh, d), (None, rope_dims))
-        new[a + "k_bias"] = _embed(old[a + "k_bias"], (kv, dh), (None, rope_dims))
         new[a + "v_kernel"] = _embed(old[a + "v_kernel"], (kv, dh, d))
-        new[a + "v_bias"] = _embed(old[a + "v_bias"], (kv, dh))
+        if src.attention_bias:
+            new[a + "q_bias"] = _embed(old[a + "q_bias"] * q_scale, (h, dh), (q_heads, rope_dims))
+            new[a + "k_bias"] = _embed(old[a + "k_bias"], (kv, dh), (None, rope_dims))
+            new[a + "v_bias"] = _embed(old[a + "v_bias"], (kv, dh))
+        if src.qk_norm:  # head_dim unchanged (inflated_config): the same weights
+            new[a + "q_norm.weight"] = old[a + "q_norm.weight"]
+            new[a + "k_norm.weight"] = old[a + "k_norm.weight"]
         new[a + "o_kernel"] = _embed(old[a + "o_kernel"], (d, h, dh), (None, q_heads))
         new[p + "mlp.gate_kernel"] = _embed(old[p + "mlp.gate_kernel"], (f, d))
         new[p + "mlp.up_kernel"] = _embed(old[p + "mlp.up_kernel"], (f, d))

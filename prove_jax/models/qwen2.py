@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen2.5 decoder in flax.nnx.
+"""Qwen2 / Qwen2.5 and Qwen3 (dense) decoder in flax.nnx: one decoder, the family a switch of the
+config (`ModelConfig.model_type`: q/k/v biases for qwen2, per-head q/k RMSNorm for qwen3, both in
+`attention.Attention`).
 
 Callers pass token ids, position ids and an explicit mask (`attention.py`): a bool [B, T, T]
 mask without a cache, a `StepMask` with a `KVCache`. Weights keep HF's [out, in] order, heads
@@ -22,12 +24,14 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
+from prove_jax.models.norm import RMSNorm
 from prove_jax.models.remat import remat_name, with_remat
 from prove_jax.models.sharding import constrain
 
 
 class Qwen2(nnx.Module):
-    """Qwen2ForCausalLM. Parameter names follow HF's module tree so conversion is a flat table."""
+    """Qwen2ForCausalLM or Qwen3ForCausalLM, as `cfg.model_type` says. Parameter names follow HF's
+    module tree so conversion is a flat table."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str | bool = "none",
                  scan_layers: bool = False):
@@ -235,13 +239,3 @@ class MLP(nnx.Module):
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
         return checkpoint_name(dense(h, self.down_kernel[...].astype(dt), kernels=kernels), "down_proj")
 
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
-        self.eps = eps
-        self.weight = param(rngs, (dim,), ("embed",), param_dtype, init="ones")
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
