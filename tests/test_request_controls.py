@@ -158,3 +158,36 @@ def test_generate_errors_name_the_flag(flags, message, capsys):
     from prove_jax.cli import generate
     assert generate.main(["--prompt", "x", *flags]) == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def _byte_tokenizer():
+    """A byte-level BPE with no merges: every UTF-8 byte is its own token, so a multi-byte
+    character arrives over several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+@pytest.mark.parametrize("text,stops", [("ab€ cd", ["b€"]), ("x€€y", ["€y"]), ("añb¡c", ["ñb", "¡c"]),
+                                        ("日本語です", ["語で"]), ("a€", ["€"]), ("é€", ["zz"])])
+def test_stop_strings_with_multibyte_characters_are_found_at_every_split(text, stops):
+    """Every way of cutting the byte tokens into committed blocks gives the one-block answer,
+    token by token included."""
+    tok = _byte_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode("utf-8")) and tok.decode(ids) == text
+    whole = StopStrings(tok, stops)
+    whole.feed(ids)
+    assert whole.stopped == any(s in text for s in stops)
+    n = len(ids)
+    for mask in range(2 ** (n - 1)):  # bit j set: a block ends after token j
+        cuts = [j + 1 for j in range(n - 1) if mask >> j & 1]
+        split = StopStrings(tok, stops)
+        for block in np.split(np.asarray(ids), cuts):
+            split.feed(block.tolist())
+        assert (split.ids, split.text, split.stopped_by) == (whole.ids, whole.text, whole.stopped_by), cuts

@@ -123,3 +123,49 @@ def test_prompt_prints_the_completion_as_it_is_committed_with_blocks_marked():
                       skip_special_tokens=True)
     assert out.rstrip("\n")[1:-1].replace("][", "") == want
     assert load_tokenizer(assets.DEMO_PROPOSER) is not None
+
+
+def test_decode_seconds_leave_out_the_compile_inside_the_loop(model):
+    """A fresh decoder compiles its programs inside the stream's timed spans: decode seconds
+    plus compile seconds fit in the wall time of the whole iteration."""
+    prompts, _ = _requests(5, seed=4)
+    stream = Decoder(model, [-1], DecodeOptions("lossless", 3)).stream(prompts, 12, batch_size=2, chunk_steps=3)
+    start = time.perf_counter()
+    for _ in stream:
+        pass
+    wall = time.perf_counter() - start
+    assert stream.compile_seconds > 0 and stream.seconds > 0
+    assert stream.seconds + stream.compile_seconds <= wall
+
+
+def test_a_stop_string_ends_the_request_in_the_chunk_that_found_it_and_counts_what_it_returns():
+    """The record counts the tokens it returns and the forwards that committed them (oracle:
+    the per-forward commits of the same request decoded without the stop); the request
+    finishes at the end of the chunk whose steps found the stop, and its row takes the next
+    request then."""
+    from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer
+    from prove_jax.decoding.requests import RequestStream
+    demo, tok = load_model(assets.DEMO_PROPOSER), load_tokenizer(assets.DEMO_PROPOSER)
+    dec = Decoder(demo, [tok.eos_token_id], DecodeOptions("lossless", 4, record_steps=True))
+    prompt = tok.encode("def parse(text):\n    ", add_special_tokens=False)
+    free = dec.generate([prompt], 48)
+    ids, commits = free.output_ids[0], free.step_commits[0]
+    text = tok.decode(ids, skip_special_tokens=True)
+    stop = text[len(text) // 3: len(text) // 3 + 3]
+    chunk = 2
+    job = RequestStream(dec, [prompt, prompt], 48, 1, tokenizer=tok, chunk_steps=chunk,
+                        params=[SamplingParams(stop=(stop,)), SamplingParams(max_new_tokens=4)])
+    results = {}
+    for event, result in job:
+        if result is not None:
+            results[event.index] = (result, job.stream.chunks)
+    (cut, chunks_then), (second, _) = results[0], results[1]
+    kept = len(cut.output_ids)
+    forwards = next(f for f in range(1, len(commits) + 1) if sum(commits[:f]) >= kept)
+    assert cut.text == text[: text.index(stop)] and kept < len(ids)
+    assert cut.stats["generated_tokens"] == kept and cut.stats["proposer_forwards"] == forwards
+    assert cut.stats["tokens_per_forward"] == kept / forwards
+    assert chunks_then == -(-forwards // chunk)  # no chunk ran after the one that found it
+    assert second.output_ids == dec.generate([prompt], 4).output_ids[0]
+    summary = job.summary([cut, second])
+    assert summary["generated_tokens"] == kept + len(second.output_ids)

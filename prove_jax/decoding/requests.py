@@ -9,6 +9,8 @@ import sys
 import uuid
 from typing import Sequence
 
+import numpy as np
+
 from prove_jax.files import atomic_write_text, is_stream
 from prove_jax.decoding.engine import BatchResult, Decoder, request_seed
 from prove_jax.decoding.options import DecodeError, DecodeOptions
@@ -199,11 +201,24 @@ def _feed_blocks(stops: StopStrings, ids: Sequence[int], blocks: Sequence[int]) 
     return False
 
 
-def _cut_at_stop(result: RequestResult, stops: StopStrings) -> RequestResult:
-    """`result` ended where `stops` (fed its blocks) found the first stop string."""
+def _cut_at_stop(result: RequestResult, stops: StopStrings, step_commits: Sequence[int] | None
+                 ) -> RequestResult:
+    """`result` ended where `stops` (fed its blocks) found the first stop string. Its stats
+    count what it returns: the kept tokens and the forwards that committed them (from
+    `step_commits`, tokens per forward; without them every forward the row ran)."""
     kept = len(stops.ids)
+    stats = dict(result.stats)
+    ran, forwards = stats["proposer_forwards"], stats["proposer_forwards"]
+    if step_commits is not None:
+        done = np.cumsum(np.asarray(step_commits, np.int64))
+        forwards = min(ran, int(np.searchsorted(done, kept)) + 1) if kept else 0
+    stats.update(generated_tokens=kept, proposer_forwards=forwards,
+                 discarded_tokens=len(result.output_ids) - kept,
+                 tokens_per_forward=kept / forwards if forwards else 0.0)
+    if stats["verifier_forwards"]:  # one verifier forward a step
+        stats["verifier_forwards"] = max(0, stats["verifier_forwards"] - (ran - forwards))
     return dataclasses.replace(result, output_ids=result.output_ids[:kept], finish_reason="stop",
-                               text=stops.text, stop=stops.stopped_by,
+                               text=stops.text, stop=stops.stopped_by, stats=stats,
                                logprobs=None if result.logprobs is None else result.logprobs[:kept])
 
 
@@ -216,8 +231,8 @@ def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> Re
     if not params.stop:
         return result
     stops = _stop_strings(params, tokenizer)
-    blocks = batch.step_commits[i] if batch.step_commits is not None else [len(ids)]
-    return _cut_at_stop(result, stops) if _feed_blocks(stops, ids, blocks) else result
+    commits = batch.step_commits[i] if batch.step_commits is not None else None
+    return _cut_at_stop(result, stops, commits) if _feed_blocks(stops, ids, commits or [len(ids)]) else result
 
 
 def summarize(results: Sequence[RequestResult], mode: str, setting: str, seconds: float,
@@ -236,13 +251,16 @@ def summarize(results: Sequence[RequestResult], mode: str, setting: str, seconds
 class RequestStream:
     """Decode requests through `Decoder.stream`: iterate for (StreamEvent, RequestResult or
     None until that request finished). Stop strings are looked for as each block arrives; at
-    the first, the request's row is finished at once (no more steps for it) and its result cut."""
+    the first, the request finishes at the end of that chunk (its row is free for the next
+    request) and its result is cut there, its stats counting only what it returns."""
 
     def __init__(self, decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  batch_size: int, params: Sequence[SamplingParams] | None = None, tokenizer=None,
                  chunk_steps: int = 16, log=None):
         self.params = list(params) if params is not None else [GREEDY] * len(prompts)
         self.stops = {i: _stop_strings(p, tokenizer) for i, p in enumerate(self.params) if p.stop}
+        if self.stops and not decoder.options.record_steps:  # the forwards a cut output took
+            decoder = decoder.with_options(dataclasses.replace(decoder.options, record_steps=True))
         self.stream = decoder.stream(prompts, max_new_tokens, batch_size=batch_size, params=self.params,
                                      chunk_steps=chunk_steps, log=log)
 
@@ -259,7 +277,7 @@ class RequestStream:
                                stats=_stats(len(out.output_ids), out.forwards, out.verifier_forwards,
                                             out.accept_hist), logprobs=out.logprobs)
         stops = self.stops.get(index)
-        return result if stops is None or not stops.stopped else _cut_at_stop(result, stops)
+        return result if stops is None or not stops.stopped else _cut_at_stop(result, stops, out.step_commits)
 
     def summary(self, results: Sequence[RequestResult]) -> dict:
         """Throughput and counts of `results` (this stream's finished requests)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+REPLACEMENT = "\ufffd"  # what decoding gives for the bytes of an unfinished UTF-8 character
+
 
 class StopStrings:
     """Feed a completion's tokens as they are committed; `stopped` tells when a stop string has
@@ -36,8 +38,11 @@ class StopStrings:
         if self.stopped or not block:
             return self.stopped
         longest = max((len(s) for s in self.stops), default=0)
-        # a match may begin in earlier text: search from where the longest stop could start
-        start = max(0, len(self.text) - longest + 1)
+        # a match may begin in earlier text: search from where the longest stop could start. The
+        # text so far may end in replacement characters (a multi-byte character cut between
+        # tokens) that become one character once its last byte arrives: count from before them.
+        settled = len(self.text.rstrip(REPLACEMENT))
+        start = max(0, settled - longest + 1)
         text = self._decode(self.ids + list(block))
         hit = self._first(text, start) if self.stops else None
         if hit is None:

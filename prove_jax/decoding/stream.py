@@ -185,16 +185,17 @@ class DecodeStream:
             seen = [int(self.requests.prompt_len[i]) if i >= 0 else 0 for i in serving]
             seen_fwd = [0] * rows
             while any(i >= 0 for i in serving):
-                t0 = time.perf_counter() + self.compile_seconds  # compiling is not decoding
+                # decode time excludes what compiling took inside the timed span
+                t0, c0 = time.perf_counter(), self.compile_seconds
                 finish = np.asarray([i in self._cancelled for i in serving])
                 state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
                                   np.int32(self.chunk_steps), np.bool_(bool(waiting)), finish, donate=(3,))
                 # one transfer of what every chunk needs
                 done, length, tokens, forwards, commits = _to_host(
                     (state.done, state.length, state.tokens, state.forwards, state.step_commits))
-                self.seconds += time.perf_counter() + self.compile_seconds - t0
+                self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
                 self.chunks += 1
-                # what the finished rows' results need, read once
+                # what the finished rows' results need, read once (and again if one is cancelled)
                 results = None
                 if any(done[r] for r, i in enumerate(serving) if i >= 0):
                     results = _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
@@ -210,11 +211,23 @@ class DecodeStream:
                         serving[r] = -1
                     elif new:
                         yield StreamEvent(i, new, blocks)
+                # rows cancelled while their events were out (a stop string): finished here, as
+                # far as they got, and their rows free for the admission below
+                cancelled = [r for r, i in enumerate(serving) if i >= 0 and i in self._cancelled]
+                if cancelled:
+                    results = results or _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
+                    for r in cancelled:
+                        yield StreamEvent(serving[r], [], [] if record else None,
+                                          self._output(r, serving[r], tokens[r], length[r], forwards[r],
+                                                       commits, *results))
+                        serving[r] = -1
+                    state = state.replace(done=jax.device_put(done | np.isin(np.arange(rows), cancelled),
+                                                              state.done.sharding))
                 free = [r for r, i in enumerate(serving) if i < 0]
                 if waiting and free:
-                    t0 = time.perf_counter() + self.compile_seconds
+                    t0, c0 = time.perf_counter(), self.compile_seconds
                     state = self._admit(admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd)
-                    self.seconds += time.perf_counter() + self.compile_seconds - t0
+                    self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
 
     def _placements(self, free: list[int], waiting: list[int], serving: list[int]) -> list[tuple[int, int]]:
         """(row, request) for the next waiting requests, in order, each in a free row whose data
