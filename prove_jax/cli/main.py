@@ -16,6 +16,7 @@ from prove_jax.cli.runner import run_cli
 # name -> (module under prove_jax.cli, one line for --help)
 COMMANDS = {
     "generate": ("generate", "decode a JSONL of prompts (ar, threshold, lossless, verify)"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server on the compiled loop (docs/serving.md)"),
     "train": ("train", "train a proposer (MARS), a verifier (AR) or a commit head from a YAML config"),
     "convert": ("convert", "convert checkpoints between HF safetensors and our orbax format"),
     "benchmark": ("benchmark", "measure every decoding mode against AR and the transformers peers"),

@@ -1,0 +1,182 @@
+"""An OpenAI-compatible server: `prove-jax serve --mode lossless --port 8000`.
+
+POST /v1/completions and /v1/chat/completions (stream: true sends server-sent events as the
+loop commits tokens), GET /v1/models, /health (503 until the model is loaded and every program
+compiled) and /metrics (Prometheus). Requests from every connection join the running batch
+between chunks of decode steps; nothing compiles after start-up, so a request larger than the
+compiled shapes (--max-prompt-tokens, --max-new-tokens) is refused with the reason. SIGTERM
+stops accepting, gives the requests in flight --shutdown-timeout seconds, and exits 0.
+Decoding flags are generate's (see `prove-jax generate --help`); the sampling flags are the
+defaults a request's own fields override. Without --model the shipped demo pair serves.
+docs/serving.md has examples with curl and the openai client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import sys
+
+from prove_jax import assets
+from prove_jax.errors import ProveJaxError
+from prove_jax.cli.generate import check_mode_options, decode_options, default_params
+from prove_jax.cli.runner import fail, run_cli
+from prove_jax.checkpoints.checkpoint import load_tokenizer
+from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError
+from prove_jax.decoding.loading import build_decoder
+from prove_jax.decoding.options import MAX_LOGPROBS
+from prove_jax.models.config import DTYPES
+from prove_jax.models.kernels import ATTENTION_KERNELS
+from prove_jax.serving.engine import SAMPLERS, Engine, ServeOptions
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="prove-jax serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=assets.DEMO_PROPOSER, help="proposer checkpoint dir (default: the demo proposer)")
+    ap.add_argument("--verifier", default=None, help="verifier checkpoint dir for --mode verify (default: the demo verifier)")
+    ap.add_argument("--mode", default="lossless", choices=MODES, help="decoding mode (default lossless: AR's output)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model id clients send and /v1/models lists (default: the --model folder's name)")
+    net = ap.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    net.add_argument("--batch-size", type=int, default=8,
+                     help="rows decoded together; more requests wait for a free row (default 8)")
+    net.add_argument("--max-prompt-tokens", type=int, default=512,
+                     help="longest prompt a request may send, chat template included (default 512)")
+    net.add_argument("--max-new-tokens", type=int, default=256,
+                     help="most new tokens a request may ask for, and what one without max_tokens gets (default 256)")
+    net.add_argument("--max-queue", type=int, default=256,
+                     help="requests queued or decoding at once; more get 429 (default 256)")
+    net.add_argument("--chunk-steps", type=int, default=4,
+                     help="decode steps per device call; requests join and text goes out between calls (default 4)")
+    net.add_argument("--sampling", default="full", choices=tuple(SAMPLERS),
+                     help="sampling the compiled step supports: full (temperature, top-k/top-p, min-p; default), "
+                          "temperature (no vocabulary sort), greedy (temperature 0 only: the fastest step)")
+    net.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds requests in flight get to finish after SIGTERM (default 10)")
+    net.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                     help="uvicorn's log level (default warning; info logs every request)")
+    sample = ap.add_argument_group("sampling defaults (a request's own fields override them)")
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    sample.add_argument("--top-k", type=int, default=0)
+    sample.add_argument("--top-p", type=float, default=1.0)
+    sample.add_argument("--min-p", type=float, default=0.0)
+    sample.add_argument("--seed", type=int, default=0, help="seeds the requests that give none (request i: from this and i)")
+    sample.add_argument("--stop", action="append", default=None, metavar="TEXT")
+    sample.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID", dest="stop_token_ids")
+    sample.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help=f"record log-probabilities and the N most likely alternatives (0-{MAX_LOGPROBS}), "
+                             f"so requests may ask for logprobs (default: off, a cheaper step)")
+    dec = ap.add_argument_group("decoding (as generate's)")
+    dec.add_argument("--block-size", type=int, default=None)
+    dec.add_argument("--groups", type=int, default=None)
+    dec.add_argument("--adaptive", action="store_true")
+    dec.add_argument("--tau", type=float, default=None)
+    dec.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS)
+    dec.add_argument("--commit-rule", default=None, choices=COMMIT_RULES)
+    dec.add_argument("--tau-v", type=float, default=None)
+    dec.add_argument("--relaxed-p", type=float, default=None)
+    dec.add_argument("--head-threshold", type=float, default=None)
+    dec.add_argument("--gate-tau", type=float, default=None)
+    dec.add_argument("--prefill-chunk", type=int, default=None)
+    dec.add_argument("--dtype", default="float32", choices=DTYPES)
+    dec.add_argument("--mesh", default=None, help="data,fsdp,tensor over this host's devices")
+    dec.add_argument("--scan-layers", action="store_true")
+    dec.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS)
+    dec.add_argument("--page-size", type=int, default=None)
+    dec.add_argument("--kv-pages", type=int, default=None)
+    args = ap.parse_args(argv)
+    args.calibrate = False  # generate's, which serve does not take (it would time requests' own prompts)
+    for flag in ("batch_size", "max_prompt_tokens", "max_new_tokens", "max_queue", "chunk_steps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.port < 65536:
+        ap.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        ap.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    return args
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket at host:port (port 0: a free one), so the address is known before
+    uvicorn starts and a taken port is one clear error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DecodeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        check_mode_options(args)
+        options = dataclasses.replace(decode_options(args), record_steps=True)  # blocks: stop strings, metrics
+        defaults = default_params(args)
+        for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
+            if path is not None and not os.path.isdir(path):
+                raise DecodeError(f"{flag} {path}: no such checkpoint directory")
+        tokenizer = load_tokenizer(args.model)
+        if tokenizer is None and defaults.stop:
+            raise DecodeError("--stop needs the checkpoint's tokenizer (this one has none); use --stop-token-id")
+        if not defaults.greedy and args.sampling == "greedy":
+            raise DecodeError("--temperature > 0 needs --sampling full or temperature")
+        if args.sampling == "temperature" and (defaults.top_k or defaults.top_p < 1 or defaults.min_p):
+            raise DecodeError("--top-k, --top-p and --min-p need --sampling full")
+        serve_options = ServeOptions(rows=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                                     max_new_tokens=args.max_new_tokens, max_queue=args.max_queue,
+                                     chunk_steps=args.chunk_steps, sampling=args.sampling,
+                                     shutdown_seconds=args.shutdown_timeout)
+        verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        sock = _listen(args.host, args.port)
+    except (ProveJaxError, ValueError, OSError) as e:
+        return fail(e)
+    import uvicorn  # the HTTP stack loads once the arguments are good
+    from prove_jax.serving.app import build_app
+
+    def load():
+        say(f"loading {args.model} ...")
+        decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
+                                   mesh_shape=args.mesh, tokenizer=tokenizer)
+        return decoder, tokenizer
+
+    engine = Engine(load, serve_options, seed=args.seed, log=say)
+    app = build_app(engine, name, defaults, args.logprobs)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout or None))
+
+    def failed(message: str) -> None:
+        server.should_exit = True
+    engine.on_error = failed
+    host, port = sock.getsockname()[:2]
+    say(f"serving {name} on http://{host if ':' not in host else f'[{host}]'}:{port} "
+        f"(GET /health answers 200 once the model is compiled)")
+    # uvicorn handles SIGTERM (stop accepting, wait for the requests in flight) and then raises
+    # it again for the handler it found: with this one the process then exits 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run(sockets=[sock])
+    if engine.error is not None:
+        return fail(DecodeError(engine.error.strip().splitlines()[-1]))
+    say("stopped")
+    if engine.running:  # stopped while it compiled: leave without waiting for XLA's threads
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
