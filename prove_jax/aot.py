@@ -36,19 +36,35 @@ _SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
 GIB = 1024 ** 3
-CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 32, "H100": 80, "H200": 141}
+# Usable memory per chip as the runtime reports it (libtpu's figure for v6e is 31.25 GiB, not
+# the 32 of the spec sheet; the GPUs' are the spec sheets').
+CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 31.25, "H100": 80, "H200": 141}
+# Per chip, from the Cloud TPU and NVIDIA spec sheets: HBM bandwidth in bytes/s and dense
+# bf16 peak in FLOP/s (H100/H200: SXM). What `roofline_seconds` of a step report divides by.
+CHIP_HBM_BANDWIDTH = {"v5p": 2765e9, "v5e": 819e9, "v4": 1200e9, "v6e": 1640e9, "H100": 3350e9, "H200": 4800e9}
+CHIP_PEAK_FLOPS = {"v5p": 459e12, "v5e": 197e12, "v4": 275e12, "v6e": 918e12, "H100": 989e12, "H200": 989e12}
 
 
 class UnknownChip(ProveJaxError, ValueError):
     """A chip name this module has no memory size or topology for."""
 
 
+def _chip_value(table: dict, chip: str):
+    for name, value in table.items():
+        if name.lower() == chip.lower():
+            return value
+    raise UnknownChip(f"unknown chip {chip!r}; known: {', '.join(table)}")
+
+
 def chip_hbm_bytes(chip: str) -> int:
     """Memory of one `chip` (a TPU generation, or H100/H200), in bytes."""
-    for name, gib in CHIP_HBM_GIB.items():
-        if name.lower() == chip.lower():
-            return gib * GIB
-    raise UnknownChip(f"unknown chip {chip!r}; known: {', '.join(CHIP_HBM_GIB)}")
+    return int(_chip_value(CHIP_HBM_GIB, chip) * GIB)
+
+
+def roofline_seconds(chip: str, hbm_bytes: float, flops: float) -> float:
+    """The least time a program moving `hbm_bytes` and computing `flops` per chip can take on
+    `chip`: whichever of its memory bandwidth and its bf16 peak binds."""
+    return max(hbm_bytes / _chip_value(CHIP_HBM_BANDWIDTH, chip), flops / _chip_value(CHIP_PEAK_FLOPS, chip))
 
 
 def libtpu_available() -> bool:
@@ -139,6 +155,12 @@ def compile_stats(lowered, topology: str, what: str = "the step",
     """Compile a `jax.stages.Lowered` for its topology and read its memory and collectives.
     A program too large for a chip raises DoesNotFit with XLA's numbers and `advice` (what to
     lower), not its traceback."""
+    return compile_with_stats(lowered, topology, what, advice)[1]
+
+
+def compile_with_stats(lowered, topology: str, what: str = "the step",
+                       advice: str = "model.remat=full, a larger slice, a smaller batch"):
+    """(compiled program, CompiledStats) of `compile_stats`, for a caller that reads the HLO too."""
     import jax
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
@@ -150,9 +172,8 @@ def compile_stats(lowered, topology: str, what: str = "the step",
                          f"(lower the memory: {advice})") from None
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     memory = compiled.memory_analysis()
-    return CompiledStats(topology=topology, compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
-                         argument_bytes=int(memory.argument_size_in_bytes),
-                         output_bytes=int(memory.output_size_in_bytes),
-                         alias_bytes=int(memory.alias_size_in_bytes),
-                         temp_bytes=int(memory.temp_size_in_bytes),
-                         collectives=collective_counts(compiled.as_text()))
+    return compiled, CompiledStats(
+        topology=topology, compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
+        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+        collectives=collective_counts(compiled.as_text()))

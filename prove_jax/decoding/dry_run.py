@@ -71,7 +71,7 @@ class DecodeDryRun:
                 + f", batch {self.batch}" + (f" ({self.rows} rows)" if self.rows not in (0, self.batch) else "")
                 + f", {self.prompt_tokens} prompt + {self.new_tokens} new tokens, "
                 f"layers {'scanned' if o.scan_layers else 'unrolled'}, attention {o.kernels.attention}",
-                f"on {self.topology} ({self.chips} x {self.chip}, {self.hbm_bytes / gib:.0f} GiB each), "
+                f"on {self.topology} ({self.chips} x {self.chip}, {self.hbm_bytes / gib:g} GiB each), "
                 f"mesh {self.mesh}; weights {self.weight_bytes / gib:.2f} GiB per chip"]
         if self.stats is None:
             rows.append(f"DOES NOT FIT: {self.does_not_fit}")
@@ -79,7 +79,7 @@ class DecodeDryRun:
         s = self.stats
         rows += [f"compiled in {s.compile_seconds:.1f} s; XLA's per-chip memory: arguments "
                  f"{s.argument_bytes / gib:.2f} GiB, temporaries {s.temp_bytes / gib:.2f} GiB, peak "
-                 f"{s.peak_bytes / gib:.2f} GiB of {self.hbm_bytes / gib:.0f} "
+                 f"{s.peak_bytes / gib:.2f} GiB of {self.hbm_bytes / gib:g} "
                  f"({100 * s.peak_bytes / self.hbm_bytes:.0f}%): {'FITS' if self.fits else 'DOES NOT FIT'}",
                  "collectives (count, result bytes): " + (", ".join(
                      f"{kind} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
@@ -149,6 +149,24 @@ def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, 
     `prompt_lengths`, `batch` rows serve a queue of prompts of those lengths instead (each
     below `context`). A program XLA refuses for lack of memory comes back as a report with
     `does_not_fit` set."""
+    report, decoder, prompt = _on_slice(proposer, options, chip=chip, chips=chips, batch=batch, context=context,
+                                        new_tokens=new_tokens, verifier=verifier, dtype=dtype)
+    prompts = [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
+    lowered = decoder.lower(prompts, new_tokens, batch_size=batch)
+    report.rows = decoder.rows(batch, batch)
+    report.options = adapt_for_batch(report.options, report.rows, table=ADAPTIVE_TABLES["tpu"])
+    try:
+        report.stats = aot.compile_stats(lowered, report.topology, what="the decode program",
+                                         advice=DOES_NOT_FIT_ADVICE)
+    except aot.DoesNotFit as e:
+        report.does_not_fit = str(e)
+    return report
+
+
+def _on_slice(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips: int, batch: int, context: int,
+              new_tokens: int, verifier: ModelConfig | None, dtype: str):
+    """(a report without compile stats, the Decoder `generate` would build on the slice with
+    abstract weights, one prompt of `context - new_tokens` tokens), after checking the request."""
     if not aot.libtpu_available():
         raise DecodeError('the decode dry run compiles for a TPU slice and needs libtpu: '
                           'pip install "libtpu==0.0.42.*" (docs/environment.md)')
@@ -177,12 +195,4 @@ def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, 
                           proposer_params=proposer.num_params,
                           verifier_params=configs[1].num_params if len(configs) > 1 else 0,
                           weight_bytes=sum(_bytes_per_chip(m, mesh) for m in models), hbm_bytes=hbm)
-    prompts = [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
-    lowered = decoder.lower(prompts, new_tokens, batch_size=batch)
-    report.rows = decoder.rows(batch, batch)
-    report.options = adapt_for_batch(options, report.rows, table=ADAPTIVE_TABLES["tpu"])
-    try:
-        report.stats = aot.compile_stats(lowered, topology, what="the decode program", advice=DOES_NOT_FIT_ADVICE)
-    except aot.DoesNotFit as e:
-        report.does_not_fit = str(e)
-    return report
+    return report, decoder, prompt

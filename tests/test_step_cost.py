@@ -1,0 +1,158 @@
+"""The step-cost report: HBM bytes and FLOPs of one execution of a compiled program, read from
+its HLO (`prove_jax.hlo_cost`), for the programs `generate` streams (`decoding.step_report`).
+
+On this CPU: loops are priced at their trip counts (XLA's own cost analysis counts a body
+once); a small model's decode step moves what a hand count of its weights and KV says; a
+deliberate extra pass over the KV cache shows up in the bytes; the report's arithmetic. With
+libtpu (optional): the step compiled for a TPU slice moves what it must, within 1.3x.
+"""
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prove_jax import aot, hlo_cost
+from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import step_report
+from prove_jax.models import attention
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.params import create_model
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                  num_kv_heads=2, head_dim=64, mask_token_id=255, eos_token_ids=(1,))
+ROWS, PROMPT, NEW = 2, 200, 56
+
+
+def test_loop_bodies_are_priced_at_their_trip_counts():
+    """A scan of L trips, each adding row l of x [L, N] to y [N]: a trip reads x[l] and y and
+    writes y, 12 N bytes in float32; XLA's cost analysis counts the body once."""
+    layers, n = 16, 1 << 16
+
+    def f(x, y):
+        return jax.lax.scan(lambda y, row: (y + row, None), y, x)[0]
+
+    compiled = jax.jit(f).lower(jnp.zeros((layers, n)), jnp.zeros((n,))).compile()
+    cost = hlo_cost.program_cost(compiled.as_text())
+    hand = layers * 12 * n
+    assert hand <= cost.bytes <= 1.15 * hand
+    assert compiled.cost_analysis()["bytes accessed"] < cost.bytes / 4  # the pitfall this module avoids
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CFG, seed=0)
+
+
+def _step(model, monkeypatch=None, **options):
+    decoder = Decoder(model, [1], DecodeOptions("ar", 1, **options))
+    report = step_report.price_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS, chip="H100", programs=("step",))
+    return report, report.programs[0]
+
+
+def _kv_bytes(slots: int) -> int:
+    """float32 K and V of every layer, kv head and row over `slots` slots."""
+    return 2 * CFG.num_layers * ROWS * CFG.num_kv_heads * slots * CFG.head_dim * 4
+
+
+def _weight_bytes() -> int:
+    d, f, h, k, dh = CFG.hidden_size, CFG.intermediate_size, CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    layer = (h + 2 * k) * dh * d + (h + 2 * k) * dh + h * dh * d + 3 * d * f + 2 * d
+    return 4 * (CFG.num_layers * layer + d + CFG.vocab_size * d)  # + final norm, LM head (embedding: 2 rows)
+
+
+def test_a_decode_step_moves_its_weights_and_kv_once(model):
+    """One AR step of a small model (layers unrolled, so XLA:CPU reads each weight in place):
+    the bytes its HLO moves are the weights, once, and the KV of the buffer (a short buffer is
+    read in one pass, so all of it), within the activations (scores, softmax: 7% here)."""
+    report, step = _step(model)
+    filled, slots = report.setting["filled"], report.setting["slots"]
+    assert filled == PROMPT + NEW
+    must = _weight_bytes() + _kv_bytes(filled + 1)
+    assert step.min_hbm_bytes == pytest.approx(must, rel=0.02)  # the report's own hand count
+    assert must <= step.hbm_bytes <= 1.12 * (_weight_bytes() + _kv_bytes(slots))
+    assert step.flops >= 2 * (_weight_bytes() // 4 - CFG.vocab_size * CFG.hidden_size) * ROWS * 0.9
+    assert step.roofline_seconds == pytest.approx(aot.roofline_seconds("H100", step.hbm_bytes, step.flops))
+
+
+def test_an_extra_pass_over_the_cache_raises_the_bytes(model, monkeypatch):
+    """A deliberate extra copy (every layer's cache rewritten whole after its step's write)
+    costs at least one more write of the whole cache in the report."""
+    _, before = _step(model)
+    written = attention.write_step
+    monkeypatch.setattr(attention, "write_step", lambda *a, **k: written(*a, **k) * 2)
+    report, after = _step(model)
+    assert after.hbm_bytes - before.hbm_bytes >= 0.9 * _kv_bytes(report.setting["slots"])
+
+
+def test_the_report_writes_json_and_a_table(tmp_path, model):
+    report, step = _step(model)
+    path = tmp_path / "report.json"
+    report.write(str(path))
+    record = json.loads(path.read_text())
+    (row,) = record["programs"]
+    assert row["name"] == "step"
+    for key in ("hbm_bytes", "min_hbm_bytes", "flops", "roofline_seconds", "peak_bytes", "collectives"):
+        assert key in row
+    assert row["waste"] == pytest.approx(row["hbm_bytes"] / row["min_hbm_bytes"], abs=1e-3)
+    assert row["roofline_seconds"] == max(row["hbm_bytes"] / 3350e9, row["flops"] / 989e12)
+    table = report.table()
+    assert "| step |" in table and f"{step.waste:.2f}" in table
+
+
+def test_counted_loops_without_a_stated_trip_count():
+    """libtpu's compiled HLO states no `known_trip_count`: a scan's trips come from its
+    condition, `counter < N`; a loop bounded by a traced value gets the caller's count."""
+    text = """HloModule m
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %q = (s32[], f32[4]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %x = f32[4] get-tuple-element(%q), index=1
+  %y = f32[4] negate(%x)
+  ROOT %t = (s32[], f32[4]) tuple(%j, %y)
+}
+
+%cond2 (p2: (s32[], f32[4], s32[])) -> pred[] {
+  %p2 = (s32[], f32[4], s32[]) parameter(0)
+  %i2 = s32[] get-tuple-element(%p2), index=0
+  %n2 = s32[] get-tuple-element(%p2), index=2
+  ROOT %lt2 = pred[] compare(%i2, %n2), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[4]), b: (s32[], f32[4], s32[])) -> f32[4] {
+  %a = (s32[], f32[4]) parameter(0)
+  %w = (s32[], f32[4]) while(%a), condition=%cond, body=%body
+  %b = (s32[], f32[4], s32[]) parameter(1)
+  %w2 = (s32[], f32[4], s32[]) while(%b), condition=%cond2, body=%body
+  ROOT %r = f32[4] get-tuple-element(%w), index=1
+}
+"""
+    cost = hlo_cost.program_cost(text, unknown_trips=3)
+    assert cost.by_opcode["negate"] == (7 + 3) * 32  # 16 bytes read, 16 written per trip
+    assert cost.unknown_loops == 1
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (optional): pip install 'libtpu==0.0.42.*'")
+def test_the_tpu_step_moves_what_it_must():
+    """A small model's AR step compiled for v5e-4 (4 rows, one per chip, 1k context): the HBM
+    bytes of one step are within 1.3x of its weights and live KV, and the report names the
+    programs `generate` streams."""
+    cfg = CFG.replace(head_dim=128)
+    report = step_report.step_report(cfg, DecodeOptions("ar", 1, scan_layers=True), chip="v5e", chips=4, batch=4,
+                                     context=1024, new_tokens=128, programs=("step", "admit"))
+    step, admit = report.programs
+    assert (step.name, admit.name) == ("step", "admit")
+    assert 0.9 <= step.waste <= 1.3
+    assert np.isclose(step.roofline_seconds, step.hbm_bytes / aot.CHIP_HBM_BANDWIDTH["v5e"], rtol=1e-6)
