@@ -6,9 +6,11 @@ padding to a multiple of `block_size`) and `valid` (real tokens and that padding
 each prompt/response pair) is padded to whole blocks on its own and packed into rows, which then
 also carry `segment_ids` (1, 2, ... per example in the row, 0 = padding) and `positions`
 (restarting at 0 for each example). Rows are tokenized once, up front, so truncation is counted
-before training. Host h takes every
-`process_count`-th host-sized batch of one shuffled order, so a multi-host run sees the global
-batches of a single-process run with the same seed, and the iterator state is one integer.
+before training. Global batches are consecutive `global_batch_size` rows of one shuffled order,
+and each host reads exactly the rows of them that its own devices hold (`host_rows`, from the
+batch sharding: on a pod the mesh's device order need not follow the process order), so a
+multi-host run sees the global batches of a single-process run with the same seed, row for
+row, and the iterator state is one integer (the global batch index).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from prove_jax.errors import ProveJaxError
+from prove_jax.data.chat import chat_prompt_ids
 from prove_jax.data.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -170,14 +173,6 @@ def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
                           verbose=False)["input_ids"])
 
 
-def _chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True)
-    if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return list(out)
-
-
 def _special_ids(tokenizer) -> tuple[int, int]:
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -223,11 +218,12 @@ def _best_fit(lengths: Sequence[int], max_length: int) -> list[list[int]]:
 
 def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int, block_size: int,
                       chat: bool = False, pack: bool = True,
-                      pack_documents: bool = False) -> TokenizedRows:
+                      pack_documents: bool = False, enable_thinking: bool | None = None) -> TokenizedRows:
     """Rows of exactly max_length tokens (see the module docstring for the masks).
 
     `pack` joins plain text into one stream cut at max_length (no document boundaries);
     `pack_documents` packs every example into rows with segment ids instead (`pack` is moot).
+    `enable_thinking` is the chat template's thinking switch (Qwen3's; data/chat.py).
     """
     if block_size <= 0 or max_length <= 0:
         raise DataError(f"max_length ({max_length}) and block_size ({block_size}) must be positive")
@@ -247,7 +243,7 @@ def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int
     prompt_responses: list[tuple[list[int], list[int]]] = []  # (prompt ids, trained response ids)
     if pairs:
         if chat:
-            prompts = [_chat_prompt_ids(tokenizer, ex["prompt"]) for ex in pairs]
+            prompts = [chat_prompt_ids(tokenizer, ex["prompt"], enable_thinking) for ex in pairs]
         else:
             prompts = _token_ids(tokenizer, [ex["prompt"] for ex in pairs])
         responses = _token_ids(tokenizer, [ex["response"] for ex in pairs])
@@ -300,29 +296,43 @@ def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int
 # ---- grain pipeline --------------------------------------------------------------------------
 
 class _RowLookup:
-    """index -> one row's arrays (a picklable grain map function)."""
+    """A global batch's row indices -> this host's rows of it, as arrays (a picklable grain map
+    function): `host` picks the positions in the batch that this host reads."""
 
-    def __init__(self, rows: TokenizedRows):
+    def __init__(self, rows: TokenizedRows, host: np.ndarray):
         self.rows = rows
+        self.host = host
 
-    def __call__(self, index: int) -> dict[str, np.ndarray]:
-        r = self.rows
+    def __call__(self, batch_indices: np.ndarray) -> dict[str, np.ndarray]:
+        r, index = self.rows, np.asarray(batch_indices)[self.host]
         row = {"input_ids": r.input_ids[index], "loss_mask": r.loss_mask[index], "valid": r.valid[index]}
         if r.segment_ids is not None:
             row |= {"segment_ids": r.segment_ids[index], "positions": r.positions[index]}
         return row
 
 
+def host_rows(sharding, global_batch_size: int, length: int) -> np.ndarray:
+    """The rows of a [global_batch_size, length] batch that this process's devices hold under
+    `sharding`, ascending: the rows this host reads, in the order
+    `jax.make_array_from_process_local_data` lays its local data out (by global position)."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((global_batch_size, length)).values():
+        rows.update(range(*index[0].indices(global_batch_size)))
+    return np.asarray(sorted(rows), np.int64)
+
+
 def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_length: int,
                  block_size: int, global_batch_size: int, seed: int, shuffle: bool = True,
                  num_epochs: int | None = None, process_index: int | None = None,
                  process_count: int | None = None, chat: bool = False, pack: bool = True,
-                 pack_documents: bool = False, read_threads: int = 0,
-                 worker_count: int = 0) -> grain.DatasetIterator:
+                 pack_documents: bool = False, read_threads: int = 0, enable_thinking: bool | None = None,
+                 worker_count: int = 0, rows: Sequence[int] | None = None) -> grain.DatasetIterator:
     """This host's batch iterator: dicts of input_ids / loss_mask / valid (with
     `pack_documents` also segment_ids / positions), each [b, max_length].
 
-    b = global_batch_size // process_count. `num_epochs=None` repeats forever; a finite count
+    `rows`: the rows of each global batch this host reads, ascending (`host_rows` of the batch
+    sharding); without them, the process's contiguous share (b = global_batch_size //
+    process_count rows from process_index x b). `num_epochs=None` repeats forever; a finite count
     stops after the last full global batch (the same step on every host). The returned grain
     iterator has get_state()/set_state() (one integer: the next batch index) and works with
     `iterator_save_args` / `iterator_restore_args` inside an orbax Composite. `.stats` holds
@@ -341,33 +351,42 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
         else list(examples_or_path)
     if not examples:
         raise DataError("empty dataset: no examples given")
-    rows = tokenize_examples(examples, tokenizer, max_length=max_length, block_size=block_size,
-                             chat=chat, pack=pack, pack_documents=pack_documents)
-    n = rows.input_ids.shape[0]
+    tokenized = tokenize_examples(examples, tokenizer, max_length=max_length, block_size=block_size,
+                                  chat=chat, pack=pack, pack_documents=pack_documents, enable_thinking=enable_thinking)
+    n = tokenized.input_ids.shape[0]
     if n == 0:
         raise DataError(f"empty dataset: all {len(examples)} examples were dropped (no trained tokens "
                         f"within max_length {max_length})")
-    if rows.truncated or rows.dropped:
+    if tokenized.truncated or tokenized.dropped:
         log.warning("data: %d sequences longer than max_length %d were truncated; %d rows dropped "
-                    "(no trained token left)", rows.truncated, max_length, rows.dropped)
-    stats = DataStats(examples=len(examples), sequences=n, truncated=rows.truncated,
-                      dropped=rows.dropped, trained_tokens=int((rows.loss_mask & rows.valid).sum()),
-                      steps_per_epoch=n // global_batch_size, documents=rows.documents,
-                      padding_fraction=float(1.0 - rows.valid.mean()),
-                      fill_fraction=rows.filled / rows.valid.size)
+                    "(no trained token left)", tokenized.truncated, max_length, tokenized.dropped)
+    stats = DataStats(examples=len(examples), sequences=n, truncated=tokenized.truncated,
+                      dropped=tokenized.dropped,
+                      trained_tokens=int((tokenized.loss_mask & tokenized.valid).sum()),
+                      steps_per_epoch=n // global_batch_size, documents=tokenized.documents,
+                      padding_fraction=float(1.0 - tokenized.valid.mean()),
+                      fill_fraction=tokenized.filled / tokenized.valid.size)
 
-    host_batch = global_batch_size // process_count
+    if rows is None:
+        host_batch = global_batch_size // process_count
+        rows = range(process_index * host_batch, (process_index + 1) * host_batch)
+    host = np.asarray(rows, np.int64)
+    if host.ndim != 1 or not host.size or np.any(np.diff(host) <= 0) or host[0] < 0 \
+            or host[-1] >= global_batch_size:
+        raise DataError(f"rows {host.tolist()} are not ascending rows of a global batch of "
+                        f"{global_batch_size}")
     ds = grain.MapDataset.range(n)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs).map(_RowLookup(rows)).batch(host_batch, drop_remainder=True)
-    ds = ds[process_index::process_count]  # host h: hb-chunks h, h + P, ... of the global order
+    # global batches of row indices (ints: cheap), then only this host's rows are read
+    ds = ds.repeat(num_epochs).batch(global_batch_size, drop_remainder=True)
     if num_epochs is not None:
         steps = n * num_epochs // global_batch_size
         if steps == 0:
             raise DataError(f"{n} sequences x {num_epochs} epochs do not fill one global batch of "
                             f"{global_batch_size}")
         ds = ds[:steps]
+    ds = ds.map(_RowLookup(tokenized, host))
     iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                                    prefetch_buffer_size=2 * read_threads))
     if worker_count > 0:

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from prove_jax.errors import ProveJaxError
 from prove_jax import distributed, files, memory
 from prove_jax.checkpoints import checkpoint
+from prove_jax.data.chat import chat_problem
 from prove_jax.models import params as params_lib
 from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig, preset
@@ -332,14 +333,19 @@ def data_block_size(cfg: TrainConfig) -> int:
     return cfg.block_size if cfg.objective == "mars" else 1
 
 
-def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None]):
+def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None], mesh=None):
+    """This host's batches; given the run's `mesh`, exactly the rows of each global batch that
+    its devices hold under the batch sharding (else the process's contiguous share)."""
     from prove_jax.data import pipeline as data_lib
     _require_data(cfg.data)
+    rows = None if mesh is None else data_lib.host_rows(
+        NamedSharding(mesh, BATCH_SPEC), cfg.global_batch_size, cfg.max_length)
     it = data_lib.make_dataset(
         cfg.data, tokenizer, max_length=cfg.max_length, block_size=data_block_size(cfg),
         global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=True, num_epochs=None,
         process_index=jax.process_index(), process_count=jax.process_count(), chat=cfg.chat,
-        pack_documents=cfg.pack_documents)
+        enable_thinking=cfg.enable_thinking,
+        pack_documents=cfg.pack_documents, rows=rows)
     stats = getattr(it, "stats", None)
     if stats is not None:
         packed = f" ({stats.documents} documents packed)" if cfg.pack_documents else ""
@@ -590,6 +596,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     if cfg.chat and not getattr(tokenizer, "chat_template", None):
         raise TrainConfigError(f"chat=true but the tokenizer in {tok_where} has no chat template; "
                                f"use a tokenizer with one or set chat=false")
+    if cfg.chat and (problem := chat_problem(tokenizer, cfg.enable_thinking)) is not None:
+        raise TrainConfigError(f"enable_thinking={str(cfg.enable_thinking).lower()}: {problem} "
+                               f"(in {tok_where}); set enable_thinking=null")
     if cfg.model.preset is not None or cfg.model.config is not None:
         model_cfg = _fill_special_ids(model_cfg, tokenizer)
     tokenizer, train_cfg, grown = _with_mask_token(cfg, tokenizer, model_cfg)
@@ -597,7 +606,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
         raise TrainError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
                          f"{train_cfg.vocab_size} embedding rows; use the model's own tokenizer")
     # the data is read and checked before the step compiles and before the run dir is written
-    data_iter = make_data_iterator(cfg, tokenizer, log)
+    data_iter = make_data_iterator(cfg, tokenizer, log, mesh)
     tx = make_optimizer(cfg.optimizer, cfg.steps)
     layout = state_layout(params_lib.abstract_model(train_cfg, cfg.model.remat, cfg.model.scan_layers),
                           tx, mesh)
