@@ -1,0 +1,36 @@
+"""`--profile DIR`: a jax.profiler trace of the steps after warm-up, named for the step."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from prove_jax.profiling import StepProfile, trace_files
+
+
+def test_the_trace_holds_the_steps_after_warm_up(tmp_path):
+    @jax.jit
+    def decode_like(x):
+        return jnp.tanh(x @ x)
+
+    x = jnp.ones((64, 64))
+    with StepProfile(str(tmp_path), "decode_chunk", warmup=2, steps=2) as profile:
+        for _ in range(6):
+            with profile.step(sync=lambda: x.block_until_ready()):
+                x = decode_like(x)
+            assert profile.active == (profile.count == 3)  # started at the 3rd step, stopped after the 4th
+    (trace,) = trace_files(str(tmp_path))
+    data = open(trace, "rb").read()
+    assert b"decode_chunk" in data  # the step annotation: xprof's step view splits on it
+    assert b"decode_like" in data  # the compiled program, by its jit name
+    assert profile.traced == 2
+
+
+def test_no_directory_profiles_nothing_and_a_file_is_refused(tmp_path):
+    profile = StepProfile(None, "train_step")
+    with profile.step():
+        pass
+    assert not profile.active and profile.count == 0
+    bad = tmp_path / "file"
+    bad.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        StepProfile(str(bad), "train_step")
