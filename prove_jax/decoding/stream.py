@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -24,9 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from prove_jax import memory
 from prove_jax.decoding import program
+from prove_jax.decoding.adaptive import adapt_for_batch
 from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.decoding.program import ProgramSettings
 from prove_jax.decoding.queue import Requests
+from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
 from prove_jax.decoding.state import LoopState
 from prove_jax.models.attention import KVCache, cache_axes
 from prove_jax.models.paged import PagedKVCache, pool_axes
@@ -112,6 +114,7 @@ class DecodeStream:
         self.seconds = 0.0
         self.compile_seconds = 0.0
         self.chunks = 0
+        self.steps = 0  # decode steps run so far (all rows together)
         self._cancelled: set[int] = set()
         self._needs: list[int] | None = None  # paged KV pages of each request (`_placements`)
         self._state_sharding = None
@@ -175,7 +178,6 @@ class DecodeStream:
         for r, i in self._placements(list(range(rows)), waiting, serving):  # all that fit
             serving[r] = i
             waiting.pop()
-        record = self.options.record_steps
         with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
             first = self._take([i if i >= 0 else dummy for i in serving])
             if dec.mesh is not None:
@@ -185,49 +187,69 @@ class DecodeStream:
             seen = [int(self.requests.prompt_len[i]) if i >= 0 else 0 for i in serving]
             seen_fwd = [0] * rows
             while any(i >= 0 for i in serving):
-                # decode time excludes what compiling took inside the timed span
-                t0, c0 = time.perf_counter(), self.compile_seconds
-                finish = np.asarray([i in self._cancelled for i in serving])
-                state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
-                                  np.int32(self.chunk_steps), np.bool_(bool(waiting)), finish, donate=(3,))
-                # one transfer of what every chunk needs
-                done, length, tokens, forwards, commits = _to_host(
-                    (state.done, state.length, state.tokens, state.forwards, state.step_commits))
-                self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
-                self.chunks += 1
-                # what the finished rows' results need, read once (and again if one is cancelled)
-                results = None
-                if any(done[r] for r, i in enumerate(serving) if i >= 0):
-                    results = _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
-                for r, i in enumerate(serving):
-                    if i < 0:
-                        continue
-                    new = tokens[r, seen[r]: length[r]].tolist()
-                    blocks = commits[r, seen_fwd[r]: forwards[r]].tolist() if record else None
-                    seen[r], seen_fwd[r] = int(length[r]), int(forwards[r])
-                    if done[r]:
-                        yield StreamEvent(i, new, blocks, self._output(r, i, tokens[r], length[r], forwards[r],
-                                                                       commits, *results))
-                        serving[r] = -1
-                    elif new:
-                        yield StreamEvent(i, new, blocks)
-                # rows cancelled while their events were out (a stop string): finished here, as
-                # far as they got, and their rows free for the admission below
-                cancelled = [r for r, i in enumerate(serving) if i >= 0 and i in self._cancelled]
-                if cancelled:
-                    results = results or _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
-                    for r in cancelled:
-                        yield StreamEvent(serving[r], [], [] if record else None,
-                                          self._output(r, serving[r], tokens[r], length[r], forwards[r],
-                                                       commits, *results))
-                        serving[r] = -1
-                    state = state.replace(done=jax.device_put(done | np.isin(np.arange(rows), cancelled),
-                                                              state.done.sharding))
+                state = yield from self._chunk(chunk_fn, state, serving, seen, seen_fwd, bool(waiting))
                 free = [r for r, i in enumerate(serving) if i < 0]
                 if waiting and free:
                     t0, c0 = time.perf_counter(), self.compile_seconds
                     state = self._admit(admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd)
                     self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
+
+    def _chunk(self, chunk_fn, state, serving: list[int], seen: list[int], seen_fwd: list[int],
+               requests_wait: bool):
+        """Run one chunk of decode steps and yield its events (a row's new tokens, and the
+        output of each request that finished); returns the new loop state (`yield from`), with
+        the rows cancelled while their events were out finished too. `serving` (the request of
+        each row, -1: none), `seen` and `seen_fwd` (tokens and forwards already handed out) are
+        updated in place. Iterate it to the end: the state is donated to the chunk."""
+        dec, rows = self.decoder, self.settings.num_rows
+        params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
+        record = self.options.record_steps
+        # decode time excludes what compiling took inside the timed span
+        t0, c0 = time.perf_counter(), self.compile_seconds
+        finish = np.asarray([i in self._cancelled for i in serving])
+        state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
+                          np.int32(self.chunk_steps), np.bool_(requests_wait), finish, donate=(3,))
+        # one transfer of what every chunk needs
+        done, length, tokens, forwards, commits, steps = _to_host(
+            (state.done, state.length, state.tokens, state.forwards, state.step_commits, state.step))
+        self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
+        self.chunks += 1
+        self.steps = int(steps)
+        # what the finished rows' results need, read once (and again if one is cancelled)
+        results = None
+        if any(done[r] for r, i in enumerate(serving) if i >= 0):
+            results = _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
+        for r, i in enumerate(serving):
+            if i < 0:
+                continue
+            new = tokens[r, seen[r]: length[r]].tolist()
+            blocks = commits[r, seen_fwd[r]: forwards[r]].tolist() if record else None
+            seen[r], seen_fwd[r] = int(length[r]), int(forwards[r])
+            if done[r]:
+                event = StreamEvent(i, new, blocks, self._output(r, i, tokens[r], length[r], forwards[r],
+                                                                 commits, *results))
+                serving[r] = -1
+                self._finished(i)
+                yield event
+            elif new:
+                yield StreamEvent(i, new, blocks)
+        # rows cancelled while their events were out (a stop string): finished here, as
+        # far as they got, and their rows free for the admission that follows
+        cancelled = [r for r, i in enumerate(serving) if i >= 0 and i in self._cancelled]
+        if cancelled:
+            results = results or _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
+            for r in cancelled:
+                i, serving[r] = serving[r], -1
+                event = StreamEvent(i, [], [] if record else None,
+                                    self._output(r, i, tokens[r], length[r], forwards[r], commits, *results))
+                self._finished(i)
+                yield event
+            state = state.replace(done=jax.device_put(done | np.isin(np.arange(rows), cancelled),
+                                                      state.done.sharding))
+        return state
+
+    def _finished(self, index: int) -> None:
+        """Request `index` has left its row (its output is being handed out)."""
 
     def _placements(self, free: list[int], waiting: list[int], serving: list[int]) -> list[tuple[int, int]]:
         """(row, request) for the next waiting requests, in order, each in a free row whose data
@@ -288,3 +310,163 @@ class DecodeStream:
                              else "length", forwards=int(forwards), verifier_forwards=int(verifier_forwards[r]),
                              accept_hist=accept_hist[r].tolist(), seed=self.seeds[i],
                              step_commits=None if commits is None else commits[r, :forwards].tolist(), logprobs=lp)
+
+
+class OpenStream(DecodeStream):
+    """A stream that takes requests while it runs (a server's queue): `add` a request, then
+    each `step` admits the waiting ones into free rows, runs one chunk and yields its events.
+    Every shape is fixed when it is made (rows, prompt width, new-token budget, stop ids per
+    request, the queue's `capacity`, what sampling the program does), and `warm_up` compiles
+    every program it runs, so nothing compiles while it serves. A request's index is its place
+    in the queue's store, used again once its output has been handed out.
+
+    Not thread-safe: one thread adds, cancels and steps (the server's engine thread).
+    """
+
+    def __init__(self, decoder, rows: int, max_prompt_tokens: int, max_new_tokens: int,
+                 capacity: int, sampler: Sampler | None, chunk_steps: int = 4, max_stop_ids: int = 8,
+                 log: Callable[[str], None] | None = None):
+        if min(rows, max_prompt_tokens, max_new_tokens, capacity, chunk_steps) < 1:
+            raise DecodeError(f"rows, prompt tokens, new tokens, capacity and chunk steps must all be "
+                              f">= 1, got {rows}, {max_prompt_tokens}, {max_new_tokens}, {capacity}, "
+                              f"{chunk_steps}")
+        if max_prompt_tokens + max_new_tokens > decoder.max_buffer:
+            raise DecodeError(f"{max_prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
+                              f"{max_prompt_tokens + max_new_tokens} positions, more than the model's "
+                              f"{decoder.max_buffer}: lower the prompt or the new-token limit")
+        rows = decoder.rows(rows, rows)
+        options = adapt_for_batch(decoder.options, rows, table=decoder.adaptive_table)
+        width = -(-max_prompt_tokens // 16) * 16
+        self.max_prompt_tokens, self.max_new_tokens, self.max_stop_ids = max_prompt_tokens, max_new_tokens, max_stop_ids
+        self._eos = [int(x) for x in decoder.eos_ids if x >= 0]
+        n = capacity + 1  # and the dummy request (no budget) an idle row holds
+        store = Requests(prompts=np.full((n, width), decoder.pad_id, np.int32), prompt_len=np.ones((n,), np.int32),
+                         max_new=np.zeros((n,), np.int32),
+                         stop_ids=np.full((n, len(self._eos) + max_stop_ids), -1, np.int32),
+                         sampling=None if sampler is None else RowSampling.from_params([GREEDY] * n, [0] * n))
+        pages = 0
+        if options.page_size is not None:
+            pages = (decoder._pages_per_shard() * decoder._data_size() if options.kv_pages is not None
+                     else rows * int(decoder.pages_needed(max_prompt_tokens, max_new_tokens)))
+        settings = dataclasses.replace(decoder.program_settings(options, rows, decoder.buffer_len(width, max_new_tokens)),
+                                       sampler=sampler, num_pages=pages)
+        super().__init__(decoder, store, [0] * capacity, settings, chunk_steps, log)
+        if options.page_size is not None:
+            self._needs = np.zeros((n,), np.int64)
+        self._free_slots = list(range(capacity))[::-1]
+        self._waiting: list[int] = []  # indices, the oldest last (popped from the end, as in __iter__)
+        self._serving = [-1] * rows
+        self._seen, self._seen_fwd = [0] * rows, [0] * rows
+        self._state = None
+        self._fns = self._programs()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(i >= 0 for i in self._serving)
+
+    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> str | None:
+        """Why the stream cannot take this request (a phrase following "the request"), or None."""
+        budget = params.max_new_tokens or self.max_new_tokens
+        if len(prompt) > self.max_prompt_tokens:
+            return (f"has {len(prompt)} prompt tokens, more than this server's limit "
+                    f"{self.max_prompt_tokens} (--max-prompt-tokens)")
+        if budget > self.max_new_tokens:
+            return (f"asks for {budget} new tokens, more than this server's limit "
+                    f"{self.max_new_tokens} (--max-new-tokens)")
+        if len(params.stop_token_ids) > self.max_stop_ids:
+            return f"gives {len(params.stop_token_ids)} stop token ids, more than {self.max_stop_ids}"
+        sampler = self.settings.sampler
+        if not params.greedy and sampler is None:
+            return "samples (temperature > 0), but this server decodes greedily only (--sampling greedy)"
+        if sampler is not None and not params.greedy and (
+                (not sampler.truncate and (params.top_k or params.top_p < 1)) or (not sampler.min_p and params.min_p)):
+            return "uses top_k, top_p or min_p, which this server's step does not do (--sampling full)"
+        problem = self.decoder.prompt_problem(prompt, budget)
+        return None if problem is None else f"prompt {problem}"
+
+    def add(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> int:
+        """Queue a request (`params` validated; `seed` is used when they give none) and return
+        its index, which its events carry. DecodeError when it cannot be served or the queue is
+        full."""
+        problem = self.request_problem(prompt, params)
+        if problem is not None:
+            raise DecodeError(f"the request {problem}")
+        if not self._free_slots:
+            raise DecodeError(f"the queue is full ({len(self.seeds)} requests)")
+        i = self._free_slots.pop()
+        r, budget = self.requests, params.max_new_tokens or self.max_new_tokens
+        r.prompts[i] = self.decoder.pad_id
+        r.prompts[i, : len(prompt)] = prompt
+        r.prompt_len[i], r.max_new[i] = len(prompt), budget
+        stops = self._eos + [t for t in params.stop_token_ids if t not in self._eos]
+        r.stop_ids[i] = -1
+        r.stop_ids[i, : len(stops)] = stops
+        self.seeds[i] = params.seed if params.seed is not None else seed
+        if r.sampling is not None:
+            one = RowSampling.from_params([params], [self.seeds[i]])
+            for field in dataclasses.fields(one):
+                getattr(r.sampling, field.name)[i] = getattr(one, field.name)[0]
+        if self._needs is not None:
+            self._needs[i] = int(self.decoder.pages_needed(len(prompt), budget))
+        self._waiting.insert(0, i)
+        return i
+
+    def cancel(self, index: int) -> bool:
+        """Finish request `index`: True when it was still waiting (dropped, no event follows);
+        False when it is decoding (an event carries its output as far as it got, in this step
+        if it is running, else in the next)."""
+        if index in self._waiting:
+            self._waiting.remove(index)
+            self._free_slots.append(index)
+            return True
+        self._cancelled.add(index)
+        return False
+
+    def _finished(self, index: int) -> None:
+        self._cancelled.discard(index)
+        self._free_slots.append(index)
+
+    def _mesh(self):
+        return jax.set_mesh(self.decoder.mesh) if self.decoder.mesh is not None else contextlib.nullcontext()
+
+    def warm_up(self) -> None:
+        """Compile every program the stream runs (the rows' first prefill, which it runs, each
+        admission size and the decode chunk) and run one empty chunk."""
+        dec, rows = self.decoder, self.settings.num_rows
+        start_fn, admit_fn, chunk_fn = self._fns
+        params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
+        dummy = len(self.seeds)
+        with self._mesh():
+            first = self._take([dummy] * rows)
+            if dec.mesh is not None:
+                self._state_sharding = state_sharding(dec._batch_sharding(),
+                                                      jax.eval_shape(start_fn, params, vparams, first))
+            self._state = self._run("start", rows, start_fn, params, vparams, first)
+            for size in _buckets(rows, dec._data_size()):
+                self._compiled("admit", size, admit_fn, (params, vparams, self._state, self._take([dummy] * size),
+                                                          np.full((size,), rows, np.int32)), donate=(2,))
+            self._state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, self._state, np.int32(1),
+                                    np.bool_(False), np.zeros((rows,), bool), donate=(3,))
+            jax.block_until_ready(self._state)
+
+    def step(self) -> Iterator[StreamEvent]:
+        """Admit what waits into the free rows, run one chunk and yield its events; a request
+        cancelled while its event is out finishes in this step. Iterate it to the end."""
+        if self._state is None:
+            self.warm_up()
+        dec = self.decoder
+        _, admit_fn, chunk_fn = self._fns
+        with self._mesh():
+            free = [r for r, i in enumerate(self._serving) if i < 0]
+            if self._waiting and free:
+                t0, c0 = time.perf_counter(), self.compile_seconds
+                self._state = self._admit(admit_fn, dec.state, dec.verifier_state, self._state, free, self._waiting,
+                                          self._serving, self._seen, self._seen_fwd)
+                self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
+            if any(i >= 0 for i in self._serving):
+                self._state = yield from self._chunk(chunk_fn, self._state, self._serving, self._seen,
+                                                     self._seen_fwd, bool(self._waiting))

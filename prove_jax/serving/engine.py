@@ -20,11 +20,11 @@ from typing import Callable, Sequence
 from prove_jax.errors import ProveJaxError
 from prove_jax.decoding.engine import request_seed
 from prove_jax.decoding.options import DecodeError
-from prove_jax.decoding.requests import RequestResult, _cut_at_stop, _feed_blocks
+from prove_jax.decoding.requests import RequestResult, _cut_at_stop, _feed_blocks, _stats
 from prove_jax.decoding.sampling import Sampler, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
+from prove_jax.decoding.stream import OpenStream
 from prove_jax.serving.metrics import ServerMetrics
-from prove_jax.serving.open_stream import OpenStream
 
 # --sampling: the static side of the one program every request shares (sampling.Sampler)
 SAMPLERS = {"full": Sampler(truncate=True, min_p=True), "temperature": Sampler(), "greedy": None}
@@ -281,10 +281,10 @@ class Engine:
             return
         self._finish(event.index)
         out = event.output
-        result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason, stats={},
-                               logprobs=out.logprobs)
+        result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason, logprobs=out.logprobs,
+                               stats=_stats(len(out.output_ids), out.forwards, out.verifier_forwards, out.accept_hist))
         if live.stops.stopped:
-            result = _cut_at_stop(result, live.stops)
+            result = _cut_at_stop(result, live.stops, out.step_commits)
         text = result.text if result.text is not None else self.tokenizer.decode(result.output_ids,
                                                                                  skip_special_tokens=True)
         if isinstance(live.handle, _Gone):
@@ -292,7 +292,7 @@ class Engine:
         with self.metrics.lock:
             self.metrics.requests.inc()
             self.metrics.forwards.inc(out.forwards)
-            n = len(out.output_ids)
+            n = len(result.output_ids)
             if n > 1 and live.first_token is not None:
                 self.metrics.tpot.observe((now - live.first_token) / (n - 1))
         live.handle.post(Update(text, final=True, output_ids=result.output_ids, finish_reason=result.finish_reason,
