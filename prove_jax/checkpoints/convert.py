@@ -1,5 +1,6 @@
-"""Convert Qwen2 checkpoints between HF safetensors and our orbax format, tensor by tensor
-(the CLI: prove_jax/cli/convert.py; docs/conversion.md).
+"""Convert Qwen2 and Qwen3 (dense) checkpoints between HF safetensors and our orbax format,
+tensor by tensor (the CLI: prove_jax/cli/convert.py; docs/conversion.md). The family comes from
+config.json's model_type; one the model lacks is refused with the config, before any header.
 
 One tensor is in flight at a time, so peak memory is about one copy of the model (see
 benchmarks/convert.md). Every check that needs only headers (keys, shapes, truncation) runs
@@ -149,7 +150,7 @@ def plan_hf_to_ours(infos: dict[str, safetensors_io.TensorInfo],
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     if cfg.tie_word_embeddings and embed not in infos and head in infos:
         # safetensors' save_model stores a shared tensor once, under the name that sorts first:
-        # for a tied Qwen2 that is lm_head.weight, which transformers loads as the embedding too.
+        # for a tied Qwen2/Qwen3 that is lm_head.weight, which transformers loads as the embedding too.
         infos = dict(infos)
         infos[embed] = dataclasses.replace(infos.pop(head), name=embed)
     wanted = []

@@ -35,7 +35,7 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "heads": "tensor",
     "kv_heads": "tensor",
-    "head_dim": None,
+    "head_dim": None,  # whole on every device, so Qwen3's per-head q/k norm weights [Dh] are too
     "mlp": "tensor",
     "vocab": "tensor",
     "cache_sequence": None,

@@ -108,6 +108,10 @@ class TrainConfig:
     """A text file, a folder of text files, or JSONL."""
     chat: bool = False
     """Apply the tokenizer's chat template to prompt/response pairs."""
+    enable_thinking: bool | None = None
+    """chat only: the template's thinking switch (Qwen3's `enable_thinking`, data/chat.py). null
+    keeps the template's default; false trains each response after an empty thinking section
+    (Qwen3's non-thinking mode), true after the plain assistant opening (its thinking mode)."""
     pack_documents: bool = False
     """Pack text documents and prompt/response pairs several to a row, each attending only to
     itself (segment ids; positions and MARS blocks restart per document; losses average per
@@ -178,6 +182,9 @@ class TrainConfig:
                                    f"block_size={self.block_size}")
         if not 0 <= self.seed < 2 ** 32:  # grain's shuffle takes an unsigned 32-bit seed
             raise TrainConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.enable_thinking is not None and not self.chat:
+            raise TrainConfigError(f"enable_thinking={str(self.enable_thinking).lower()} is a chat "
+                                   f"template switch: set chat=true too, or enable_thinking=null")
         if not (math.isfinite(self.ar_weight) and self.ar_weight >= 0):
             raise TrainConfigError(f"ar_weight must be a finite number >= 0, got {self.ar_weight!r}")
         _check_model_source(self.model)
