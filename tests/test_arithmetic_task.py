@@ -66,9 +66,9 @@ def test_last_number_grader_reads_the_worked_answer():
     recs = [arithmetic.test_record(i, p) for i, p in enumerate(test)]
     refs = graders.record_references(recs)
     prompts = [r["prompt"] for r in recs]
-    assert graders.grade(refs, prompts, [r["solution"] for r in recs]) == [True] * 9
+    assert graders.grade(refs, prompts, [r["metadata"]["solution"] for r in recs]) == [True] * 9
     # the intermediate results do not count: only the final number does
-    wrong = [r["solution"].replace(f"is {r['answer']}.", f"is {r['answer'] + 1}.") for r in recs]
+    wrong = [r["metadata"]["solution"].replace(f"is {r['answer']}.", f"is {r['answer'] + 1}.") for r in recs]
     assert graders.grade(refs, prompts, wrong) == [False] * 9
 
 

@@ -47,7 +47,7 @@ from prove_jax.decoding.options import MAX_LOGPROBS
 from prove_jax.models.kernels import ATTENTION_KERNELS, KernelOptions
 from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, RequestStream, ResultsFile,
                                          check_output_path, encode_prompts, error_record, output_record,
-                                         read_requests, request_params)
+                                         read_requests, request_hash, request_logprobs, request_params)
 from prove_jax.decoding.sampling import SamplingParams
 
 SOME_REQUESTS_FAILED = 3  # exit status when the job ran but some requests carry an error
@@ -66,12 +66,16 @@ def parse_args(argv=None):
                     help="lossless (default: output identical to greedy AR, faster where a step is bound "
                          "by weight reads), ar, threshold or verify")
     src = ap.add_mutually_exclusive_group()  # one of them, unless --dry-run
-    src.add_argument("--input", help="JSONL of {id, prompt} or {id, prompt_ids}")
+    src.add_argument("--input", help="JSONL of {id, prompt} or {id, prompt_ids} ('-': standard input)")
     src.add_argument("--prompt", help="one text prompt: its completion is printed as it is committed")
     ap.add_argument("--output", default=None,
                     help="JSONL that gets each request's record as it finishes (output_ids, stats and, "
                          "with a tokenizer, text); rerunning the same command skips the ids already "
-                         "there. /dev/stdout, a FIFO or a device is written into")
+                         "there (its settings are kept in OUT.settings.json: a rerun with other "
+                         "settings or changed requests is refused). /dev/stdout, a FIFO or a device "
+                         "is written into")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="start --output over instead of resuming it")
     ap.add_argument("--sort", action="store_true", help="rewrite --output in input order at the end")
     ap.add_argument("--show-blocks", action="store_true",
                     help="--prompt: mark each committed block (colours on a terminal, [...] otherwise)")
@@ -185,6 +189,8 @@ def parse_args(argv=None):
         ap.error("--input needs --output (the file that gets the records)")
     if args.sort and args.output is None:
         ap.error("--sort applies with --output")
+    if args.overwrite and args.output is None:
+        ap.error("--overwrite applies with --output")
     if args.chunk_steps < 1:
         ap.error(f"--chunk-steps must be >= 1, got {args.chunk_steps}")
     return args
@@ -278,6 +284,36 @@ def params_of_records(records, defaults: SamplingParams, base_seed: int, strict:
     return params
 
 
+def logprobs_of_records(records, default: int | None, strict: bool) -> list:
+    """Alternatives per token each record's logprobs ask for (None: none; `default`: --logprobs),
+    a bad value failing the request (or, with `strict`, the job)."""
+    counts = []
+    for rec in records:
+        try:
+            counts.append(None if ERROR_KEY in rec else request_logprobs(rec, default))
+        except DecodeError as e:
+            if strict:
+                raise DecodeError(f"request {rec['id']!r}: {e}") from None
+            rec[ERROR_KEY] = f"the request's {e}"
+            counts.append(None)
+    return counts
+
+
+# What shapes an output file's records: a resumed --output must have been written with the same.
+SETTING_FLAGS = ("mode", "block_size", "groups", "adaptive", "calibrate", "tau", "confidence", "commit_rule",
+                 "tau_v", "relaxed_p", "head_threshold", "gate_tau", "dtype", "max_new_tokens", "temperature",
+                 "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "chat", "truncate")
+
+
+def job_settings(args) -> dict:
+    """The settings an --output's records were decoded with: the models (resolved paths), the
+    mode and its layout, the sampling defaults and the token budget."""
+    verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
+    settings = {name: getattr(args, name) for name in SETTING_FLAGS}
+    return settings | {"model": os.path.realpath(args.model),
+                       "verifier": verifier and os.path.realpath(verifier)}
+
+
 def truncated(prompt, keep: int, side: str):
     """`prompt` cut to at most `keep` tokens (left: its last ones), or as it is (None, or
     already short enough). A budget with no room left (keep < 1) leaves it for the error."""
@@ -315,14 +351,22 @@ def main(argv=None) -> int:
                 raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
                                   else f"{flag[2:]} checkpoint not found: {path}")
         records = ([{"id": 0, "prompt": args.prompt}] if args.prompt is not None
-                   else read_requests(args.input, strict=args.strict))
+                   else read_requests(args.input, strict=args.strict, defaults=defaults, base_seed=args.seed))
         params = params_of_records(records, defaults, args.seed, args.strict)
+        logprobs = logprobs_of_records(records, args.logprobs, args.strict)
+        asked = max((n for n in logprobs if n is not None), default=None)
+        if asked is not None and (options.logprobs is None or options.logprobs < asked):
+            options = dataclasses.replace(options, logprobs=asked)  # requests asking more than --logprobs
+        hashes = {rec["id"]: request_hash(rec) for rec in records}
         out = ResultsFile(args.output) if args.output is not None else None
-        finished = out.done() if out is not None and main_process else {}
+        finished = {}
+        if out is not None and main_process:
+            out.lock()
+            finished = out.start(job_settings(args), hashes, overwrite=args.overwrite)
         if finished and main_process:  # said even with --no-progress: it changes what runs
             unknown = len(set(finished) - {r["id"] for r in records})
             print(f"resuming: {len(finished) - unknown} of {len(records)} requests are already in "
-                  f"{args.output}; decoding the rest, failed ones again (delete it to start over)"
+                  f"{args.output}; decoding the rest, failed ones again (--overwrite starts over)"
                   + (f"; it also holds {unknown} id(s) not in {args.input}" if unknown else ""), file=sys.stderr)
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
@@ -341,9 +385,11 @@ def main(argv=None) -> int:
         # after the model load: its collective read is where a host that cannot start is noticed
         finished = _agreed_finished(finished, records)
         budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
+        cut = [0] * len(prompts)  # prompt tokens --truncate dropped, per request
         if args.truncate is not None:
-            prompts = [truncated(p, decoder.max_buffer - budget, args.truncate)
-                       for p, budget in zip(prompts, budgets)]
+            kept = [truncated(p, decoder.max_buffer - budget, args.truncate) for p, budget in zip(prompts, budgets)]
+            cut = [0 if p is None else len(p) - len(k) for p, k in zip(prompts, kept)]
+            prompts = kept
         if not args.strict:  # what only the loaded decoder can judge: vocabulary, buffer length
             for rec, prompt, budget in zip(records, prompts, budgets):
                 problem = None if prompt is None else decoder.prompt_problem(prompt, budget)
@@ -372,7 +418,8 @@ def main(argv=None) -> int:
                 summary = _stream_to_terminal(job, tokenizer, args.show_blocks and sys.stdout.isatty(),
                                               args.show_blocks)
             else:
-                summary = _run_job(job, [records[i] for i in live], out if main_process else None,
+                extras = [_record_extras(hashes[records[i]["id"]], cut[i], logprobs[i]) for i in live]
+                summary = _run_job(job, [records[i] for i in live], extras, out if main_process else None,
                                    tokenizer, progress=main_process and args.progress, total=len(records),
                                    already=len(finished))
         if out is not None and main_process:
@@ -399,7 +446,9 @@ def main(argv=None) -> int:
             print(f"note: --adaptive chose plain AR for batch size {args.batch_size} on this "
                   f"{jax.default_backend().upper()}: its table expects no lossless layout to beat AR "
                   f"here (--calibrate measures instead)", file=sys.stderr)
-        if failed_ids:
+        if failed_ids and args.prompt is not None:
+            print(f"error: {failed[0][ERROR_KEY]}", file=sys.stderr)
+        elif failed_ids:
             print(f"error: {len(failed_ids)} of {len(records)} requests failed; their records in "
                   f"{args.output} carry '{ERROR_KEY}' (--strict stops at the first)", file=sys.stderr)
         elif args.output is not None:
@@ -417,7 +466,16 @@ def _agreed_finished(finished: dict, records) -> dict:
     return {r["id"]: {} for r, d in zip(records, done) if d}
 
 
-def _run_job(job: RequestStream, records, out: ResultsFile | None, tokenizer, progress: bool,
+def _record_extras(digest: str, truncated_tokens: int, logprobs: int | None) -> dict:
+    """What a request's output record says beyond its result: the request's hash (a resumed job
+    checks it), how many prompt tokens --truncate dropped, and its logprobs count."""
+    extra = {"request_hash": digest, "logprobs": logprobs}
+    if truncated_tokens:
+        extra.update(truncated=True, truncated_tokens=truncated_tokens)
+    return extra
+
+
+def _run_job(job: RequestStream, records, extras, out: ResultsFile | None, tokenizer, progress: bool,
              total: int, already: int) -> dict:
     """Decode a file's requests, writing each record as it finishes; a progress bar on stderr."""
     bar = Progress(total=total, initial=already, enabled=progress)
@@ -428,7 +486,7 @@ def _run_job(job: RequestStream, records, out: ResultsFile | None, tokenizer, pr
             continue
         results.append(result)
         if out is not None:
-            out.write(output_record(records[event.index]["id"], result, tokenizer))
+            out.write(output_record(records[event.index]["id"], result, tokenizer, **extras[event.index]))
         bar.finished(result.stats["proposer_forwards"])
     bar.close()
     return job.summary(results)

@@ -14,7 +14,7 @@ The split is a function of the problem's text alone (a hash of the prompt), so t
 test sets are disjoint whatever the seed or counts, and a test problem can never be trained on.
 Train rows are `{"prompt", "response"}` pairs (data/pipeline.py appends EOS to the response);
 test rows are benchmark prompt records `{"id", "prompt", "answer", "grader": "last_number",
-"solution"}` (evaluation/graders.py reads the last number of a completion).
+"metadata": {"solution", "steps"}}` (evaluation/graders.py reads the last number of a completion).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def train_record(p: Problem) -> dict:
 
 def test_record(i: int, p: Problem) -> dict:
     return {"id": f"arith-{i}", "prompt": p.prompt, "answer": p.answer, "grader": "last_number",
-            "solution": p.solution, "steps": p.steps}
+            "metadata": {"solution": p.solution, "steps": p.steps}}
 
 
 def _jsonl(records) -> str:

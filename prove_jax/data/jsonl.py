@@ -9,15 +9,20 @@ on Windows write one) is not part of the first record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 
-def read_jsonl(path: str | os.PathLike, error: type[Exception]) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed JSON value) of every non-blank line of `path`; a line that is not
-    UTF-8 or not JSON raises `error` as "PATH:LINE: ..." (the caller checks the record's shape)."""
-    with open(path, "rb") as f:
+def read_jsonl(source: str | os.PathLike | BinaryIO, error: type[Exception],
+               name: str | None = None) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON value) of every non-blank line of `source`, a path or an open
+    binary file (standard input's buffer); a line that is not UTF-8 or not JSON raises `error`
+    as "NAME:LINE: ..." (NAME: `name`, else the path; the caller checks the record's shape)."""
+    is_file = hasattr(source, "read")
+    path = name or source
+    with contextlib.nullcontext(source) if is_file else open(source, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8-sig" if n == 1 else "utf-8")

@@ -246,6 +246,10 @@ class Decoder:
 
     def prompt_problem(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
         """Why this decoder cannot decode `prompt` (a phrase following "request X"), or None."""
+        if isinstance(prompt, str) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                              for t in prompt):
+            return ("is not a list of token ids: the Decoder takes ids (for text in and out, with "
+                    "stop strings, use prove_jax.decoding.text.TextGenerator)")
         if len(prompt) == 0:
             return "is empty: decoding needs at least one prompt token"
         bad = [t for t in prompt if not 0 <= int(t) < self.vocab_limit]
@@ -285,7 +289,8 @@ class Decoder:
         every call to one prompt width and `queue_size` pads the queue, so the calls of a run
         share one program. `params` (one for all prompts or one each; default greedy) set
         sampling, a request's own `max_new_tokens` and its stop tokens; a request without a
-        seed gets `request_seed(seed, i)`. (Stop strings need text: see requests.py.)
+        seed gets `request_seed(seed, i)`. Stop strings need text: they are refused here
+        (`text.TextGenerator` finds them).
         """
         call = self._call(prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed)
         settings, requests, seeds, n = call.settings, call.requests, call.seeds, len(prompts)
@@ -385,6 +390,9 @@ class Decoder:
         if batch_size is not None and batch_size < 1:
             raise DecodeError(f"batch size must be >= 1, got {batch_size}")
         params = _per_request(params, len(prompts))
+        if any(p.stop for p in params):
+            raise DecodeError("stop strings are found on text, which the Decoder does not see (it would "
+                              "ignore them): use prove_jax.decoding.text.TextGenerator, or stop_token_ids")
         budgets = [p.max_new_tokens or max_new_tokens for p in params]
         self.check_prompts(prompts, budgets)
         seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fcntl
+import hashlib
 import json
 import os
 import sys
@@ -13,7 +16,7 @@ import numpy as np
 
 from prove_jax.files import atomic_write_text, is_stream
 from prove_jax.decoding.engine import BatchResult, Decoder, request_seed
-from prove_jax.decoding.options import DecodeError, DecodeOptions
+from prove_jax.decoding.options import MAX_LOGPROBS, DecodeError, DecodeOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.sampling import GREEDY, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
@@ -24,8 +27,10 @@ from prove_jax.data.jsonl import read_jsonl
 ERROR_KEY = "error"  # an output record's field naming why its request was not decoded
 
 
-def read_requests(path: str, strict: bool = True) -> list[dict]:
-    """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line.
+def read_requests(path: str, strict: bool = True, defaults: SamplingParams | None = None,
+                  base_seed: int = 0) -> list[dict]:
+    """Records {"id", "prompt"} or {"id", "prompt_ids": [...]}, one JSON object per line
+    (`path` "-": standard input).
 
     A record without an id gets its index among the records; ids must be unique (outputs are
     matched to requests by id), strings or integers. A default id that another record already
@@ -33,21 +38,24 @@ def read_requests(path: str, strict: bool = True) -> list[dict]:
     `prompt_ids` must be a non-empty list of non-negative integers (whether they are within the
     model's vocabulary is checked once it is loaded). With `strict` off, a record whose prompt is
     missing or malformed is kept with its problem under ERROR_KEY instead of stopping the job
-    (file-level problems, such as bad JSON or duplicate ids, still stop it).
+    (file-level problems, such as bad JSON or duplicate ids, still stop it). A record's fields
+    are checked too (`record_problem`: unknown names, and with `defaults` their values), each
+    line before the next is read, so a strict job stops at the first bad line.
     """
-    if not os.path.exists(path):
+    if path != "-" and not os.path.exists(path):
         raise DecodeError(f"input file not found: {path}")
     if os.path.isdir(path):
         raise DecodeError(f"input {path} is a directory; give a JSON Lines file of requests")
     records, line_of_id, defaulted = [], {}, set()
-    for lineno, rec in read_jsonl(path, DecodeError):
-        where = f"{path}:{lineno}"
+    source = sys.stdin.buffer if path == "-" else path
+    for lineno, rec in read_jsonl(source, DecodeError, name="<stdin>" if path == "-" else path):
+        where = f"{'<stdin>' if path == '-' else path}:{lineno}"
         if isinstance(rec, list) and rec and all(isinstance(r, dict) for r in rec):
             raise DecodeError(f"{where}: a JSON array of records; JSON Lines has one record "
                               f"(a JSON object) per line")
         if not isinstance(rec, dict):
             raise DecodeError(f"{where}: a record needs 'prompt' (text) or 'prompt_ids'")
-        problem = _record_problem(rec)
+        problem = record_problem(rec, defaults, len(records), base_seed)
         if problem is not None:
             if strict:
                 raise DecodeError(f"{where}: {problem}")
@@ -75,7 +83,7 @@ def read_requests(path: str, strict: bool = True) -> list[dict]:
     return records
 
 
-def _record_problem(rec: dict) -> str | None:
+def _prompt_problem(rec: dict) -> str | None:
     """What is wrong with a request record's prompt fields, or None."""
     if "prompt" not in rec and "prompt_ids" not in rec:
         return "a record needs 'prompt' (text) or 'prompt_ids'"
@@ -90,20 +98,67 @@ def _record_problem(rec: dict) -> str | None:
 
 # Fields of a request record that override the job's SamplingParams for that request.
 PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# Names other tools give the same control (OpenAI's completions API), read as ours.
+FIELD_ALIASES = {"max_tokens": "max_new_tokens"}
+# Carried in the record, not read by decoding: free-form `metadata`, and the reference answer
+# and grader that `prove-jax benchmark` scores a completion with (evaluation/graders.py).
+DATA_FIELDS = ("metadata", "answer", "grader")
+RECORD_FIELDS = ("id", "prompt", "prompt_ids", "logprobs") + PARAM_FIELDS + tuple(FIELD_ALIASES) + DATA_FIELDS
+
+
+def record_problem(rec: dict, defaults: SamplingParams | None = None, index: int = 0,
+                   base_seed: int = 0) -> str | None:
+    """What is wrong with a request record, or None: its prompt, a field no request has (named
+    with the nearest valid one: a typo would otherwise be ignored), and with `defaults` the
+    values of its sampling fields and `logprobs`."""
+    for key in rec:
+        if key not in RECORD_FIELDS:
+            near = difflib.get_close_matches(key, RECORD_FIELDS, n=1, cutoff=0.6)
+            return (f"unknown field {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                    + f"; a request's fields are {', '.join(RECORD_FIELDS)}")
+    for alias, name in FIELD_ALIASES.items():
+        if alias in rec and name in rec:
+            return f"give {name!r} or {alias!r} (the same control), not both"
+    problem = _prompt_problem(rec)
+    if problem is None and defaults is not None:
+        try:
+            request_params(rec, defaults, index, base_seed)
+            request_logprobs(rec, None)
+        except DecodeError as e:
+            problem = str(e)
+    return problem
 
 
 def request_params(rec: dict, defaults: SamplingParams, index: int, base_seed: int) -> SamplingParams:
     """The record's own SamplingParams: `defaults` (the command line's) overridden by the
-    record's fields of those names; a request with no seed gets request_seed(base_seed, index),
-    its position in the file. Raises DecodeError naming the field."""
+    record's fields of those names (or their aliases, `max_tokens`); a request with no seed gets
+    request_seed(base_seed, index), its position in the file. Raises DecodeError naming the
+    field."""
+    rec = {FIELD_ALIASES.get(k, k): v for k, v in rec.items()}
     given = {k: rec[k] for k in PARAM_FIELDS if k in rec and rec[k] is not None}
     for key in ("stop", "stop_token_ids"):
         if isinstance(given.get(key), list):
             given[key] = tuple(given[key])
+        elif isinstance(given.get(key), str if key == "stop" else int):  # one of them, as OpenAI allows
+            given[key] = (given[key],)
     params = dataclasses.replace(defaults, **given).validate()
     if params.seed is None:
         params = dataclasses.replace(params, seed=request_seed(base_seed, index))
     return params
+
+
+def request_logprobs(rec: dict, default: int | None) -> int | None:
+    """Alternatives per token the record's logprobs ask for (its own `logprobs` field, else the
+    job's `default`; None: no logprobs)."""
+    n = rec.get("logprobs", default)
+    if n is None or n is False:
+        return None
+    if n is True:
+        return default or 0
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+        raise DecodeError(f"logprobs must be an integer between 0 and {MAX_LOGPROBS} (alternatives "
+                          f"per token), or true/false, got {n!r}")
+    return n
 
 
 def prompt_ids_problem(ids) -> str | None:
@@ -190,6 +245,12 @@ def _stop_strings(params: SamplingParams, tokenizer) -> StopStrings:
     return StopStrings(tokenizer, params.stop)
 
 
+def device_params(params: SamplingParams) -> SamplingParams:
+    """What the compiled loop reads of a request's params: all but its stop strings, which are
+    found on the host's text (the Decoder refuses them, as it would otherwise ignore them)."""
+    return dataclasses.replace(params, stop=()) if params.stop else params
+
+
 def _feed_blocks(stops: StopStrings, ids: Sequence[int], blocks: Sequence[int]) -> bool:
     """Feed `ids` to `stops` block by block, as decoding committed them; whether one stopped it
     (a stop string is looked for as each block arrives, so the cut never depends on block size)."""
@@ -261,7 +322,8 @@ class RequestStream:
         self.stops = {i: _stop_strings(p, tokenizer) for i, p in enumerate(self.params) if p.stop}
         if self.stops and not decoder.options.record_steps:  # the forwards a cut output took
             decoder = decoder.with_options(dataclasses.replace(decoder.options, record_steps=True))
-        self.stream = decoder.stream(prompts, max_new_tokens, batch_size=batch_size, params=self.params,
+        self.stream = decoder.stream(prompts, max_new_tokens, batch_size=batch_size,
+                                     params=[device_params(p) for p in self.params],
                                      chunk_steps=chunk_steps, log=log)
 
     def __iter__(self):
@@ -314,7 +376,7 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
         chunk = list(prompts[start: start + chunk_size])
         chunk_params = params[start: start + chunk_size]
         result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width,
-                                  queue_size=chunk_size, params=chunk_params)
+                                  queue_size=chunk_size, params=[device_params(p) for p in chunk_params])
         ran.add(describe_options(result.options))
         seconds += result.seconds
         compile_s += result.compile_seconds
@@ -374,9 +436,10 @@ def check_output_path(path: str, input_path: str | None, flag: str = "--output",
         raise DecodeError(f"{flag} {path} cannot be written: {e.strerror or e} in {parent}") from None
 
 
-def output_record(rid, result: RequestResult, tokenizer) -> dict:
+def output_record(rid, result: RequestResult, tokenizer, logprobs: int | None = -1, **extra) -> dict:
     """{"id", "output_ids", "text" (with a tokenizer), "finish_reason", "stop" (the stop string,
-    when one ended it), "logprobs" (with --logprobs), "stats"}."""
+    when one ended it), "logprobs" (when asked for: `logprobs` alternatives per token, -1: as
+    decoded), `extra` (e.g. truncated, request_hash), "stats"}."""
     row = {"id": rid, "output_ids": result.output_ids}
     if tokenizer is not None:
         row["text"] = result.text if result.text is not None else tokenizer.decode(
@@ -384,11 +447,19 @@ def output_record(rid, result: RequestResult, tokenizer) -> dict:
     row["finish_reason"] = result.finish_reason
     if result.stop is not None:
         row["stop"] = result.stop
-    if result.logprobs is not None:
-        row["logprobs"] = [_logprob_entry(t, lp, top, tokenizer)
+    if result.logprobs is not None and logprobs is not None:
+        row["logprobs"] = [_logprob_entry(t, lp, top if logprobs < 0 else top[:logprobs], tokenizer)
                            for t, (lp, top) in zip(result.output_ids, result.logprobs)]
+    row.update(extra)
     row["stats"] = result.stats
     return row
+
+
+def request_hash(rec: dict) -> str:
+    """A digest of what a request asks (its prompt and controls, not its id or carried data):
+    a resumed job checks that a finished id still names the same request."""
+    asked = {k: v for k, v in rec.items() if k not in ("id", ERROR_KEY) + DATA_FIELDS}
+    return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _logprob_entry(token: int, logprob: float, top, tokenizer) -> dict:
@@ -402,14 +473,78 @@ def _logprob_entry(token: int, logprob: float, top, tokenizer) -> dict:
 
 class ResultsFile:
     """--output filled as requests finish: one whole JSON line each, flushed, so a killed job
-    leaves every finished request on disk. `done()` reads what an earlier run of the job wrote
-    (a line torn by the kill is cut off) so that a rerun skips those ids. A stream (/dev/stdout,
-    a FIFO) is written into, without resuming."""
+    leaves every finished request on disk. `start` reads what an earlier run of the job wrote
+    (a line torn by the kill is cut off) so that a rerun skips those ids, once it has checked
+    that they were decoded with this job's settings (kept beside the output in
+    OUT.settings.json) and from the same requests (each record's `request_hash`). `lock` keeps
+    a second job from writing the same file meanwhile. A stream (/dev/stdout, a FIFO) is written
+    into, without resuming."""
 
     def __init__(self, path: str):
         self.path = path
         self.stream = is_stream(path)
+        self.settings_path = f"{path}.settings.json"
         self._file = None
+        self._lock = None
+
+    def lock(self) -> None:
+        """Hold the output for this job (an advisory lock on OUT.lock, released when the process
+        ends); a job already holding it makes this a one-line error."""
+        if self.stream:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
+        f = open(f"{self.path}.lock", "a+", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another job"
+            f.close()
+            raise DecodeError(f"--output {self.path} is being written by {holder}; wait for it to "
+                              f"finish, or write elsewhere") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"prove-jax generate (pid {os.getpid()})\n")
+        f.flush()
+        self._lock = f
+
+    def start(self, settings: dict, hashes: dict, overwrite: bool = False) -> dict:
+        """{id: record} of the requests an earlier run already decoded (see `done`), after
+        checking that it ran with `settings` and that each of those ids still names the request
+        whose `request_hash` is in `hashes`; a mismatch is an error naming what differs. With
+        `overwrite` the file starts over. Records this job's settings beside the output."""
+        if self.stream:
+            return {}
+        if overwrite:
+            for path in (self.path, self.settings_path):
+                if os.path.isfile(path):
+                    os.unlink(path)
+        done = self.done()
+        if done:
+            self._check_settings(settings, len(done))
+            changed = [rid for rid, rec in done.items() if rid in hashes and rec.get("request_hash") != hashes[rid]]
+            if changed:
+                more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+                raise DecodeError(f"--output {self.path}: request {changed[0]!r}{more} is not the request its "
+                                  f"record there was decoded from (its prompt or fields changed); "
+                                  f"--overwrite starts over")
+        atomic_write_text(self.settings_path, json.dumps(settings, indent=1, sort_keys=True) + "\n")
+        return done
+
+    def _check_settings(self, settings: dict, count: int) -> None:
+        try:
+            with open(self.settings_path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            raise DecodeError(f"--output {self.path} holds {count} records but not the settings they were "
+                              f"decoded with ({self.settings_path} is missing or unreadable): --overwrite "
+                              f"starts over, or write elsewhere") from None
+        differ = [k for k in sorted(set(saved) | set(settings)) if saved.get(k) != settings.get(k)]
+        if differ:
+            was = ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
+            now = ", ".join(f"{k}={settings.get(k)!r}" for k in differ)
+            raise DecodeError(f"--output {self.path} holds records decoded with {was}; this run has {now}: "
+                              f"rerun with those settings to resume, or --overwrite to start over")
 
     def done(self) -> dict:
         """{id: record} of the requests already decoded in the file; cuts off a torn last line
@@ -460,6 +595,10 @@ class ResultsFile:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._lock is not None:
+            os.unlink(self._lock.name)
+            self._lock.close()  # closing releases the lock
+            self._lock = None
 
     def sort(self, ids: Sequence) -> None:
         """Rewrite the file (atomically) with its records in the order of `ids`."""
