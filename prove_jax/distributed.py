@@ -152,12 +152,13 @@ def _digest(value: str) -> int:
 
 
 def disagreements(facts: list[str], gathered: np.ndarray) -> list[str]:
-    """'FACT on hosts 1, 3' for each fact whose digest (column) differs from host 0's (row 0)."""
+    """'FACT differs on hosts 1, 3' for each fact whose digest (column) differs from host 0's
+    (row 0)."""
     out = []
     for j, fact in enumerate(facts):
         hosts = [i for i in range(1, gathered.shape[0]) if gathered[i, j] != gathered[0, j]]
         if hosts:
-            out.append(f"{fact} on host{'s' if len(hosts) > 1 else ''} "
+            out.append(f"{fact} differs on host{'s' if len(hosts) > 1 else ''} "
                        f"{', '.join(map(str, hosts))}")
     return out
 
@@ -179,12 +180,12 @@ def check_hosts_agree(facts: dict[str, str], gather=None) -> None:
     hard = [d for d in differ if not d.startswith(ADVISORY_FACTS)]
     if hard:
         ours = "; ".join(f"{k}: {v}" for k, v in facts.items() if k not in ADVISORY_FACTS)
-        raise DistributedError(f"the hosts were launched differently: {'; '.join(hard)} differ from "
-                               f"host 0 (host {jax.process_index()} has {ours}); start every host "
-                               f"with the same command")
+        raise DistributedError(f"the hosts were launched differently: {'; '.join(hard)} from host 0 "
+                               f"(host {jax.process_index()} has {ours}); start every host with the "
+                               f"same command")
     if differ and is_main_process():
-        print(f"warning: the hosts run different command lines ({'; '.join(differ)} differ "
-              f"from host 0's: {facts[ADVISORY_FACTS[0]]})", file=sys.stderr, flush=True)
+        print(f"warning: the hosts run different command lines ({'; '.join(differ)} from host "
+              f"0's: {facts[ADVISORY_FACTS[0]]})", file=sys.stderr, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

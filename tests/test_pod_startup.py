@@ -114,10 +114,10 @@ def test_hosts_that_disagree_are_named_and_a_differing_command_line_only_warns(c
     assert facts["command line"] == "train.yaml steps=10 --coordinator h:1"
     other = dict(facts, **{"local device count": str(jax.local_device_count() + 1)})
     with pytest.raises(distributed.DistributedError,
-                       match=r"launched differently: local device count on hosts 1, 3 differ from host 0"):
+                       match=r"launched differently: local device count differs on hosts 1, 3 from host 0"):
         distributed.check_hosts_agree(facts, gather=_gathered([facts, other, facts, other]))
     paths = dict(facts, **{"command line": "train.yaml steps=10 run_dir=/mnt/other"})
     distributed.check_hosts_agree(facts, gather=_gathered([facts, paths]))  # no error
-    assert "warning: the hosts run different command lines (command line on host 1" in capsys.readouterr().err
+    assert "warning: the hosts run different command lines (command line differs on host 1 from host 0's" in capsys.readouterr().err
     distributed.check_hosts_agree(facts, gather=_gathered([facts, facts]))
     assert capsys.readouterr().err == ""
