@@ -1,0 +1,41 @@
+"""The runtime requirements are complete: a venv holding requirements.txt alone (no test
+dependency: torch, for one, pulls in jinja2, which chat templates need) runs a training dry run
+of every paper config and a --chat completion with the shipped pair."""
+
+import glob
+import os
+import subprocess
+import sys
+
+from uv import find_uv_bin
+
+from tests.test_decoding import ROOT
+
+DRY_RUNS = """
+import sys
+from prove_jax.cli.main import dispatch
+for config in sys.argv[1:]:
+    if dispatch(["train", "--config", config, "--dry-run", "--no-compile"]) != 0:
+        sys.exit(f"train --dry-run failed for {config}")
+"""
+
+
+def test_requirements_alone_run_the_paper_configs_and_chat(tmp_path):
+    venv, uv = tmp_path / "venv", find_uv_bin()
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run([uv, "pip", "install", "-q", "--python", python, "-r", os.path.join(ROOT, "requirements.txt")],
+                   check=True)
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "PYTHONPATH": ROOT,
+           "JAX_PLATFORMS": "cpu"}
+    run = lambda *args: subprocess.run([python, *args], env=env, cwd=ROOT, capture_output=True,  # noqa: E731
+                                       text=True, timeout=600)
+    isolated = run("-c", "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('pytest'))")
+    assert isolated.stdout.split() == ["None", "None"], isolated  # nothing of the test stack
+    configs = sorted(glob.glob(os.path.join(ROOT, "configs", "*qwen*.yaml")))
+    assert len(configs) >= 4
+    dry = run("-c", DRY_RUNS, *configs)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    chat = run("-m", "prove_jax", "generate", "--prompt", "Write a function that adds two numbers.", "--chat",
+               "--max-new-tokens", "4", "--no-progress")
+    assert chat.returncode == 0 and "tokens/forward" in chat.stderr, chat.stderr[-3000:]
