@@ -582,3 +582,22 @@ def test_benchmark_scripts_run_as_the_readme_says(script, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+
+
+def test_a_setting_that_chose_ar_reports_ars_own_timing():
+    """Adaptive/calibrated lossless that ran plain AR at a batch size is AR: its row gives AR's
+    timing and 1.00x, labelled so, not a ratio of two timings of one program (noise: 1.11x)."""
+    from prove_jax.decoding import DecodeOptions
+    ar = bench_lib.Measurement(bench_lib.ar_setting(), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
+                               seconds=[1.0, 1.2])
+    chose_ar = bench_lib.Measurement(bench_lib.calibrated_setting(8), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
+                                     seconds=[0.9, 0.95], effective_options=DecodeOptions("ar"))
+    rec = bench_lib.make_record(chose_ar, ar, 3, 1)
+    assert rec["ran_as_ar"] and rec["speedup_vs_ar"] == rec["speedup_fastest_vs_ar"] == 1.0
+    assert rec["tokens_per_second"] == ar.tokens_per_second
+    rec.update(compile_seconds=0.0)
+    row = bench_lib.markdown_table([rec]).splitlines()[2]
+    assert "calibrated,K<=8 (chose ar: AR's timing)" in row and "| 1.00x | 1.00x |" in row
+    lossless = bench_lib.Measurement(bench_lib.lossless_setting(4, 2), 1, outputs=[[1, 2, 3]], proposer_forwards=1,
+                                     seconds=[0.5])
+    assert bench_lib.make_record(lossless, ar, 3, 1)["speedup_vs_ar"] == pytest.approx(2 * 1.1)

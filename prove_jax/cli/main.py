@@ -20,7 +20,7 @@ COMMANDS = {
     "train": ("train", "train a proposer (MARS), a verifier (AR) or a commit head from a YAML config"),
     "convert": ("convert", "convert checkpoints between HF safetensors and our orbax format"),
     "benchmark": ("benchmark", "measure every decoding mode against AR and the transformers peers"),
-    "demo": ("demo", "complete HumanEval prompts with the shipped pair in four modes"),
+    "demo": ("demo", "complete HumanEval prompts with greedy AR and lossless (--lossy: the lossy modes too)"),
     "corpus": ("corpus", "write the CPython standard library as a train / held-out corpus"),
     "distill": ("distill", "write self-distillation data: a proposer's own greedy continuations"),
     "evaluate": ("evaluate", "held-out NLL, perplexity and top-1 accuracy of checkpoints"),
