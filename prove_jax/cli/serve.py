@@ -155,8 +155,14 @@ def main(argv=None) -> int:
 
     engine = Engine(load, serve_options, seed=args.seed, log=say)
     app = build_app(engine, name, defaults, args.logprobs)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout or None))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM, Ctrl-C: the requests in flight get their bound
+            engine.begin_stop()
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own bound on the requests in flight is a backstop: the engine ends them first
+    server = Server(uvicorn.Config(app, log_level=args.log_level,
+                                   timeout_graceful_shutdown=args.shutdown_timeout + 5))
 
     def failed(message: str) -> None:
         server.should_exit = True

@@ -88,6 +88,7 @@ class _Live:
     stops: StopStrings
     first_token: float | None = None
     generated: int = 0
+    aborted: bool = False  # cancelled by the shutdown's bound: its finish reason is "abort"
 
 
 class Engine:
@@ -152,12 +153,17 @@ class Engine:
         if not handle.finished:
             self._inbox.put(("cancel", handle))
 
+    def begin_stop(self) -> None:
+        """Stop taking requests; those in flight get options.shutdown_seconds to finish, then
+        end with finish_reason "abort" (their text so far). Called on SIGTERM."""
+        if not self._stopping.is_set():
+            self._deadline = time.perf_counter() + self.options.shutdown_seconds
+            self._stopping.set()
+            self._inbox.put(("wake", None))
+
     def stop(self, timeout: float | None = None) -> None:
-        """Stop taking requests; in-flight ones get options.shutdown_seconds to finish, then
-        are cancelled; returns when the engine thread has ended (or after `timeout`)."""
-        self._deadline = time.perf_counter() + self.options.shutdown_seconds
-        self._stopping.set()
-        self._inbox.put(("wake", None))
+        """`begin_stop`, then wait until the engine thread has ended (at most `timeout`)."""
+        self.begin_stop()
         self._thread.join(timeout)
 
     # ---- the engine thread ----------------------------------------------------------------
@@ -215,9 +221,13 @@ class Engine:
                 elif kind == "cancel":
                     self._cancel(handle)
             if self._stopping.is_set() and self._deadline is not None and time.perf_counter() > self._deadline:
-                for index in list(self._live):
-                    self._cancel(self._live[index].handle)
                 self._deadline = None
+                for index, live in list(self._live.items()):
+                    live.aborted = True
+                    if self.stream.cancel(index):  # still waiting: it ends now, with no text
+                        self._finish(index)
+                        if not isinstance(live.handle, _Gone):
+                            live.handle.post(Update("", final=True, output_ids=[], finish_reason="abort"))
             if not self._live:
                 continue
             for event in stream.step():
@@ -295,7 +305,8 @@ class Engine:
             n = len(result.output_ids)
             if n > 1 and live.first_token is not None:
                 self.metrics.tpot.observe((now - live.first_token) / (n - 1))
-        live.handle.post(Update(text, final=True, output_ids=result.output_ids, finish_reason=result.finish_reason,
+        reason = "abort" if live.aborted and not live.stops.stopped else result.finish_reason
+        live.handle.post(Update(text, final=True, output_ids=result.output_ids, finish_reason=reason,
                                 logprobs=result.logprobs))
 
 
