@@ -52,6 +52,13 @@ def test_a_stop_string_across_two_committed_blocks_cuts_the_output_where_it_star
     # the ids end with the token that completed the stop string
     n = len(result.output_ids)
     assert result.output_ids == ids[:n] and stop in tok.decode(ids[:n]) and stop not in tok.decode(ids[:n - 1])
+    # the stats count what it returns: its tokens and the forwards that committed them
+    forwards = next(f for f in range(1, len(blocks) + 1) if sum(blocks[:f]) >= n)
+    assert (result.stats["generated_tokens"], result.stats["proposer_forwards"]) == (n, forwards)
+    plain = Decoder(model, [tok.eos_token_id], DecodeOptions("lossless", 4))  # records no steps itself
+    [again], _ = run_requests(plain, [prompt], 48, 1, progress=False, tokenizer=tok,
+                              params=[SamplingParams(stop=(stop,))])
+    assert again.stats == result.stats and again.output_ids == result.output_ids
 
 
 def test_stop_strings_are_found_alike_whatever_the_blocks(demo):

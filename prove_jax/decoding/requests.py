@@ -367,6 +367,8 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
     params = list(params) if params is not None else [GREEDY] * len(prompts)
     budgets = [p.max_new_tokens or max_new_tokens for p in params]
     decoder.check_prompts(prompts, budgets, names=ids)
+    if any(p.stop for p in params) and not decoder.options.record_steps:  # the forwards a cut output took
+        decoder = decoder.with_options(dataclasses.replace(decoder.options, record_steps=True))
     ran = set()
     results = []
     seconds = compile_s = 0.0
