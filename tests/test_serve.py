@@ -136,6 +136,17 @@ def sampled(oracle):
     return tok.decode(out.output_ids[0], skip_special_tokens=True)
 
 
+def test_bad_settings_fail_in_one_line_before_anything_loads(capsys):
+    """Exit 2 and one `error:` line, before a port is taken or a weight read."""
+    from prove_jax.cli import serve
+    for argv, words in ((["--model", "/nonexistent"], "no such checkpoint directory"),
+                        (["--max-prompt-tokens", "2000", "--max-new-tokens", "100"], "2048 positions"),
+                        (["--temperature", "0.5", "--sampling", "greedy"], "--sampling full or temperature")):
+        assert serve.main(argv + ["--port", "0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], (argv, err)
+
+
 def test_health_models_and_metrics(ready, client):
     assert _get(ready + "/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
     assert [m.id for m in client.models.list().data] == ["proposer"]

@@ -24,7 +24,7 @@ from prove_jax import assets
 from prove_jax.errors import ProveJaxError
 from prove_jax.cli.generate import check_mode_options, decode_options, default_params
 from prove_jax.cli.runner import fail, run_cli
-from prove_jax.checkpoints.checkpoint import load_tokenizer
+from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
@@ -128,9 +128,14 @@ def main(argv=None) -> int:
         for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
             if path is not None and not os.path.isdir(path):
                 raise DecodeError(f"{flag} {path}: no such checkpoint directory")
+        positions = load_config(args.model).max_position_embeddings
+        if args.max_prompt_tokens + args.max_new_tokens > positions:
+            raise DecodeError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens "
+                              f"{args.max_new_tokens} is more than the model's {positions} positions")
         tokenizer = load_tokenizer(args.model)
-        if tokenizer is None and defaults.stop:
-            raise DecodeError("--stop needs the checkpoint's tokenizer (this one has none); use --stop-token-id")
+        if tokenizer is None:
+            raise DecodeError(f"--model {args.model} has no tokenizer: the server needs one to read text "
+                              f"prompts and return text")
         if not defaults.greedy and args.sampling == "greedy":
             raise DecodeError("--temperature > 0 needs --sampling full or temperature")
         if args.sampling == "temperature" and (defaults.top_k or defaults.top_p < 1 or defaults.min_p):
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
         return decoder, tokenizer
 
     engine = Engine(load, serve_options, seed=args.seed, log=say)
-    app = build_app(engine, name, defaults, args.logprobs)
+    app = build_app(engine, load_tokenizer(args.model), name, defaults, args.logprobs)
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM, Ctrl-C: the requests in flight get their bound
             engine.begin_stop()

@@ -32,9 +32,12 @@ def _error(e: RequestError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def build_app(engine: Engine, model_name: str, defaults: SamplingParams, max_logprobs: int | None) -> Starlette:
+def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingParams,
+              max_logprobs: int | None) -> Starlette:
     """The server for `engine` (started by the app's lifespan), answering to `model_name`;
-    `defaults`: the sampling a request's own fields override."""
+    `defaults`: the sampling a request's own fields override. `tokenizer` encodes prompts on
+    the HTTP side: an instance of its own, not the engine's (a Rust tokenizer used from two
+    threads at once can fail with "Already borrowed")."""
     created = int(time.time())
 
     @asynccontextmanager
@@ -78,7 +81,7 @@ def build_app(engine: Engine, model_name: str, defaults: SamplingParams, max_log
             if parsed.model is not None and parsed.model != model_name:
                 raise RequestError(f"The model '{parsed.model}' does not exist; this server serves "
                                    f"'{model_name}'", param="model", status=404, code="model_not_found")
-            prompt = _encode(parsed, engine.tokenizer)
+            prompt = _encode(parsed, tokenizer)
             problem = engine.request_problem(prompt, parsed.params)
             if problem is not None:
                 raise RequestError(f"the request {problem}", param=_problem_param(problem, parsed.params))
@@ -114,7 +117,7 @@ def build_app(engine: Engine, model_name: str, defaults: SamplingParams, max_log
                 engine.cancel(handle)
         logprobs = None
         if parsed.logprobs is not None:
-            logprobs = protocol.logprobs_body(final.output_ids, final.logprobs, parsed.logprobs, chat, engine.tokenizer)
+            logprobs = protocol.logprobs_body(final.output_ids, final.logprobs, parsed.logprobs, chat, tokenizer)
         return JSONResponse(protocol.completion_body(rid, stamp, model_name, chat, final.text, final.finish_reason,
                                                      len(prompt), len(final.output_ids), logprobs))
 

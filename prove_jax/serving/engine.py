@@ -180,8 +180,11 @@ class Engine:
             self.log(f"compiled {len(self.decoder._stream_compiled)} programs in "
                      f"{time.perf_counter() - start:.1f}s; serving {self.stream.settings.num_rows} rows")
         except Exception as e:  # noqa: BLE001 - reported as the server's error, then it exits
-            self.error = str(e) if isinstance(e, (ProveJaxError, ValueError, OSError)) else traceback.format_exc()
-            self.log(f"error: {self.error}")
+            if isinstance(e, (ProveJaxError, ValueError, OSError)):  # the command line reports it
+                self.error = str(e)
+            else:
+                self.error = traceback.format_exc()
+                self.log(self.error)
             if self.on_error is not None:
                 self.on_error(self.error)
             return
