@@ -345,6 +345,8 @@ class ModuleCost:
                 continue
             if user.opcode in _SLICING and user.operands[0] == pname and pname not in user.operands[1:]:
                 total += array_bytes(user.shape, hbm_only=False)  # wherever the slice goes (often VMEM)
+            elif user.opcode in ("bitcast", "reshape"):  # a view inside a fusion: what reads it reads
+                total += self._param_read(fused, user.name, full)
             elif user.opcode == "fusion" and (inner := self.comps.get(_attr(user.attrs, "calls") or "")) is not None:
                 inner_params = {int(i.operands[0]): i.name for i in inner.instrs if i.opcode == "parameter"}
                 for position, operand in enumerate(user.operands):

@@ -147,12 +147,48 @@ ENTRY %main (a: (s32[], f32[4]), b: (s32[], f32[4], s32[])) -> f32[4] {
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (optional): pip install 'libtpu==0.0.42.*'")
 def test_the_tpu_step_moves_what_it_must():
     """A small model's AR step compiled for v5e-4 (4 rows, one per chip, 1k context): the HBM
-    bytes of one step are within 1.3x of its weights and live KV, and the report names the
-    programs `generate` streams."""
+    bytes of one step are at most 1.3x its weights and live KV (less: a 2 MiB cache stays in
+    VMEM across the steps), and the report names the programs `generate` streams."""
     cfg = CFG.replace(head_dim=128)
     report = step_report.step_report(cfg, DecodeOptions("ar", 1, scan_layers=True), chip="v5e", chips=4, batch=4,
                                      context=1024, new_tokens=128, programs=("step", "admit"))
     step, admit = report.programs
     assert (step.name, admit.name) == ("step", "admit")
-    assert 0.9 <= step.waste <= 1.3
+    assert 0.3 <= step.waste <= 1.3
     assert np.isclose(step.roofline_seconds, step.hbm_bytes / aot.CHIP_HBM_BANDWIDTH["v5e"], rtol=1e-6)
+
+
+def _stacked_buffers(state) -> list[str]:
+    """'dims' text of each stacked cache or pool buffer of a loop state, as HLO prints shapes."""
+    leaves = jax.tree.leaves(state.cache.k) + jax.tree.leaves(state.cache.v)
+    return sorted({"[" + ",".join(map(str, x.shape)) + "]" for x in leaves})
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_a_scanned_step_copies_no_stacked_cache(model, page_size):
+    """The scanned step writes its KV into the stacked cache (or paged pool) in place and reads
+    a layer's chunks from it: no instruction but the in-place write produces a buffer of the
+    whole cache's shape (on libtpu, each layer copied the pool, or its own slice, every step)."""
+    decoder = Decoder(model, [1], DecodeOptions("ar", 1, scan_layers=True, page_size=page_size))
+    fns, _, state = step_report.stream_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS)
+    fn, args = fns["step"]
+    cost = hlo_cost.step_cost(fn.lower(*args).compile().as_text())
+    whole = [t for t in cost.top if any(dims in t[4] for dims in _stacked_buffers(state))
+             and "scatter" not in t[2]]
+    assert whole == []
+    assert cost.by_opcode.get("copy", 0) < 0.01 * cost.bytes
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (optional): pip install 'libtpu==0.0.42.*'")
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_on_tpu_a_layer_reads_its_kv_in_place(page_size):
+    """16 rows of 8k on v5p-8, a 64 MiB layer KV per chip: the compiled step copies no cache,
+    and the contiguous step moves what it must within 1.3x (the paged one gathers each chunk's
+    pages once through HBM; the Pallas kernel reads them in place)."""
+    cfg = ModelConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_layers=2, num_heads=16,
+                      num_kv_heads=8, head_dim=128, mask_token_id=1023, eos_token_ids=(1,))
+    report = step_report.step_report(cfg, DecodeOptions("ar", 1, scan_layers=True, page_size=page_size),
+                                     chip="v5p", chips=4, batch=16, context=8192, programs=("step",))
+    (step,) = report.programs
+    assert step.bytes_by_opcode.get("copy", 0) < 0.01 * step.hbm_bytes
+    assert step.waste <= (1.3 if page_size is None else 3.0)

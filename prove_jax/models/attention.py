@@ -83,9 +83,21 @@ class LayerKV:
     v: jax.Array
     layer: jax.Array  # int32 scalar
 
-    def read(self) -> tuple[jax.Array, jax.Array]:
-        """This layer's keys and values [B, K, S, Dh]."""
-        take = lambda c: jax.lax.dynamic_index_in_dim(c, self.layer, axis=2, keepdims=False)  # noqa: E731
+    @property
+    def slots(self) -> int:
+        return self.k.shape[3]
+
+    def read(self, start: jax.Array | int = 0, size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values [B, K, size, Dh] of slots [start, start + size) (default:
+        all), sliced from the stacked buffers directly: taken whole first, the layer was copied
+        out of the buffer in every layer of every step (benchmarks/decode_step_cost.md)."""
+        size = self.slots if size is None else size
+
+        def take(c):
+            b, k, _, _, dh = c.shape
+            zero = jnp.zeros((), jnp.int32)
+            at = (zero, zero, jnp.asarray(self.layer, jnp.int32), jnp.asarray(start, jnp.int32), zero)
+            return jax.lax.dynamic_slice(c, at, (b, k, 1, size, dh))[:, :, 0]
         return take(self.k), take(self.v)
 
 
@@ -181,7 +193,7 @@ class Attention(nnx.Module):
             if isinstance(kv, LayerKV):
                 kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer, rules=rules),
                                 v=write_step(kv.v, own[1], start, layer=kv.layer, rules=rules))
-                committed = kv.read()
+                committed = kv  # read a chunk at a time, in place (`_attend_cached`)
             elif isinstance(kv, PagedKV):  # read through the page table (by XLA or the paged kernel)
                 kv = committed = kv.write(own[0], own[1], start)
             else:
@@ -195,7 +207,9 @@ class Attention(nnx.Module):
                     or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
                 out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform, rules, longest)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
-                out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels, rules)
+                out = _attend_cached_kernel(q, own, attn_mask.intra,
+                                            committed.read() if isinstance(committed, LayerKV) else committed,
+                                            start, kernels, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         if rules is not DEFAULT_RULES:  # back to the heads the output projection's kernel holds
             out = constrain(constrain(out, ("batch", "sequence", "heads", "head_dim"), rules),
@@ -234,11 +248,13 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Ar
         slots = jnp.concatenate([slots, start[:, None] + size], axis=1)
         new = jnp.concatenate([new, new], axis=2)
     slots = jnp.broadcast_to(slots[:, None], (b, k, slots.shape[1]))
-    if layer is None:  # [S, Dh] <- [T, Dh] at [T]
-        write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
-    else:  # [L, S, Dh] <- [T, Dh] at (layer, [T])
-        write = lambda c, u, s: c.at[layer, s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
-    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), cache_axes(stacked=layer is not None), rules)
+    write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731  [S, Dh] <- [T, Dh] at [T]
+    if layer is not None:  # [L, S, Dh] <- [T, Dh] at (layer, [T]), as slots layer * S + s of [L*S, Dh]
+        n_layers = cache.shape[2]
+        flat = jnp.where(slots < size, layer * size + slots, n_layers * size)  # past S: dropped, not the next layer
+        out = jax.vmap(jax.vmap(write))(cache.reshape(b, k, n_layers * size, -1), new, flat)
+        return constrain(out.reshape(cache.shape), cache_axes(stacked=True), rules)
+    return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), KV_CACHE_AXES, rules)
 
 
 def _attend(q: jax.Array, blocks) -> jax.Array:
@@ -322,6 +338,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     paged = isinstance(cache, PagedKV)
     if paged:
         slots, read, page = cache.slots, cache.read, cache.page_size
+    elif isinstance(cache, LayerKV):
+        slots, read, page = cache.slots, cache.read, 1
     else:
         cache_k, cache_v = cache
         slots, page = cache_k.shape[2], 1
@@ -333,7 +351,7 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     size = cache_chunk(slots, rows=rows_per_device(q.shape[0], rules), platform=platform)
     size = min(slots, -(-size // page) * page)
     if size >= slots:  # one pass over the whole (short) buffer
-        keys, values = read(0, slots) if paged else cache
+        keys, values = cache if isinstance(cache, tuple) else read(0, slots)
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(keys.astype(dt), values.astype(dt), committed[:, None, :]), own + (intra,)])
     t, g = q.shape[1], q.shape[3]

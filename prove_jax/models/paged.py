@@ -187,14 +187,31 @@ def _write_pool(pool, new, start, table, layer=None):
     flat = jnp.concatenate([flat, flat[:, :1]], axis=1).astype(pool.dtype)
     if layer is None:
         return pool.at[:, pages, offsets].set(flat, mode="drop")
-    return pool.at[:, layer, pages, offsets].set(flat, mode="drop")
+    # every layer's pages as one axis, slot (layer * P + page) * page_size + offset: indexed by
+    # (layer, page, offset), XLA:TPU gave the written pool a tiling its readers did not take and
+    # copied the whole pool in every layer of every step (benchmarks/decode_step_cost.md)
+    # copied the whole pool in every layer of every step (benchmarks/decode_step_cost.md); the
+    # kv heads are the scatter's batching axis (vmapped), not part of its window, for the same reason
+    k, n_layers, p, size, dh = pool.shape
+    slot = jnp.where(pages < p, (layer * p + pages) * size + offsets, n_layers * p * size)  # past: dropped
+    write = jax.vmap(lambda head, values, at: head.at[at].set(values, mode="drop"))
+    return write(pool.reshape(k, -1, dh), flat, jnp.broadcast_to(slot, (k,) + slot.shape)).reshape(pool.shape)
 
 
 def _read_pool(pool, table, first: jax.Array, count: int, layer=None):
     """Rows' logical pages [first, first + count) of one shard's pool (its layer `layer` when
     stacked), [b, K, count * page, Dh]."""
     pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(table, first, count, axis=1), pool.shape[-3] - 1)
-    x = pool[:, pages] if layer is None else pool[:, layer, pages]  # [K, b, c, page, Dh]
+    if layer is None:
+        x = pool[:, pages]  # [K, b, c, page, Dh]
+    else:  # pages of every layer as one axis, as `_write_pool` writes them; gathered per (row,
+        # kv head) into [b, K, c, page, Dh] as attention reads them (gathered [K, b, ...], the
+        # pages were copied once more to put the rows first)
+        k, n_layers, p = pool.shape[:3]
+        flat = pool.reshape((k, n_layers * p) + pool.shape[3:])
+        at = jnp.broadcast_to((layer * p + pages)[:, None], (pages.shape[0], k) + pages.shape[1:])
+        x = jax.vmap(jax.vmap(lambda head, i: head[i]), in_axes=(None, 0))(flat, at)  # [b, K, c, page, Dh]
+        return x.reshape(pages.shape[0], k, -1, pool.shape[-1])
     return x.transpose(1, 0, 2, 3, 4).reshape(pages.shape[0], pool.shape[0], -1, pool.shape[-1])
 
 
