@@ -15,9 +15,10 @@ def check_replaceable(path: str, marker: str, what: str, error: type[Exception])
     It may be new, empty, or an earlier output of the same kind (it holds `marker`); anything
     else (a file, a source tree given as --out by mistake) is kept.
     """
-    if os.path.exists(path) and not os.path.isdir(path):
+    from prove_jax import storage  # URLs too (storage writes its local files through this module)
+    if storage.isfile(path):
         raise error(f"output {path} is a file; give a directory")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, marker)):
+    if storage.isdir(path) and storage.listdir(path) and not storage.exists(storage.join(path, marker)):
         raise error(f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
                     f"choose a new directory")
 

@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from prove_jax import storage
 from prove_jax.errors import ProveJaxError
 from prove_jax.files import atomic_dir, check_replaceable
 from prove_jax.models import sharding
@@ -40,9 +41,13 @@ class CheckpointError(ProveJaxError, ValueError):
 
 
 def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
+    """The tokenizer files of `src_dir` copied into `dst_dir` (either may be a URL)."""
+    if not src_dir or not storage.isdir(src_dir):
+        return []
+    if storage.is_url(src_dir) or storage.is_url(dst_dir):
+        with storage.local_copy(src_dir, TOKENIZER_FILES) as local:
+            return storage.upload_dir(local, dst_dir, TOKENIZER_FILES)
     copied = []
-    if not src_dir or not os.path.isdir(src_dir):
-        return copied
     for name in TOKENIZER_FILES:
         src = os.path.join(src_dir, name)
         if os.path.exists(src):
@@ -84,17 +89,19 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
         check_replaceable(path, "params", "a prove-jax checkpoint", CheckpointError)
     alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
                                                active_processes={jax.process_index()})
-    with atomic_dir(path) as tmp, _without_ocdbt_merge_warning():
+    url = storage.is_url(path)
+    if url:  # no rename at a URL: emptied, then config.json last (load_config reads it first)
+        storage.remove_tree(path)
+    with (contextlib.nullcontext(path) if url else atomic_dir(path)) as tmp, \
+            _without_ocdbt_merge_warning():
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
                 use_ocdbt=False, type_handler_registry=_streaming_handlers(chunks),
                 multiprocessing_options=alone), multiprocessing_options=alone) as ckptr:
-            ckptr.save(os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg.to_json_dict(), f, indent=2)
+            ckptr.save(storage.join(tmp, "params"), args=ocp.args.PyTreeSave(params))
         for name, content in (extra_json or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(content, f, indent=2)
+            storage.write_text(storage.join(tmp, name), json.dumps(content, indent=2))
         copy_tokenizer_files(tokenizer_dir, tmp)
+        storage.write_text(storage.join(tmp, "config.json"), json.dumps(cfg.to_json_dict(), indent=2))
     return path
 
 
@@ -275,9 +282,12 @@ class _ChunkedNumpyHandler(ocp.type_handlers.NumpyHandler):
 
 
 def load_config(path: str) -> ModelConfig:
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise CheckpointError(f"checkpoint directory not found: {path}")
     try:
+        if storage.is_url(path):
+            with storage.local_copy(path, ("config.json",)) as local:
+                return ModelConfig.load(local)
         return ModelConfig.load(path)
     except ConfigError as e:
         raise CheckpointError(f"bad checkpoint {path}: {e}") from None
@@ -294,9 +304,9 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     cfg = load_config(path)
     overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
     cfg = cfg.replace(**overrides)
-    params_dir = os.path.join(os.path.abspath(path), "params")
-    if not os.path.isdir(params_dir):
-        if any(name.endswith(".safetensors") for name in os.listdir(path)):
+    params_dir = storage.join(storage.absolute(path), "params")
+    if not storage.isdir(params_dir):
+        if any(name.endswith(".safetensors") for name in storage.listdir(path)):
             raise CheckpointError(f"{path} is a Hugging Face model directory, not a prove-jax checkpoint; "
                                   f"convert it first: prove-jax convert hf-to-flax "
                                   f"--hf-dir {path} --out CKPT")
@@ -354,8 +364,9 @@ def _check_stored_shapes(params_dir: str, target) -> None:
 
 def load_tokenizer(path: str):
     """The HF tokenizer saved with a checkpoint, or None when there is none."""
-    if not os.path.exists(os.path.join(path, "tokenizer.json")) and not os.path.exists(
-            os.path.join(path, "vocab.json")):
+    if not storage.exists(storage.join(path, "tokenizer.json")) and not storage.exists(
+            storage.join(path, "vocab.json")):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    with storage.local_copy(path, TOKENIZER_FILES) as local:  # transformers reads local files
+        return AutoTokenizer.from_pretrained(local)

@@ -55,8 +55,11 @@ class _Progress:
 def _check_out_dir(out: str, overwrite: bool) -> None:
     """Refuse an output that exists (unless --overwrite) or cannot be created, before converting:
     the output is written under a temporary sibling name, which an OSError would name instead."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+    from prove_jax import storage
+    if storage.exists(out) and (not storage.isdir(out) or storage.listdir(out)) and not overwrite:
         raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to replace it)")
+    if storage.is_url(out):  # a bucket prefix: nothing to create beforehand
+        return
     from prove_jax.files import nearest_existing
     parent = nearest_existing(out)  # atomic_dir creates the missing ones
     if not os.path.isdir(parent):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import io
 import logging
 import os
 from typing import Any, Iterable, Mapping, Sequence
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from prove_jax import storage
 from prove_jax.errors import ProveJaxError
 from prove_jax.data.chat import chat_prompt_ids
 from prove_jax.data.jsonl import read_jsonl
@@ -51,6 +53,8 @@ class DataError(ProveJaxError, ValueError):
 
 def _read_text(path: str) -> str:
     try:
+        if storage.is_url(path):
+            return storage.read_bytes(path).decode("utf-8-sig")
         with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not text
             return f.read()
     except UnicodeDecodeError as e:
@@ -59,7 +63,8 @@ def _read_text(path: str) -> str:
 
 def _parse_jsonl(path: str) -> list[Example]:
     examples = []
-    for lineno, record in read_jsonl(path, DataError):
+    source = io.BytesIO(storage.read_bytes(path)) if storage.is_url(path) else path
+    for lineno, record in read_jsonl(source, DataError, name=path):
         if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(
                 record.get("response"), str):
             examples.append({"prompt": record["prompt"], "response": record["response"]})
@@ -94,7 +99,13 @@ def _load_folder(path: str) -> list[Example]:
     files that are not UTF-8 (e.g. encoding test fixtures) are skipped with one warning.
     """
     files = []
-    for root, dirs, names in os.walk(path):
+    if storage.is_url(path):
+        with storage.errors(path):
+            found = [str(p) for p in storage.as_path(path).rglob("*") if p.is_file()]
+        base = str(path).rstrip("/") + "/"
+        files = [f for f in found if not any(part.startswith(".") for part in f[len(base):].split("/"))
+                 and f.endswith(TEXT_SUFFIXES + (".jsonl",))]
+    for root, dirs, names in ([] if storage.is_url(path) else os.walk(path)):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         files += [os.path.join(root, n) for n in names
                   if not n.startswith(".") and n.endswith(TEXT_SUFFIXES + (".jsonl",))
@@ -119,9 +130,9 @@ def load_examples(path: str) -> list[Example]:
     A file ending in .jsonl or .json is read as JSON lines; any other file is one document.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not storage.exists(path):
         raise DataError(f"data path not found: {path}")
-    if os.path.isdir(path):
+    if storage.isdir(path):
         examples = _load_folder(path)
     else:
         examples = _load_file(path)

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from prove_jax.errors import ProveJaxError
-from prove_jax import distributed, files, memory
+from prove_jax import distributed, memory, storage
 from prove_jax.checkpoints import checkpoint
 from prove_jax.data.chat import chat_problem
 from prove_jax.models import params as params_lib
@@ -90,7 +90,7 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
     src = cfg.model
     if src.hf_dir is not None:
         from prove_jax.checkpoints import convert
-        if not os.path.isdir(src.hf_dir):
+        if not storage.isdir(src.hf_dir):
             raise TrainError(f"model.hf_dir not found: {src.hf_dir}")
         model_cfg = convert.read_hf_config(src.hf_dir)
     elif src.checkpoint is not None:
@@ -128,31 +128,39 @@ def resolve_tokenizer(cfg: TrainConfig) -> tuple[object, str]:
     """(tokenizer, directory it was read from). A run's own saved tokenizer wins on resume;
     without a checkpoint it is only a leftover of an earlier launch, and the configured
     tokenizer (or a freshly trained BPE) is used, so a corrected tokenizer config counts."""
-    from prove_jax.data.tokenizer import build_tokenizer, load_tokenizer_dir
+    from prove_jax.data.tokenizer import build_tokenizer
     resuming = has_checkpoints(cfg.run_dir)
-    own = os.path.join(cfg.run_dir, "tokenizer")
-    if resuming and os.path.isfile(os.path.join(own, "tokenizer.json")):
-        return load_tokenizer_dir(own), own
+    own = storage.join(cfg.run_dir, "tokenizer")
+    if resuming and storage.isfile(storage.join(own, "tokenizer.json")):
+        return read_tokenizer_dir(own), own
     tok = cfg.tokenizer
     if tok.bpe_vocab_size:
-        base = os.path.join(cfg.run_dir, "tokenizer_base")
-        reuse = resuming and os.path.isfile(os.path.join(base, "tokenizer.json"))
+        base = storage.join(cfg.run_dir, "tokenizer_base")
+        reuse = resuming and storage.isfile(storage.join(base, "tokenizer.json"))
         if distributed.is_main_process() and not reuse:
             _require_data(cfg.data)
             log_main(f"training a {tok.bpe_vocab_size}-token byte-level BPE on {cfg.data}")
-            build_tokenizer(_training_texts(cfg.data), base, vocab_size=tok.bpe_vocab_size)
+            with storage.staged_dir(base) as tmp:  # locally a rename, at a URL an upload
+                build_tokenizer(_training_texts(cfg.data), tmp, vocab_size=tok.bpe_vocab_size)
         distributed.barrier("tokenizer_built")
-        return load_tokenizer_dir(base), base
+        return read_tokenizer_dir(base), base
     where = tok.path or cfg.model.checkpoint or cfg.model.hf_dir
     if where is None:
         raise TrainConfigError("no tokenizer: set tokenizer.path (a tokenizer directory) or "
                                "tokenizer.bpe_vocab_size (train one on the data)")
-    if not os.path.isdir(where):
+    if not storage.isdir(where):
         raise TrainError(f"tokenizer directory not found: {where}")
     loaded = checkpoint.load_tokenizer(where)
     if loaded is None:
         raise TrainError(f"no tokenizer files (tokenizer.json / vocab.json) in {where}")
     return loaded, where
+
+
+def read_tokenizer_dir(path: str):
+    """A saved tokenizer directory (local or a URL: its files read through a local copy)."""
+    from prove_jax.data.tokenizer import load_tokenizer_dir
+    with storage.local_copy(path) as local:
+        return load_tokenizer_dir(local)
 
 
 def _fill_special_ids(model_cfg: ModelConfig, tokenizer) -> ModelConfig:
@@ -168,10 +176,10 @@ def _fill_special_ids(model_cfg: ModelConfig, tokenizer) -> ModelConfig:
 def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
     """The tokenizer as trained (with `<|mask|>`) in RUN_DIR/tokenizer: written by a fresh run
     (replacing any leftover), kept as it is by a resumed one."""
-    own = os.path.join(run_dir, "tokenizer")
-    keep = has_checkpoints(run_dir) and os.path.isfile(os.path.join(own, "tokenizer.json"))
+    own = storage.join(run_dir, "tokenizer")
+    keep = has_checkpoints(run_dir) and storage.isfile(storage.join(own, "tokenizer.json"))
     if distributed.is_main_process() and not keep:
-        with files.atomic_dir(own) as tmp:
+        with storage.staged_dir(own) as tmp:
             tokenizer.save_pretrained(tmp)
     distributed.barrier("tokenizer_saved")
     return own
@@ -213,14 +221,14 @@ def convert_hf_once(cfg: TrainConfig, mesh) -> str:
     but host 0 while converting). Host 0 converts, the others wait; a relaunch reuses it while
     the HF files and the mesh are unchanged (`convert.conversion_stale`)."""
     from prove_jax.checkpoints import convert
-    hf_dir, out = cfg.model.hf_dir, os.path.join(cfg.run_dir, CONVERTED_DIR)
+    hf_dir, out = cfg.model.hf_dir, storage.join(cfg.run_dir, CONVERTED_DIR)
 
     def convert_unless_current():
         why = convert.conversion_stale(hf_dir, out, mesh)
         if why is None:
             log_main(f"reusing {out}, converted from {hf_dir} by an earlier launch")
             return
-        again = f" again ({why})" if os.path.exists(out) else ""
+        again = f" again ({why})" if storage.exists(out) else ""
         log_main(f"converting {hf_dir} into {out}{again}, on host 0 alone; every host then reads "
                  f"its own shards from there")
         convert.hf_to_flax(hf_dir, out, overwrite=True, progress=True, mesh=mesh, record_source=True)
@@ -276,11 +284,11 @@ def export_model(path: str, graphdef, params: dict, model_cfg: ModelConfig, toke
         return checkpoint.save_model(path, nnx.merge(graphdef, params), model_cfg, tokenizer_dir)
     import orbax.checkpoint as ocp
     with ocp.StandardCheckpointer() as ckptr:  # closing waits for every host's writes
-        ckptr.save(os.path.join(os.path.abspath(path), "params"), params, force=True)
+        ckptr.save(storage.join(storage.absolute(path), "params"), params, force=True)
     if distributed.is_main_process():
         checkpoint.copy_tokenizer_files(tokenizer_dir, path)
-        files.atomic_write_text(os.path.join(path, "config.json"),
-                                     json.dumps(model_cfg.to_json_dict(), indent=2))
+        storage.write_text(storage.join(path, "config.json"),
+                           json.dumps(model_cfg.to_json_dict(), indent=2))
     distributed.barrier("export_done")
     return path
 
@@ -293,11 +301,10 @@ def exported_step(model_dir: str, dtype: str | None = None) -> int | None:
     the record, or, given `dtype`, one whose weights are stored in another dtype: then it is
     redone)."""
     try:
-        with open(os.path.join(model_dir, EXPORT_MARKER)) as f:
-            step = json.load(f).get("step")
+        step = json.loads(storage.read_text(storage.join(model_dir, EXPORT_MARKER))).get("step")
     except (OSError, ValueError, AttributeError):
         return None
-    complete = os.path.isfile(os.path.join(model_dir, "config.json"))
+    complete = storage.isfile(storage.join(model_dir, "config.json"))
     if complete and dtype is not None:
         try:
             complete = checkpoint.load_config(model_dir).param_dtype == dtype
@@ -311,7 +318,7 @@ def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: Mode
     """export_model, then the step record; written last, so a cut-short export has none."""
     export_model(path, graphdef, params, model_cfg, tokenizer_dir, dtype)
     if distributed.is_main_process():
-        files.atomic_write_text(os.path.join(path, EXPORT_MARKER), json.dumps({"step": step}))
+        storage.write_text(storage.join(path, EXPORT_MARKER), json.dumps({"step": step}))
     distributed.barrier("export_marked")
     return path
 
@@ -321,7 +328,7 @@ def export_at_step(path: str, step: int, graphdef, params: dict, model_cfg: Mode
 def _require_data(path: str | None) -> None:
     if path is None:
         raise TrainConfigError("no training data: set data=PATH (text file, folder or JSONL)")
-    if not os.path.exists(path):
+    if not storage.exists(path):
         raise TrainError(f"data not found: {path}")
 
 
@@ -444,8 +451,7 @@ def _setting_changes(run_dir: str, cfg: TrainConfig, shared_only: bool = False) 
     """{key: "key: old -> new"} for every setting that differs from the run's train_config.json
     (with `shared_only`, only keys both have), sorted by key; {} without a readable file."""
     try:
-        with open(os.path.join(run_dir, "train_config.json")) as f:
-            old = _flat(json.load(f))
+        old = _flat(json.loads(storage.read_text(storage.join(run_dir, "train_config.json"))))
     except (OSError, ValueError, AttributeError):
         return {}
     new = _flat(json.loads(json.dumps(to_dict(cfg))))  # tuples -> lists, as the file has them
@@ -477,8 +483,7 @@ RETUNABLE_PREFIX = "optimizer."
 def _saved_steps(run_dir: str) -> int | None:
     """`steps` of the run's train_config.json (None if unreadable)."""
     try:
-        with open(os.path.join(run_dir, "train_config.json")) as f:
-            return int(json.load(f)["steps"])
+        return int(json.loads(storage.read_text(storage.join(run_dir, "train_config.json")))["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -516,10 +521,10 @@ def check_tokenizer_matches_weights(cfg: TrainConfig, tokenizer, where: str,
     tokenizer assigns them: a configured tokenizer must map every token to the same id (and fit
     the embedding rows), or the embeddings are read with wrong ids."""
     src = cfg.model.checkpoint or cfg.model.hf_dir
-    if src is None or os.path.abspath(where) == os.path.abspath(src):
+    if src is None or storage.absolute(where) == storage.absolute(src):
         return
     from prove_jax.checkpoints import vocab
-    own = checkpoint.load_tokenizer(src) if os.path.isdir(src) else None
+    own = checkpoint.load_tokenizer(src) if storage.isdir(src) else None
     try:
         vocab.check_shared_vocabulary(tokenizer, where, [("model", src, model_cfg.vocab_size, own)])
     except vocab.VocabError as e:
@@ -572,7 +577,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     A SIGTERM during the steps saves the step all hosts agree on and raises `Preempted`
     (training/preemption.py); the same call again continues from there."""
     goodput = Goodput()  # this launch's wall time, from here
-    run_dir = os.path.abspath(cfg.run_dir)
+    run_dir = storage.absolute(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     _require_data(cfg.data)  # before anything is written to the run dir
     resuming = has_checkpoints(run_dir)
@@ -626,8 +631,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
         raise
     # written once the checkpoints are known to fit, so it names the config they were made with
     if distributed.is_main_process():
-        files.atomic_write_text(os.path.join(run_dir, "train_config.json"),
-                                     json.dumps(to_dict(cfg), indent=2))
+        storage.write_text(storage.join(run_dir, "train_config.json"), json.dumps(to_dict(cfg), indent=2))
     if restored is not None:
         start, state = restored
         log(f"resumed from {ckpts.dir}/{start}")
@@ -685,7 +689,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                         ckpts.save(done, state, data_iter, meta)
                         if cfg.export_every_save and done != cfg.steps and not preempted:
                             ckpts.wait()
-                            export_at_step(os.path.join(run_dir, "model"), done, layout.graphdef,
+                            export_at_step(storage.join(run_dir, "model"), done, layout.graphdef,
                                            state["params"], train_cfg, tok_dir, cfg.export_dtype)
                 if preempted:  # the kill follows the notice: the checkpoint only, then stop
                     ckpts.wait()
@@ -702,7 +706,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
 
     final = end if end > start else start
     model_dir = None
-    exported = os.path.join(run_dir, "model")
+    exported = storage.join(run_dir, "model")
     export_dtype = cfg.export_dtype or train_cfg.param_dtype
     if final == cfg.steps and start == final and exported_step(exported, export_dtype) == final:
         model_dir = exported  # a finished run relaunched, its export complete: nothing to redo

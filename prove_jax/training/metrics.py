@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import shutil
+import tempfile
 import time
 from typing import Callable
 
 import jax
 import numpy as np
 
-from prove_jax import distributed
+from prove_jax import distributed, storage
 
 # Dense bf16 peak FLOP/s per chip, matched on a substring of jax's device_kind.
 PEAK_FLOPS = {
@@ -138,19 +139,37 @@ class TensorBoardWriter:
     """Scalars as TensorBoard event files in `logdir` (tensorboardX: no TensorFlow needed).
 
     A relaunch that resumes at `start_step` marks the steps after it as purged, so TensorBoard
-    shows the steps the restored run redoes once, as metrics.jsonl does."""
+    shows the steps the restored run redoes once, as metrics.jsonl does. At a URL the events
+    are written locally and the file uploaded whole every `FLUSH_S` and at the end (an object
+    store cannot append)."""
+
+    FLUSH_S = 30
 
     def __init__(self, logdir: str, start_step: int = 0):
         from tensorboardX import SummaryWriter
-        self.writer = SummaryWriter(logdir, purge_step=start_step + 1 if start_step else None,
-                                    flush_secs=30)
+        self.remote = logdir if storage.is_url(logdir) else None
+        self.local = tempfile.mkdtemp(prefix="prove-jax-tb-") if self.remote else logdir
+        self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None,
+                                    flush_secs=self.FLUSH_S)
+        self.uploaded = time.monotonic() if self.remote else None
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
+        if self.remote and time.monotonic() - self.uploaded >= self.FLUSH_S:
+            self._upload()
+
+    def _upload(self) -> None:
+        self.writer.flush()
+        storage.makedirs(self.remote)
+        storage.upload_dir(self.local, self.remote)
+        self.uploaded = time.monotonic()
 
     def close(self) -> None:
         self.writer.close()
+        if self.remote:
+            self._upload()
+            shutil.rmtree(self.local, ignore_errors=True)
 
 
 class MetricsLogger:
@@ -163,7 +182,9 @@ class MetricsLogger:
                  learning_rate: Callable | None = None, goodput: Goodput | None = None,
                  tensorboard: bool = True):
         self.main = distributed.is_main_process()
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = storage.join(run_dir, "metrics.jsonl")
+        # an object store cannot append: at a URL the file is rewritten whole from these lines
+        self.lines: list[str] | None = [] if storage.is_url(run_dir) else None
         self.tokens_per_step = tokens_per_step
         self.block_size = block_size
         self.learning_rate = learning_rate
@@ -175,10 +196,10 @@ class MetricsLogger:
         self.last_time, self.last_step = time.perf_counter(), start_step
         self.bar = None
         if self.main:
-            os.makedirs(run_dir, exist_ok=True)
+            storage.makedirs(run_dir)
             self._drop_records_after(start_step)
             if tensorboard:
-                self.tb = TensorBoardWriter(os.path.join(run_dir, TENSORBOARD_DIR), start_step)
+                self.tb = TensorBoardWriter(storage.join(run_dir, TENSORBOARD_DIR), start_step)
             if show_bar:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
@@ -186,12 +207,13 @@ class MetricsLogger:
 
     def _drop_records_after(self, step: int) -> None:
         """On resume, forget records of steps that the restored checkpoint never reached."""
-        if not os.path.exists(self.path):
+        if not storage.exists(self.path):
             return
-        with open(self.path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        from prove_jax.files import atomic_write_text
-        atomic_write_text(self.path, "".join(keep))
+        keep = [line + "\n" for line in storage.read_text(self.path).splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        if self.lines is not None:
+            self.lines = keep
+        storage.write_text(self.path, "".join(keep))
 
     def record(self, step: int, metrics: dict) -> dict:
         """Log the metrics of the step that just finished (1-based `step`)."""
@@ -217,8 +239,12 @@ class MetricsLogger:
         if self.goodput is not None:
             rec.update(self.goodput.summary())
         if self.main:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            if self.lines is not None:
+                self.lines.append(json.dumps(rec) + "\n")
+                storage.write_text(self.path, "".join(self.lines))
+            else:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
             if self.tb is not None:
                 self.tb.write(step, tensorboard_scalars(rec))
             if self.bar is not None:

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from prove_jax.errors import ProveJaxError
-from prove_jax import distributed
+from prove_jax import distributed, storage
 from prove_jax.checkpoints.checkpoint import restore_attempt, restore_error_reason
 from prove_jax.models.params import dotted_path
 
@@ -66,20 +66,19 @@ CHECKPOINT_DIR = "checkpoints"  # RUN_DIR/checkpoints/<step>/
 def has_checkpoints(run_dir: str) -> bool:
     """Whether the run dir holds a saved step, i.e. a launch resumes rather than starts (read
     from the folder, without opening a checkpoint manager)."""
-    ckpt_dir = os.path.join(run_dir, CHECKPOINT_DIR)
-    return os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+    ckpt_dir = storage.join(run_dir, CHECKPOINT_DIR)
+    return storage.isdir(ckpt_dir) and any(name.isdigit() for name in storage.listdir(ckpt_dir))
 
 
 def saved_run_meta(run_dir: str) -> dict | None:
     """The `meta` item (model config, objective) of the newest step that has a readable one,
     read as the JSON file it is, without a checkpoint manager; None when there is none."""
-    ckpt_dir = os.path.join(run_dir, CHECKPOINT_DIR)
-    if not os.path.isdir(ckpt_dir):
+    ckpt_dir = storage.join(run_dir, CHECKPOINT_DIR)
+    if not storage.isdir(ckpt_dir):
         return None
-    for step in sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True):
+    for step in sorted((int(n) for n in storage.listdir(ckpt_dir) if n.isdigit()), reverse=True):
         try:
-            with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
-                meta = json.load(f)
+            meta = json.loads(storage.read_text(storage.join(ckpt_dir, str(step), "meta", "metadata")))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict):
@@ -90,8 +89,8 @@ def saved_run_meta(run_dir: str) -> dict | None:
 class RunCheckpoints:
     def __init__(self, run_dir: str, keep: int = 3, async_save: bool = True,
                  log: Callable[[str], None] = print):
-        self.run_dir = os.path.abspath(run_dir)
-        self.dir = os.path.join(self.run_dir, CHECKPOINT_DIR)
+        self.run_dir = storage.absolute(run_dir)
+        self.dir = storage.join(self.run_dir, CHECKPOINT_DIR)
         self.log = log
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
@@ -115,7 +114,7 @@ class RunCheckpoints:
         for i, step in enumerate(steps):
             args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
             try:
-                with restore_attempt(os.path.join(self.dir, str(step))):
+                with restore_attempt(storage.join(self.dir, str(step))):
                     self._check_structure(step, expected)  # a config change raises, moves nothing
                     data_state = self._data_state(step) if data_iter is not None else None
                     restored = self.manager.restore(step, args=ocp.args.Composite(**args))
@@ -143,23 +142,22 @@ class RunCheckpoints:
         """The step's data-iterator state. grain's own restore reads only the file named for the
         current process count (process_{i}-of-{N}.json); the state is global, so any host's file
         serves a relaunch on another number of hosts."""
-        folder = os.path.join(self.dir, str(step), "data")
+        folder = storage.join(self.dir, str(step), "data")
         own = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"process_\d+-of-\d+\.json", n))
+        names = sorted(n for n in storage.listdir(folder) if re.fullmatch(r"process_\d+-of-\d+\.json", n))
         if not names:
             raise FileNotFoundError(f"no data-iterator state in {folder}")
         if own not in names:
             self.log(f"checkpoint step {step} was saved by "
                      f"{names[0].split('-of-')[1].removesuffix('.json')} process(es), this launch "
                      f"has {jax.process_count()}: resuming the data at the same global batch")
-        with open(os.path.join(folder, own if own in names else names[0])) as f:
-            return json.load(f)
+        return json.loads(storage.read_text(storage.join(folder, own if own in names else names[0])))
 
     def _check_structure(self, step: int, expected: dict[str, tuple]) -> None:
         """Compare the step's stored array paths and shapes (its metadata file, no array data)
         with the train state this config builds. An unreadable metadata file raises whatever
         orbax raises, which the caller treats as damage."""
-        path = epath.Path(os.path.join(self.dir, str(step), "state"))
+        path = epath.Path(storage.join(self.dir, str(step), "state"))
         saved = leaf_shapes(ocp.StandardCheckpointHandler().metadata(path).tree)
         diff = state_difference(saved, expected)
         if diff is not None:
@@ -172,9 +170,12 @@ class RunCheckpoints:
     def _move_aside(self, step: int) -> None:
         """Keep a damaged step out of the manager's way (a later save reuses its number)."""
         if distributed.is_main_process():
-            src = os.path.join(self.dir, str(step))
-            dst = os.path.join(self.run_dir, "corrupt", str(step))
-            if os.path.isdir(src):
+            src = storage.join(self.dir, str(step))
+            dst = storage.join(self.run_dir, "corrupt", str(step))
+            if storage.is_url(src):  # no rename in an object store: the step is dropped
+                storage.remove_tree(src)
+                self.log(f"removed the damaged checkpoint {src}")
+            elif os.path.isdir(src):
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.move(src, dst)

@@ -1,0 +1,227 @@
+"""Paths that may be URLs: local paths and `gs://` (any scheme `etils.epath` knows) through one
+layer, the one orbax itself writes checkpoints through (tensorstore moves the array bytes,
+gcsfs the other files).
+
+Local paths keep their exact local behaviour (`files.py`: temporary sibling + rename, symlinks
+followed); for a URL an object store has no rename, and none is needed: an object appears whole
+when its upload completes, so a file is written in one upload, and a directory output is made
+whole by the marker its reader checks (a checkpoint's `params/`, written by orbax with its own
+commit marker, and `config.json`). A missing bucket or object is a `StorageError`, one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+
+from etils import epath
+
+from prove_jax import files
+from prove_jax.errors import ProveJaxError
+
+
+class StorageError(ProveJaxError, OSError):
+    """A path that cannot be read or written: a missing bucket or object, no access."""
+
+
+def is_url(path) -> bool:
+    return "://" in str(path)
+
+
+def as_path(path) -> epath.Path:
+    return epath.Path(str(path))
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute; a URL as it is."""
+    return str(path) if is_url(path) else os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    if is_url(base):
+        return "/".join([str(base).rstrip("/"), *(p.strip("/") for p in parts)])
+    return os.path.join(base, *parts)
+
+
+def bucket_of(path: str) -> str | None:
+    """'gs://bucket' of a URL (None for a local path)."""
+    if not is_url(path):
+        return None
+    scheme, rest = str(path).split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _quiet_gcsfs() -> None:
+    # gcsfs logs a warning with the credentials lookup on every new bucket it opens
+    logging.getLogger("gcsfs").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def errors(path: str, what: str = "read"):
+    """Turn the storage client's errors about `path` into one-line `StorageError`s naming it
+    (a missing bucket named as such)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except FileNotFoundError:
+        bucket = bucket_of(path)
+        if bucket is not None and not _bucket_exists(bucket):
+            raise StorageError(f"bucket {bucket} not found (or not accessible), for {path}") from None
+        raise StorageError(f"not found: {path}") from None
+    except PermissionError as e:
+        raise StorageError(f"no permission to {what} {path}: {_first_line(e)}") from None
+    except OSError as e:
+        if not is_url(path):
+            raise
+        raise StorageError(f"could not {what} {path}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _bucket_exists(bucket: str) -> bool:
+    try:
+        import fsspec
+        fs, _ = fsspec.core.url_to_fs(bucket)
+        return bool(fs.exists(bucket.split("://", 1)[1]))
+    except Exception:  # noqa: BLE001 - unknown: say "not found" of the path instead
+        return True
+
+
+def exists(path: str) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    _quiet_gcsfs()
+    with errors(path):
+        return as_path(path).exists()
+
+
+def isdir(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isdir(path)
+    _quiet_gcsfs()
+    with errors(path):
+        return as_path(path).is_dir()
+
+
+def isfile(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isfile(path)
+    _quiet_gcsfs()
+    with errors(path):
+        return as_path(path).is_file()
+
+
+def listdir(path: str) -> list[str]:
+    if not is_url(path):
+        return os.listdir(path)
+    _quiet_gcsfs()
+    with errors(path):
+        return [p.name for p in as_path(path).iterdir()]
+
+
+def makedirs(path: str) -> None:
+    if not is_url(path):
+        os.makedirs(path, exist_ok=True)
+        return
+    _quiet_gcsfs()
+    with errors(path, "write"):
+        as_path(path).mkdir(parents=True, exist_ok=True)
+
+
+def read_text(path: str) -> str:
+    if not is_url(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    _quiet_gcsfs()
+    with errors(path):
+        return as_path(path).read_text()
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read()
+    _quiet_gcsfs()
+    with errors(path):
+        return as_path(path).read_bytes()
+
+
+def write_text(path: str, text: str) -> None:
+    """A whole file: locally through a temporary name and a rename (`files.atomic_write_text`),
+    at a URL in one upload (the object appears whole or not at all)."""
+    if not is_url(path):
+        files.atomic_write_text(path, text)
+        return
+    _quiet_gcsfs()
+    with errors(path, "write"):
+        as_path(path).write_text(text)
+
+
+def remove_tree(path: str) -> None:
+    if not is_url(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    _quiet_gcsfs()
+    with contextlib.suppress(FileNotFoundError), errors(path, "delete"):
+        if as_path(path).exists():
+            as_path(path).rmtree()
+
+
+def upload_dir(local_dir: str, dest: str, names=None) -> list[str]:
+    """Copy the files of `local_dir` (only `names`, when given) into `dest`; returns the names."""
+    copied = []
+    for name in sorted(os.listdir(local_dir)):
+        src = os.path.join(local_dir, name)
+        if os.path.isfile(src) and (names is None or name in names):
+            if is_url(dest):
+                with open(src, "rb") as f, errors(dest, "write"):
+                    as_path(join(dest, name)).write_bytes(f.read())
+            else:
+                shutil.copy2(src, os.path.join(dest, name))
+            copied.append(name)
+    return copied
+
+
+@contextlib.contextmanager
+def local_copy(path: str, names=None):
+    """A local directory with the files of `path` (those of `names` that exist, when given):
+    `path` itself when local, else a temporary download, removed afterwards. For readers that
+    take only local paths (HF tokenizers)."""
+    if not is_url(path):
+        yield path
+        return
+    _quiet_gcsfs()
+    with tempfile.TemporaryDirectory(prefix="prove-jax-") as tmp:
+        with errors(path):
+            for child in as_path(path).iterdir():
+                if (names is None or child.name in names) and child.is_file():
+                    with open(os.path.join(tmp, child.name), "wb") as f:
+                        f.write(child.read_bytes())
+        yield tmp
+
+
+@contextlib.contextmanager
+def staged_dir(final: str):
+    """Like `files.atomic_dir`: yields a directory to write an output into. Locally the
+    temporary sibling renamed onto `final`; at a URL a local staging directory whose files
+    are uploaded into `final` (emptied first) when the block ends without error."""
+    if not is_url(final):
+        with files.atomic_dir(final) as tmp:
+            yield tmp
+        return
+    with tempfile.TemporaryDirectory(prefix="prove-jax-") as tmp:
+        yield tmp
+        remove_tree(final)
+        makedirs(final)
+        for root, _, names in os.walk(tmp):
+            rel = os.path.relpath(root, tmp)
+            dest = final if rel == "." else join(final, *rel.split(os.sep))
+            if names:
+                makedirs(dest)
+                upload_dir(root, dest, names)

@@ -1,0 +1,150 @@
+"""gs:// paths end to end against a Cloud Storage emulator on loopback (gcp-storage-emulator,
+started here, in memory; tensorstore and gcsfs pointed at it): a run trained into a bucket,
+stopped by SIGTERM, resumed and exported there equals the same run on local disk; the export
+loads from the bucket; a missing bucket or object is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from prove_jax import storage
+from prove_jax.checkpoints import checkpoint
+from prove_jax.training import loop
+from prove_jax.training.preemption import Preempted
+from tests.train_helpers import tiny_config
+
+BUCKET = "prove-test"
+
+# The emulator, with the one header it lacks: Cloud Storage sends an object's generation with
+# its bytes (x-goog-generation), which tensorstore's conditional writes (orbax's OCDBT
+# manifests) need; the emulator only puts it in the object's JSON metadata.
+EMULATOR = r"""
+import sys
+from gcp_storage_emulator.handlers import objects
+_download = objects.download
+
+def download(request, response, storage, *args, **kwargs):
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        response["x-goog-generation"] = str(obj["generation"])
+    except Exception:
+        pass  # a missing object: the original handler answers 404
+    return _download(request, response, storage, *args, **kwargs)
+
+objects.download = download
+from gcp_storage_emulator.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """The emulator's URL; the storage clients' environment points at it for this module."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", EMULATOR, "start", "--host", "127.0.0.1", "--port", str(port),
+                             "--default-bucket", BUCKET, "-M"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        # no credentials: tensorstore takes a fixed token, google-auth skips the metadata server
+        for var, value in (("STORAGE_EMULATOR_HOST", url), ("TENSORSTORE_GCS_HTTP_URL", url),
+                           ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "test"), ("NO_GCE_CHECK", "True")):
+            mp.setenv(var, value)
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and proc.poll() is None, "the emulator did not start"
+                time.sleep(0.1)
+        try:
+            yield f"gs://{BUCKET}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            import gcsfs
+            gcsfs.GCSFileSystem.clear_instance_cache()  # its clients point at this emulator
+
+
+def _losses(records):
+    return [(r["step"], r["loss"]) for r in records]
+
+
+def test_a_run_trains_resumes_and_exports_into_a_bucket_like_on_disk(gcs, tmp_path, monkeypatch):
+    fields = dict(steps=6, save_every=2, max_length=16, global_batch_size=4)
+    local = loop.train(tiny_config(tmp_path, "local", **fields), show_bar=False)
+    cfg = tiny_config(tmp_path, "remote", run_dir=f"{gcs}/runs/r", **fields)
+
+    class SignalledAtStep3(loop.MetricsLogger):
+        def record(self, step, metrics):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().record(step, metrics)
+    monkeypatch.setattr(loop, "MetricsLogger", SignalledAtStep3)
+    with pytest.raises(Preempted) as stopped:
+        loop.train(cfg, show_bar=False)
+    monkeypatch.undo()
+    assert stopped.value.step == 4
+    assert not os.path.exists("gs:")  # nothing written to a local ./gs:/ folder
+    again = loop.train(cfg, show_bar=False)
+    assert again.start_step == 4 and again.final_step == 6 and again.model_dir == f"{gcs}/runs/r/model"
+
+    run = f"{gcs}/runs/r"
+    names = set(storage.listdir(run))
+    assert {"checkpoints", "model", "tokenizer", "train_config.json", "metrics.jsonl", "tensorboard"} <= names
+    remote = [json.loads(x) for x in storage.read_text(f"{run}/metrics.jsonl").splitlines()]
+    want = _losses(local.records)
+    assert [s for s, _ in _losses(remote)] == list(range(1, 7))
+    np.testing.assert_allclose([x for _, x in _losses(remote)], [x for _, x in want], rtol=1e-6)
+
+    with storage.local_copy(f"{run}/tensorboard") as events:  # both launches' event files
+        acc = EventAccumulator(events, size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 7))
+
+    model = checkpoint.load_model(f"{run}/model")
+    ours = checkpoint.params_pure_dict(model)
+    ref = jax.tree.map(np.asarray, local.state["params"])
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), ours, ref))
+    assert max(diffs) <= 1e-6
+    assert checkpoint.load_tokenizer(f"{run}/model") is not None
+
+
+def test_convert_writes_a_checkpoint_into_a_bucket_that_loads_like_a_local_one(gcs, tmp_path, capsys):
+    from prove_jax.cli import convert
+    from tests.hf_models import make_hf_qwen2
+    hf = tmp_path / "hf"
+    make_hf_qwen2(hf)
+    remote = f"{gcs}/converted/tiny"
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf), "--out", str(tmp_path / "local"), "--quiet"]) == 0
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf), "--out", remote, "--quiet"]) == 0
+    assert convert.main(["hf-to-flax", "--hf-dir", str(hf), "--out", remote, "--quiet"]) == 2  # not empty
+    assert "already exists and is not empty" in capsys.readouterr().err
+    ours = checkpoint.params_pure_dict(checkpoint.load_model(remote))
+    ref = checkpoint.params_pure_dict(checkpoint.load_model(str(tmp_path / "local")))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), ours, ref))
+
+
+def test_a_missing_bucket_or_object_is_one_line(gcs):
+    with pytest.raises(storage.StorageError) as e:
+        storage.read_text("gs://no-such-bucket/x/config.json")
+    assert str(e.value) == ("bucket gs://no-such-bucket not found (or not accessible), for "
+                            "gs://no-such-bucket/x/config.json")
+    with pytest.raises(storage.StorageError, match=f"^not found: {gcs}/nothing.json$"):
+        storage.read_text(f"{gcs}/nothing.json")
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint directory not found: gs://no-such-bucket/m"):
+        checkpoint.load_model("gs://no-such-bucket/m")
