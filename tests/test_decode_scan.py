@@ -1,7 +1,7 @@
 """Decoding with the layers as one `lax.scan` (`DecodeOptions(scan_layers=True)`).
 
 The Decoder stacks each layer weight once (`qwen2.stack_layers`) and the KV cache is one
-[B, K, L, S, Dh] buffer carried through the scan, each layer writing its step's slots in place.
+[B, K, L * S, Dh] buffer carried through the scan, each layer writing its step's slots in place.
 Checked here: the output equals the unrolled program's token for token in every mode (and
 lossless equals AR), on the batch and the stream paths; the loop never copies the stacked
 cache; the compiled program does not grow with depth; on a tensor mesh nothing is gathered.
@@ -103,7 +103,7 @@ def test_with_options_moves_the_weights_between_layouts(models):
                          ids=["ar", "lossless", "lossless-chunked-read"])
 def test_the_scanned_loop_never_copies_the_stacked_cache(models, mode, new_tokens):
     """Each layer writes its step's slots into the carried buffer and reads its own layer: no
-    copy of the [B, K, L, S, Dh] buffer, nor of one layer's [B, K, S, Dh], inside the loop
+    copy of the [B, K, L * S, Dh] buffer, nor of one layer's [B, K, S, Dh], inside the loop
     (a cache passed through the scan as xs/ys would be rebuilt on every step)."""
     options = scanned(MODES[mode])
     decoder = Decoder(models[0], [1], options)
@@ -112,8 +112,8 @@ def test_the_scanned_loop_never_copies_the_stacked_cache(models, mode, new_token
     (compiled, _), = decoder._compiled.values()
     hlo = compiled.as_text()
     slots = decoder.buffer_len(16, new_tokens) + {"ar": 1, "lossless": 10}[mode]
-    stacked = (2, CFG.num_kv_heads, CFG.num_layers, slots, CFG.head_dim)
-    assert "f32[{},{},{},{},{}]".format(*stacked) in hlo  # the shape looked for is the cache's
+    stacked = (2, CFG.num_kv_heads, CFG.num_layers * slots, CFG.head_dim)  # every layer's slots, one axis
+    assert "f32[{},{},{},{}]".format(*stacked) in hlo  # the shape looked for is the cache's
     assert not moves_of_shape(hlo, stacked)
     assert not moves_of_shape(hlo, (2, CFG.num_kv_heads, slots, CFG.head_dim))
 

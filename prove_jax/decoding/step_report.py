@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from prove_jax import aot, hlo_cost
+from prove_jax.files import atomic_write_text
 from prove_jax.decoding import program
 from prove_jax.decoding.dry_run import DOES_NOT_FIT_ADVICE, DEFAULT_NEW_TOKENS, _on_slice
 from prove_jax.decoding.options import DecodeOptions
@@ -79,9 +80,8 @@ class StepReport:
         return dict(self.setting, programs=[p.record() for p in self.programs], does_not_fit=self.does_not_fit)
 
     def write(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.record(), f, indent=1)
-            f.write("\n")
+        """The record as JSON at `path` (via a temporary file: never half written)."""
+        atomic_write_text(path, json.dumps(self.record(), indent=1) + "\n")
 
     def table(self) -> str:
         s = self.setting
@@ -181,20 +181,21 @@ def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: i
     for cache, cfg in ((state.cache, decoder.cfg), (state.verifier_cache, decoder.verifier_cfg)):
         if cache is None:
             continue
-        per_slot = _cache_bytes(cache) / _slots(cache, settings) * rows / settings.num_rows
+        per_slot = _cache_bytes(cache) / _slots(cache, settings, cfg.num_layers) * rows / settings.num_rows
         total += int(per_slot * (filled + tokens))
         vocab = cfg.vocab_size // (1 if decoder.mesh is None else decoder.mesh.shape.get("tensor", 1))
         total += 2 * max(1, rows // decoder._data_size()) * logits_rows * vocab * 4
     return total
 
 
-def _slots(cache, settings) -> int:
-    """Slots one row's share of `cache` holds: a contiguous buffer's width, or a paged pool's
-    pages per row (the pool is sized to hold every row's pages)."""
+def _slots(cache, settings, num_layers: int) -> int:
+    """Slots one row's share of `cache` holds: a contiguous buffer's width (a stacked one holds
+    every layer's slots on one axis), or a paged pool's pages per row (the pool is sized to hold
+    every row's pages)."""
     first = jax.tree.leaves(cache.k)[0]
     if hasattr(cache, "table"):  # a pool: [D, K, (L,) Pl, page, Dh] for rows / D rows each
         return first.shape[-3] * first.shape[-2] // max(1, settings.num_rows // first.shape[0])
-    return first.shape[-2]
+    return first.shape[-2] // (num_layers if cache.stacked else 1)
 
 
 def _kv_chunk_trips(decoder, settings, filled: int, platform: str) -> int:

@@ -43,9 +43,14 @@ GPU_CHUNKED_MIN_ROWS = 16
 class KVCache:
     """Static key/value buffers: per layer, k[i], v[i] [B, K, S, Dh] (heads-major, so attention
     reads each (row, kv head) as it lies; [B, S, K, Dh] was transposed on every step); or, for a
-    model whose layers are one scanned `LayerStack`, one buffer each, k, v [B, K, L, S, Dh]
-    (rows first, as every per-row state of the decode loop; then heads, so a layer's write is
-    batched over rows and heads where they lie, as the per-layer write is)."""
+    model whose layers are one scanned `LayerStack`, one buffer each, k, v [B, K, L * S, Dh]:
+    layer l's slots at [l * S, (l + 1) * S) (rows first, as every per-row state of the decode
+    loop; then heads, so a layer's write is batched over rows and heads where they lie, as the
+    per-layer write is). Layers and slots are one axis so that a layer's write and its reads
+    index the same array: as [B, K, L, S, Dh], written at (layer, slot), libtpu laid the buffer
+    out with the layers next to Dh and copied a layer's slice (or, read in place, the whole
+    buffer) in every layer of every step; reshaped to flat slots to write, it copied the whole
+    buffer when S was not a whole number of tiles (benchmarks/decode_step_cost.md)."""
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
 
@@ -57,7 +62,7 @@ class KVCache:
         # rows on both where tensor cannot split the heads (`kv_rules`)
         rules = kv_rules(config.num_kv_heads, batch)
         if stacked:
-            shape = shape[:2] + (config.num_layers,) + shape[2:]
+            shape = shape[:2] + (config.num_layers * length,) + shape[3:]
             mk = lambda: constrain(jnp.zeros(shape, dtype), cache_axes(stacked=True), rules)  # noqa: E731
         else:
             mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES, rules)  # noqa: E731
@@ -70,22 +75,25 @@ class KVCache:
 
 
 def cache_axes(stacked: bool) -> tuple[str, ...]:
-    """Logical axes of one cache buffer: KV_CACHE_AXES, with "layers" after the heads when stacked."""
-    return KV_CACHE_AXES[:2] + ("layers",) + KV_CACHE_AXES[2:] if stacked else KV_CACHE_AXES
+    """Logical axes of one cache buffer: KV_CACHE_AXES, per layer or stacked (the layers' slots
+    one axis, split as a layer's slots are: not at all)."""
+    return KV_CACHE_AXES
 
 
 @struct.dataclass
 class LayerKV:
-    """Layer `layer`'s part of a stacked cache k, v [B, K, L, S, Dh], as a scanned layer sees
+    """Layer `layer`'s part of a stacked cache k, v [B, K, L * S, Dh], as a scanned layer sees
     it: it writes its step's slots into the whole buffer (in place in the scan's carry) and
-    reads its own layer."""
+    reads its own layer's."""
     k: jax.Array
     v: jax.Array
     layer: jax.Array  # int32 scalar
+    num_layers: int = struct.field(pytree_node=False, default=0)  # L; 0: not yet known (Attention sets it)
 
     @property
     def slots(self) -> int:
-        return self.k.shape[3]
+        """S: a layer's slots."""
+        return self.k.shape[2] // self.num_layers
 
     def read(self, start: jax.Array | int = 0, size: int | None = None) -> tuple[jax.Array, jax.Array]:
         """This layer's keys and values [B, K, size, Dh] of slots [start, start + size) (default:
@@ -93,11 +101,8 @@ class LayerKV:
         out of the buffer in every layer of every step (benchmarks/decode_step_cost.md)."""
         size = self.slots if size is None else size
 
-        def take(c):
-            b, k, _, _, dh = c.shape
-            zero = jnp.zeros((), jnp.int32)
-            at = (zero, zero, jnp.asarray(self.layer, jnp.int32), jnp.asarray(start, jnp.int32), zero)
-            return jax.lax.dynamic_slice(c, at, (b, k, 1, size, dh))[:, :, 0]
+        first = jnp.asarray(self.layer, jnp.int32) * self.slots + jnp.asarray(start, jnp.int32)
+        take = lambda c: jax.lax.dynamic_slice_in_dim(c, first, size, axis=2)  # noqa: E731
         return take(self.k), take(self.v)
 
 
@@ -191,8 +196,9 @@ class Attention(nnx.Module):
         else:
             start = attn_mask.cache_len
             if isinstance(kv, LayerKV):
-                kv = kv.replace(k=write_step(kv.k, own[0], start, layer=kv.layer, rules=rules),
-                                v=write_step(kv.v, own[1], start, layer=kv.layer, rules=rules))
+                layer = (kv.layer, cfg.num_layers)
+                kv = kv.replace(k=write_step(kv.k, own[0], start, layer=layer, rules=rules),
+                                v=write_step(kv.v, own[1], start, layer=layer, rules=rules), num_layers=cfg.num_layers)
                 committed = kv  # read a chunk at a time, in place (`_attend_cached`)
             elif isinstance(kv, PagedKV):  # read through the page table (by XLA or the paged kernel)
                 kv = committed = kv.write(own[0], own[1], start)
@@ -225,11 +231,11 @@ def _to_rows(x: jax.Array, axes: tuple, rules) -> jax.Array:
     return constrain(constrain(x, axes), axes, rules)
 
 
-def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Array | None = None,
+def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: tuple | None = None,
                rules=DEFAULT_RULES) -> jax.Array:
     """cache [B, K, S, Dh] with row b's step keys (or values) new[b] [K, T, Dh] written at slots
     start[b] + [0, T); a slot past the buffer end is dropped, never clamped onto valid KV. With
-    `layer`, cache is a stacked [B, K, L, S, Dh] and the step goes to that layer.
+    `layer` (l, L), cache is a stacked [B, K, L * S, Dh] and the step goes to layer l's slots.
 
     Written per (row, kv head) (vmapped): rows and heads are the scatter's batching dimensions,
     so on a mesh each device writes the rows and heads it holds, where they lie (explicit row
@@ -243,17 +249,15 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Ar
     b, k, t, _ = new.shape
     new = constrain(new, KV_CACHE_AXES, rules)  # where the cache lies
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
-    size = cache.shape[-2]
+    size = cache.shape[-2] if layer is None else cache.shape[-2] // layer[1]
     if t == 1:
         slots = jnp.concatenate([slots, start[:, None] + size], axis=1)
         new = jnp.concatenate([new, new], axis=2)
     slots = jnp.broadcast_to(slots[:, None], (b, k, slots.shape[1]))
     write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731  [S, Dh] <- [T, Dh] at [T]
-    if layer is not None:  # [L, S, Dh] <- [T, Dh] at (layer, [T]), as slots layer * S + s of [L*S, Dh]
-        n_layers = cache.shape[2]
-        flat = jnp.where(slots < size, layer * size + slots, n_layers * size)  # past S: dropped, not the next layer
-        out = jax.vmap(jax.vmap(write))(cache.reshape(b, k, n_layers * size, -1), new, flat)
-        return constrain(out.reshape(cache.shape), cache_axes(stacked=True), rules)
+    if layer is not None:  # layer l's slot s is l * S + s; one past S is dropped, not the next layer's
+        index, n_layers = layer
+        slots = jnp.where(slots < size, index * size + slots, n_layers * size)
     return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), KV_CACHE_AXES, rules)
 
 

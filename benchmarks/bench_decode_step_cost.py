@@ -1,0 +1,153 @@
+"""What one decode step of the paper's pair would cost on TPU slices, from the compiled program.
+
+    nice .venv/bin/python benchmarks/bench_decode_step_cost.py [--accelerators v5p-8,v6e-8]
+        [--batch-sizes 1,16,64] [--context 8192] [--paged-batches 16] [--out benchmarks]
+
+Each row is `prove-jax generate --dry-run SLICE --report FILE` (prove_jax/decoding/step_report.py)
+for one program `generate` streams: the chunk program compiled with libtpu for the slice, its
+HLO walked with every loop at its trip count, one trip of its step loop priced: HBM bytes of one
+decode step per chip, what must move (weights once, the live KV once, the new KV, the logits),
+their ratio, dot FLOPs and the roofline time (the larger of bytes over the chip's HBM bandwidth
+and FLOPs over its bf16 peak). Modes: ar, lossless (the TPU adaptive table's layout for the
+batch: K=4 G=2 at 16 rows, AR beyond 32) and verify (K=16, the 3B verifier); rows filled to
+`--context` slots (a request's dearest step); contiguous KV at every batch size, the paged pool
+(`--page-size 64`) at `--paged-batches`. The first slice's verify row at the first paged batch
+also prices the prefill and an admission. Needs libtpu.
+
+Writes decode_step_cost.json and decode_step_cost.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# a rerun never overwrites the committed results unless asked to (--out benchmarks)
+RESULTS = os.path.join(os.path.dirname(HERE), "runs", "benchmarks")
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+GIB = 1024 ** 3
+
+
+def parse_args(argv=None):
+    from prove_jax.evaluation import benchmark as bench_lib
+    ints = lambda flag: bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, flag))  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--accelerators", default="v5p-8,v6e-8", help="Cloud TPU types (default v5p-8,v6e-8)")
+    p.add_argument("--batch-sizes", type=ints("--batch-sizes"), default=[1, 16, 64], help="default 1,16,64")
+    p.add_argument("--paged-batches", type=ints("--paged-batches"), default=[16],
+                   help="batch sizes also priced with the paged pool (default 16)")
+    p.add_argument("--context", type=int, default=8192, help="slots each row is filled to (default 8192)")
+    p.add_argument("--new-tokens", type=int, default=512, help="of the context, tokens generated (default 512)")
+    p.add_argument("--modes", default="ar,lossless,verify", help="default ar,lossless,verify")
+    p.add_argument("--proposer", default="qwen2.5-32b")
+    p.add_argument("--verifier", default="qwen2.5-3b")
+    p.add_argument("--block-size", type=int, default=16, help="verify's K (default 16)")
+    p.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS}; the committed ones: benchmarks)")
+    return p.parse_args(argv)
+
+
+def table_row(r: dict) -> str:
+    if r.get("error"):
+        return f"| {r['accelerator']} | {r['label']} | {r['batch']} | | | | | | error: {r['error']} |"
+    gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    cells = []
+    for p in r["programs"]:
+        cells.append(f"| {r['accelerator']} | {r['label']} | {r['batch']} ({r['rows']} rows) | {p['name']} | "
+                     f"{gib(p['hbm_bytes'])} | {gib(p['min_hbm_bytes'])} | {p['waste']:.2f} | {p['flops'] / 1e12:.2f} | "
+                     f"{p['roofline_seconds'] * 1e3:.2f} | {', '.join(f'{k} {v['count']}' for k, v in p['collectives'].items()) or 'none'} |")
+    if r.get("does_not_fit"):
+        cells.append(f"| {r['accelerator']} | {r['label']} | {r['batch']} | | | | | | does not fit: {r['does_not_fit'][:200]} |")
+    return "\n".join(cells)
+
+
+NOTES = """Notes.
+- Bytes are XLA's compiled program read by `prove_jax.hlo_cost`: every top-level instruction
+  reads its operands and writes its result in HBM once, a fusion reads what it slices out of an
+  operand, an in-place update writes only the update, VMEM buffers (`S(1)`) are not HBM, and a
+  loop costs its body times its trip count (a scan's from its condition; the chunked KV read,
+  bounded by the longest row, at `ceil(filled / chunk)`). A Pallas kernel's operands count whole
+  (an upper bound: the paged kernel reads only its layer's pages of the stacked pools).
+- Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
+  filled slots once, the step's new KV, float32 logits written and read. A ratio of 1 is a step
+  at the memory-bandwidth limit; the roofline time is what such a step would take.
+- What is left above 1.3 on the XLA attention path is the step's attention probabilities: a
+  wide step (verify K=16 reads 31 tokens, 155 queries per kv head of the 32B) writes float32
+  scores of each KV chunk to HBM and reads them back, which at 8k contexts is as much as the
+  KV itself. The Pallas kernels keep them in VMEM (`--attention pallas_tpu`); the paged pool
+  gathers each chunk's pages through HBM once on the XLA path."""
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from prove_jax import aot
+    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.step_report import step_report
+    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.models.config import preset
+
+    if not aot.libtpu_available():
+        print('error: needs libtpu: pip install "libtpu==0.0.42.*" (docs/environment.md)', file=sys.stderr)
+        return 2
+    proposer = preset(args.proposer)
+    proposer = proposer.replace(mask_token_id=proposer.vocab_size - 1)
+    verifier = preset(args.verifier)
+    options = {"ar": ("ar", DecodeOptions("ar", 1, scan_layers=True)),
+               "lossless": ("lossless adaptive", DecodeOptions("lossless", 8, adaptive=True, scan_layers=True)),
+               "verify": (f"verify K={args.block_size}", DecodeOptions("verify", args.block_size, scan_layers=True))}
+    modes = args.modes.split(",")
+    jobs = []
+    for accelerator in args.accelerators.split(","):
+        for batch in args.batch_sizes:
+            for mode in modes:
+                jobs.append((accelerator, mode, batch, None))
+        for batch in args.paged_batches:
+            for mode in modes:
+                jobs.append((accelerator, mode, batch, 64))
+    rows = []
+    first = (args.accelerators.split(",")[0], "verify", args.paged_batches[0] if args.paged_batches else 16, None)
+    for accelerator, mode, batch, page in jobs:
+        chip, chips = aot.accelerator_chips(accelerator)
+        label, opts = options[mode]
+        if page is not None:
+            import dataclasses
+            opts = dataclasses.replace(opts, page_size=page)
+            label += f", paged ({page})"
+        bench_lib.log(f"{accelerator}: {label}, batch {batch}")
+        programs = ("step", "prefill", "admit") if (accelerator, mode, batch, page) == first else ("step",)
+        try:
+            report = step_report(proposer, opts, chip=chip, chips=chips, batch=batch, context=args.context,
+                                 new_tokens=args.new_tokens, verifier=verifier if mode == "verify" else None,
+                                 programs=programs)
+        except Exception as e:  # a program that fails to compile is a result too, said in its row
+            bench_lib.log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            rows.append(dict(accelerator=accelerator, label=label, batch=batch, mode=mode,
+                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+            continue
+        bench_lib.log("  " + report.table().replace("\n", "\n  "))
+        rows.append(dict(accelerator=accelerator, label=label, **report.record()))
+    doc = dict(proposer=args.proposer, verifier=args.verifier, dtype="bfloat16", jax=jax.__version__,
+               host=bench_lib.device_description(), context=args.context, new_tokens=args.new_tokens, rows=rows)
+    md = ["# One decode step on TPU slices, from the compiled program (`generate --dry-run --report`)", "",
+          f"`benchmarks/bench_decode_step_cost.py`: {args.proposer} proposer ({args.verifier} verifier in "
+          f"verify), bfloat16, layers scanned, the chunk program `generate` streams compiled with libtpu "
+          f"(jax {jax.__version__}) for each slice from a CPU host, abstract weights on the mesh `generate` "
+          f"picks. Per chip and per decode step, every row filled to {args.context} slots. *HBM*: what "
+          f"the compiled program reads and writes in one execution (one decode step for *step*); *must*: "
+          f"what it has to; *ratio*: the two; *TFLOP*: its dots.", "",
+          "| slice | setting | batch | program | HBM GiB | must GiB | ratio | TFLOP | roofline ms | collectives |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(table_row(r))
+    md += ["", NOTES]
+    bench_lib.write_results(args.out, "decode_step_cost", doc, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
