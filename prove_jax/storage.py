@@ -173,6 +173,27 @@ def remove_tree(path: str) -> None:
             as_path(path).rmtree()
 
 
+def fingerprint(path: str) -> list:
+    """[size, version] of a file, reading none of it: locally the modification time in ns, at a
+    URL the object's generation (or update time), either of which changes when it is rewritten."""
+    if not is_url(path):
+        st = os.stat(path)
+        return [st.st_size, st.st_mtime_ns]
+    import fsspec
+    _quiet_gcsfs()
+    with errors(path):
+        fs, key = fsspec.core.url_to_fs(path)
+        info = fs.info(key)
+    return [int(info.get("size") or 0), str(info.get("generation") or info.get("updated") or "")]
+
+
+def _copy_file(src: str, dest: str) -> None:
+    """One file, streamed (a multi-GB shard never sits in memory whole); either side a URL."""
+    with errors(src), (as_path(src).open("rb") if is_url(src) else open(src, "rb")) as f, \
+            errors(dest, "write"), (as_path(dest).open("wb") if is_url(dest) else open(dest, "wb")) as g:
+        shutil.copyfileobj(f, g, 16 << 20)
+
+
 def upload_dir(local_dir: str, dest: str, names=None) -> list[str]:
     """Copy the files of `local_dir` (only `names`, when given) into `dest`; returns the names."""
     copied = []
@@ -180,8 +201,8 @@ def upload_dir(local_dir: str, dest: str, names=None) -> list[str]:
         src = os.path.join(local_dir, name)
         if os.path.isfile(src) and (names is None or name in names):
             if is_url(dest):
-                with open(src, "rb") as f, errors(dest, "write"):
-                    as_path(join(dest, name)).write_bytes(f.read())
+                _quiet_gcsfs()
+                _copy_file(src, join(dest, name))
             else:
                 shutil.copy2(src, os.path.join(dest, name))
             copied.append(name)
@@ -199,10 +220,10 @@ def local_copy(path: str, names=None):
     _quiet_gcsfs()
     with tempfile.TemporaryDirectory(prefix="prove-jax-") as tmp:
         with errors(path):
-            for child in as_path(path).iterdir():
-                if (names is None or child.name in names) and child.is_file():
-                    with open(os.path.join(tmp, child.name), "wb") as f:
-                        f.write(child.read_bytes())
+            children = [c for c in as_path(path).iterdir()
+                        if (names is None or c.name in names) and c.is_file()]
+        for child in children:
+            _copy_file(str(child), os.path.join(tmp, child.name))
         yield tmp
 
 
@@ -225,3 +246,29 @@ def staged_dir(final: str):
             if names:
                 makedirs(dest)
                 upload_dir(root, dest, names)
+
+
+@contextlib.contextmanager
+def local_file(path: str | None, upload: bool = False, companions: tuple[str, ...] = ()):
+    """A local stand-in for the file `path` (and its `companions`, suffixes of the same name:
+    `.settings.json`), for readers and writers that take local files only: `path` itself when
+    local or None; for a URL, a temporary copy of what exists there, copied back when the
+    block ends if `upload` (also when it ends by an error or an interrupt, so that a relaunch
+    resumes a partial output, as it would a local one). The output exists whole at the URL
+    only once uploaded: one upload per file."""
+    if path is None or not is_url(path):
+        yield path
+        return
+    _quiet_gcsfs()
+    with tempfile.TemporaryDirectory(prefix="prove-jax-") as tmp:
+        local = os.path.join(tmp, os.path.basename(str(path).rstrip("/")) or "file")
+        for suffix in ("", *companions):
+            if exists(path + suffix):
+                _copy_file(path + suffix, local + suffix)
+        try:
+            yield local
+        finally:
+            if upload:
+                for suffix in ("", *companions):
+                    if os.path.isfile(local + suffix):
+                        _copy_file(local + suffix, path + suffix)

@@ -134,9 +134,35 @@ def test_convert_writes_a_checkpoint_into_a_bucket_that_loads_like_a_local_one(g
     assert convert.main(["hf-to-flax", "--hf-dir", str(hf), "--out", remote, "--quiet"]) == 0
     assert convert.main(["hf-to-flax", "--hf-dir", str(hf), "--out", remote, "--quiet"]) == 2  # not empty
     assert "already exists and is not empty" in capsys.readouterr().err
-    ours = checkpoint.params_pure_dict(checkpoint.load_model(remote))
     ref = checkpoint.params_pure_dict(checkpoint.load_model(str(tmp_path / "local")))
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), ours, ref))
+
+    def same(path):
+        ours = checkpoint.params_pure_dict(checkpoint.load_model(path))
+        return jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                                         ours, ref))
+    assert same(remote)
+
+    assert convert.main(["flax-to-hf", "--ckpt", remote, "--out", f"{gcs}/exported/hf", "--quiet"]) == 0
+    assert {"model.safetensors", "config.json", "generation_config.json"} <= set(storage.listdir(f"{gcs}/exported/hf"))
+
+    # a training run's model.hf_dir in the bucket: its config read from there, host 0 converts
+    # it once into the run dir (also in the bucket), and a relaunch finds the conversion current
+    from prove_jax.checkpoints.convert import conversion_stale
+    from prove_jax.models.sharding import make_mesh
+    hf_remote = f"{gcs}/hf/tiny"
+    storage.makedirs(hf_remote)
+    storage.upload_dir(str(hf), hf_remote)
+    cfg = tiny_config(tmp_path, "hfrun", run_dir=f"{gcs}/runs/hf", model={"hf_dir": hf_remote},
+                      tokenizer={"path": None})
+    assert loop.source_model_config(cfg) == loop.source_model_config(
+        tiny_config(tmp_path, "hflocal", model={"hf_dir": str(hf)}, tokenizer={"path": None}))
+    mesh = make_mesh((1, 1, 1))
+    converted = loop.convert_hf_once(cfg, mesh)
+    assert converted == f"{gcs}/runs/hf/converted"
+    assert checkpoint.load_config(converted) == checkpoint.load_config(remote)  # the same writer
+    assert conversion_stale(hf_remote, converted, mesh) is None
+    storage.write_text(f"{hf_remote}/config.json", storage.read_text(f"{hf_remote}/config.json") + " ")
+    assert conversion_stale(hf_remote, converted, mesh) == "changed since: config.json"
 
 
 def test_a_missing_bucket_or_object_is_one_line(gcs):

@@ -260,15 +260,13 @@ def source_record(hf_dir: str, mesh=None) -> dict:
     """What a conversion of `hf_dir` depends on: the directory, the size and modification time of
     its config, generation config, index and safetensors files (reading no tensor), and the
     sizes of the mesh whose shards it is stored in (None: one chunk per array)."""
-    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors") or n in (
+    from prove_jax import storage  # hf_dir may be a URL (gs://)
+    names = sorted(n for n in storage.listdir(hf_dir) if n.endswith(".safetensors") or n in (
         "config.json", "generation_config.json", safetensors_io.INDEX_FILE))
-    files = {}
-    for name in names:
-        st = os.stat(os.path.join(hf_dir, name))
-        files[name] = [st.st_size, st.st_mtime_ns]
+    files = {name: storage.fingerprint(storage.join(hf_dir, name)) for name in names}
     sizes = None if mesh is None else dict(chunk_mesh(mesh).shape)
-    return {"format": _RECORD_FORMAT, "hf_dir": os.path.realpath(hf_dir), "files": files,
-            "mesh": sizes}
+    where = hf_dir if storage.is_url(hf_dir) else os.path.realpath(hf_dir)
+    return {"format": _RECORD_FORMAT, "hf_dir": where, "files": files, "mesh": sizes}
 
 
 def conversion_stale(hf_dir: str, out: str, mesh=None) -> str | None:
@@ -276,11 +274,11 @@ def conversion_stale(hf_dir: str, out: str, mesh=None) -> str | None:
     (None when it is): missing, made without a record, from another directory, from files that
     changed since (a file's size or modification time), or for another mesh. Nothing but
     `out`'s record and `hf_dir`'s file listing is read."""
+    from prove_jax import storage  # out may be a URL (a gs:// run_dir)
     try:
-        with open(os.path.join(out, SOURCE_RECORD)) as f:
-            recorded = json.load(f)
-    except FileNotFoundError:
-        return "not converted yet" if not os.path.exists(out) else f"{out} has no {SOURCE_RECORD}"
+        recorded = json.loads(storage.read_text(storage.join(out, SOURCE_RECORD)))
+    except (FileNotFoundError, storage.StorageError):
+        return "not converted yet" if not storage.exists(out) else f"{out} has no {SOURCE_RECORD}"
     except (OSError, ValueError) as e:
         return f"{out}/{SOURCE_RECORD} is unreadable ({e})"
     now = source_record(hf_dir, mesh)
@@ -317,7 +315,7 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
                progress: bool = False) -> list[str]:
     """Our checkpoint -> HF dir that `AutoModelForCausalLM.from_pretrained` loads. Returns the
     safetensors file names written."""
-    from prove_jax.files import atomic_dir
+    from prove_jax import storage
     from prove_jax.checkpoints.checkpoint import copy_tokenizer_files, load_config, load_model
     from prove_jax.models.params import flat_params
 
@@ -345,7 +343,7 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
 
     arrays = hf_arrays()
     hf_cfg = cfg.replace(param_dtype=out_dtype)
-    with atomic_dir(out) as tmp:
+    with storage.staged_dir(out) as tmp:  # locally a rename into place, at a URL an upload
         for name, shard in zip(names, shards):
             safetensors_io.write_file(os.path.join(tmp, name), shard, arrays)
         if len(shards) > 1:

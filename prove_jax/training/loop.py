@@ -92,7 +92,8 @@ def source_model_config(cfg: TrainConfig) -> ModelConfig:
         from prove_jax.checkpoints import convert
         if not storage.isdir(src.hf_dir):
             raise TrainError(f"model.hf_dir not found: {src.hf_dir}")
-        model_cfg = convert.read_hf_config(src.hf_dir)
+        with storage.local_copy(src.hf_dir, HF_CONFIG_FILES) as local:  # its configs only
+            model_cfg = convert.read_hf_config(local)
     elif src.checkpoint is not None:
         model_cfg = checkpoint.load_config(src.checkpoint)
     elif src.preset is not None:
@@ -187,6 +188,7 @@ def _save_run_tokenizer(tokenizer, run_dir: str) -> str:
 
 # ---- weights ------------------------------------------------------------------------------
 
+HF_CONFIG_FILES = ("config.json", "generation_config.json")  # what settles an HF model's config
 CONVERTED_DIR = "converted"  # RUN_DIR/converted: model.hf_dir as our checkpoint, converted once
 
 
@@ -231,7 +233,15 @@ def convert_hf_once(cfg: TrainConfig, mesh) -> str:
         again = f" again ({why})" if storage.exists(out) else ""
         log_main(f"converting {hf_dir} into {out}{again}, on host 0 alone; every host then reads "
                  f"its own shards from there")
-        convert.hf_to_flax(hf_dir, out, overwrite=True, progress=True, mesh=mesh, record_source=True)
+        if not storage.is_url(hf_dir):
+            convert.hf_to_flax(hf_dir, out, overwrite=True, progress=True, mesh=mesh, record_source=True)
+            return
+        # the safetensors reader takes local files: host 0 downloads the model once, converts
+        # it, and records the bucket's files as the source (their generations, not a temp dir)
+        with storage.local_copy(hf_dir) as local:
+            convert.hf_to_flax(local, out, overwrite=True, progress=True, mesh=mesh)
+        storage.write_text(storage.join(out, convert.SOURCE_RECORD),
+                           json.dumps(convert.source_record(hf_dir, mesh), indent=2))
 
     on_main_host_first(convert_unless_current, f"convert model.hf_dir {hf_dir}")
     return out
