@@ -85,11 +85,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def _bucket_exists(bucket: str) -> bool:
+    _quiet_gcsfs()
     try:
         import fsspec
         fs, _ = fsspec.core.url_to_fs(bucket)
         return bool(fs.exists(bucket.split("://", 1)[1]))
-    except Exception:  # noqa: BLE001 - unknown: say "not found" of the path instead
+    except Exception:  # noqa: BLE001 - unknown (no access to list it): let the write say why
         return True
 
 
@@ -125,13 +126,22 @@ def listdir(path: str) -> list[str]:
         return [p.name for p in as_path(path).iterdir()]
 
 
+def require_bucket(path: str) -> None:
+    """Raise a one-line `StorageError` when `path` is a URL whose bucket does not exist, before
+    anything is written there: gcsfs's mkdir would create a missing bucket (a typo's)."""
+    bucket = bucket_of(path)
+    if bucket is not None and not _bucket_exists(bucket):
+        raise StorageError(f"bucket {bucket} not found (or not accessible), for {path}")
+
+
 def makedirs(path: str) -> None:
+    """A local directory (and its parents); at a URL nothing is made (an object store has no
+    directories: writing an object makes its prefix), but the bucket must exist."""
     if not is_url(path):
         os.makedirs(path, exist_ok=True)
         return
     _quiet_gcsfs()
-    with errors(path, "write"):
-        as_path(path).mkdir(parents=True, exist_ok=True)
+    require_bucket(path)
 
 
 def read_text(path: str) -> str:

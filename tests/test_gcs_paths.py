@@ -174,3 +174,15 @@ def test_a_missing_bucket_or_object_is_one_line(gcs):
         storage.read_text(f"{gcs}/nothing.json")
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint directory not found: gs://no-such-bucket/m"):
         checkpoint.load_model("gs://no-such-bucket/m")
+
+
+def test_commands_given_a_missing_bucket_stop_with_one_line_and_create_nothing(gcs, tmp_path, capsys):
+    from prove_jax.cli import convert, train
+    from tests.train_helpers import write_config
+    cfg = write_config(tmp_path, "cli", steps=2)
+    assert train.main(["--config", cfg, "run_dir=gs://no-such-bucket/run", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: bucket gs://no-such-bucket not found (or not accessible), for gs://no-such-bucket/run"
+    assert convert.main(["flax-to-hf", "--ckpt", "gs://no-such-bucket/m", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == "error: checkpoint directory not found: gs://no-such-bucket/m"
+    assert not storage.exists("gs://no-such-bucket")  # no bucket made on the way

@@ -91,6 +91,7 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
                                                active_processes={jax.process_index()})
     url = storage.is_url(path)
     if url:  # no rename at a URL: emptied, then config.json last (load_config reads it first)
+        storage.require_bucket(path)
         storage.remove_tree(path)
     with (contextlib.nullcontext(path) if url else atomic_dir(path)) as tmp, \
             _without_ocdbt_merge_warning():

@@ -589,6 +589,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
     goodput = Goodput()  # this launch's wall time, from here
     run_dir = storage.absolute(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
+    storage.require_bucket(run_dir)  # before orbax or gcsfs could create a mistyped one
     _require_data(cfg.data)  # before anything is written to the run dir
     resuming = has_checkpoints(run_dir)
     retuned = check_continuation(run_dir, cfg) if resuming else []
