@@ -16,7 +16,9 @@ import logging
 import os
 import shutil
 import tempfile
+from typing import Callable
 
+import fsspec
 from etils import epath
 
 from prove_jax import files
@@ -55,8 +57,9 @@ def bucket_of(path: str) -> str | None:
 
 
 def _quiet_gcsfs() -> None:
-    # gcsfs logs a warning with the credentials lookup on every new bucket it opens
-    logging.getLogger("gcsfs").setLevel(logging.ERROR)
+    # gcsfs logs a warning with the credentials lookup on every new bucket it opens, and each
+    # retried request with its traceback; the errors that end a command are said in one line
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 
 @contextlib.contextmanager
@@ -67,6 +70,15 @@ def errors(path: str, what: str = "read"):
         yield
     except StorageError:
         raise
+    except OSError:
+        if not is_url(path):  # local paths keep their own errors
+            raise
+        _raise_storage_error(path, what)
+
+
+def _raise_storage_error(path: str, what: str):
+    try:
+        raise
     except FileNotFoundError:
         bucket = bucket_of(path)
         if bucket is not None and not _bucket_exists(bucket):
@@ -75,8 +87,6 @@ def errors(path: str, what: str = "read"):
     except PermissionError as e:
         raise StorageError(f"no permission to {what} {path}: {_first_line(e)}") from None
     except OSError as e:
-        if not is_url(path):
-            raise
         raise StorageError(f"could not {what} {path}: {_first_line(e)}") from None
 
 
@@ -87,7 +97,6 @@ def _first_line(e: BaseException) -> str:
 def _bucket_exists(bucket: str) -> bool:
     _quiet_gcsfs()
     try:
-        import fsspec
         fs, _ = fsspec.core.url_to_fs(bucket)
         return bool(fs.exists(bucket.split("://", 1)[1]))
     except Exception:  # noqa: BLE001 - unknown (no access to list it): let the write say why
@@ -189,7 +198,6 @@ def fingerprint(path: str) -> list:
     if not is_url(path):
         st = os.stat(path)
         return [st.st_size, st.st_mtime_ns]
-    import fsspec
     _quiet_gcsfs()
     with errors(path):
         fs, key = fsspec.core.url_to_fs(path)
@@ -249,23 +257,27 @@ def staged_dir(final: str):
     with tempfile.TemporaryDirectory(prefix="prove-jax-") as tmp:
         yield tmp
         remove_tree(final)
-        makedirs(final)
-        for root, _, names in os.walk(tmp):
-            rel = os.path.relpath(root, tmp)
-            dest = final if rel == "." else join(final, *rel.split(os.sep))
-            if names:
-                makedirs(dest)
-                upload_dir(root, dest, names)
+        upload_tree(tmp, final)
+
+
+def upload_tree(local_dir: str, dest: str) -> None:
+    """Every file below `local_dir` copied to the same relative path under the URL `dest`."""
+    require_bucket(dest)
+    for root, _, names in os.walk(local_dir):
+        rel = os.path.relpath(root, local_dir)
+        if names:
+            upload_dir(root, dest if rel == "." else join(dest, *rel.split(os.sep)), names)
 
 
 @contextlib.contextmanager
-def local_file(path: str | None, upload: bool = False, companions: tuple[str, ...] = ()):
+def local_file(path: str | None, upload: Callable[[], bool] | bool = False,
+               companions: tuple[str, ...] = ()):
     """A local stand-in for the file `path` (and its `companions`, suffixes of the same name:
     `.settings.json`), for readers and writers that take local files only: `path` itself when
     local or None; for a URL, a temporary copy of what exists there, copied back when the
-    block ends if `upload` (also when it ends by an error or an interrupt, so that a relaunch
-    resumes a partial output, as it would a local one). The output exists whole at the URL
-    only once uploaded: one upload per file."""
+    block ends if `upload` (or `upload()`, asked then), also when it ends by an error or an
+    interrupt, so that a relaunch resumes a partial output as it would a local one. Each file
+    appears at the URL whole, in one upload."""
     if path is None or not is_url(path):
         yield path
         return
@@ -278,7 +290,7 @@ def local_file(path: str | None, upload: bool = False, companions: tuple[str, ..
         try:
             yield local
         finally:
-            if upload:
+            if upload() if callable(upload) else upload:
                 for suffix in ("", *companions):
                     if os.path.isfile(local + suffix):
                         _copy_file(local + suffix, path + suffix)

@@ -290,7 +290,7 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
          None if os.path.abspath(path) == os.path.abspath(tok_dir) else load_tokenizer(path))
         for name, path, model_cfg in (("proposer", cfg.proposer, proposer_cfg),
                                       ("verifier", cfg.model.checkpoint, verifier_cfg))])
-    data = make_data_iterator(cfg, tokenizer, log_main)
+    data = make_data_iterator(cfg, tokenizer, log_main, mesh)  # the rows its devices hold
     tx = head_optimizer(cfg)
     layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
     step = compile_head_step(layout, tx, mesh, cfg, mask_id, log_main)
