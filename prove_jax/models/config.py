@@ -38,11 +38,11 @@ SILU_NAMES = ("silu", "swish")
 
 
 def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
-    """Refuse HF Qwen2/Qwen3 settings this model does not implement rather than convert them into a
-    different model: an activation other than SiLU, or sliding-window attention on any layer.
-    The window follows transformers' Qwen2Config (Qwen3Config reads it the same way): `sliding_window` counts only with
-    `use_sliding_window`, on the layers `layer_types` marks (default: from `max_window_layers`
-    on). Official Qwen2.5 configs carry a window with use_sliding_window false: full attention.
+    """Refuse HF Qwen2/Qwen3 settings this model does not implement rather than convert them into
+    a different model: an activation other than SiLU, or sliding-window attention on any layer.
+    The window follows transformers' Qwen2Config and Qwen3Config alike: `sliding_window` counts
+    only with `use_sliding_window`, on the layers `layer_types` marks (default: from
+    `max_window_layers` on). Official Qwen2.5 and Qwen3 configs have use_sliding_window false.
     """
     act = hf.get("hidden_act", "silu")
     if act not in SILU_NAMES:
@@ -167,10 +167,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
         """An HF Qwen2 or Qwen3 config.json as a ModelConfig; a family or a setting this decoder
-        does not implement is refused here, before any weight is read. Every value is checked against its field's
-        annotation (`fieldtypes.conform`, as `from_json_dict` does), so a null size or a string
-        eos id fails naming the HF key instead of being written into a checkpoint that then
-        cannot be read back."""
+        does not implement is refused here, before any weight is read. Every value is checked
+        against its field's annotation (`fieldtypes.conform`, as `from_json_dict` does), so a
+        null size or a string eos id fails naming the HF key instead of being written into a
+        checkpoint that then cannot be read back."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             why = UNSUPPORTED_FAMILIES.get(model_type) if isinstance(model_type, str) else None
