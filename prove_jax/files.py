@@ -16,7 +16,7 @@ def check_replaceable(path: str, marker: str, what: str, error: type[Exception])
     else (a file, a source tree given as --out by mistake) is kept.
     """
     from prove_jax import storage  # URLs too (storage writes its local files through this module)
-    if storage.isfile(path):
+    if storage.exists(path) and not storage.isdir(path):
         raise error(f"output {path} is a file; give a directory")
     if storage.isdir(path) and storage.listdir(path) and not storage.exists(storage.join(path, marker)):
         raise error(f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "

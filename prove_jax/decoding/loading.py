@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import jax
 
+from prove_jax import storage
 from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
                                               load_tokenizer)
 from prove_jax.decoding.engine import Decoder
@@ -41,13 +41,13 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
     """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier;
     `tokenizer`: the checkpoint's, when the caller has already loaded it. The mesh: `mesh`,
     else `mesh_shape` ('data,fsdp,tensor'), else the models' inference mesh (`parse_mesh`)."""
-    if not os.path.isdir(model_path):
+    if not storage.isdir(model_path):  # a local path or a URL (gs://)
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
     configs = [load_config(model_path)]
     if options.mode == "verify":
-        if verifier_path is None or not os.path.isdir(verifier_path):
+        if verifier_path is None or not storage.isdir(verifier_path):
             raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
         configs.append(load_config(verifier_path))
     if mesh is None:
