@@ -272,31 +272,28 @@ def default_params(args) -> SamplingParams:
 def params_of_records(records, defaults: SamplingParams, base_seed: int, strict: bool) -> list:
     """Each record's SamplingParams (None for a failed record); a bad field fails the request
     (or, with `strict`, the job)."""
-    params = []
-    for i, rec in enumerate(records):
-        try:
-            params.append(None if ERROR_KEY in rec else request_params(rec, defaults, i, base_seed))
-        except DecodeError as e:
-            if strict:
-                raise DecodeError(f"request {rec['id']!r}: {e}") from None
-            rec[ERROR_KEY] = f"the request's {e}"
-            params.append(None)
-    return params
+    return _per_record(records, lambda i, rec: request_params(rec, defaults, i, base_seed), strict)
 
 
 def logprobs_of_records(records, default: int | None, strict: bool) -> list:
     """Alternatives per token each record's logprobs ask for (None: none; `default`: --logprobs),
     a bad value failing the request (or, with `strict`, the job)."""
-    counts = []
-    for rec in records:
+    return _per_record(records, lambda i, rec: request_logprobs(rec, default), strict)
+
+
+def _per_record(records, read, strict: bool) -> list:
+    """`read(i, record)` of each record not failed already (None for those); a DecodeError
+    fails that record (with `strict`, the job)."""
+    out = []
+    for i, rec in enumerate(records):
         try:
-            counts.append(None if ERROR_KEY in rec else request_logprobs(rec, default))
+            out.append(None if ERROR_KEY in rec else read(i, rec))
         except DecodeError as e:
             if strict:
                 raise DecodeError(f"request {rec['id']!r}: {e}") from None
             rec[ERROR_KEY] = f"the request's {e}"
-            counts.append(None)
-    return counts
+            out.append(None)
+    return out
 
 
 # What shapes an output file's records: a resumed --output must have been written with the same.
