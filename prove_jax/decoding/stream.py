@@ -195,12 +195,13 @@ class DecodeStream:
                     self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
 
     def _chunk(self, chunk_fn, state, serving: list[int], seen: list[int], seen_fwd: list[int],
-               requests_wait: bool):
-        """Run one chunk of decode steps and yield its events (a row's new tokens, and the
-        output of each request that finished); returns the new loop state (`yield from`), with
-        the rows cancelled while their events were out finished too. `serving` (the request of
-        each row, -1: none), `seen` and `seen_fwd` (tokens and forwards already handed out) are
-        updated in place. Iterate it to the end: the state is donated to the chunk."""
+               requests_wait: bool, steps: int | None = None):
+        """Run one chunk of decode steps (`steps`, default chunk_steps: a runtime argument of
+        the one compiled chunk) and yield its events (a row's new tokens, and the output of
+        each request that finished); returns the new loop state (`yield from`), with the rows
+        cancelled while their events were out finished too. `serving` (the request of each row,
+        -1: none), `seen` and `seen_fwd` (tokens and forwards already handed out) are updated in
+        place. Iterate it to the end: the state is donated to the chunk."""
         dec, rows = self.decoder, self.settings.num_rows
         params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
         record = self.options.record_steps
@@ -208,7 +209,7 @@ class DecodeStream:
         t0, c0 = time.perf_counter(), self.compile_seconds
         finish = np.asarray([i in self._cancelled for i in serving])
         state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
-                          np.int32(self.chunk_steps), np.bool_(requests_wait), finish, donate=(3,))
+                          np.int32(steps or self.chunk_steps), np.bool_(requests_wait), finish, donate=(3,))
         # one transfer of what every chunk needs
         done, length, tokens, forwards, commits, steps = _to_host(
             (state.done, state.length, state.tokens, state.forwards, state.step_commits, state.step))
@@ -368,25 +369,30 @@ class OpenStream(DecodeStream):
     def running(self) -> int:
         return sum(i >= 0 for i in self._serving)
 
-    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> str | None:
-        """Why the stream cannot take this request (a phrase following "the request"), or None."""
+    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str, str] | None:
+        """(the field at fault, why: a phrase following "the request") when the stream cannot
+        take this request; None when it can. The fields are SamplingParams' and "prompt"."""
         budget = params.max_new_tokens or self.max_new_tokens
         if len(prompt) > self.max_prompt_tokens:
-            return (f"has {len(prompt)} prompt tokens, more than this server's limit "
-                    f"{self.max_prompt_tokens} (--max-prompt-tokens)")
+            return "prompt", (f"has {len(prompt)} prompt tokens, more than this server's limit "
+                              f"{self.max_prompt_tokens} (--max-prompt-tokens)")
         if budget > self.max_new_tokens:
-            return (f"asks for {budget} new tokens, more than this server's limit "
-                    f"{self.max_new_tokens} (--max-new-tokens)")
+            return "max_new_tokens", (f"asks for {budget} new tokens, more than this server's limit "
+                                      f"{self.max_new_tokens} (--max-new-tokens)")
         if len(params.stop_token_ids) > self.max_stop_ids:
-            return f"gives {len(params.stop_token_ids)} stop token ids, more than {self.max_stop_ids}"
+            return "stop_token_ids", f"gives {len(params.stop_token_ids)} stop token ids, more than {self.max_stop_ids}"
         sampler = self.settings.sampler
         if not params.greedy and sampler is None:
-            return "samples (temperature > 0), but this server decodes greedily only (--sampling greedy)"
-        if sampler is not None and not params.greedy and (
-                (not sampler.truncate and (params.top_k or params.top_p < 1)) or (not sampler.min_p and params.min_p)):
-            return "uses top_k, top_p or min_p, which this server's step does not do (--sampling full)"
+            return "temperature", "samples (temperature > 0), but this server decodes greedily only (--sampling greedy)"
+        if sampler is not None and not params.greedy:
+            unsupported = [name for name, used, done in (("top_p", params.top_p < 1, sampler.truncate),
+                                                         ("top_k", params.top_k > 0, sampler.truncate),
+                                                         ("min_p", params.min_p > 0, sampler.min_p)) if used and not done]
+            if unsupported:
+                return unsupported[0], (f"uses {unsupported[0]}, which this server's step does not do "
+                                        f"(--sampling full)")
         problem = self.decoder.prompt_problem(prompt, budget)
-        return None if problem is None else f"prompt {problem}"
+        return None if problem is None else ("prompt", f"prompt {problem}")
 
     def add(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> int:
         """Queue a request (`params` validated; `seed` is used when they give none) and return
@@ -394,7 +400,7 @@ class OpenStream(DecodeStream):
         full."""
         problem = self.request_problem(prompt, params)
         if problem is not None:
-            raise DecodeError(f"the request {problem}")
+            raise DecodeError(f"the request {problem[1]}")
         if not self._free_slots:
             raise DecodeError(f"the queue is full ({len(self.seeds)} requests)")
         i = self._free_slots.pop()
@@ -455,18 +461,22 @@ class OpenStream(DecodeStream):
 
     def step(self) -> Iterator[StreamEvent]:
         """Admit what waits into the free rows, run one chunk and yield its events; a request
-        cancelled while its event is out finishes in this step. Iterate it to the end."""
+        cancelled while its event is out finishes in this step. Iterate it to the end. The
+        chunk after an admission is one step long, so the admitted requests' first tokens go
+        out as soon as they are committed, not chunk_steps later (time to first token)."""
         if self._state is None:
             self.warm_up()
         dec = self.decoder
         _, admit_fn, chunk_fn = self._fns
         with self._mesh():
             free = [r for r, i in enumerate(self._serving) if i < 0]
+            admitted = False
             if self._waiting and free:
-                t0, c0 = time.perf_counter(), self.compile_seconds
+                t0, c0, before = time.perf_counter(), self.compile_seconds, len(self._waiting)
                 self._state = self._admit(admit_fn, dec.state, dec.verifier_state, self._state, free, self._waiting,
                                           self._serving, self._seen, self._seen_fwd)
                 self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
+                admitted = len(self._waiting) < before
             if any(i >= 0 for i in self._serving):
                 self._state = yield from self._chunk(chunk_fn, self._state, self._serving, self._seen,
-                                                     self._seen_fwd, bool(self._waiting))
+                                                     self._seen_fwd, bool(self._waiting), 1 if admitted else None)

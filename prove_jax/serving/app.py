@@ -84,7 +84,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingPara
             prompt = _encode(parsed, tokenizer)
             problem = engine.request_problem(prompt, parsed.params)
             if problem is not None:
-                raise RequestError(f"the request {problem}", param=_problem_param(problem, parsed.params))
+                field, why = problem
+                raise RequestError(f"the request {why}", param={"max_new_tokens": "max_tokens"}.get(field, field))
             handle = Handle(asyncio.get_running_loop(), prompt, parsed.params)
             try:
                 engine.submit(handle)
@@ -131,19 +132,6 @@ def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingPara
               Route("/v1/completions", text_completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return Starlette(routes=routes, lifespan=lifespan)
-
-
-def _problem_param(problem: str, params: SamplingParams) -> str:
-    """The request field an OpenStream.request_problem phrase is about."""
-    if "new tokens" in problem:
-        return "max_tokens"
-    if "stop token ids" in problem:
-        return "stop_token_ids"
-    if "top_k, top_p or min_p" in problem:
-        return next(k for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)) if getattr(params, k) != off)
-    if "--sampling greedy" in problem:
-        return "temperature"
-    return "prompt"
 
 
 def _encode(parsed: protocol.ParsedRequest, tokenizer) -> list[int]:

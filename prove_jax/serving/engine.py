@@ -131,8 +131,8 @@ class Engine:
         """The engine thread has not ended (it may be loading or compiling)."""
         return self._thread.is_alive()
 
-    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> str | None:
-        """Why the request cannot be served (a phrase following "the request"), or None;
+    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str, str] | None:
+        """(field, why) the request cannot be served (OpenStream.request_problem), or None;
         checked on the caller's thread, before anything is queued."""
         return self.stream.request_problem(prompt, params)
 
