@@ -6,9 +6,10 @@ throughput at concurrency 1, 4 and 16, ar against lossless, on loopback.
 
 For each mode and concurrency c a server is started with c rows (`--batch-size c`, greedy
 `--sampling`, lossless K=6 G=2) and driven open-loop: requests arrive on a fixed schedule,
-whatever the server's pace, one every L/c seconds, where L is the first mode's mean latency of
-a request alone (so both modes are offered the same load), each a streamed completion of a
-HumanEval prompt. Counts and time are bounded (--requests per c, --level-seconds). Per request
+whatever the server's pace, one every L/(c x load) seconds, where L is the first mode's mean
+latency of a request alone (so both modes are offered the same load; --load 0.5 by default, as
+a c-row step costs more than a one-row step and a full load would only grow the queue), each a
+streamed completion of a HumanEval prompt. Counts and time are bounded (--requests per c, --level-seconds). Per request
 it records the time to the first text, the time per output token after it ((last - first) /
 (tokens - 1)) and the whole latency; throughput is generated tokens over the level's span.
 Outputs of the modes are compared text for text. `--inflate PRESET` serves the shipped proposer
@@ -48,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=0,
                    help="requests per level (default: 2 x concurrency, at least 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    p.add_argument("--load", type=float, default=0.5,
+                   help="offered load: c x this requests per first-mode latency alone (default 0.5; 1 "
+                        "keeps c rows busy only if a c-row step cost what a one-row step does)")
     p.add_argument("--level-seconds", type=float, default=300.0,
                    help="no request starts later than this into a level (default 300)")
     p.add_argument("--block-size", type=int, default=6, help="lossless K (default 6)")
@@ -208,7 +212,7 @@ def main(argv=None) -> int:
                     if alone is None:
                         alone = statistics.mean(one_request(url, pool[-1 - k], args.max_tokens)["latency"]
                                                 for k in range(2))
-                    interval = alone / c
+                    interval = alone / (c * args.load)
                     f0, g0 = metric(url, "proposer_forwards_total"), metric(url, "generated_tokens_total")
                     results = run_level(url, prompts, interval, args)
                     forwards = metric(url, "proposer_forwards_total") - f0
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
              for m in args.modes for c in args.concurrency}
     for key, same in agree.items():
         levels[key]["same_text_as_" + base] = same
-    meta = {"inflated_to": args.inflate, "max_tokens": args.max_tokens, "lossless": f"K={args.block_size},G={args.groups}",
+    meta = {"inflated_to": args.inflate, "max_tokens": args.max_tokens, "load": args.load, "lossless": f"K={args.block_size},G={args.groups}",
             "alone_latency_s": alone, "cpu": bench_lib.cpu_description(),
             "jax": jax.__version__, "backend": jax.default_backend()}
     name = "serve" if not args.inflate else f"serve_{args.inflate.split('-')[-1]}_shape"
@@ -247,7 +251,8 @@ def report(meta: dict, levels: dict, args) -> str:
     lines = [f"# Serving latency (`benchmarks/bench_serve.py`)", "",
              f"`prove-jax serve` on loopback, {shape}, {meta['backend'].upper()} ({meta['cpu']}), greedy, max_tokens "
              f"{meta['max_tokens']}, lossless {meta['lossless']}; a server with c rows per level, driven open-loop "
-             f"(one request every {meta['alone_latency_s']:.2f}/c s: the first mode's latency alone over c). "
+             f"(one request every {meta['alone_latency_s']:.2f}/({meta['load']:g} c) s: the first mode's latency "
+             f"alone over {meta['load']:g} c). "
              f"TTFT: arrival to first text; TPOT: (last - first text) / (tokens - 1).", "",
              "| mode | c | requests | TTFT p50 (s) | TTFT p90 (s) | TPOT p50 (ms) | TPOT p90 (ms) | latency p50 (s) "
              "| tok/s | tokens/forward | same text |", "|---|---|---|---|---|---|---|---|---|---|---|"]
