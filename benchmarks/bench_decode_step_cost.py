@@ -8,10 +8,10 @@ for one program `generate` streams: the chunk program compiled with libtpu for t
 HLO walked with every loop at its trip count, one trip of its step loop priced: HBM bytes of one
 decode step per chip, what must move (weights once, the live KV once, the new KV, the logits),
 their ratio, dot FLOPs and the roofline time (the larger of bytes over the chip's HBM bandwidth
-and FLOPs over its bf16 peak). Modes: ar, lossless (the TPU adaptive table's layout for the
-batch: K=4 G=2 at 16 rows, AR beyond 32) and verify (K=16, the 3B verifier); rows filled to
+and FLOPs over its bf16 peak). Modes: ar, lossless (K=6 G=2) and verify (K=8, top-1, the 3B
+verifier), the settings whose tokens per forward HumanEval measured; rows filled to
 `--context` slots (a request's dearest step); contiguous KV at every batch size, the paged pool
-(`--page-size 64`) at `--paged-batches`. The first slice's verify row at the first paged batch
+(`--page-size 64`) at `--paged-batches` for `--paged-modes`. The first slice's verify row at the first paged batch
 also prices the prefill and an admission. Needs libtpu.
 
 Writes decode_step_cost.json and decode_step_cost.md.
@@ -40,12 +40,15 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=ints("--batch-sizes"), default=[1, 16, 64], help="default 1,16,64")
     p.add_argument("--paged-batches", type=ints("--paged-batches"), default=[16],
                    help="batch sizes also priced with the paged pool (default 16)")
+    p.add_argument("--paged-modes", default="verify", help="modes priced paged too (default verify; none: no paged rows)")
     p.add_argument("--context", type=int, default=8192, help="slots each row is filled to (default 8192)")
     p.add_argument("--new-tokens", type=int, default=512, help="of the context, tokens generated (default 512)")
     p.add_argument("--modes", default="ar,lossless,verify", help="default ar,lossless,verify")
     p.add_argument("--proposer", default="qwen2.5-32b")
     p.add_argument("--verifier", default="qwen2.5-3b")
-    p.add_argument("--block-size", type=int, default=16, help="verify's K (default 16)")
+    p.add_argument("--block-size", type=int, default=8, help="verify's K (default 8, as HumanEval measured it)")
+    p.add_argument("--lossless", default="6,2", help="lossless K,G (default 6,2, as HumanEval measured it)")
+    p.add_argument("--append", action="store_true", help="add the rows to the results already in --out")
     p.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS}; the committed ones: benchmarks)")
     return p.parse_args(argv)
 
@@ -56,9 +59,10 @@ def table_row(r: dict) -> str:
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     cells = []
     for p in r["programs"]:
+        coll = ", ".join(f"{k} {v['count']}" for k, v in p["collectives"].items()) or "none"
         cells.append(f"| {r['accelerator']} | {r['label']} | {r['batch']} ({r['rows']} rows) | {p['name']} | "
                      f"{gib(p['hbm_bytes'])} | {gib(p['min_hbm_bytes'])} | {p['waste']:.2f} | {p['flops'] / 1e12:.2f} | "
-                     f"{p['roofline_seconds'] * 1e3:.2f} | {', '.join(f'{k} {v['count']}' for k, v in p['collectives'].items()) or 'none'} |")
+                     f"{p['roofline_seconds'] * 1e3:.2f} | {coll} |")
     if r.get("does_not_fit"):
         cells.append(f"| {r['accelerator']} | {r['label']} | {r['batch']} | | | | | | does not fit: {r['does_not_fit'][:200]} |")
     return "\n".join(cells)
@@ -74,6 +78,18 @@ NOTES = """Notes.
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, float32 logits written and read. A ratio of 1 is a step
   at the memory-bandwidth limit; the roofline time is what such a step would take.
+- Before the stacked cache kept every layer's slots on one axis and the stacked pools every
+  layer's pages (the report at the same flags, verify K=16, 16 rows, 8k, v5p-8): contiguous
+  115.2 GiB per step (2.73x what must move), the layer's K and V sliced out of [B, K, L, S, Dh]
+  and relaid out in every layer; paged 1146 GiB (27.1x), the whole pool copied twice in every
+  layer (`copy` of bf16[1,4,64,1024,64,128], 512 GiB each per step): a paged TPU step about
+  14x the contiguous one. At the development shape (4 layers of 8 kv heads, 16 rows x 8k, AR):
+  contiguous 4.40x -> 1.05x, paged 11.4x -> 2.9x on the XLA path.
+- The prefill and admission rows price whole programs: a chunked prefill reads the weights
+  once per chunk of 256 prompt tokens (30 chunks at 8k) and writes each chunk's attention
+  scores, so its bytes stand against one pass over the weights and KV only for scale; it is
+  compute-bound (its FLOPs over the chip's peak are the roofline). The admission's all-gathers
+  are its admitted rows' caches crossing the data axis (not removed yet).
 - What is left above 1.3 on the XLA attention path is the step's attention probabilities: a
   wide step (verify K=16 reads 31 tokens, 155 queries per kv head of the 32B) writes float32
   scores of each KV chunk to HBM and reads them back, which at 8k contexts is as much as the
@@ -97,8 +113,10 @@ def main(argv=None) -> int:
     proposer = preset(args.proposer)
     proposer = proposer.replace(mask_token_id=proposer.vocab_size - 1)
     verifier = preset(args.verifier)
+    lossless_k, lossless_g = (int(x) for x in args.lossless.split(","))
     options = {"ar": ("ar", DecodeOptions("ar", 1, scan_layers=True)),
-               "lossless": ("lossless adaptive", DecodeOptions("lossless", 8, adaptive=True, scan_layers=True)),
+               "lossless": (f"lossless K={lossless_k} G={lossless_g}",
+                            DecodeOptions("lossless", lossless_k, max_groups=lossless_g, scan_layers=True)),
                "verify": (f"verify K={args.block_size}", DecodeOptions("verify", args.block_size, scan_layers=True))}
     modes = args.modes.split(",")
     jobs = []
@@ -107,9 +125,13 @@ def main(argv=None) -> int:
             for mode in modes:
                 jobs.append((accelerator, mode, batch, None))
         for batch in args.paged_batches:
-            for mode in modes:
+            for mode in (m for m in modes if m in args.paged_modes.split(",")):
                 jobs.append((accelerator, mode, batch, 64))
     rows = []
+    if args.append and os.path.exists(os.path.join(args.out, "decode_step_cost.json")):
+        import json
+        with open(os.path.join(args.out, "decode_step_cost.json")) as f:
+            rows = json.load(f)["rows"]
     first = (args.accelerators.split(",")[0], "verify", args.paged_batches[0] if args.paged_batches else 16, None)
     for accelerator, mode, batch, page in jobs:
         chip, chips = aot.accelerator_chips(accelerator)

@@ -34,3 +34,17 @@ def test_no_directory_profiles_nothing_and_a_file_is_refused(tmp_path):
     bad.write_text("x")
     with pytest.raises(NotADirectoryError, match="not a directory"):
         StepProfile(str(bad), "train_step")
+
+
+def test_generate_profile_traces_decode_chunks(tmp_path):
+    """`generate --profile DIR`: the trace names the decode chunks it holds, after warm-up."""
+    import json
+
+    from prove_jax.cli import generate
+    inp, out, trace = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "trace"
+    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
+    assert generate.main(["--mode", "ar", "--input", str(inp), "--output", str(out), "--max-new-tokens", "24",
+                          "--chunk-steps", "2", "--mesh", "1,1,1", "--profile", str(trace)]) == 0
+    (path,) = trace_files(str(trace))
+    data = open(path, "rb").read()
+    assert b"decode_chunk" in data and b"run_chunk" in data

@@ -192,3 +192,22 @@ def test_on_tpu_a_layer_reads_its_kv_in_place(page_size):
     (step,) = report.programs
     assert step.bytes_by_opcode.get("copy", 0) < 0.01 * step.hbm_bytes
     assert step.waste <= (1.3 if page_size is None else 3.0)
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (optional): pip install 'libtpu==0.0.42.*'")
+def test_generate_dry_run_writes_the_report(tmp_path, capsys):
+    """`generate --dry-run SLICE --report FILE`: the programs `generate` streams, as JSON and as
+    a table; a report path that is a directory is a one-line error before anything compiles."""
+    from prove_jax import assets
+    from prove_jax.cli import generate
+    path = tmp_path / "report.json"
+    common = ["--dry-run", "v5e-4", "--model", assets.DEMO_PROPOSER, "--mode", "ar", "--batch-size", "4",
+              "--context", "512", "--max-new-tokens", "64", "--dtype", "bfloat16", "--scan-layers"]
+    assert generate.main(common + ["--report", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert [p["name"] for p in record["programs"]] == ["step", "prefill", "admit"]
+    assert record["chip"] == "v5e" and record["rows"] == 4
+    out = capsys.readouterr().out
+    assert "| step |" in out and "| admit |" in out
+    assert generate.main(common + ["--report", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

@@ -7,6 +7,11 @@
 names; a preset proposer gets a `<|mask|>` id in its padded vocabulary rows (shapes are what
 matter). The report: the mesh `generate` would pick on the slice, the weights per chip, and
 XLA's per-chip memory, compile time and collectives (prove_jax/decoding/dry_run.py).
+
+With `--report FILE` it compiles instead the programs `generate` streams (one decode step of
+the chunk loop, the prefill, an admission) and writes what each moves through HBM per
+execution against what it must, its FLOPs and roofline time (prove_jax/decoding/step_report.py,
+docs/decoding.md "Reading the step-cost report"), and prints the same as a table.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def run_dry_run(args, options: DecodeOptions) -> int:
         if args.verifier is None:
             raise DecodeError("--mode verify needs --verifier (a checkpoint or a preset) with --dry-run")
         verifier = model_config(args.verifier, "--verifier", proposer=False)
+    if getattr(args, "report", None):
+        return _run_report(args, options, chip, chips, proposer, verifier)
     print(f"compiling the {options.mode} decode program for {args.dry_run} ({chips} x {chip}) ...",
           file=sys.stderr, flush=True)
     report = dry_run_decode(proposer, options, chip=chip, chips=chips, batch=args.batch_size,
@@ -50,3 +57,18 @@ def run_dry_run(args, options: DecodeOptions) -> int:
                             dtype=args.dtype)
     print(report.describe())
     return 0 if report.fits else 1
+
+
+def _run_report(args, options: DecodeOptions, chip: str, chips: int, proposer, verifier) -> int:
+    """The step-cost report: written to args.report (JSON) and printed; exit 1 when a program
+    does not fit a chip."""
+    from prove_jax.decoding.step_report import step_report
+    if os.path.isdir(args.report):
+        raise DecodeError(f"--report {args.report} is a directory; give the JSON file to write")
+    print(f"compiling the {options.mode} stream programs (step, prefill, admission) for {args.dry_run} "
+          f"({chips} x {chip}) ...", file=sys.stderr, flush=True)
+    report = step_report(proposer, options, chip=chip, chips=chips, batch=args.batch_size, context=args.context,
+                         new_tokens=args.max_new_tokens, verifier=verifier, dtype=args.dtype)
+    report.write(args.report)
+    print(report.table())
+    return 1 if report.does_not_fit else 0

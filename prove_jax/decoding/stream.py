@@ -33,6 +33,7 @@ from prove_jax.decoding.state import LoopState
 from prove_jax.models.attention import KVCache, cache_axes
 from prove_jax.models.paged import PagedKVCache, pool_axes
 from prove_jax.models.sharding import activation_sharding, kv_rules
+from prove_jax.profiling import StepProfile
 
 
 @dataclasses.dataclass
@@ -148,8 +149,18 @@ class DecodeStream:
             self.compile_seconds += time.perf_counter() - start
         return dec._stream_compiled[key]
 
+    # a --profile trace: each chunk of decode steps is one of its steps (prove_jax/profiling.py)
+    profile: StepProfile = StepProfile(None, "decode_chunk")
+
     def _run(self, name: str, size: int, fn, *args, donate: tuple[int, ...] = ()):
-        return self._compiled(name, size, fn, args, donate)(*args)
+        compiled = self._compiled(name, size, fn, args, donate)
+        if name != "chunk":
+            return compiled(*args)
+        with self.profile.step():
+            out = compiled(*args)
+            if self.profile.active:  # the trace holds the chunk whole
+                jax.block_until_ready(out)
+        return out
 
     def _programs(self):
         dec, s = self.decoder, self.settings
