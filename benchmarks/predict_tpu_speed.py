@@ -147,6 +147,14 @@ NOTES = """How far to trust it.
   model on an H200 is far from its bandwidth limit (AR ran at about twice its roofline step), so
   that ratio overstates what a wide step costs a 32B model on a TPU; the truth lies between the
   two columns, and only a TPU run can say where.
+- Each mode runs on the mesh `generate` picks for it: on v6e-8 the pair (66 GiB) needs tensor=8,
+  the proposer alone (61 GiB) tensor=4 with data=2, so AR and lossless there read the weights
+  twice per step (once per data shard) where verify reads them once. Verify's v6e-8 speedup
+  includes that; AR on the pair's 1x8 mesh would step in about verify's time less its
+  verifier's share. For bandwidth-bound steps tensor parallelism beats data parallelism; the
+  mesh rule picks the least tensor that fits (`sharding.inference_tensor_size`).
+- Not priced: 2k contexts, batch 1 on v6e-8, the 7B shape on v5e-4/v6e-4 (the script takes
+  any rows of decode_step_cost.json; bench_decode_step_cost.py makes them).
 - Tokens per forward come from the demo proposer inflated to a real shape: it accepts what the
   small trained proposer accepts. A real 32B ProVe proposer accepts more (the paper's 2.54x
   lossless, 2.72x with the verifier), so the tokens per forward, and every speedup here, are
