@@ -40,6 +40,7 @@ from prove_jax import assets, distributed
 from prove_jax.cli.runner import fail, run_cli
 from prove_jax.profiling import StepProfile
 from prove_jax.checkpoints.checkpoint import load_tokenizer
+from prove_jax.data.chat import chat_problem
 from prove_jax.models.config import DTYPES
 from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
 from prove_jax.decoding.calibrate import calibrate_decoder
@@ -146,6 +147,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    ap.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --chat: the chat template's thinking switch (Qwen3's enable_thinking; "
+                         "--no-enable-thinking answers without a thinking section; default: the "
+                         "template's own)")
     ap.add_argument("--truncate", choices=("left", "right"), default=None,
                     help="cut a prompt too long for the buffer with --max-new-tokens: left drops its "
                          "start (keeps the end, what the model continues), right drops its end "
@@ -203,7 +208,13 @@ def parse_args(argv=None):
         ap.error("--overwrite applies with --output")
     if args.chunk_steps < 1:
         ap.error(f"--chunk-steps must be >= 1, got {args.chunk_steps}")
+    if args.enable_thinking is not None and not args.chat:
+        ap.error(f"{_thinking_flag(args)} needs --chat (it is the chat template's thinking switch)")
     return args
+
+
+def _thinking_flag(args) -> str:
+    return "--enable-thinking" if args.enable_thinking else "--no-enable-thinking"
 
 
 # Options that only some modes read (and, for verify's, only some commit rules): given to any
@@ -309,7 +320,8 @@ def _per_record(records, read, strict: bool) -> list:
 # What shapes an output file's records: a resumed --output must have been written with the same.
 SETTING_FLAGS = ("mode", "block_size", "groups", "adaptive", "calibrate", "tau", "confidence", "commit_rule",
                  "tau_v", "relaxed_p", "head_threshold", "gate_tau", "dtype", "max_new_tokens", "temperature",
-                 "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "chat", "truncate")
+                 "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "chat", "truncate",
+                 "enable_thinking")
 
 
 def job_settings(args) -> dict:
@@ -381,7 +393,11 @@ def main(argv=None) -> int:
         # text prompts are encoded before any weight is read: a missing tokenizer or chat
         # template fails in a second, not after loading the model
         tokenizer = load_tokenizer(args.model)  # None: the checkpoint has none
-        prompts = encode_prompts(records, tokenizer, chat=args.chat, strict=args.strict)
+        if args.enable_thinking is not None and tokenizer is not None and args.chat and (
+                problem := chat_problem(tokenizer, args.enable_thinking)) is not None:
+            raise DecodeError(f"{_thinking_flag(args)}: {problem}; drop the flag")
+        prompts = encode_prompts(records, tokenizer, chat=args.chat, strict=args.strict,
+                                 enable_thinking=args.enable_thinking)
         if tokenizer is None and any(p is not None and p.stop for p in params):
             raise DecodeError("stop strings need the checkpoint's tokenizer (this one has none); "
                               "use stop_token_ids")

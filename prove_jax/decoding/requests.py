@@ -21,6 +21,7 @@ from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.sampling import GREEDY, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
 from prove_jax.decoding.stream import RequestOutput
+from prove_jax.data.chat import chat_prompt_ids
 from prove_jax.data.jsonl import read_jsonl
 
 
@@ -174,9 +175,10 @@ def prompt_ids_problem(ids) -> str | None:
 
 
 def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
-                   strict: bool = True) -> list[list[int] | None]:
+                   strict: bool = True, enable_thinking: bool | None = None) -> list[list[int] | None]:
     """Token ids of each record's prompt. With `strict` off, a record that cannot be encoded
-    gets its problem under ERROR_KEY and None here (records already failed stay None)."""
+    gets its problem under ERROR_KEY and None here (records already failed stay None).
+    `enable_thinking`: with `chat`, the template's thinking switch (Qwen3's; data/chat.py)."""
     prompts = []
     for rec in records:
         if ERROR_KEY in rec:
@@ -200,11 +202,7 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
             raise DecodeError("--chat: the checkpoint's tokenizer has no chat template; drop --chat "
                               "or give prompts already in the model's chat format")
         if chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            ids = list(ids)
+            ids = chat_prompt_ids(tokenizer, text, enable_thinking)
         else:
             ids = tokenizer.encode(text, add_special_tokens=False)
         prompts.append(list(ids))
