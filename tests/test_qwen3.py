@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from prove_jax import assets
 from prove_jax.checkpoints import convert, safetensors_io
-from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer
+from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
 from prove_jax.cli import convert as convert_cli
 from prove_jax.cli import generate
 from prove_jax.data import pipeline as data_lib
@@ -34,7 +34,8 @@ from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.requests import encode_prompts
 from prove_jax.models import sharding
 from prove_jax.models.attention import causal_mask
-from prove_jax.models.config import PRESETS, ModelConfig
+from prove_jax.models.config import PRESETS, ConfigError, ModelConfig
+from prove_jax.models.inflate import inflate, inflated_config
 from prove_jax.models.params import flat_params, param_logical_axes
 from prove_jax.training.commit_head import propose_and_label
 from prove_jax.training.config import TrainConfigError, load_config
@@ -138,6 +139,22 @@ def test_untied_gqa4_round_trip_through_transformers(tmp_path):
     saved = json.loads((tmp_path / "back" / "config.json").read_text())
     assert saved["model_type"] == "qwen3" and saved["attention_bias"] is False
     assert np.abs(torch_logits(back.eval(), tokens) - ref).max() <= 1e-5
+
+
+def test_a_qwen3_model_inflates_keeping_its_head_dim(pair, tmp_path):
+    """Inflated (wider, more heads and layers, head_dim kept), the converted model gives
+    transformers its source's logits; a new head_dim is refused (the q/k norm averages over it)."""
+    hf, _, ours_dir = pair
+    small = load_model(str(ours_dir))
+    shape = ModelConfig(vocab_size=1, hidden_size=80, intermediate_size=160, num_layers=3, num_heads=6,
+                        num_kv_heads=3, head_dim=24)
+    save_model(str(tmp_path / "big"), inflate(small, shape))
+    convert.flax_to_hf(str(tmp_path / "big"), str(tmp_path / "big_hf"))
+    big = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "big_hf")).eval()
+    tokens = _tokens(seed=5)
+    assert np.abs(torch_logits(big, tokens) - torch_logits(hf, tokens)).max() <= 1e-4
+    with pytest.raises(ConfigError, match="head_dim 32 != 24"):
+        inflated_config(small.cfg, shape.replace(head_dim=32))
 
 
 def test_presets_are_transformers_models_of_the_published_sizes():
