@@ -1,7 +1,8 @@
 """Qwen3 (dense) beside Qwen2: transformers' Qwen3ForCausalLM is the outside oracle.
 
 Tiny random configs written by `save_pretrained`: logits after hf-to-flax, greedy `generate`
-against our AR and lossless decoding token for token, flax-to-hf reloaded by transformers, the
+against our AR, lossless and commit-head verify decoding token for token, the commit head's
+labels, flax-to-hf reloaded by transformers, the
 published presets' parameter counts against transformers' own models, MARS training from an HF
 Qwen3 directory (its first clean-stream loss against transformers' loss), a sharded forward,
 and the families and settings the converter refuses before reading any weight.
@@ -34,6 +35,7 @@ from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.requests import encode_prompts
 from prove_jax.models import sharding
 from prove_jax.models.attention import causal_mask
+from prove_jax.models.commit_head import CommitHead
 from prove_jax.models.config import PRESETS, ConfigError, ModelConfig
 from prove_jax.models.inflate import inflate, inflated_config
 from prove_jax.models.params import flat_params, param_logical_axes
@@ -104,6 +106,12 @@ def test_tied_logits_match_transformers_and_greedy_generate_is_ar_and_lossless(p
     assert ar.output_ids == ref
     lossless = Decoder(ours, [5], DecodeOptions("lossless", 4, max_groups=2)).generate(prompts, 16)
     assert lossless.output_ids == ref
+
+    # verify mode judged by a commit head on the Qwen3 verifier's states: above 1 it commits
+    # only each block's exact first token, transformers' greedy text
+    head = CommitHead(ours.cfg.hidden_size, rngs=nnx.Rngs(0))
+    verify = DecodeOptions("verify", 4, commit_rule="head", head_threshold=1.1)
+    assert Decoder(ours, [5], verify, verifier=ours, commit_head=head).generate(prompts, 16).output_ids == ref
 
     # the commit head's labels: the proposer's block after each prompt, 1 while it is still
     # transformers' greedy continuation
