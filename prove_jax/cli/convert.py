@@ -1,4 +1,4 @@
-"""`prove-jax convert`: Qwen2 checkpoints between HF safetensors and our orbax format.
+"""`prove-jax convert`: Qwen2 and Qwen3 (dense) checkpoints between HF safetensors and our orbax format.
 
     prove-jax convert hf-to-flax --hf-dir HF_DIR --out CKPT [--dtype bfloat16] [--mesh 1,64,4]
     prove-jax convert flax-to-hf --ckpt CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
@@ -46,7 +46,7 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prove-jax convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("hf-to-flax", help="HF Qwen2 safetensors dir -> prove-jax orbax checkpoint")
+    a = sub.add_parser("hf-to-flax", help="HF Qwen2 or Qwen3 safetensors dir -> prove-jax orbax checkpoint")
     a.add_argument("--hf-dir", required=True, help="HF model dir: config.json + model.safetensors "
                    "or model.safetensors.index.json shards (+ tokenizer files, copied)")
     a.add_argument("--out", required=True, help="checkpoint dir to create (must not exist or be empty)")
