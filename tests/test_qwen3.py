@@ -1,11 +1,12 @@
 """Qwen3 (dense) beside Qwen2: transformers' Qwen3ForCausalLM is the outside oracle.
 
-Tiny random configs written by `save_pretrained`: logits after hf-to-flax, greedy `generate`
-against our AR, lossless and commit-head verify decoding token for token, the commit head's
-labels, flax-to-hf reloaded by transformers, the
-published presets' parameter counts against transformers' own models, MARS training from an HF
-Qwen3 directory (its first clean-stream loss against transformers' loss), a sharded forward,
-and the families and settings the converter refuses before reading any weight.
+Tiny random configs written by `save_pretrained`: logits after hf-to-flax; greedy `generate`
+against our AR, lossless and commit-head verify decoding token for token, and the commit head's
+labels; flax-to-hf reloaded by transformers; the published presets' parameter counts against
+transformers' own models; MARS training from an HF Qwen3 directory (its first clean-stream loss
+against transformers' loss); the commit head trained on a Qwen3 pair; a sharded forward;
+inflation; the families and settings the converter refuses before reading any weight; and chat
+prompts in the checkpoint's own template with Qwen3's thinking switch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from prove_jax import assets
 from prove_jax.checkpoints import convert, safetensors_io
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
+from prove_jax.checkpoints.commit_head import load_commit_head
 from prove_jax.cli import convert as convert_cli
 from prove_jax.cli import generate
 from prove_jax.data import pipeline as data_lib
@@ -38,8 +40,8 @@ from prove_jax.models.attention import causal_mask
 from prove_jax.models.commit_head import CommitHead
 from prove_jax.models.config import PRESETS, ConfigError, ModelConfig
 from prove_jax.models.inflate import inflate, inflated_config
-from prove_jax.models.params import flat_params, param_logical_axes
-from prove_jax.training.commit_head import propose_and_label
+from prove_jax.models.params import create_model, flat_params, param_logical_axes
+from prove_jax.training.commit_head import propose_and_label, train_commit_head
 from prove_jax.training.config import TrainConfigError, load_config
 from prove_jax.training.loop import resolve_tokenizer, train
 from tests.hf_models import hf_greedy
@@ -211,6 +213,31 @@ def test_mars_finetune_from_an_hf_qwen3_dir(tmp_path):
     assert result.records[-1]["loss"] < result.records[0]["loss"]
     trained = load_model(result.model_dir).cfg
     assert trained.model_type == "qwen3" and trained.mask_token_id is not None
+
+
+def test_commit_head_trains_on_a_qwen3_pair(tmp_path):
+    """objective=commit_head with a Qwen3 proposer and verifier: the head learns (its loss
+    falls) and is exported beside the Qwen3 verifier."""
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, mask_token_id=299, eos_token_ids=(0,), pad_token_id=0,
+                      model_type="qwen3")
+    make_tokenizer(300).save_pretrained(str(tmp_path / "tok"))
+    save_model(str(tmp_path / "p"), create_model(cfg, seed=11), tokenizer_dir=str(tmp_path / "tok"))
+    save_model(str(tmp_path / "v"), create_model(cfg.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12),
+               tokenizer_dir=str(tmp_path / "tok"))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f" return x + {i}"}) + "\n"
+                            for i in range(8)))
+    run = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [
+        f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={data}",
+        "objective=commit_head", "max_length=32", "block_size=4", "global_batch_size=8", "log_every=1",
+        f"run_dir={tmp_path / 'run'}", "tokenizer.bpe_vocab_size=null", f"tokenizer.path={tmp_path / 'tok'}",
+        "steps=2", "optimizer.lr=1e-2"])
+    result = train_commit_head(run, show_bar=False)
+    losses = [r["loss"] for r in result["records"]]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+    assert load_model(result["model_dir"]).cfg.model_type == "qwen3"
+    assert load_commit_head(result["model_dir"]).hidden_size == 16
 
 
 # ---- refused before any weight is read ---------------------------------------------------------
