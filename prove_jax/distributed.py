@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 import warnings
@@ -163,6 +164,31 @@ def disagreements(facts: list[str], gathered: np.ndarray) -> list[str]:
     return out
 
 
+# How long a host waits for the others' launch facts: they all post them right after joining.
+FACTS_TIMEOUT_S = 120
+
+
+def _gather_through_coordinator(mine: np.ndarray) -> np.ndarray:
+    """Every host's row, through the coordination service's key-value store rather than an XLA
+    collective: a first collective sets up the CPU backend's gloo context, after which a host
+    that fails later leaves the others waiting in a collective with no time limit (before it,
+    they stop when setting it up times out; tests/test_decode_multihost.py)."""
+    from jax._src import distributed as jax_distributed
+    client = jax_distributed.global_state.client
+    me = jax.process_index()
+    client.key_value_set(f"prove_jax/launch_facts/{me}", json.dumps(mine.tolist()), allow_overwrite=True)
+    rows = []
+    for i in range(jax.process_count()):
+        try:
+            rows.append(json.loads(client.blocking_key_value_get(f"prove_jax/launch_facts/{i}",
+                                                                 FACTS_TIMEOUT_S * 1000)))
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DistributedError(f"host {i} did not post its launch settings within "
+                                   f"{FACTS_TIMEOUT_S}s of joining ({first}); see its log") from None
+    return np.asarray(rows, np.int64)
+
+
 def check_hosts_agree(facts: dict[str, str], gather=None) -> None:
     """Raise on every host (none is left waiting in a later collective) when a host's `facts`
     differ from host 0's, naming the facts and hosts; `ADVISORY_FACTS` that differ are a
@@ -171,11 +197,8 @@ def check_hosts_agree(facts: dict[str, str], gather=None) -> None:
     if gather is None:
         if jax.process_count() == 1:
             return
-        from jax.experimental import multihost_utils
-
-        def gather(x):
-            return np.asarray(multihost_utils.process_allgather(x)).reshape(jax.process_count(), -1)
-    gathered = gather(np.asarray([_digest(v) for v in facts.values()], np.int32))
+        gather = _gather_through_coordinator
+    gathered = gather(np.asarray([_digest(v) for v in facts.values()], np.int64))
     differ = disagreements(list(facts), gathered)
     hard = [d for d in differ if not d.startswith(ADVISORY_FACTS)]
     if hard:
