@@ -33,8 +33,9 @@ from prove_jax.cli import convert as convert_cli
 from prove_jax.cli import generate
 from prove_jax.data import pipeline as data_lib
 from prove_jax.data.chat import chat_problem
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding.requests import encode_prompts
+from prove_jax.decoding.text import TextGenerator
 from prove_jax.models import sharding
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.commit_head import CommitHead
@@ -361,6 +362,12 @@ def test_chat_prompts_use_the_checkpoints_template_and_its_thinking_switch(chat_
                                           max_length=64, block_size=4, chat=True, enable_thinking=switch)
         assert rows.input_ids[0][:len(want)].tolist() == want
         assert not rows.loss_mask[0][:len(want)].any() and rows.loss_mask[0][len(want)]
+    # the Python text API takes the same switch, and refuses it where it would change nothing
+    assert TextGenerator(None, tok, chat=True, enable_thinking=False).enable_thinking is False
+    with pytest.raises(DecodeError, match="enable_thinking is the chat template's switch"):
+        TextGenerator(None, tok, enable_thinking=False)
+    with pytest.raises(DecodeError, match="has no enable_thinking switch"):
+        TextGenerator(None, load_tokenizer(assets.DEMO_PROPOSER), chat=True, enable_thinking=True)
 
 
 def test_a_thinking_switch_needs_chat_and_a_template_that_reads_it(chat_ckpt, tmp_path, capsys):

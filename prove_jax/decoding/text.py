@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from prove_jax.data.chat import chat_problem
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
@@ -27,20 +28,29 @@ from prove_jax.decoding.sampling import SamplingParams
 class TextGenerator:
     """A Decoder with its tokenizer; `generate` decodes text requests with continuous batching."""
 
-    def __init__(self, decoder: Decoder, tokenizer, chat: bool = False):
+    def __init__(self, decoder: Decoder, tokenizer, chat: bool = False, enable_thinking: bool | None = None):
+        """`chat`: text prompts go through the tokenizer's chat template; `enable_thinking`: its
+        thinking switch (Qwen3's; None: the template's default; data/chat.py)."""
         if tokenizer is None:
             raise DecodeError("text in and out needs the checkpoint's tokenizer (this one has none); "
                               "give token ids to Decoder.generate instead")
-        self.decoder, self.tokenizer, self.chat = decoder, tokenizer, chat
+        if enable_thinking is not None and not chat:
+            raise DecodeError("enable_thinking is the chat template's switch: it needs chat=True")
+        problem = chat_problem(tokenizer, enable_thinking) if chat else None
+        if problem is not None:
+            raise DecodeError(f"chat: {problem}")
+        self.decoder, self.tokenizer = decoder, tokenizer
+        self.chat, self.enable_thinking = chat, enable_thinking
         self._with_logprobs: dict[int, Decoder] = {}  # decoders recording N alternatives (compiled once)
 
     @classmethod
     def load(cls, model: str, options: DecodeOptions = DecodeOptions(), verifier: str | None = None,
-             dtype: str = "float32", mesh_shape: str | None = None, chat: bool = False) -> "TextGenerator":
+             dtype: str = "float32", mesh_shape: str | None = None, chat: bool = False,
+             enable_thinking: bool | None = None) -> "TextGenerator":
         """The generator of a proposer checkpoint (and a verifier for mode verify)."""
         decoder, tokenizer = build_decoder(model, options, verifier_path=verifier, dtype=dtype,
                                            mesh_shape=mesh_shape)
-        return cls(decoder, tokenizer, chat=chat)
+        return cls(decoder, tokenizer, chat=chat, enable_thinking=enable_thinking)
 
     def generate(self, requests: str | dict | Sequence[str | dict], *, max_new_tokens: int = 128,
                  batch_size: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -64,7 +74,7 @@ class TextGenerator:
                 raise DecodeError(f"request {rec['id']!r}: {problem}")
         params = [request_params(rec, defaults, i, seed) for i, rec in enumerate(records)]
         counts = [request_logprobs(rec, logprobs) for rec in records]
-        prompts = encode_prompts(records, self.tokenizer, chat=self.chat)
+        prompts = encode_prompts(records, self.tokenizer, chat=self.chat, enable_thinking=self.enable_thinking)
         decoder = self._decoder(max((n for n in counts if n is not None), default=None))
         decoder.check_prompts(prompts, [p.max_new_tokens for p in params], names=[r["id"] for r in records])
         job = RequestStream(decoder, prompts, max_new_tokens, batch_size, params=params,
