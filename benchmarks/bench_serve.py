@@ -240,12 +240,12 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump({"meta": meta, "levels": levels}, f, indent=1)
     with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(report(meta, levels, args))
-    print(report(meta, levels, args))
+        f.write(report(meta, levels))
+    print(report(meta, levels))
     return 0
 
 
-def report(meta: dict, levels: dict, args) -> str:
+def report(meta: dict, levels: dict) -> str:
     shape = f"the shipped proposer inflated to the {meta['inflated_to']} shape" if meta["inflated_to"] \
         else "the shipped demo proposer at its own size (4M parameters)"
     lines = [f"# Serving latency (`benchmarks/bench_serve.py`)", "",
@@ -264,15 +264,15 @@ def report(meta: dict, levels: dict, args) -> str:
                      f"{'yes' if same and same[0] else 'no'} |")
     modes = list(dict.fromkeys(v["mode"] for v in levels.values()))
     if len(modes) > 1:
-        lines += ["", "TPOT p50 of each mode against the first, per concurrency:", ""]
+        lines += ["", f"TPOT p50 of {modes[0]} over that of each other mode (above 1: the other is faster per "
+                      f"token), and throughput against {modes[0]}'s, per concurrency:", ""]
         for c in sorted({v["concurrency"] for v in levels.values()}):
             base = levels.get(f"{modes[0]} c={c}")
             for m in modes[1:]:
                 other = levels.get(f"{m} c={c}")
                 if base and other and other["tpot_p50_s"]:
-                    lines.append(f"- c={c}: {m} {base['tpot_p50_s'] / other['tpot_p50_s']:.2f}x faster per token "
-                                 f"than {modes[0]}, {other['throughput_tok_s'] / base['throughput_tok_s']:.2f}x "
-                                 f"the throughput")
+                    lines.append(f"- c={c}: {m} {base['tpot_p50_s'] / other['tpot_p50_s']:.2f}x per token, "
+                                 f"{other['throughput_tok_s'] / base['throughput_tok_s']:.2f}x the throughput")
     return "\n".join(lines) + "\n"
 
 
