@@ -176,6 +176,10 @@ def test_lossless_through_the_server_is_greedy_ar(client, greedy, oracle):
     r = client.chat.completions.create(model="proposer", messages=CHAT, max_tokens=MAX_TOKENS)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(_chat_ids(oracle[1]))
+    content = client.chat.completions.create(model="proposer", messages=CHAT, max_tokens=MAX_TOKENS, logprobs=True,
+                                             top_logprobs=2).choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs), abs=1e-5) for e in content)
     chunks = list(client.chat.completions.create(model="proposer", messages=CHAT, max_tokens=MAX_TOKENS,
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
