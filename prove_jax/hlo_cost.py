@@ -20,7 +20,6 @@ top-level operand is read from HBM once, which is what a memory-bound step does
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Callable
@@ -383,7 +382,3 @@ def step_cost(hlo_text: str, unknown_trips: int = 1) -> Cost:
 def program_cost(hlo_text: str, unknown_trips: int = 1) -> Cost:
     """One execution of a compiled program, loops at their trip counts."""
     return ModuleCost(hlo_text, unknown_trips).cost()
-
-
-def dumps(cost: Cost) -> str:
-    return json.dumps(dataclasses.asdict(cost))
