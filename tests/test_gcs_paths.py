@@ -165,6 +165,26 @@ def test_convert_writes_a_checkpoint_into_a_bucket_that_loads_like_a_local_one(g
     assert conversion_stale(hf_remote, converted, mesh) == "changed since: config.json"
 
 
+def test_generate_reads_model_and_requests_from_a_bucket_and_writes_its_output_there(gcs, tmp_path):
+    from prove_jax import assets
+    from prove_jax.cli import generate
+    storage.upload_tree(assets.DEMO_PROPOSER, f"{gcs}/demo/proposer")
+    requests = "".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                       for i, p in enumerate(["def add(a, b):", "import os\n"]))
+    (tmp_path / "in.jsonl").write_text(requests)
+    storage.write_text(f"{gcs}/in.jsonl", requests)
+    common = ["--mode", "lossless", "--max-new-tokens", "6", "--batch-size", "2", "--no-progress"]
+    remote = ["--model", f"{gcs}/demo/proposer", "--input", f"{gcs}/in.jsonl",
+              "--output", f"{gcs}/out/answers.jsonl", *common]
+    assert generate.main(["--model", assets.DEMO_PROPOSER, "--input", str(tmp_path / "in.jsonl"),
+                          "--output", str(tmp_path / "out.jsonl"), *common]) == 0
+    assert generate.main(remote) == 0
+    local = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    written = [json.loads(x) for x in storage.read_text(f"{gcs}/out/answers.jsonl").splitlines()]
+    assert sorted((r["id"], r["output_ids"]) for r in written) == sorted((r["id"], r["output_ids"]) for r in local)
+    assert storage.exists(f"{gcs}/out/answers.jsonl.settings.json")
+
+
 def test_a_missing_bucket_or_object_is_one_line(gcs):
     with pytest.raises(storage.StorageError) as e:
         storage.read_text("gs://no-such-bucket/x/config.json")

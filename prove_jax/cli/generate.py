@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from prove_jax.errors import ProveJaxError
-from prove_jax import assets, distributed
+from prove_jax import assets, distributed, storage
 from prove_jax.cli.runner import fail, run_cli
 from prove_jax.profiling import StepProfile
 from prove_jax.checkpoints.checkpoint import load_tokenizer
@@ -329,8 +329,12 @@ def job_settings(args) -> dict:
     mode and its layout, the sampling defaults and the token budget."""
     verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
     settings = {name: getattr(args, name) for name in SETTING_FLAGS}
-    return settings | {"model": os.path.realpath(args.model),
-                       "verifier": verifier and os.path.realpath(verifier)}
+    return settings | {"model": _resolved(args.model), "verifier": verifier and _resolved(verifier)}
+
+
+def _resolved(path: str) -> str:
+    """A local path resolved (symlinks followed); a URL (gs://) as given."""
+    return path if storage.is_url(path) else os.path.realpath(path)
 
 
 def truncated(prompt, keep: int, side: str):
@@ -343,6 +347,20 @@ def truncated(prompt, keep: int, side: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # a gs:// --input or --output goes through a local copy: read from it, and written back
+    # whole by host 0 when the run ends, also a partial one, which a relaunch resumes
+    # (docs/launch.md)
+    try:
+        with storage.local_file(args.input) as local_input, storage.local_file(
+                args.output, upload=distributed.is_main_process,
+                companions=(".settings.json",)) as local_output:
+            args.input, args.output = local_input, local_output
+            return _generate(args)
+    except storage.StorageError as e:
+        return fail(e)
+
+
+def _generate(args) -> int:
     try:
         check_mode_options(args)
         options = decode_options(args)
@@ -366,8 +384,8 @@ def main(argv=None) -> int:
         if args.output is not None:
             check_output_path(args.output, args.input, probe=main_process)
         for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
-            if path is not None and not os.path.isdir(path):
-                raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if os.path.exists(path)
+            if path is not None and not storage.isdir(path):
+                raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if storage.exists(path)
                                   else f"{flag[2:]} checkpoint not found: {path}")
         records = ([{"id": 0, "prompt": args.prompt}] if args.prompt is not None
                    else read_requests(args.input, strict=args.strict, defaults=defaults, base_seed=args.seed))
