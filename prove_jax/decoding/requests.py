@@ -210,11 +210,11 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
 
 
 def request_stats(result: BatchResult, i: int) -> dict:
-    return _stats(len(result.output_ids[i]), int(result.forwards[i]), int(result.verifier_forwards[i]),
-                  result.accept_hist[i].tolist())
+    return decode_stats(len(result.output_ids[i]), int(result.forwards[i]), int(result.verifier_forwards[i]),
+                        result.accept_hist[i].tolist())
 
 
-def _stats(n_out: int, forwards: int, verifier_forwards: int, accept_hist: list[int]) -> dict:
+def decode_stats(n_out: int, forwards: int, verifier_forwards: int, accept_hist: list[int]) -> dict:
     return {
         "generated_tokens": n_out,
         "proposer_forwards": forwards,
@@ -249,7 +249,7 @@ def device_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, stop=()) if params.stop else params
 
 
-def _feed_blocks(stops: StopStrings, ids: Sequence[int], blocks: Sequence[int]) -> bool:
+def feed_blocks(stops: StopStrings, ids: Sequence[int], blocks: Sequence[int]) -> bool:
     """Feed `ids` to `stops` block by block, as decoding committed them; whether one stopped it
     (a stop string is looked for as each block arrives, so the cut never depends on block size)."""
     start = 0
@@ -260,7 +260,7 @@ def _feed_blocks(stops: StopStrings, ids: Sequence[int], blocks: Sequence[int]) 
     return False
 
 
-def _cut_at_stop(result: RequestResult, stops: StopStrings, step_commits: Sequence[int] | None
+def cut_at_stop(result: RequestResult, stops: StopStrings, step_commits: Sequence[int] | None
                  ) -> RequestResult:
     """`result` ended where `stops` (fed its blocks) found the first stop string. Its stats
     count what it returns: the kept tokens and the forwards that committed them (from
@@ -291,7 +291,16 @@ def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> Re
         return result
     stops = _stop_strings(params, tokenizer)
     commits = batch.step_commits[i] if batch.step_commits is not None else None
-    return _cut_at_stop(result, stops, commits) if _feed_blocks(stops, ids, commits or [len(ids)]) else result
+    return cut_at_stop(result, stops, commits) if feed_blocks(stops, ids, commits or [len(ids)]) else result
+
+
+def stream_result(out: RequestOutput, stops: StopStrings | None) -> RequestResult:
+    """A streamed request's result, cut where `stops` (fed its blocks as they came) found a
+    stop string."""
+    result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason, logprobs=out.logprobs,
+                           stats=decode_stats(len(out.output_ids), out.forwards, out.verifier_forwards,
+                                              out.accept_hist))
+    return result if stops is None or not stops.stopped else cut_at_stop(result, stops, out.step_commits)
 
 
 def summarize(results: Sequence[RequestResult], mode: str, setting: str, seconds: float,
@@ -328,16 +337,12 @@ class RequestStream:
         for event in self.stream:
             stops = self.stops.get(event.index)
             if stops is not None and not stops.stopped and \
-                    _feed_blocks(stops, event.new_ids, event.blocks or [len(event.new_ids)]):
+                    feed_blocks(stops, event.new_ids, event.blocks or [len(event.new_ids)]):
                 self.stream.cancel(event.index)
             yield event, None if event.output is None else self._result(event.index, event.output)
 
     def _result(self, index: int, out: RequestOutput) -> RequestResult:
-        result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason,
-                               stats=_stats(len(out.output_ids), out.forwards, out.verifier_forwards,
-                                            out.accept_hist), logprobs=out.logprobs)
-        stops = self.stops.get(index)
-        return result if stops is None or not stops.stopped else _cut_at_stop(result, stops, out.step_commits)
+        return stream_result(out, self.stops.get(index))
 
     def summary(self, results: Sequence[RequestResult]) -> dict:
         """Throughput and counts of `results` (this stream's finished requests)."""

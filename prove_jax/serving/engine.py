@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from prove_jax.errors import ProveJaxError
 from prove_jax.decoding.engine import request_seed
 from prove_jax.decoding.options import DecodeError
-from prove_jax.decoding.requests import RequestResult, _cut_at_stop, _feed_blocks, _stats
+from prove_jax.decoding.requests import feed_blocks, stream_result
 from prove_jax.decoding.sampling import Sampler, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
 from prove_jax.decoding.stream import OpenStream
@@ -286,7 +286,7 @@ class Engine:
                 self.metrics.generated.inc(len(event.new_ids))
                 for n in event.blocks or ():
                     self.metrics.per_forward.observe(n)
-            if not live.stops.stopped and _feed_blocks(live.stops, event.new_ids, event.blocks or [len(event.new_ids)]):
+            if not live.stops.stopped and feed_blocks(live.stops, event.new_ids, event.blocks or [len(event.new_ids)]):
                 self.stream.cancel(event.index)  # the row stops before the next chunk's first step
         if event.output is None:
             if not isinstance(live.handle, _Gone) and event.new_ids:
@@ -294,10 +294,7 @@ class Engine:
             return
         self._finish(event.index)
         out = event.output
-        result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason, logprobs=out.logprobs,
-                               stats=_stats(len(out.output_ids), out.forwards, out.verifier_forwards, out.accept_hist))
-        if live.stops.stopped:
-            result = _cut_at_stop(result, live.stops, out.step_commits)
+        result = stream_result(out, live.stops)
         text = result.text if result.text is not None else self.tokenizer.decode(result.output_ids,
                                                                                  skip_special_tokens=True)
         if isinstance(live.handle, _Gone):
