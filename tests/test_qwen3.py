@@ -370,6 +370,27 @@ def test_chat_prompts_use_the_checkpoints_template_and_its_thinking_switch(chat_
         TextGenerator(None, load_tokenizer(assets.DEMO_PROPOSER), chat=True, enable_thinking=True)
 
 
+def test_the_servers_chat_takes_the_thinking_switch_as_vllm_does(chat_ckpt):
+    """`chat_template_kwargs: {"enable_thinking": false}` renders the prompt generate's
+    --no-enable-thinking does; anything else there, or the switch for a template without it, is
+    a 400 naming the field."""
+    from prove_jax.serving import app, protocol
+    from prove_jax.decoding.sampling import GREEDY
+    tok = load_tokenizer(str(chat_ckpt))
+    body = {"messages": [{"role": "user", "content": "def f(x):"}]}
+    for switch in (None, False, True):
+        kwargs = {} if switch is None else {"chat_template_kwargs": {"enable_thinking": switch}}
+        parsed = protocol.parse_request(body | kwargs, True, GREEDY, None)
+        want = encode_prompts([{"id": 0, "prompt": "def f(x):"}], tok, chat=True, enable_thinking=switch)[0]
+        assert app._encode(parsed, tok) == want, switch
+    with pytest.raises(protocol.RequestError, match="may hold only enable_thinking") as e:
+        protocol.parse_request(body | {"chat_template_kwargs": {"add_vision_id": True}}, True, GREEDY, None)
+    assert e.value.param == "chat_template_kwargs"
+    parsed = protocol.parse_request(body | {"chat_template_kwargs": {"enable_thinking": False}}, True, GREEDY, None)
+    with pytest.raises(protocol.RequestError, match="has no enable_thinking switch"):
+        app._encode(parsed, load_tokenizer(assets.DEMO_PROPOSER))
+
+
 def test_a_thinking_switch_needs_chat_and_a_template_that_reads_it(chat_ckpt, tmp_path, capsys):
     """One error line before any weight is read: the switch without --chat, or for a template
     without it (the demo checkpoint's Qwen2.5-style one); the training config alike."""

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from prove_jax.data.chat import THINKING_SWITCH, chat_problem
 from prove_jax.decoding.options import DecodeError
 from prove_jax.decoding.sampling import SamplingParams
 from prove_jax.serving import protocol
@@ -139,7 +140,13 @@ def _encode(parsed: protocol.ParsedRequest, tokenizer) -> list[int]:
     if parsed.chat:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template: use /v1/completions", param="messages")
-        ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
+        switch = {}
+        if parsed.enable_thinking is not None:
+            problem = chat_problem(tokenizer, parsed.enable_thinking)
+            if problem is not None:
+                raise RequestError(f"chat_template_kwargs: {problem}", param="chat_template_kwargs")
+            switch = {THINKING_SWITCH: parsed.enable_thinking}
+        ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True, **switch)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

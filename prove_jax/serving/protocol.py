@@ -36,7 +36,7 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", 
                  "n", "top_k", "min_p", "stop_token_ids", "user", "presence_penalty", "frequency_penalty",
                  "logit_bias", "logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
 # field -> the values that change nothing (anything else is refused, named)
 NO_OP_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                 "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
@@ -54,6 +54,7 @@ class ParsedRequest:
     logprobs: int | None  # alternatives per token to return; None: no logprobs
     stream: bool
     include_usage: bool  # stream: a last chunk carries the usage
+    enable_thinking: bool | None = None  # chat: the template's thinking switch (Qwen3's), as vLLM takes it
 
 
 def _is_int(x) -> bool:
@@ -102,7 +103,20 @@ def parse_request(body: Any, chat: bool, defaults: SamplingParams, max_logprobs:
                            param="logprobs")
     return ParsedRequest(chat=chat, model=model, prompt=prompt, messages=messages,
                          params=_params(body, chat, defaults), logprobs=logprobs, stream=stream,
-                         include_usage=include_usage)
+                         include_usage=include_usage, enable_thinking=_thinking(body.get("chat_template_kwargs")))
+
+
+def _thinking(kwargs) -> bool | None:
+    """The one chat template variable served, `enable_thinking` (vLLM's `chat_template_kwargs`)."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+        raise RequestError("'chat_template_kwargs' may hold only enable_thinking (true or false)",
+                           param="chat_template_kwargs")
+    switch = kwargs.get("enable_thinking")
+    if switch is not None and not isinstance(switch, bool):
+        raise RequestError("'chat_template_kwargs.enable_thinking' must be true or false", param="chat_template_kwargs")
+    return switch
 
 
 def _prompt(prompt) -> str | list[int]:
