@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -166,6 +167,7 @@ def disagreements(facts: list[str], gathered: np.ndarray) -> list[str]:
 
 # How long a host waits for the others' launch facts: they all post them right after joining.
 FACTS_TIMEOUT_S = 120
+_checks = itertools.count()
 
 
 def _gather_through_coordinator(mine: np.ndarray) -> np.ndarray:
@@ -175,13 +177,14 @@ def _gather_through_coordinator(mine: np.ndarray) -> np.ndarray:
     they stop when setting it up times out; tests/test_decode_multihost.py)."""
     from jax._src import distributed as jax_distributed
     client = jax_distributed.global_state.client
-    me = jax.process_index()
-    client.key_value_set(f"prove_jax/launch_facts/{me}", json.dumps(mine.tolist()), allow_overwrite=True)
+    # a fresh key per check (every host checks as often, in the same order): a host that reads
+    # while another posts its next check's facts must not get those
+    prefix = f"prove_jax/launch_facts/{next(_checks)}"
+    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine.tolist()))
     rows = []
     for i in range(jax.process_count()):
         try:
-            rows.append(json.loads(client.blocking_key_value_get(f"prove_jax/launch_facts/{i}",
-                                                                 FACTS_TIMEOUT_S * 1000)))
+            rows.append(json.loads(client.blocking_key_value_get(f"{prefix}/{i}", FACTS_TIMEOUT_S * 1000)))
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise DistributedError(f"host {i} did not post its launch settings within "
