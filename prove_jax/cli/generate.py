@@ -57,6 +57,94 @@ BLOCK_COLOURS = ("\x1b[1;32m", "\x1b[1;35m")  # --show-blocks on a terminal: alt
 RESET = "\x1b[0m"
 
 
+def add_sampling_arguments(ap) -> None:
+    """The sampling and stopping flags, the defaults a request's own fields override (generate
+    and serve)."""
+    sample = ap.add_argument_group("sampling and stopping (a request's own fields of these names override them)")
+    sample.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; above 0: sample from softmax(logits / temperature)")
+    sample.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    sample.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens holding probability p (default 1: all)")
+    sample.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than min-p times the most likely (default 0)")
+    sample.add_argument("--seed", type=int, default=0,
+                        help="seeds the requests that give none: request i (its line) gets a seed "
+                             "derived from this and i (default 0)")
+    sample.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="cut the output before the first occurrence of TEXT (repeatable)")
+    sample.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID",
+                        dest="stop_token_ids", help="end a request at this token, as at EOS (repeatable)")
+    sample.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help=f"record each output token's log-probability and the N most likely "
+                             f"alternatives (0-{MAX_LOGPROBS}), under the distribution it was "
+                             f"committed from: AR's in ar and lossless")
+
+
+def add_decoding_arguments(ap, calibrate: bool = True) -> None:
+    """The mode's options and the layout flags (dtype, mesh, scan, attention kernel, paged KV),
+    as generate and serve take them; `calibrate`: also --calibrate (generate only)."""
+    dec = ap.add_argument_group("decoding (the mode's options, the model's layout)")
+    dec.add_argument("--block-size", type=int, default=None,
+                     help="K, tokens proposed per proposer forward (default: 8; lossless 4, but 8 with "
+                          "--adaptive or --calibrate, the widest layout their table or measurement "
+                          "may choose); a step feeds "
+                          "2K-1 tokens per row (lossless: 1 + (K-1) x (groups+1)), which must fit "
+                          "the model's positions and 4096")
+    dec.add_argument("--groups", type=int, default=None,
+                     help="lossless: mask groups = acceptance lengths served per step (default K)")
+    dec.add_argument("--adaptive", action="store_true",
+                     help="lossless: shrink K and groups as the batch grows (never slower than AR; K up "
+                          "to --block-size, default 8)")
+    if calibrate:
+        dec.add_argument("--calibrate", action="store_true",
+                         help="lossless: adaptive with a layout measured here: acceptance on the first "
+                              "prompts and step costs at --batch-size on this device rank K and groups "
+                              "(K up to --block-size, default 8), short real decodes of the best few "
+                              "against AR pick one, or AR when no layout wins")
+    dec.add_argument("--tau", type=float, default=None,
+                     help="threshold: accept a proposed token while its confidence is >= tau (prob: "
+                          "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
+                          "is <= tau nats (entropy); default " +
+                          ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
+    dec.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS, help="threshold, and verify with --gate-tau: the confidence statistic (default prob)")
+    dec.add_argument("--commit-rule", default=None, choices=COMMIT_RULES, help="verify: how the verifier accepts drafts (default top1)")
+    dec.add_argument("--tau-v", type=float, default=None,
+                     help="verify/prob: verifier probability to commit (default 0.5)")
+    dec.add_argument("--relaxed-p", type=float, default=None, metavar="P",
+                     help="lossless, greedy: also commit a draft the proposer itself gives probability "
+                          ">= P (below 0.5 to matter); lossy, never fewer tokens per forward than exact "
+                          "lossless (default off: output identical to AR)")
+    dec.add_argument("--head-threshold", type=float, default=None,
+                     help="verify/head: commit-head probability to commit (default: the head's own, "
+                          "0.5); lower commits more tokens per forward, less often equal to AR")
+    dec.add_argument("--gate-tau", type=float, default=None,
+                     help="verify: also require the proposer's own confidence in each draft (--confidence "
+                          "statistic) to pass this, as threshold's --tau (default: the verifier alone)")
+    dec.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
+    dec.add_argument("--dtype", default="float32", choices=DTYPES,
+                     help="compute/param dtype (default float32; bfloat16 halves weight reads on "
+                          "TPU/GPU, where lossless can then differ from AR at a near-tie)")
+    dec.add_argument("--mesh", default=None,
+                     help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: tensor parallel over the "
+                          "kv heads as far as the weights need to fit, the rest on data; multi-host: "
+                          "every host's devices)")
+    dec.add_argument("--scan-layers", action="store_true",
+                     help="run the layers as one lax.scan: compile time stops growing with depth "
+                          "(for large models on TPU; on CPU a step costs more; docs/decoding.md)")
+    dec.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS,
+                     help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
+                          "JAX ships for that platform (docs/decoding.md)")
+    dec.add_argument("--page-size", type=int, default=None,
+                     help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this "
+                          "many slots: each request owns the pages its own prompt and budget need, not the "
+                          "longest request's (default: one contiguous buffer per row; docs/decoding.md)")
+    dec.add_argument("--kv-pages", type=int, default=None,
+                     help="--page-size: pages in the pool; a request waits until enough are free "
+                          "(default: enough for every row at the longest request)")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="prove-jax generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,65 +175,10 @@ def parse_args(argv=None):
                     help="decode steps per device call between which the host writes results and "
                          "admits requests (default 16)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
-    sample = ap.add_argument_group("sampling and stopping (a request's own fields of these names override them)")
-    sample.add_argument("--temperature", type=float, default=0.0,
-                        help="0 (default): greedy; above 0: sample from softmax(logits / temperature)")
-    sample.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
-    sample.add_argument("--top-p", type=float, default=1.0,
-                        help="sample among the most likely tokens holding probability p (default 1: all)")
-    sample.add_argument("--min-p", type=float, default=0.0,
-                        help="drop tokens less likely than min-p times the most likely (default 0)")
-    sample.add_argument("--seed", type=int, default=0,
-                        help="seeds the requests that give none: request i (its line) gets a seed "
-                             "derived from this and i (default 0)")
-    sample.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                        help="cut the output before the first occurrence of TEXT (repeatable)")
-    sample.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID",
-                        dest="stop_token_ids", help="end a request at this token, as at EOS (repeatable)")
-    sample.add_argument("--logprobs", type=int, default=None, metavar="N",
-                        help=f"record each output token's log-probability and the N most likely "
-                             f"alternatives (0-{MAX_LOGPROBS}), under the distribution it was "
-                             f"committed from: AR's in ar and lossless")
+    add_sampling_arguments(ap)
     ap.add_argument("--batch-size", type=int, default=1,
                     help="rows decoded together; the requests queue for them and a finished row "
                          "takes the next request at once (continuous batching; default 1)")
-    ap.add_argument("--block-size", type=int, default=None,
-                    help="K, tokens proposed per proposer forward (default: 8; lossless 4, but 8 with "
-                         "--adaptive or --calibrate, the widest layout their table or measurement "
-                         "may choose); a step feeds "
-                         "2K-1 tokens per row (lossless: 1 + (K-1) x (groups+1)), which must fit "
-                         "the model's positions and 4096")
-    ap.add_argument("--groups", type=int, default=None,
-                    help="lossless: mask groups = acceptance lengths served per step (default K)")
-    ap.add_argument("--adaptive", action="store_true",
-                    help="lossless: shrink K and groups as the batch grows (never slower than AR; K up "
-                         "to --block-size, default 8)")
-    ap.add_argument("--calibrate", action="store_true",
-                    help="lossless: adaptive with a layout measured here: acceptance on the first "
-                         "prompts and step costs at --batch-size on this device rank K and groups "
-                         "(K up to --block-size, default 8), short real decodes of the best few "
-                         "against AR pick one, or AR when no layout wins")
-    ap.add_argument("--tau", type=float, default=None,
-                    help="threshold: accept a proposed token while its confidence is >= tau (prob: "
-                         "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
-                         "is <= tau nats (entropy); default " +
-                         ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
-    ap.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS, help="threshold, and verify with --gate-tau: the confidence statistic (default prob)")
-    ap.add_argument("--commit-rule", default=None, choices=COMMIT_RULES, help="verify: how the verifier accepts drafts (default top1)")
-    ap.add_argument("--tau-v", type=float, default=None,
-                    help="verify/prob: verifier probability to commit (default 0.5)")
-    ap.add_argument("--relaxed-p", type=float, default=None, metavar="P",
-                    help="lossless, greedy: also commit a draft the proposer itself gives probability "
-                         ">= P (below 0.5 to matter); lossy, never fewer tokens per forward than exact "
-                         "lossless (default off: output identical to AR)")
-    ap.add_argument("--head-threshold", type=float, default=None,
-                    help="verify/head: commit-head probability to commit (default: the head's own, "
-                         "0.5); lower commits more tokens per forward, less often equal to AR")
-    ap.add_argument("--gate-tau", type=float, default=None,
-                    help="verify: also require the proposer's own confidence in each draft (--confidence "
-                         "statistic) to pass this, as threshold's --tau (default: the verifier alone)")
-    ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
     ap.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                     help="with --chat: the chat template's thinking switch (Qwen3's enable_thinking; "
@@ -160,26 +193,7 @@ def parse_args(argv=None):
                          "missing, malformed, empty, out of vocabulary, too long, or too big for "
                          "--kv-pages gets an 'error' field in its output record, the rest run, and "
                          "the exit status is 3)")
-    ap.add_argument("--dtype", default="float32", choices=DTYPES,
-                    help="compute/param dtype (default float32; bfloat16 halves weight reads on "
-                         "TPU/GPU, where lossless can then differ from AR at a near-tie)")
-    ap.add_argument("--mesh", default=None,
-                    help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: tensor parallel over the "
-                         "kv heads as far as the weights need to fit, the rest on data; multi-host: "
-                         "every host's devices)")
-    ap.add_argument("--scan-layers", action="store_true",
-                    help="run the layers as one lax.scan: compile time stops growing with depth "
-                         "(for large models on TPU; on CPU a step costs more; docs/decoding.md)")
-    ap.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS,
-                    help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
-                         "JAX ships for that platform (docs/decoding.md)")
-    ap.add_argument("--page-size", type=int, default=None,
-                    help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this "
-                         "many slots: each request owns the pages its own prompt and budget need, not the "
-                         "longest request's (default: one contiguous buffer per row; docs/decoding.md)")
-    ap.add_argument("--kv-pages", type=int, default=None,
-                    help="--page-size: pages in the pool; a request waits until enough are free "
-                         "(default: enough for every row at the longest request)")
+    add_decoding_arguments(ap)
     dry = ap.add_argument_group("dry run: compile for a TPU slice from this machine (needs libtpu)")
     dry.add_argument("--dry-run", default=None, metavar="ACCELERATOR",
                      help="compile the whole decode program for a Cloud TPU slice, e.g. v5p-8 or v6e-8, "

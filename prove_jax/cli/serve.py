@@ -22,14 +22,12 @@ import sys
 
 from prove_jax import assets
 from prove_jax.errors import ProveJaxError
-from prove_jax.cli.generate import check_mode_options, decode_options, default_params
+from prove_jax.cli.generate import (add_decoding_arguments, add_sampling_arguments, check_mode_options,
+                                    decode_options, default_params)
 from prove_jax.cli.runner import fail, run_cli
 from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer
-from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, MODES, DecodeError
+from prove_jax.decoding import MODES, DecodeError
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.decoding.options import MAX_LOGPROBS
-from prove_jax.models.config import DTYPES
-from prove_jax.models.kernels import ATTENTION_KERNELS
 from prove_jax.serving.engine import SAMPLERS, Engine, ServeOptions
 
 
@@ -61,35 +59,8 @@ def parse_args(argv=None):
                      help="seconds requests in flight get to finish after SIGTERM (default 10)")
     net.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                      help="uvicorn's log level (default warning; info logs every request)")
-    sample = ap.add_argument_group("sampling defaults (a request's own fields override them)")
-    sample.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    sample.add_argument("--top-k", type=int, default=0)
-    sample.add_argument("--top-p", type=float, default=1.0)
-    sample.add_argument("--min-p", type=float, default=0.0)
-    sample.add_argument("--seed", type=int, default=0, help="seeds the requests that give none (request i: from this and i)")
-    sample.add_argument("--stop", action="append", default=None, metavar="TEXT")
-    sample.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID", dest="stop_token_ids")
-    sample.add_argument("--logprobs", type=int, default=None, metavar="N",
-                        help=f"record log-probabilities and the N most likely alternatives (0-{MAX_LOGPROBS}), "
-                             f"so requests may ask for logprobs (default: off, a cheaper step)")
-    dec = ap.add_argument_group("decoding (as generate's)")
-    dec.add_argument("--block-size", type=int, default=None)
-    dec.add_argument("--groups", type=int, default=None)
-    dec.add_argument("--adaptive", action="store_true")
-    dec.add_argument("--tau", type=float, default=None)
-    dec.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS)
-    dec.add_argument("--commit-rule", default=None, choices=COMMIT_RULES)
-    dec.add_argument("--tau-v", type=float, default=None)
-    dec.add_argument("--relaxed-p", type=float, default=None)
-    dec.add_argument("--head-threshold", type=float, default=None)
-    dec.add_argument("--gate-tau", type=float, default=None)
-    dec.add_argument("--prefill-chunk", type=int, default=None)
-    dec.add_argument("--dtype", default="float32", choices=DTYPES)
-    dec.add_argument("--mesh", default=None, help="data,fsdp,tensor over this host's devices")
-    dec.add_argument("--scan-layers", action="store_true")
-    dec.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS)
-    dec.add_argument("--page-size", type=int, default=None)
-    dec.add_argument("--kv-pages", type=int, default=None)
+    add_sampling_arguments(ap)  # generate's: the defaults a request's own fields override
+    add_decoding_arguments(ap, calibrate=False)  # no --calibrate: it would time requests' prompts
     args = ap.parse_args(argv)
     args.calibrate = False  # generate's, which serve does not take (it would time requests' own prompts)
     for flag in ("batch_size", "max_prompt_tokens", "max_new_tokens", "max_queue", "chunk_steps"):
