@@ -582,7 +582,7 @@ def test_cli_lossless_in_bfloat16_says_it_is_exact_only_up_to_rounding(tmp_path,
     assert generate.main(common + ["--mode", "lossless", "--dtype", "bfloat16"]) == 0
     assert "near-tie can flip" in capsys.readouterr().err
     assert len(json.loads(out.read_text())["output_ids"]) == 4
-    assert generate.main(common + ["--mode", "lossless"]) == 0  # float32: exact, nothing to say
+    assert generate.main(common + ["--mode", "lossless", "--overwrite"]) == 0  # float32: exact, nothing to say
     assert "near-tie" not in capsys.readouterr().err
 
 
