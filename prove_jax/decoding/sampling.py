@@ -138,13 +138,22 @@ def processed_logits(logits: jax.Array, rows: RowSampling, sampler: Sampler) -> 
     transformers' warpers compute them. Rows with temperature 0 are divided by 1."""
     t = _per_row(rows.temperature, logits)
     x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    # A program compiled for the filters (a server's) skips each at run time when no row of the
+    # step uses it: a filter off in every row leaves the logits as they are, and the vocabulary
+    # sort is a large part of a small model's step (docs/serving.md).
     if sampler.truncate:
-        x = _top_k_top_p(x, rows.top_k, rows.top_p)
+        x = jax.lax.cond(jnp.any((rows.top_k > 0) | (rows.top_p < 1)),
+                         lambda x: _top_k_top_p(x, rows.top_k, rows.top_p), lambda x: x, x)
     if sampler.min_p:
-        probs = jax.nn.softmax(x, axis=-1)
-        floor = _per_row(rows.min_p, x) * jnp.max(probs, axis=-1, keepdims=True)
-        x = jnp.where(probs < floor, -jnp.inf, x)
+        x = jax.lax.cond(jnp.any(rows.min_p > 0), lambda x: _min_p(x, rows.min_p), lambda x: x, x)
     return x
+
+
+def _min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
+    """MinPLogitsWarper with per-row min_p."""
+    probs = jax.nn.softmax(x, axis=-1)
+    floor = _per_row(min_p, x) * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < floor, -jnp.inf, x)
 
 
 def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
