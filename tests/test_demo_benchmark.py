@@ -297,10 +297,11 @@ def test_benchmark_grades_prompts_with_answers_and_lossless_scores_as_ar(pair, t
                          "--max-new-tokens", "8", "--batch-sizes", "1", "--repeats", "1",
                          "--modes", "ar,lossless,threshold", "--taus", "0", "--layouts", "3",
                          "--no-adaptive", "--no-peers", "--json", f"{out}.json", "--md", f"{out}.md",
-                         "--png", f"{out}.png"])
+                         "--png", f"{out}.png", "--tensorboard", str(tmp_path / "tb")])
     assert rc == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["meta"]["graded"] == {"exact": 2, "last_number": 1}
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
     by = {r["mode"]: r for r in doc["records"]}
     ar_rec, ll, th = by["ar"], by["lossless"], by["threshold"]
     assert (ar_rec["correct"], ar_rec["graded"]) == (ar_right, 3)

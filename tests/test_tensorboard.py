@@ -98,3 +98,18 @@ def test_goodput_clock_counts_loop_time_less_what_is_timed_inside_it():
     s = g.summary()
     assert s == {"goodput": 3.0 / 20.0, "wall_s": 20.0, "productive_s": 3.0, "compile_s": 5.0,
                  "checkpoint_s": 2.0, "data_wait_s": 1.0, "startup_s": 9.0}
+
+
+def test_benchmark_records_become_scalars_per_setting_and_batch_size(tmp_path):
+    """`prove-jax benchmark --tensorboard DIR`: a chart per figure, a line per setting, the batch
+    size as the step; missing figures (a peer's speedup) are left out."""
+    from prove_jax.cli.benchmark import write_tensorboard
+    records = [{"mode": "ar", "setting": "-", "batch_size": b, "tokens_per_second": 10.0 * b,
+                "tokens_per_forward": 1.0, "speedup_vs_ar": 1.0, "accuracy": None} for b in (1, 4)]
+    records.append({"mode": "lossless", "setting": "K=6,G=2", "batch_size": 1, "tokens_per_second": 21.0,
+                    "tokens_per_forward": 4.5, "speedup_vs_ar": 2.1, "accuracy": 0.5})
+    write_tensorboard(records, str(tmp_path / "tb"))
+    events = _events(str(tmp_path / "tb"))
+    assert events["tokens_per_second/ar"] == [(1, 10.0), (4, 40.0)]
+    assert events["speedup_vs_ar/lossless_K_6_G_2"] == [(1, pytest.approx(2.1))]
+    assert events["accuracy/lossless_K_6_G_2"] == [(1, 0.5)] and "accuracy/ar" not in events

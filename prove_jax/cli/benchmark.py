@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from prove_jax.cli.runner import INTERRUPTED, run_cli
 from prove_jax.decoding.options import COMMIT_RULES, CONFIDENCE_KINDS, DecodeError
 from prove_jax.files import atomic_write_text
 from prove_jax.models.config import DTYPES, PRESETS
+from prove_jax.training.metrics import TensorBoardWriter
 
 DEFAULT_OUT = os.path.join("runs", "benchmark", "decode")  # never over a committed report
 
@@ -148,11 +150,32 @@ def parse_args(argv=None):
     ap.add_argument("--png", default=None,
                     help="trade-off plot (default OUT.png; 'none' skips it, e.g. where matplotlib "
                          "is not installed)")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR",
+                    help="also write each setting's tok/s, tokens per forward, speedup and accuracy as "
+                         "TensorBoard scalars in DIR (local or gs://), one step per batch size")
     args = ap.parse_args(argv)
     for ext in ("json", "md", "png"):
         if getattr(args, ext) is None:
             setattr(args, ext, f"{args.out or DEFAULT_OUT}.{ext}")
     return args
+
+
+TENSORBOARD_FIELDS = ("tokens_per_second", "tokens_per_forward", "speedup_vs_ar", "accuracy")
+
+
+def write_tensorboard(records, logdir: str) -> None:
+    """The records' figures as TensorBoard scalars, a chart per figure with a line per setting
+    ("tokens_per_second/lossless_K_6_G_2": TensorBoard's tag characters), the batch size as the
+    step."""
+    writer = TensorBoardWriter(logdir)
+    try:
+        for r in records:
+            setting = r["mode"] if r["setting"] == "-" else f"{r['mode']} {r['setting']}"
+            setting = re.sub(r"[^\w.\-]", "_", setting)
+            writer.write(r["batch_size"], {f"{k}/{setting}": float(r[k]) for k in TENSORBOARD_FIELDS
+                                           if r.get(k) is not None})
+    finally:
+        writer.close()
 
 
 def _shown_path(path: str) -> str:
@@ -475,6 +498,8 @@ def main(argv=None) -> int:
         report = markdown_report(meta, records)
         atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
         atomic_write_text(args.md, report)
+        if args.tensorboard is not None:
+            write_tensorboard(records, args.tensorboard)
         for path in (args.json + PARTIAL, args.md + PARTIAL):
             if os.path.exists(path):
                 os.remove(path)
