@@ -165,7 +165,7 @@ def test_convert_writes_a_checkpoint_into_a_bucket_that_loads_like_a_local_one(g
     assert conversion_stale(hf_remote, converted, mesh) == "changed since: config.json"
 
 
-def test_generate_reads_model_and_requests_from_a_bucket_and_writes_its_output_there(gcs, tmp_path):
+def test_generate_reads_model_and_requests_from_a_bucket_and_writes_its_output_there(gcs, tmp_path, capsys):
     from prove_jax import assets
     from prove_jax.cli import generate
     storage.upload_tree(assets.DEMO_PROPOSER, f"{gcs}/demo/proposer")
@@ -183,6 +183,12 @@ def test_generate_reads_model_and_requests_from_a_bucket_and_writes_its_output_t
     written = [json.loads(x) for x in storage.read_text(f"{gcs}/out/answers.jsonl").splitlines()]
     assert sorted((r["id"], r["output_ids"]) for r in written) == sorted((r["id"], r["output_ids"]) for r in local)
     assert storage.exists(f"{gcs}/out/answers.jsonl.settings.json")
+    # a rerun resumes from the bucket's output and its settings: the same job skips all, another is refused
+    assert generate.main(remote[:-len(common)] + ["--mode", "ar", *common[2:]]) == 2
+    assert "holds records decoded with mode='lossless'" in capsys.readouterr().err
+    assert generate.main(remote) == 0
+    assert "resuming: 2 of 2 requests are already in" in capsys.readouterr().err
+    assert storage.read_text(f"{gcs}/out/answers.jsonl").splitlines() == [json.dumps(r) for r in written]
 
 
 def test_a_missing_bucket_or_object_is_one_line(gcs):
