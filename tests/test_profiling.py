@@ -48,3 +48,13 @@ def test_generate_profile_traces_decode_chunks(tmp_path):
     (path,) = trace_files(str(trace))
     data = open(path, "rb").read()
     assert b"decode_chunk" in data and b"run_chunk" in data
+
+
+def test_train_profile_traces_train_steps(tmp_path):
+    """`train --profile DIR`: the trace names the train steps it holds, after warm-up."""
+    from prove_jax.training.loop import train
+    from tests.train_helpers import tiny_config
+    cfg = tiny_config(tmp_path, steps=3, save_every=3, log_every=3)  # 2 warm-up steps, 1 traced
+    train(cfg, show_bar=False, profile=str(tmp_path / "trace"))
+    (path,) = trace_files(str(tmp_path / "trace"))
+    assert b"train_step" in open(path, "rb").read()

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the config's target_chip")
     distributed.add_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a jax.profiler trace of a few train steps after warm-up to DIR (xprof "
+                        "or TensorBoard's profile plugin; each traced step is named train_step)")
     return p
 
 
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             train_commit_head(cfg, show_bar=not args.no_progress)
             return 0
         from prove_jax.training.loop import train  # noqa: after initialize
-        result = train(cfg, show_bar=not args.no_progress)
+        result = train(cfg, show_bar=not args.no_progress, profile=args.profile)
         last = result.records[-1] if result.records else None
         if last is not None:
             print(f"step {result.final_step}: loss {last['loss']:.4f}; run dir {result.run_dir}")

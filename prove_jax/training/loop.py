@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import distributed, memory, storage
+from prove_jax.profiling import StepProfile
 from prove_jax.checkpoints import checkpoint
 from prove_jax.data.chat import chat_problem
 from prove_jax.models import params as params_lib
@@ -580,9 +581,10 @@ def compile_step(step_fn, layout, mesh, cfg: TrainConfig, log: Callable[[str], N
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: bool = True,
-          stop_after: int | None = None) -> TrainResult:
+          stop_after: int | None = None, profile: str | None = None) -> TrainResult:
     """Run (or resume) the configured training. `stop_after` ends this launch early at that
-    step (after saving), as if the job were killed there; used to test resumption.
+    step (after saving), as if the job were killed there; used to test resumption. `profile`:
+    a directory that gets a jax.profiler trace of a few steps after warm-up (profiling.py).
 
     A SIGTERM during the steps saves the step all hosts agree on and raises `Preempted`
     (training/preemption.py); the same call again continues from there."""
@@ -675,6 +677,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                            learning_rate=lr_schedule(cfg.optimizer, cfg.steps), goodput=goodput)
     records = []
     preempted = False
+    tracing = StepProfile(profile, "train_step")
     try:
         with jax.set_mesh(mesh), PreemptionWatch(start, log) as preemption:
             from prove_jax.data import pipeline as data_lib
@@ -682,7 +685,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
             for step in range(start, end):
                 with goodput.timing("data_wait"):
                     batch = data_lib.to_global_batch(next(data_iter), mesh, BATCH_SPEC)
-                state, metrics = step_fn(state, batch)
+                with tracing.step(sync=lambda: jax.block_until_ready(state)):  # traced: the step whole
+                    state, metrics = step_fn(state, batch)
                 done = step + 1
                 # asked at every step on every host (JAX's manager agrees on a step it was
                 # told); the last step saves and exports as usual
@@ -708,6 +712,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
             goodput.end_steps()
         ckpts.wait()
     finally:
+        tracing.close()
         logger.close()
         ckpts.close()
     if preempted:  # its checkpoint is on disk
