@@ -24,6 +24,7 @@ from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions
 from prove_jax.models.params import create_model
+from prove_jax.profiling import trace_files
 from tests.tokenizers_fixture import make_tokenizer
 
 REQUIRED = ("mode", "setting", "batch_size", "tokens_per_forward", "tokens_per_second",
@@ -297,11 +298,14 @@ def test_benchmark_grades_prompts_with_answers_and_lossless_scores_as_ar(pair, t
                          "--max-new-tokens", "8", "--batch-sizes", "1", "--repeats", "1",
                          "--modes", "ar,lossless,threshold", "--taus", "0", "--layouts", "3",
                          "--no-adaptive", "--no-peers", "--json", f"{out}.json", "--md", f"{out}.md",
-                         "--png", f"{out}.png", "--tensorboard", str(tmp_path / "tb")])
+                         "--png", f"{out}.png", "--tensorboard", str(tmp_path / "tb"),
+                         "--profile", str(tmp_path / "trace")])
     assert rc == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["meta"]["graded"] == {"exact": 2, "last_number": 1}
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    (trace,) = trace_files(str(tmp_path / "trace"))  # --profile: the timed passes, named
+    assert b"benchmark_pass" in open(trace, "rb").read()
     by = {r["mode"]: r for r in doc["records"]}
     ar_rec, ll, th = by["ar"], by["lossless"], by["threshold"]
     assert (ar_rec["correct"], ar_rec["graded"]) == (ar_right, 3)

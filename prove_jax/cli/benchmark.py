@@ -47,6 +47,7 @@ from prove_jax.cli.runner import INTERRUPTED, run_cli
 from prove_jax.decoding.options import COMMIT_RULES, CONFIDENCE_KINDS, DecodeError
 from prove_jax.files import atomic_write_text
 from prove_jax.models.config import DTYPES, PRESETS
+from prove_jax.profiling import StepProfile
 from prove_jax.training.metrics import TensorBoardWriter
 
 DEFAULT_OUT = os.path.join("runs", "benchmark", "decode")  # never over a committed report
@@ -150,6 +151,10 @@ def parse_args(argv=None):
     ap.add_argument("--png", default=None,
                     help="trade-off plot (default OUT.png; 'none' skips it, e.g. where matplotlib "
                          "is not installed)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="write a jax.profiler trace of the first 3 timed passes (after each setting's "
+                         "warm-up) to DIR, each named benchmark_pass; traced passes run slower, so "
+                         "profile a run whose timings you do not report")
     ap.add_argument("--tensorboard", default=None, metavar="DIR",
                     help="also write each setting's tok/s, tokens per forward, speedup and accuracy as "
                          "TensorBoard scalars in DIR (local or gs://), one step per batch size")
@@ -372,7 +377,7 @@ def write_partial(args, meta: dict, records: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    hf_tmp = None
+    hf_tmp = tracing = None
     partial_saved = False
     try:
         batch_sizes = bench_lib.positive_ints(args.batch_sizes, "--batch-sizes")
@@ -480,10 +485,11 @@ def main(argv=None) -> int:
             write_partial(args, start_meta, records_so_far)
             partial_saved = True
 
+        tracing = StepProfile(args.profile, "benchmark_pass", warmup=0)  # the warm-up passes compiled
         records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
                                                        batch_sizes, args.repeats, hf_models,
                                                        prefill_baseline=args.prefill_baseline,
-                                                       on_batch_done=on_batch_done)
+                                                       on_batch_done=on_batch_done, profile=tracing)
         if any(r is not None for r in references):
             bench_lib.grade_records(records, measurements, references, prompt_texts, pair.tokenizer,
                                     pair.eos_ids)
@@ -511,6 +517,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         return INTERRUPTED if stopped else 2
     finally:
+        if tracing is not None:
+            tracing.close()  # fewer passes than it traces end it here
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)
     print(bench_lib.markdown_table(records) + bench_lib.lossless_note(records))

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import jax
 
 from prove_jax.errors import ProveJaxError
+from prove_jax.profiling import StepProfile
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.options import COMMIT_RULES
@@ -433,9 +434,11 @@ class OurRunner:
     """Decodes the prompt set with one of our settings: one queue served by `batch_size` rows
     (continuous batching, one compiled program per batch size)."""
 
-    def __init__(self, pair: ModelPair, setting: Setting, prompts, max_new_tokens: int, batch_size: int):
+    def __init__(self, pair: ModelPair, setting: Setting, prompts, max_new_tokens: int, batch_size: int,
+                 profile: StepProfile | None = None):
         self.pair, self.setting, self.prompts = pair, setting, prompts
         self.max_new, self.batch = max_new_tokens, batch_size
+        self.profile = profile or StepProfile(None, "benchmark_pass")  # --profile: traced passes
         self.width = max(len(p) for p in prompts)  # one prompt width and queue size: one program
         self.decoder = pair.decoder(setting.options)
         self.m = Measurement(setting, batch_size)
@@ -455,9 +458,10 @@ class OurRunner:
         self.m.warmup_seconds = time.perf_counter() - t0 - res.compile_seconds
 
     def timed_pass(self) -> float:
-        t0 = time.perf_counter()
-        res = self._generate(self.prompts)
-        seconds = time.perf_counter() - t0
+        with self.profile.step():  # generate returns once the device is done
+            t0 = time.perf_counter()
+            res = self._generate(self.prompts)
+            seconds = time.perf_counter() - t0
         if res.compile_seconds:
             raise BenchError(f"{self.setting.name}: compiled inside a timed pass (shape change)")
         if not self.m.seconds:
@@ -686,7 +690,7 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
                  hf_models: dict | None = None, progress: Callable[[str], None] = log,
                  prefill_baseline: bool = False,
                  on_batch_done: Callable[[list[dict]], None] | None = None,
-                 ) -> tuple[list[dict], list[Measurement]]:
+                 profile: StepProfile | None = None) -> tuple[list[dict], list[Measurement]]:
     """Measure every setting at every batch size it supports; records in (batch, setting) order.
 
     `prefill_baseline`: also time our AR with one new token per prompt, interleaved with the
@@ -694,6 +698,7 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
     throughput without it (`add_decode_only`).
     `on_batch_done(records)`: called with the records so far after each batch size, so that a
     run of an hour or more can keep what it measured if it is stopped before the end.
+    `profile`: traces the first timed passes of our settings (each after its warm-up pass).
     """
     if not prompts:
         raise BenchError("no prompts to decode")
@@ -715,7 +720,7 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
                     raise BenchError(f"{s.mode} needs the HF copies of the models (peers disabled)")
                 runners.append(PeerRunner(hf_models, s, prompts, max_new_tokens, b, pair.eos_ids, pair.pad_id))
             else:
-                runners.append(OurRunner(pair, s, prompts, max_new_tokens, b))
+                runners.append(OurRunner(pair, s, prompts, max_new_tokens, b, profile))
         if prefill_baseline:
             runners.append(OurRunner(pair, Setting("ar", PREFILL_LABEL, ar_setting().options), prompts, 1, b))
         ms = measure_batch(runners, repeats, progress)
