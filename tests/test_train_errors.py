@@ -278,7 +278,7 @@ def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path
 def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
     from prove_jax.training import loop as trainer
 
-    def interrupted(cfg, show_bar=True):
+    def interrupted(cfg, show_bar=True, profile=None):
         raise KeyboardInterrupt
     monkeypatch.setattr(trainer, "train", interrupted)
     cfg_path = write_config(tmp_path)
