@@ -51,7 +51,7 @@ def plain_argmax():
 def reduction_runs(rows: int, vocab: int) -> dict:
     import jax
     import jax.numpy as jnp
-    from prove_jax.decoding.calibrate import timed
+    from prove_jax.timing import timed
     from prove_jax.models.tokens import greedy_tokens
 
     logits = jax.random.normal(jax.random.PRNGKey(0), (rows, vocab), jnp.float32)
@@ -69,7 +69,7 @@ def reduction_runs(rows: int, vocab: int) -> dict:
 
 
 def step_runs(model) -> dict:
-    from prove_jax.decoding.calibrate import decode_step_runs
+    from prove_jax.decoding.step_timing import decode_step_runs
     runs = {("greedy_tokens",) + k: r for k, r in decode_step_runs(model, 1, LAYOUTS, steps=DECODE_STEPS).items()}
     with plain_argmax():
         before = decode_step_runs(model, 1, LAYOUTS, steps=DECODE_STEPS)
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.files import atomic_write_text
     from prove_jax.checkpoints.checkpoint import load_model
-    from prove_jax.decoding.calibrate import AR, fastest_interleaved, layout_name
+    from prove_jax.decoding.step_timing import AR, layout_name
+    from prove_jax.timing import fastest_interleaved
     from prove_jax.models.params import create_model
 
     shapes = [("demo proposer", load_model(assets.DEMO_PROPOSER, dtype="float32", param_dtype="float32"))]
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
           "| shape | logits | jnp.argmax | greedy_tokens | speedup |", "|---|---|---|---|---|"]
     md += [f"| {r['shape']} | [{r['rows']}, {r['vocab']}] | {r['argmax_us']:.1f} us | {r['greedy_tokens_us']:.1f} us "
            f"| {r['argmax_us'] / r['greedy_tokens_us']:.2f}x |" for r in reductions]
-    md += ["", "The engine's whole decode step at batch 1 (`calibrate.decode_step_runs`), each traced with "
+    md += ["", "The engine's whole decode step at batch 1 (`step_timing.decode_step_runs`), each traced with "
            "one reduction:", "", "| shape | step | with jnp.argmax | with greedy_tokens | time saved |",
            "|---|---|---|---|---|"]
     md += [f"| {s['shape']} | {s['step']} | {s['argmax_ms']:.2f} ms | {s['greedy_tokens_ms']:.2f} ms "

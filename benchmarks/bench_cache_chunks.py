@@ -39,7 +39,8 @@ from prove_jax.evaluation.benchmark import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.models.config import PRESETS, preset
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
+from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name
+from prove_jax.timing import fastest_interleaved
 from prove_jax.models.params import create_model
 
 BUFFERS = (384, 640, 1024, 2048)  # 384: one pass below CPU_SHORT_CHUNK_ROWS rows; 2048: 256-slot chunks at any batch

@@ -88,7 +88,7 @@ def compile_once(cfg, options) -> dict:
 def time_decoding(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
     """Seconds per generated token, scanned vs unrolled, for ar and lossless K=8 G=2 at batch 1."""
     from prove_jax import assets
-    from prove_jax.decoding.calibrate import fastest_interleaved
+    from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions
     from prove_jax.evaluation import benchmark as bench_lib
 

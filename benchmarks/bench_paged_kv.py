@@ -167,7 +167,7 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
 
 def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
     from prove_jax import assets
-    from prove_jax.decoding.calibrate import fastest_interleaved
+    from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions
     from prove_jax.evaluation import benchmark as bench_lib
 

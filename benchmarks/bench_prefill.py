@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 
     from prove_jax import assets
     from prove_jax.evaluation import benchmark as bench_lib
-    from prove_jax.decoding.calibrate import fastest_interleaved
+    from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions, default_prefill_chunk
 
     inflate = None if args.inflate == "none" else args.inflate

@@ -41,7 +41,8 @@ from prove_jax.evaluation.benchmark import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.models.config import PRESETS
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name, time_step_widths, timed
+from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name, time_step_widths
+from prove_jax.timing import fastest_interleaved, timed
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.steps import head_in_one_pass
 from prove_jax.models.kernels import KernelOptions

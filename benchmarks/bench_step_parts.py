@@ -46,7 +46,8 @@ from prove_jax.models import attention, qwen2
 from prove_jax.evaluation.benchmark import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
-from prove_jax.decoding.calibrate import AR, decode_step_runs, fastest_interleaved, layout_name
+from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name
+from prove_jax.timing import fastest_interleaved
 from prove_jax.decoding.options import DecodeOptions
 from prove_jax.decoding.program import step_shape
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     from prove_jax import assets
     from prove_jax.decoding import DecodeOptions, SamplingParams
-    from prove_jax.decoding.calibrate import fastest_interleaved
+    from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.requests import RequestStream, encode_prompts, run_requests
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.evaluation import humaneval

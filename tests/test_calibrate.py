@@ -8,12 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from prove_jax import assets
+from prove_jax import assets, timing
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.checkpoints.checkpoint import load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.decoding import calibrate as cal
+from prove_jax.decoding import step_timing
 from prove_jax.decoding.adaptive import check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
@@ -131,7 +132,7 @@ def test_decoder_follows_its_table_and_stays_lossless():
 
 
 def test_time_step_widths_is_positive():
-    costs = cal.time_step_widths(create_model(CFG, seed=0), 2, (1, 64), slots=128, filled=32, repeats=2, steps=4)
+    costs = step_timing.time_step_widths(create_model(CFG, seed=0), 2, (1, 64), slots=128, filled=32, repeats=2, steps=4)
     assert set(costs) == {1, 64} and all(v > 0 for v in costs.values())
 
 
@@ -144,7 +145,7 @@ def test_time_decode_steps_times_the_engine_step_of_each_layout(monkeypatch):
         traced.append((options.mode, options.block_size, options.max_groups))
         return real(options, *a, **kw)
     monkeypatch.setattr(program, "decode_step", spy)
-    costs = cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
+    costs = step_timing.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
                                   repeats=2, steps=4)
     assert set(costs) == {cal.AR, (2, 2), (4, 2)} and all(v > 0 for v in costs.values())
     assert set(traced) == {("ar", 1, None), ("lossless", 2, 2), ("lossless", 4, 2)}
@@ -152,25 +153,25 @@ def test_time_decode_steps_times_the_engine_step_of_each_layout(monkeypatch):
 
 def test_time_decode_steps_sizes_its_timings_and_drops_what_keep_rejects(monkeypatch):
     counts = []  # (step count of a call), in call order
-    real = cal.timed
+    real = step_timing.timed
 
     def spy(fn, params, state, n):
         counts.append(int(n))
         return real(fn, params, state, n)
-    monkeypatch.setattr(cal, "timed", spy)
+    monkeypatch.setattr(step_timing, "timed", spy)
     asked = []
 
     def keep(cost):
         asked.append(dict(cost))
         return {cal.AR}  # drop both lossless layouts after the first round
-    costs = cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
+    costs = step_timing.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
                                   repeats=3, steps=6, seconds_per_timing=1e-9, keep=keep)
     assert set(costs) == {cal.AR, (2, 2), (4, 2)} and all(v > 0 for v in costs.values())
     # per layout: compile run and probe (1 step each); then, a tiny time budget: 1-step timings
     assert counts[:6] == [1] * 6 and counts[6:] == [1, 1, 1, 1, 1]  # round 1: all; rounds 2-3: AR only
     assert len(asked) == 1 and set(asked[0]) == set(costs)
     counts.clear()
-    cal.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2)], slots=128, filled=32, repeats=1,
+    step_timing.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2)], slots=128, filled=32, repeats=1,
                           steps=6, seconds_per_timing=1e9)
     assert counts == [1, 1, 1, 1, 6, 6]  # a generous budget: capped at `steps`
 
@@ -249,14 +250,14 @@ def test_fastest_interleaved_warms_up_interleaves_and_keeps_the_fastest():
             return next(times[key])
         return run
 
-    best = cal.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2)
+    best = timing.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2)
     assert best == {"a": 3.0, "b": 2.0}  # the warm-up never counts
     assert calls == ["a", "b", "a", "b", "a", "b"]  # rounds alternate, so load hits both alike
     with pytest.raises(ValueError, match="repeats must be >= 1"):  # zero rounds timed nothing: inf
-        cal.fastest_interleaved({"a": timed("a")}, repeats=0)
+        timing.fastest_interleaved({"a": timed("a")}, repeats=0)
     calls.clear()
     times.update(a=iter([3.0, 2.0]), b=iter([4.0]))
-    best = cal.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2, warm_up=False,
+    best = timing.fastest_interleaved({"a": timed("a"), "b": timed("b")}, repeats=2, warm_up=False,
                                    keep=lambda best: [k for k, v in best.items() if v < 3.5])
     assert calls == ["a", "b", "a"] and best == {"a": 2.0, "b": 4.0}  # b, dropped, keeps its one timing
 

@@ -19,7 +19,7 @@ PACKAGE = os.path.join(REPO, "prove_jax")
 # Lowest first; a module may import its own layer and any below it.
 LAYERS = {"base": 0, "models": 1, "checkpoints": 2, "data": 2, "decoding": 3, "training": 4,
           "serving": 4, "evaluation": 5, "cli": 6}
-BASE_MODULES = {"errors", "files", "storage", "distributed", "memory", "fieldtypes", "assets", "aot", "hlo_cost", "profiling"}
+BASE_MODULES = {"errors", "files", "storage", "distributed", "memory", "fieldtypes", "assets", "aot", "hlo_cost", "profiling", "timing"}
 SUBCOMMANDS = ("generate", "train", "convert", "benchmark", "demo", "corpus", "distill", "evaluate",
                "humaneval", "task")
 

@@ -12,167 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import math
-import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prove_jax.decoding import program
 from prove_jax.decoding.adaptive import check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.options import DecodeError, DecodeOptions
-from prove_jax.decoding.state import initial_state
-from prove_jax.models.attention import KVCache, StepMask, causal_mask
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.decoding.step_timing import AR, layout_name, time_decode_steps
+from prove_jax.timing import fastest_interleaved
 
 # (K, group cap) tried by default: the widths that have paid off somewhere (benchmarks/).
 DEFAULT_CANDIDATES: tuple[tuple[int, int], ...] = (
     (2, 2), (3, 2), (3, 3), (4, 2), (4, 4), (6, 2), (6, 3), (8, 2), (8, 3), (8, 8))
-
-
-def timed(fn, *args) -> float:
-    """Wall seconds of one call of a jitted `fn`, waiting for its results."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t0
-
-
-def fastest_interleaved(runs: dict, repeats: int, keep=None, warm_up: bool = True) -> dict:
-    """{key: seconds} from callables that each run once and return the seconds they took.
-
-    Every callable runs once first (compile, warm up; `warm_up=False` when the caller did),
-    then `repeats` rounds call them in turn, so a load change hits them alike; the fastest run
-    counts (a shared machine only adds time). `keep({key: seconds})`, when given, is asked after
-    the first round which keys are worth the other rounds; the rest keep their one timing.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warm_up:
-        for fn in runs.values():
-            fn()
-    best = {key: float("inf") for key in runs}
-    timing = list(runs)
-    for i in range(repeats):
-        for key in timing:
-            best[key] = min(best[key], runs[key]())
-        if i == 0 and keep is not None:
-            kept = set(keep(dict(best)))
-            timing = [key for key in timing if key in kept]
-    return best
-
-
-def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384, filled: int = 200,
-                     repeats: int = 5, steps: int = 20, kernels: KernelOptions = DEFAULT_KERNELS
-                     ) -> dict[int, float]:
-    """Seconds per forward of T new tokens against a `slots`-slot KV cache, for each T.
-
-    Each timing runs `steps` forwards inside one jitted `fori_loop` (the way the decode loop
-    runs them: no host round trip per step), whose input depends on the loop carry so XLA
-    cannot hoist the forward out of the loop. Widths are interleaved across repeats so a load
-    change hits them alike; the fastest run is returned (a shared machine only adds time).
-    """
-    graphdef, state = nnx.split(model)
-    cache = model.new_cache(batch, slots)
-    vocab = model.cfg.vocab_size
-
-    @jax.jit
-    def run(state, cache, tokens, positions, mask):
-        merged = nnx.merge(graphdef, state)
-
-        def body(i, carry):
-            cache, acc = carry
-            logits, cache = merged((tokens + acc) % vocab, positions, mask, cache, kernels=kernels)
-            return cache, acc + jnp.argmax(logits[:, -1], -1).sum().astype(jnp.int32) % 2
-        return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))[1]
-
-    runs = {}
-    for t in widths:
-        tokens = jnp.zeros((batch, t), jnp.int32)
-        positions = jnp.broadcast_to(filled + jnp.arange(t), (batch, t))
-        # `filled` committed slots, then the T new tokens (causal) written after them
-        mask = StepMask(jnp.full((batch,), filled, jnp.int32), causal_mask(1, t))
-        runs[t] = functools.partial(timed, run, state, cache, tokens, positions, mask)
-    return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
-
-
-AR = (1, 1)  # the (K, groups) key of a plain AR step in step-cost tables
-
-
-def layout_name(key: tuple[int, int]) -> str:
-    """"AR" (K=1) or "K=k,G=g": how tables and logs name a (K, groups) step-cost key."""
-    return "AR" if key[0] == 1 else f"K={key[0]},G={key[1]}"
-
-
-def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
-                      filled: int = 200, repeats: int = 5, steps: int = 20, seconds_per_timing: float = 0.5,
-                      keep=None, kernels: KernelOptions = DEFAULT_KERNELS) -> dict[tuple[int, int], float]:
-    """Seconds per decode-loop step of each lossless layout (K, groups), and of AR under key AR.
-
-    Times the engine's own step (`program.decode_step`: forward, LM head on the rows it needs,
-    acceptance, commit), not the bare forward: the extra work of a lossless step is a sizeable
-    part of its cost on small models. Rows sit at `filled` committed tokens of a `slots`-slot
-    buffer; each step is reset there, so every step does the same work. Timings are
-    interleaved across layouts; the fastest run is returned.
-
-    Each layout is compiled, run for one step, and then timed over as many steps (up to
-    `steps`) as fill about `seconds_per_timing`, since a wide layout at a large batch can take
-    seconds a step on a CPU. `keep({layout: seconds per step})` is asked after the first timed
-    round which layouts to time `repeats` times (see `fastest_interleaved`).
-    """
-    runs = decode_step_runs(model, batch, layouts, slots, filled, steps, kernels)
-    n_steps = {}
-    for key, run in runs.items():
-        run(1)  # compile and warm up
-        n_steps[key] = int(min(steps, max(1, math.ceil(seconds_per_timing / run(1)))))
-    sized = {key: functools.partial(run, n_steps[key]) for key, run in runs.items()}
-    per_step = None if keep is None else (
-        lambda best: keep({key: v / n_steps[key] for key, v in best.items()}))
-    best = fastest_interleaved(sized, repeats, keep=per_step, warm_up=False)
-    return {key: v / n_steps[key] for key, v in best.items()}
-
-
-def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
-                     filled: int = 200, steps: int = 20, kernels: KernelOptions = DEFAULT_KERNELS) -> dict:
-    """{(K, groups) or AR: callable running decode steps (`steps` unless it is given a count)
-    and returning their seconds}, for `time_decode_steps` or for timing alongside other runs
-    (benchmarks). The step count is an argument of one compiled loop per layout; every step
-    runs with `kernels`."""
-    graphdef, params = nnx.split(model)
-    cfg = model.cfg
-    mask_id = 0 if cfg.mask_token_id is None else int(cfg.mask_token_id)
-    keys = [AR] + [tuple(x) for x in layouts if tuple(x) != AR]
-    runs = {}
-    for key in keys:
-        options = (DecodeOptions("ar", kernels=kernels) if key == AR
-                   else DecodeOptions("lossless", key[0], max_groups=key[1], kernels=kernels)).validate()
-        width, n_drafts = program.step_shape(options)
-        tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
-        length = jnp.full((batch,), filled, jnp.int32)
-        no_stop = jnp.full((batch, 1), -1, jnp.int32)  # no EOS: rows never finish
-        state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32), no_stop,
-                              KVCache.zeros(cfg, batch, slots + width), None, num_drafts=n_drafts,
-                              block_size=options.block_size, pad_id=0)
-        fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id))
-
-        def run(n=steps, fn=fn, state=state):
-            return timed(fn, params, state, jnp.int32(n))
-        runs[key] = run
-    return runs
-
-
-def _run_steps(graphdef, options, mask_id: int, params, start, steps):
-    """`steps` (traced) decode steps from state `start`, each reset to its row lengths (for timing)."""
-    model = nnx.merge(graphdef, params)
-
-    def body(_, state):
-        state = program.decode_step(options, model, state, mask_id=mask_id)
-        return state.replace(length=start.length, cache_len=start.cache_len, done=start.done)
-    return jax.lax.fori_loop(0, steps, body, start)
 
 
 def expected_tokens_per_forward(accept_probs: np.ndarray, k: int, groups: int | None) -> float:
