@@ -84,20 +84,47 @@ def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
 def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(matmul.MATMUL_FORM_ENV, raising=False)
-    form, limit = matmul.decode_matmul_form()
+    kernels = KernelOptions()
+    form, limit = matmul.decode_matmul_form(kernels)
     assert form == "weight_major"
     assert limit == matmul.CPU_DECODE_MAX_ROWS
     w = jnp.ones((8, 16))
-    assert _has_barrier(dense, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
-    assert not _has_barrier(dense, jnp.ones((2, limit, 16)), w)  # prefill / training rows
+    decode = functools.partial(dense, kernels=kernels)
+    assert _has_barrier(decode, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
+    assert not _has_barrier(decode, jnp.ones((2, limit, 16)), w)  # prefill / training rows
     monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "plain")  # the override for other CPUs
-    assert matmul.decode_matmul_form() == ("plain", limit)
-    assert not _has_barrier(dense, jnp.ones((2, 3, 16)), w)
+    # read on the host when options are made, never while tracing: options made before the
+    # change keep their form, and the new ones differ from them (so they key another program)
+    assert matmul.decode_matmul_form(kernels) == ("weight_major", limit)
+    assert _has_barrier(decode, jnp.ones((2, 3, 16)), w)
+    overridden = KernelOptions()
+    assert overridden != kernels and overridden.cpu_matmul_form == "plain"
+    assert matmul.decode_matmul_form(overridden) == ("plain", limit)
+    assert not _has_barrier(functools.partial(dense, kernels=overridden), jnp.ones((2, 3, 16)), w)
     monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "fastest")
     with pytest.raises(ValueError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major, input_major, plain"):
-        matmul.decode_matmul_form()
+        KernelOptions()
+    monkeypatch.delenv(matmul.MATMUL_FORM_ENV)
     with pytest.raises(ValueError, match="unknown matmul form 'transposed'"):
         KernelOptions(matmul_form="transposed")
+
+
+def test_platform_picks_the_form_it_compiles_for(monkeypatch):
+    """`KernelOptions.platform` is honoured while tracing: options for a TPU traced on this CPU
+    take the accelerator's plain form (no barrier), whatever the CPU default; `resolve` spells
+    the same choice out on the host."""
+    monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "input_major")
+    x, w = jnp.ones((1, 3, 16)), jnp.ones((8, 16))
+    for platform, form in (("tpu", "plain"), ("gpu", "plain"), ("cpu", "input_major")):
+        kernels = KernelOptions(platform=platform)
+        assert kernels.decode_form()[0] == form
+        assert _has_barrier(functools.partial(dense, kernels=kernels), x, w) == (form != "plain")
+        resolved = kernels.resolve()
+        assert (resolved.platform, resolved.matmul_form) == (platform, form)
+        assert resolved.decode_form()[0] == form
+    assert KernelOptions().resolve("tpu").matmul_form == "plain"
+    assert KernelOptions(matmul_form="weight_major").resolve("tpu").matmul_form == "weight_major"
+    assert KernelOptions().resolve().platform == jax.default_backend()
 
 
 def test_model_logits_equal_in_every_form():
@@ -184,3 +211,18 @@ def test_bfloat16_logits_and_attention_scores_accumulate_in_float32():
     ref = np.einsum("bkqd,bksd->bkqs", np.asarray(q.astype(jnp.float32), np.float64),
                     np.asarray(keys.astype(jnp.float32), np.float64)) * 8 ** -0.5
     np.testing.assert_allclose(np.asarray(scores), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_model_module_tables_are_read_only():
+    """No module of `prove_jax.models` holds a mutable table (dict, list, set) at module level:
+    a choice that changes a compiled program is an options field, never a table edited in place."""
+    import importlib
+    import pkgutil
+    import prove_jax.models
+
+    mutable = []
+    for info in pkgutil.iter_modules(prove_jax.models.__path__):
+        module = importlib.import_module(f"prove_jax.models.{info.name}")
+        mutable += [f"{info.name}.{name}" for name, value in vars(module).items()
+                    if not name.startswith("__") and type(value) in (dict, list, set, bytearray)]
+    assert not mutable, mutable

@@ -103,9 +103,7 @@ class DecodeDryRun:
 def slice_options(options: DecodeOptions) -> DecodeOptions:
     """`options` as a TPU runs them: compiled for the platform, accelerator matmuls and prefill
     chunks (the defaults would be this CPU's)."""
-    kernels = dataclasses.replace(options.kernels, platform="tpu",
-                                  matmul_form=options.kernels.matmul_form or "plain")
-    return dataclasses.replace(options, kernels=kernels,
+    return dataclasses.replace(options, kernels=options.kernels.resolve("tpu"),
                                prefill_chunk=options.prefill_chunk or PREFILL_CHUNK_ACCELERATOR).validate()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import MappingProxyType
 
 import jax
 
@@ -14,14 +15,14 @@ MODES = ("ar", "threshold", "lossless", "verify")
 COMMIT_RULES = ("top1", "prob", "head")
 CONFIDENCE_KINDS = ("prob", "entropy", "margin")
 # threshold: tau when none is given, per confidence kind
-DEFAULT_TAU = {"prob": 0.9, "margin": 0.8, "entropy": 0.5}
+DEFAULT_TAU = MappingProxyType({"prob": 0.9, "margin": 0.8, "entropy": 0.5})
 # Most tokens one step may feed the proposer per row: the step's mask is [T, T], built while
 # tracing (lossless K=500 with every group served would be 250,000 wide, a 58 GiB mask).
 MAX_STEP_WIDTH = 4096
 # Prompt tokens per prefill forward. CPU: prefill is compute-bound, and a short chunk pads
 # less (benchmarks/prefill.md); accelerators: a forward of a few hundred tokens costs about
 # what reading the weights does, so shorter chunks only multiply those reads (an estimate).
-PREFILL_CHUNK = {"cpu": 32}
+PREFILL_CHUNK = MappingProxyType({"cpu": 32})
 PREFILL_CHUNK_ACCELERATOR = 256
 # Alternatives per token --logprobs may ask for (OpenAI's and vLLM's default cap).
 MAX_LOGPROBS = 20

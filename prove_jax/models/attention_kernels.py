@@ -23,6 +23,7 @@ A buffer's last slots short of one kernel block (ALIGN) are read in XLA with the
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from prove_jax.models.paged import PagedKV
 from prove_jax.models.sharding import DEFAULT_RULES, logical_to_spec
 
 # backends each kernel compiles for; any backend in interpret mode
-KERNEL_BACKENDS = {"pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)}
+KERNEL_BACKENDS = MappingProxyType({"pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)})
 SPLITS = (16, 8, 4, 2, 1)  # split-k factors tried, most first (more splits: more parallel blocks)
 BLOCK_K = 128
 # slots a kernel block holds: the buffer's last slots short of a whole block are read in XLA

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import fieldtypes
@@ -16,14 +17,14 @@ from prove_jax import fieldtypes
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 # Families people hold beside them that this decoder does not implement, and why (named in the
 # refusal, so that "unsupported" says what is missing rather than only what is there).
-UNSUPPORTED_FAMILIES = {
+UNSUPPORTED_FAMILIES = MappingProxyType({
     "qwen3_moe": "a mixture-of-experts model (Qwen3-30B-A3B, 235B-A22B): only dense MLPs here",
     "qwen2_moe": "a mixture-of-experts model: only dense MLPs here",
     "qwen3_next": "hybrid linear attention and mixture of experts: only dense full attention here",
     "qwen2_vl": "a vision-language model: text-only decoders here",
     "qwen2_5_vl": "a vision-language model: text-only decoders here",
     "qwen3_vl": "a vision-language model: text-only decoders here",
-}
+})
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # what `dtype` / `param_dtype` may name
@@ -321,9 +322,9 @@ class ModelConfig:
 
 # Real Qwen2.5 shapes (from the published config.json files). Vocab rows are the padded 151,936
 # (151,665 real ids), which is why `<|mask|>` fits without a resize.
-_QWEN25_COMMON = dict(vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                      bos_token_id=151643, eos_token_ids=(151645, 151643), pad_token_id=151643)
-PRESETS: dict[str, ModelConfig] = {
+_QWEN25_COMMON = MappingProxyType(dict(vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                                       bos_token_id=151643, eos_token_ids=(151645, 151643), pad_token_id=151643))
+_QWEN25_PRESETS = MappingProxyType({
     "qwen2.5-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                                 num_kv_heads=2, head_dim=64, tie_word_embeddings=True, **_QWEN25_COMMON),
     "qwen2.5-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
@@ -336,12 +337,12 @@ PRESETS: dict[str, ModelConfig] = {
                                num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
     "qwen2.5-32b": ModelConfig(hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
                                num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
-}
+})
 # Real Qwen3 (dense) shapes, from the published config.json files: one vocabulary (151,936 rows)
 # at every size, head_dim 128 whatever the width, 8 kv heads, tied heads up to 4B, 40,960 positions.
-_QWEN3_COMMON = _QWEN25_COMMON | dict(model_type="qwen3", head_dim=128, num_kv_heads=8,
-                                      max_position_embeddings=40_960)
-PRESETS |= {
+_QWEN3_COMMON = MappingProxyType(_QWEN25_COMMON | dict(model_type="qwen3", head_dim=128, num_kv_heads=8,
+                                                       max_position_embeddings=40_960))
+_QWEN3_PRESETS = MappingProxyType({
     "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
                               tie_word_embeddings=True, **_QWEN3_COMMON),
     "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
@@ -354,7 +355,8 @@ PRESETS |= {
                              **_QWEN3_COMMON),
     "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
                              **_QWEN3_COMMON),
-}
+})
+PRESETS: Mapping[str, ModelConfig] = MappingProxyType({**_QWEN25_PRESETS, **_QWEN3_PRESETS})
 
 
 def preset(name: str) -> ModelConfig:

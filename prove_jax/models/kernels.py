@@ -2,15 +2,33 @@
 
 Every choice here is read while tracing, so it must be part of whatever keys a compile cache:
 `DecodeOptions.kernels` carries it into the decoder's cache key, and model forwards take it as
-an explicit argument. Nothing is read from module globals at trace time.
+an explicit argument. Nothing is read from module globals or the environment at trace time: the
+one environment setting (`PROVE_JAX_CPU_MATMUL`) is read on the host when an options object is
+made, into its `cpu_matmul_form` field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+
+import jax
 
 MATMUL_FORMS = ("weight_major", "input_major", "plain")
 ATTENTION_KERNELS = ("xla", "pallas_gpu", "pallas_tpu")  # models/attention_kernels.py
+MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
+CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
+
+
+def default_cpu_form() -> str:
+    """`PROVE_JAX_CPU_MATMUL` if set, else weight-major, which holds up at real model sizes on every
+    CPU measured; input-major copies every weight per call (benchmarks/step_cost.md)."""
+    form = os.environ.get(MATMUL_FORM_ENV)
+    if form:
+        if form not in MATMUL_FORMS:
+            raise ValueError(f"{MATMUL_FORM_ENV}={form!r}: choose one of {', '.join(MATMUL_FORMS)}")
+        return form
+    return "weight_major"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +36,10 @@ class KernelOptions:
     """How the model's projections and the lossless step's LM head are computed."""
 
     matmul_form: str | None = None
-    """Form of a decode step's few-row projections (one of MATMUL_FORMS); None: the backend's
-    default (CPU: weight_major, or PROVE_JAX_CPU_MATMUL; accelerators: plain)."""
+    """Form of a decode step's few-row projections (one of MATMUL_FORMS); None: the platform's
+    default (CPU: `cpu_matmul_form`; accelerators: plain)."""
     matmul_max_rows: int | None = None
-    """Most token rows the decode form is used for; None: the backend's default."""
+    """Most token rows the decode form is used for; None: CPU_DECODE_MAX_ROWS."""
     pad_dot_rows: bool = True
     """Pad weight-major products to whole CPU kernel tiles (see benchmarks/step_cost.md)."""
     lm_head_one_pass: bool = True
@@ -32,15 +50,43 @@ class KernelOptions:
     interpret: bool = False
     """Run a Pallas attention kernel in interpret mode (any backend; slow: for tests)."""
     platform: str | None = None
-    """The platform the program is compiled for ("cpu", "gpu", "tpu"), checked against the
-    attention kernel; None: jax's default backend. Set it for an AOT compile for another one."""
+    """The platform the program is compiled for ("cpu", "gpu", "tpu"): it picks the default matmul
+    form and the cache's chunk size, and is checked against the attention kernel; None: jax's
+    default backend. Set it for an AOT compile for another one (`resolve`)."""
+    cpu_matmul_form: str = dataclasses.field(default_factory=default_cpu_form)
+    """The CPU's form where `matmul_form` is None: PROVE_JAX_CPU_MATMUL as it was when these options
+    were made (read there, on the host, so that it keys a compile cache), else weight_major."""
 
     def __post_init__(self):
+        if self.cpu_matmul_form not in MATMUL_FORMS:
+            raise ValueError(f"unknown CPU matmul form {self.cpu_matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
         if self.matmul_form is not None and self.matmul_form not in MATMUL_FORMS:
             raise ValueError(f"unknown matmul form {self.matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"unknown attention kernel {self.attention!r}; "
                              f"choose one of {', '.join(ATTENTION_KERNELS)}")
+
+    def target(self) -> str:
+        """The platform compiled for: `platform`, else jax's default backend (one per process)."""
+        return self.platform or jax.default_backend()
+
+    def decode_form(self) -> tuple[str, int]:
+        """(form, most token rows it is used for) of a decode step's projections: `matmul_form`,
+        else the target platform's default (CPU: `cpu_matmul_form`; accelerators: plain)."""
+        max_rows = CPU_DECODE_MAX_ROWS if self.matmul_max_rows is None else self.matmul_max_rows
+        if self.matmul_form is not None:
+            return self.matmul_form, max_rows
+        if self.target() == "cpu":
+            return self.cpu_matmul_form, max_rows
+        return "plain", 0
+
+    def resolve(self, platform: str | None = None) -> "KernelOptions":
+        """These options with every default spelled out on the host: the platform (`platform`,
+        else this one's, else jax's backend) and the matmul form it takes (`decode_form`), as
+        an AOT compile for another platform needs them (`decoding/dry_run.slice_options`)."""
+        resolved = dataclasses.replace(self, platform=platform or self.target())
+        form, max_rows = resolved.decode_form()
+        return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows)
 
 
 DEFAULT_KERNELS = KernelOptions()

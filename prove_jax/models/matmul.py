@@ -6,41 +6,25 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 
-from prove_jax.models.kernels import DEFAULT_KERNELS, MATMUL_FORMS, KernelOptions
+# the CPU defaults live with the options they fill in (models/kernels.py); named here too for
+# the benchmark scripts that report them
+from prove_jax.models.kernels import (CPU_DECODE_MAX_ROWS, DEFAULT_KERNELS, MATMUL_FORM_ENV,  # noqa: F401
+                                      KernelOptions, default_cpu_form)
 
-CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
-MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
 # XLA:CPU covers a weight-major product's token rows in tiles of 8 and a ragged last tile costs
 # about a whole one, so past 4 rows they are padded (benchmarks/step_cost.md, "unpadded").
 DOT_ROW_TILE = 8
 DOT_UNPADDED_MAX_ROWS = 4
 
 
-def default_cpu_form() -> str:
-    """`PROVE_JAX_CPU_MATMUL` if set, else weight-major, which holds up at real model sizes on every
-    CPU measured; input-major copies every weight per call (benchmarks/step_cost.md)."""
-    form = os.environ.get(MATMUL_FORM_ENV)
-    if form:
-        if form not in MATMUL_FORMS:
-            raise ValueError(f"{MATMUL_FORM_ENV}={form!r}: choose one of {', '.join(MATMUL_FORMS)}")
-        return form
-    return "weight_major"
-
-
 def decode_matmul_form(kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[str, int]:
-    """(form, most token rows it is used for) that `dense` applies under `kernels`: its explicit
-    choice, else the CPU default for up to CPU_DECODE_MAX_ROWS rows; accelerators: plain."""
-    max_rows = CPU_DECODE_MAX_ROWS if kernels.matmul_max_rows is None else kernels.matmul_max_rows
-    if kernels.matmul_form is not None:
-        return kernels.matmul_form, max_rows
-    if jax.default_backend() == "cpu":
-        return default_cpu_form(), max_rows
-    return "plain", 0
+    """(form, most token rows it is used for) that `dense` applies under `kernels`
+    (`KernelOptions.decode_form`: its explicit choice, else its platform's default)."""
+    return kernels.decode_form()
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS,

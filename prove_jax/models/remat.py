@@ -10,6 +10,8 @@ policy at the 32B shape: benchmarks/tpu_compile.md.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 
 from prove_jax.errors import ProveJaxError
@@ -18,13 +20,13 @@ from prove_jax.errors import ProveJaxError
 ATTN_PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
 
-REMAT_POLICIES = {
+REMAT_POLICIES = MappingProxyType({
     "none": "no rematerialisation: every intermediate of every layer is kept (most memory)",
     "full": "keep only each layer's input; recompute the whole layer (least memory, +1 forward)",
     "dots": "keep every projection (matmuls without batch dimensions); recompute attention "
             "scores, softmax, norms, RoPE and activations",
     "attn_proj": "keep the attention projections q, k, v, o; recompute the MLP and the rest",
-}
+})
 
 
 class RematError(ProveJaxError, ValueError):

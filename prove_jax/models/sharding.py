@@ -11,6 +11,7 @@ rows where the tensor axis cannot split a model's kv heads (`kv_rules`).
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Mapping, Sequence
 
 import jax
@@ -28,8 +29,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 class MeshError(ProveJaxError, ValueError):
     """A mesh shape these devices cannot form."""
 
-# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
-DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated); read-only, as every
+# module table: a layout is changed by passing other rules, never by editing these
+DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = MappingProxyType({
     "batch": ("data", "fsdp"),
     "sequence": None,
     "embed": "fsdp",
@@ -40,7 +42,7 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",
     "cache_sequence": None,
     "layers": None,
-}
+})
 
 # A KV cache buffer [B, K, S, Dh]: rows split like the batch, kv heads like the k/v kernels, so
 # each device writes and reads the keys and values it computes (models/attention.py).
@@ -51,8 +53,8 @@ KV_CACHE_AXES = ("batch", "kv_heads", "cache_sequence", "head_dim")
 # rows' KV and attention split over the tensor axis too; its weights stay tensor-parallel, and
 # the queries and outputs cross between the layouts by all-to-all (`kv_rules`,
 # benchmarks/decode_tpu_compile.md).
-ROW_SPLIT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
-    **DEFAULT_RULES, "batch": ("data", "fsdp", "tensor"), "heads": None, "kv_heads": None}
+ROW_SPLIT_RULES: Mapping[str, str | tuple[str, ...] | None] = MappingProxyType({
+    **DEFAULT_RULES, "batch": ("data", "fsdp", "tensor"), "heads": None, "kv_heads": None})
 
 
 def batch_shards(mesh, rules: Mapping = DEFAULT_RULES) -> int:
