@@ -10,7 +10,10 @@ a while loop costs its body (and condition) times its trip count, which the comp
 as `known_trip_count` (a scan) or the caller supplies (a loop bounded by traced values, such
 as the chunked read of a cache up to its longest row). Buffers in a faster memory space
 (`S(1)`: TPU VMEM) are not HBM traffic. FLOPs are those of the dots, with the same trip
-counts (elementwise work is small beside them in a decode step).
+counts (elementwise work is small beside them in a decode step). A Pallas kernel (a custom
+call) that states its own cost (`pl.CostEstimate`, carried in its backend config) costs what it
+states: the blocks it fetches, not its whole operands (a paged kernel's operand is every page
+of every layer); one that states none costs its operands and results.
 
 It is an estimate of the compiled program's traffic, not a simulation: it assumes every
 top-level operand is read from HBM once, which is what a memory-bound step does
@@ -190,6 +193,18 @@ def trip_count(instr: Instr, comps: dict | None = None) -> int | None:
     return int(value.group(1)) if value else None
 
 
+# a Pallas TPU kernel's pl.CostEstimate, as libtpu's compiled HLO carries it in the custom
+# call's backend config: "cost_estimate":{"flops":"123",...,"bytes_accessed":"4567",...}
+_KERNEL_ESTIMATE = re.compile(r'"cost_estimate":\{[^}]*?"flops":"?(\d+)"?[^}]*?"bytes_accessed":"?(\d+)"?')
+
+
+def kernel_estimate(attrs: str) -> tuple[int, int] | None:
+    """(HBM bytes, FLOPs) a custom call's kernel states for itself (a Pallas call's
+    `cost_estimate`: what its blocks fetch, not its whole operands), None if it states none."""
+    m = _KERNEL_ESTIMATE.search(attrs)
+    return None if m is None else (int(m.group(2)), int(m.group(1)))
+
+
 def _dot_flops(instr: Instr, shapes: dict) -> int:
     """2 x result elements x contracted size of a dot, or of a convolution (libtpu writes a
     matmul as one: `dim_labels=bf_oi->bf`, the lhs's `f` contracted)."""
@@ -298,6 +313,8 @@ class ModuleCost:
             return sum(operand_bytes) + out, _dot_flops(instr, comp.shapes)
         if op.endswith("-start"):  # async: its result tuple holds the source and the destination
             return out, 0
+        if op == "custom-call" and (estimate := kernel_estimate(instr.attrs)) is not None:
+            return estimate
         if op in _SLICING:  # reads what it takes (and the indices)
             taken = array_bytes(instr.shape, hbm_only=False) if operand_bytes and operand_bytes[0] else 0
             return taken + out + sum(operand_bytes[1:]), 0

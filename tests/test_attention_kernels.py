@@ -32,8 +32,13 @@ def _inputs(b=3, t=3, k=2, g=2, s=64, dh=8, seed=0):
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("slots,lens", [(64, (0, 17, 64 - 3)), (256, (200, 5, 129)), (48, (48, 1, 30)),
                                         (200, (0, 199, 130)), (75, (70, 3, 64))])
-def test_kernel_matches_xla_on_ragged_rows(kernels, slots, lens):
-    """Ragged rows, an empty row, buffers of whole kernel blocks and not (the tail read in XLA)."""
+def test_kernel_matches_xla_on_ragged_rows(kernels, slots, lens, monkeypatch):
+    """Ragged rows, an empty row, buffers of whole kernel blocks and not (the GPU kernel's tail
+    read in XLA; the TPU kernel's last block overhanging the buffer, in blocks of 64 here)."""
+    if kernels.attention == "pallas_tpu":
+        if slots not in (256, 75):  # interpret mode is slow; these two cover its block edges
+            pytest.skip("covered by the other buffer sizes")
+        monkeypatch.setattr(attention_kernels, "BLOCK", 64)
     q, own, cache = _inputs(s=slots)
     cache_len = jnp.array(lens, jnp.int32)
     # a non-causal intra mask (as lossless steps use), one per row
@@ -93,7 +98,7 @@ def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
     """Decoding through the kernel (interpret mode) is lossless: AR token for token, and AR
     through the kernel equals AR through XLA. A long prompt makes the buffer hold whole blocks of
     both kernels, so the kernel is called (counted)."""
-    name = "_committed_" + kernels.attention.split("_")[1]
+    name = "_committed_gpu" if kernels.attention == "pallas_gpu" else "_span_call"
     calls = []
     real = getattr(attention_kernels, name)
     monkeypatch.setattr(attention_kernels, name, lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
@@ -141,3 +146,31 @@ def test_the_kernel_reads_only_kv_heads_the_mesh_splits_whole(monkeypatch):
         assert bool(calls) == kernel, (rows, shape)
         if rows == 4:  # each device's own row, both heads
             assert calls[0] is sharding.ROW_SPLIT_RULES
+
+
+def test_the_tpu_kernel_reads_a_stacked_layer_in_place(monkeypatch):
+    """A stacked cache [B, K, L * S, Dh] is read at its layer through block indices, with blocks
+    (16 slots here) that straddle the layers before and after and overhang the buffer's end:
+    each layer's result is the XLA path's over that layer's slots, whatever the other layers
+    hold (junk there), and the kernel is handed the whole buffer, not a slice of it."""
+    monkeypatch.setattr(attention_kernels, "BLOCK", 16)
+    layers, slots = 3, 75
+    q, own, (ck, cv) = _inputs(s=layers * slots)
+    cache_len = jnp.array([0, slots, 33], jnp.int32)
+    intra = jnp.tril(jnp.ones((1, 3, 3), bool))
+    seen = []
+    real = attention_kernels._span_call
+    monkeypatch.setattr(attention_kernels, "_span_call", lambda q, k, *a, **kw: seen.append(k.shape) or real(q, k, *a, **kw))
+    read = jax.jit(lambda stacked: attention._attend_cached_kernel(q, own, intra, stacked, cache_len, TPU_INTERPRET))
+    for layer in (1, 2):  # blocks straddling both neighbours; the last overhanging the buffer's end
+        mine = (jnp.arange(layers * slots) // slots == layer)[None, None, :, None]
+        junk = lambda c: jnp.where(mine, c, 1e4)  # noqa: E731
+        stacked = attention.LayerKV(junk(ck), junk(cv), jnp.int32(layer), num_layers=layers)
+        part = lambda c: c[:, :, layer * slots:(layer + 1) * slots]  # noqa: E731
+        want = attention._attend_cached(q, own, intra, (part(ck), part(cv)), cache_len)
+        got = read(stacked)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert seen and all(shape == ck.shape for shape in seen)
+    blocks, starts, counts = attention_kernels.contiguous_blocks(slots, layers, 1, cache_len, 16)
+    assert counts.tolist() == [0, 6, 3]  # layer 1 is slots [75, 150): blocks 4..9 of 16
+    assert blocks[1].tolist()[:6] == [4, 5, 6, 7, 8, 9] and starts[1, 0] == 64 - 75

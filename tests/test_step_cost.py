@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from prove_jax import aot, hlo_cost
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
 from prove_jax.decoding import step_report
 from prove_jax.models import attention
 from prove_jax.models.config import ModelConfig
@@ -144,6 +144,28 @@ ENTRY %main (a: (s32[], f32[4]), b: (s32[], f32[4], s32[])) -> f32[4] {
     assert cost.unknown_loops == 1
 
 
+def test_a_kernel_costs_what_it_states():
+    """A Pallas TPU kernel's compiled custom call carries its pl.CostEstimate in its backend
+    config (as libtpu prints it): the call costs those bytes and FLOPs, not its operands (a
+    1 GiB pool here, of which the kernel fetches a few pages); one stating none costs its
+    operands and result."""
+    config = ('backend_config={"flag_configs":[],"custom_call_config":{"body":"TUzvUgFN","cost_estimate":'
+              '{"flops":"123","transcendentals":"7","bytes_accessed":"4567","remote_bytes_transferred":"0"},'
+              '"needs_layout_passes":true}}')
+    text = """HloModule m
+
+ENTRY %main (a: bf16[1,8,65536,1024], q: f32[4,8,16,128]) -> f32[4,8,16,128] {
+  %a = bf16[1,8,65536,1024] parameter(0)
+  %q = f32[4,8,16,128] parameter(1)
+  ROOT %k = f32[4,8,16,128]{3,2,1,0:T(8,128)} custom-call(%a, %q), custom_call_target="tpu_custom_call", CONFIG
+}
+"""
+    cost = hlo_cost.program_cost(text.replace("CONFIG", config))
+    assert (cost.bytes, cost.flops) == (4567, 123)
+    bare = hlo_cost.program_cost(text.replace(", CONFIG", ""))
+    assert bare.bytes == 2 ** 30 + 2 * 4 * 8 * 16 * 128 * 4 and bare.flops == 0
+
+
 def _stacked_buffers(state) -> list[str]:
     """'dims' text of each stacked cache or pool buffer of a loop state, as HLO prints shapes."""
     leaves = jax.tree.leaves(state.cache.k) + jax.tree.leaves(state.cache.v)
@@ -168,16 +190,23 @@ def test_a_scanned_step_copies_no_stacked_cache(model, page_size):
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (optional): pip install 'libtpu==0.0.42.*'")
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_on_tpu_a_layer_reads_its_kv_in_place(page_size):
-    """16 rows of 8k on v5p-8, a 64 MiB layer KV per chip: the compiled step copies no cache,
-    and the contiguous step moves what it must within 1.3x (the paged one gathers each chunk's
-    pages once through HBM; the Pallas kernel reads them in place)."""
+    """A lossless step (K=6, G=2: 12 tokens, 48 queries a kv head) of 16 rows of 8k on v5p-8, a
+    64 MiB layer KV per chip, through the Pallas kernel that `generate` runs on TPU: the
+    compiled step copies no cache (the kernel is handed the stacked cache or the pool whole and
+    reads its layer's blocks in place), the kernel is priced at the blocks it fetches, and the
+    step moves what it must within 1.3x."""
     cfg = ModelConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_layers=2, num_heads=16,
                       num_kv_heads=8, head_dim=128, mask_token_id=1023, eos_token_ids=(1,))
-    report = step_report.step_report(cfg, DecodeOptions("ar", 1, scan_layers=True, page_size=page_size),
-                                     chip="v5p", chips=4, batch=16, context=8192, programs=("step",))
+    options = DecodeOptions("lossless", 6, max_groups=2, scan_layers=True, page_size=page_size,
+                            kernels=KernelOptions(attention="pallas_tpu"))
+    report = step_report.step_report(cfg, options, chip="v5p", chips=4, batch=16, context=8192, programs=("step",))
     (step,) = report.programs
+    kv_layer = 2 * 4 * cfg.num_kv_heads * 8192 * cfg.head_dim * 2  # K and V of a chip's 4 rows, bf16
     assert step.bytes_by_opcode.get("copy", 0) < 0.01 * step.hbm_bytes
-    assert step.waste <= (1.3 if page_size is None else 3.0)
+    assert not [t for t in step.largest if t[3] != "custom-call" and t[0] >= kv_layer / 4], step.largest
+    kernel = step.bytes_by_opcode["custom-call"]
+    assert cfg.num_layers * kv_layer <= kernel <= 1.2 * cfg.num_layers * kv_layer
+    assert step.waste <= 1.3
 
 
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (optional): pip install 'libtpu==0.0.42.*'")

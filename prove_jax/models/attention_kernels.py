@@ -8,16 +8,14 @@ merged exactly by those normalisers (one softmax over both, as in `attention._at
 
 Kernels (`KernelOptions.attention`; both run on CPU with `KernelOptions.interpret`):
   "pallas_gpu": jax.experimental.pallas.ops.gpu.decode_attention (split-k flash decoding; visits
-                each row's blocks only up to its cache_len).
-  "pallas_tpu": jax.experimental.pallas.ops.tpu.flash_attention with residuals (its private
-                `_flash_attention_impl`: the public call returns none), each row's span a segment:
-                slots past cache_len are masked but still visited. The TPU kernels that skip them
-                (paged_attention, ragged_paged_attention) return no log-sum-exp, so the exact
-                merge cannot use them. Cost at the 32B shape: benchmarks/attention_kernels.md.
-                On a paged pool (models/paged.py): `_paged_kernel`, this project's, which reads
-                each row's pages through its page table, skips those past its length and
-                returns the residuals.
-A buffer's last slots short of one kernel block (ALIGN) are read in XLA with the step's own keys.
+                each row's blocks only up to its cache_len). A buffer's last slots short of one
+                kernel block (ALIGN) are read in XLA with the step's own keys.
+  "pallas_tpu": `_span_kernel`, this project's, for the contiguous buffer and the paged pool
+                alike: it reads a row's committed span in place, as blocks of the buffer's own
+                slot axis (a stacked cache's layer, a pool's pages) addressed through
+                scalar-prefetched tables, skips blocks past the row's length and returns the
+                residuals. JAX's TPU kernels return none through a public entry, or take one
+                query per row (see the section below).
 """
 
 from __future__ import annotations
@@ -38,8 +36,8 @@ from prove_jax.models.sharding import DEFAULT_RULES, logical_to_spec
 KERNEL_BACKENDS = MappingProxyType({"pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)})
 SPLITS = (16, 8, 4, 2, 1)  # split-k factors tried, most first (more splits: more parallel blocks)
 BLOCK_K = 128
-# slots a kernel block holds: the buffer's last slots short of a whole block are read in XLA
-ALIGN = {"pallas_gpu": 16, "pallas_tpu": 128}
+# slots a GPU kernel block holds: the buffer's last slots short of a whole block are read in XLA
+ALIGN = 16
 
 
 class AttentionKernelError(ProveJaxError, ValueError):
@@ -83,87 +81,54 @@ def _committed_gpu(q, cache_k, cache_v, cache_len, interpret: bool):
     return o.astype(jnp.float32), l, m
 
 
-def _committed_tpu(q, cache_k, cache_v, cache_len, interpret: bool):
-    """`_committed_gpu` through the TPU flash-attention kernel with its residuals; each row's
-    span is a segment (slots past cache_len are another), so the kernel masks the rest of the
-    buffer but still visits it (the TPU kernels that skip it return no residuals)."""
-    from jax.experimental.pallas import tpu as pltpu
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa
-
-    b, k, nq, dh = q.shape
-    slots = cache_k.shape[2]
-    block_k = next((x for x in (512, 256, 128) if slots % x == 0), None)
-    if block_k is None:
-        raise AttentionKernelError(f"attention kernel 'pallas_tpu' needs a multiple of 128 slots, got {slots}")
-    # queries padded to whole sublane tiles (rows of 8); padded queries are dropped below
-    pad = -nq % 8
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    segments = fa.SegmentIds(q=jnp.ones((b, nq + pad), jnp.int32),
-                             kv=(jnp.arange(slots)[None, :] < cache_len[:, None]).astype(jnp.int32))
-    call = functools.partial(fa._flash_attention_impl, q, cache_k, cache_v, None, segments, True, False,
-                             dh ** -0.5, 1, min(nq + pad, 128),
-                             block_k, block_k, False)
-    if interpret:
-        with pltpu.force_tpu_interpret_mode():
-            o, l, m = call()
-    else:
-        o, l, m = call()
-    o, l, m = o[:, :, :nq], l[:, :, :nq], m[:, :, :nq]
-    return o.astype(jnp.float32) * l[..., None], l, m
-
-
-def _per_shard(call, q, cache_k, cache_v, cache_len, rules=DEFAULT_RULES):
-    """`call` on each device's rows and kv heads under the ambient mesh, as `rules` lay them (a
-    Pallas kernel cannot be partitioned by XLA); a plain call without one."""
+def _per_shard(call, q, cache_k, cache_v, cache_len, layer, rules=DEFAULT_RULES, table=None):
+    """`call(q, k, v, cache_len, layer)` (with a page `table` [B, R]: `call(q, k, v, table,
+    cache_len, layer)`) on each device's rows and kv heads under the ambient mesh, as `rules`
+    lay them (a Pallas kernel cannot be partitioned by XLA); a plain call without one. The cache
+    is [B or D, K, ...]: rows (or a paged pool's data shards), heads, the rest whole."""
+    paged = () if table is None else (table,)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not mesh.shape or any(t != AxisType.Auto for t in mesh.axis_types):
-        return call(q, cache_k, cache_v, cache_len)
+        return call(q, cache_k, cache_v, *paged, cache_len, layer)
     rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh, rules)
     rows = P(*rows_heads[:1])
     heads = P(*rows_heads, None, None)
-    return jax.shard_map(call, mesh=mesh, in_specs=(heads, heads, heads, rows),
+    cache = P(*rows_heads, *(None,) * (cache_k.ndim - 2))
+    specs = (heads, cache, cache) + ((P(*rows_heads[:1], None),) if paged else ()) + (rows, P())
+    return jax.shard_map(call, mesh=mesh, in_specs=specs,
                          out_specs=(heads, P(*rows_heads, None), P(*rows_heads, None)),
-                         check_vma=False)(q, cache_k, cache_v, cache_len)
-
-
-def _per_shard_paged(call, q, cache, cache_len, layer):
-    """`_per_shard` for a paged pool: each device reads its own shard's pools [1, K, L, P, page,
-    Dh], its kv heads, for its rows (the table and lengths split like the batch)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or not mesh.shape or any(t != AxisType.Auto for t in mesh.axis_types):
-        return call(q, cache.k, cache.v, cache.table, cache_len, layer)
-    rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh)
-    rows, heads = P(*rows_heads[:1]), P(*rows_heads, None, None)
-    pool = P(*rows_heads, None, None, None, None)
-    return jax.shard_map(call, mesh=mesh, in_specs=(heads, pool, pool, P(*rows_heads[:1], None), rows, P()),
-                         out_specs=(heads, P(*rows_heads, None), P(*rows_heads, None)),
-                         check_vma=False)(q, cache.k, cache.v, cache.table, cache_len, layer)
+                         check_vma=False)(q, cache_k, cache_v, *paged, cache_len, layer)
 
 
 def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interpret: bool = False,
                   platform: str | None = None, rules=DEFAULT_RULES):
     """Attention of grouped queries q [B, K, Q, Dh] (Q = G*T) over the committed span of `cache`
-    (keys, values [B, K, S, Dh], or a `PagedKV` pool: "pallas_tpu" only) and the step's own
-    values [B, K, T, Dh] with their masked scaled
-    float32 scores own_scores [B, K, Q, T]. Returns float32 [B, K, Q, Dh] (normalised).
+    (keys, values [B, K, S, Dh]; a stacked cache's layer, with `k`, `v` [B, K, L * S, Dh],
+    `layer` and `num_layers`, as attention.LayerKV; or a `PagedKV` pool: "pallas_tpu" only) and
+    the step's own values [B, K, T, Dh] with their masked scaled float32 scores own_scores
+    [B, K, Q, T]. Returns float32 [B, K, Q, Dh] (normalised).
     `platform`: the one compiled for (None: jax's default backend); `rules`: how the mesh lays
     out the rows and kv heads (`sharding.kv_rules`)."""
     check_backend(kind, interpret, platform)
-    committed = {"pallas_gpu": _committed_gpu, "pallas_tpu": _committed_tpu}.get(kind)
-    if committed is None:
+    if kind not in KERNEL_BACKENDS:
         raise AttentionKernelError(f"unknown attention kernel {kind!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
     if isinstance(cache, PagedKV):
         if kind != "pallas_tpu":
             raise AttentionKernelError(f"the paged KV pool is read by 'pallas_tpu' or 'xla', not {kind!r}")
-        layer = jnp.zeros((1,), jnp.int32) if cache.layer is None else jnp.reshape(cache.layer, (1,)).astype(jnp.int32)
-        if cache.layer is None:  # per-layer pools as a stack of one
-            cache = cache.replace(k=cache.k[:, :, None], v=cache.v[:, :, None])
+        layer = jnp.zeros((), jnp.int32) if cache.layer is None else jnp.asarray(cache.layer, jnp.int32)
         call = functools.partial(_committed_paged_tpu, interpret=interpret)
-        return _merge(_per_shard_paged(call, q.astype(cache.k.dtype), cache, cache_len, layer),
+        return _merge(_per_shard(call, q.astype(cache.k.dtype), cache.k, cache.v, cache_len, layer, table=cache.table),
                       own_scores, own_values)
-    cache_k, cache_v = cache
+    stacked = getattr(cache, "num_layers", 0)
+    if kind == "pallas_tpu":  # the buffer as it lies: a stacked cache is read at its layer, in place
+        keys, values = (cache.k, cache.v) if stacked else cache
+        layer = jnp.asarray(cache.layer, jnp.int32) if stacked else jnp.zeros((), jnp.int32)
+        call = functools.partial(_committed_contiguous_tpu, num_layers=max(1, stacked), interpret=interpret)
+        return _merge(_per_shard(call, q.astype(keys.dtype), keys, values, cache_len, layer, rules),
+                      own_scores, own_values)
+    cache_k, cache_v = cache.read() if stacked else cache  # the GPU kernel takes the layer's slots
     slots = cache_k.shape[2]
-    aligned = slots - slots % ALIGN[kind]
+    aligned = slots - slots % ALIGN
     if aligned < slots:  # the last slots (less than one kernel block) are read here, with the step's own
         dh = q.shape[-1]
         tail_s = jnp.einsum("bkqd,bksd->bkqs", q, cache_k[:, :, aligned:].astype(q.dtype),
@@ -177,9 +142,9 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
         acc_c, l_c, m_c = jnp.zeros(q.shape, jnp.float32), jnp.zeros(shape), jnp.full(shape, jnp.finfo(jnp.float32).min)
     else:  # a buffer sized to whole blocks is passed as it lies (a prefix slice may be copied)
         part = (lambda c: c) if aligned == slots else (lambda c: c[:, :, :aligned])
-        call = functools.partial(committed, interpret=interpret)
+        call = lambda q, k, v, lens, layer: _committed_gpu(q, k, v, lens, interpret)  # noqa: E731
         acc_c, l_c, m_c = _per_shard(call, q.astype(cache_k.dtype), part(cache_k), part(cache_v),
-                                     jnp.minimum(cache_len, aligned), rules)
+                                     jnp.minimum(cache_len, aligned), jnp.zeros((), jnp.int32), rules)
     return _merge((acc_c, l_c, m_c), own_scores, own_values)
 
 
@@ -197,17 +162,25 @@ def _merge(committed, own_scores, own_values):
     return (acc_c * w_c[..., None] + acc_o * w_o[..., None]) / norm[..., None]
 
 
-# ---- paged pool (models/paged.py) ------------------------------------------------------------
-# The TPU kernels JAX ships for pages (paged_attention, ragged_paged_attention) return no
-# residuals and take one query per row (or causal spans), so they cannot serve a lossless step,
-# whose queries see the committed span and a non-causal part of the step. This kernel reads a
-# row's own pages through its page table (scalar-prefetched, so each block's DMA is addressed by
-# it) and returns the unnormalised output with its max and normaliser for the exact merge.
+# ---- the TPU kernel: one for the contiguous buffer and the paged pool -------------------------
+# The TPU kernels JAX ships (flash_attention, paged_attention, ragged_paged_attention) return no
+# residuals through a public entry, take one query per row (or causal spans), or visit every
+# slot, so none serves a lossless step, whose queries see the committed span and a non-causal
+# part of the step. This one reads a row's committed span as blocks of one slot axis that the
+# buffer already has, addressed through scalar-prefetched tables (so nothing is sliced or
+# copied out of the cache first): a contiguous [B, K, L * S, Dh] buffer in blocks of up to
+# BLOCK slots from its layer's first slot (a block may straddle the layer before or after, its
+# slots masked), a paged pool [1, K, L * P * page, Dh] a page per block through the page
+# table. A row's blocks past its length repeat its last block's index, so the pipeline fetches
+# nothing new; blocks wholly past it are not computed. It returns the unnormalised output with
+# its max and normaliser for the exact merge (`_merge`).
 LANES = 128  # the max and normaliser are kept lane-broadcast: TPU vector tiles are [8, 128]
+BLOCK = 512  # slots a contiguous block holds: a 128 KiB bf16 K block at Dh = 128, so a grid step's
+# fixed cost is small beside its DMA (JAX's flash attention defaults to 512-slot blocks too)
 
 
-def _paged_kernel(table_ref, lens_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *,
-                  page: int, scale: float):
+def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, k_ref, v_ref,
+                 o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *, scale: float):
     from jax.experimental import pallas as pl
 
     b, j = pl.program_id(0), pl.program_id(2)
@@ -218,16 +191,19 @@ def _paged_kernel(table_ref, lens_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, l_
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    length = lens_ref[b]
-
-    @pl.when(j * page < length)
+    @pl.when(j < counts_ref[b])  # a visited block holds at least one of the row's slots
     def _visit():
-        q = q_ref[...].astype(jnp.float32)
-        k = k_ref[...].astype(jnp.float32)
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        # float32 caches at full precision (the tests' oracle); bfloat16 ones as XLA reads them
+        precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=jax.lax.Precision.HIGHEST) * scale  # [Q, page]
-        slot = j * page + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(slot < length, s, jnp.finfo(jnp.float32).min)
+                                precision=precision) * scale  # [Q, block]
+        slot = starts_ref[b, j] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        seen = (slot >= 0) & (slot < lens_ref[b])
+        s = jnp.where(seen, s, jnp.finfo(jnp.float32).min)
+        # values outside the row's span (another layer's, or past the buffer's end) may be anything
+        v_slot = starts_ref[b, j] + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where((v_slot >= 0) & (v_slot < lens_ref[b]), v, jnp.zeros_like(v))
         m_prev = m_sc[...][:, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
@@ -235,8 +211,8 @@ def _paged_kernel(table_ref, lens_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, l_
         l_sc[...] = jnp.broadcast_to(l_sc[...][:, :1] * rescale + jnp.sum(p, axis=1, keepdims=True), l_sc.shape)
         m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
         acc_sc[...] = acc_sc[...] * rescale + jax.lax.dot_general(
-            p, v_ref[...].astype(jnp.float32), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=jax.lax.Precision.HIGHEST)
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=precision)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _done():
@@ -245,52 +221,101 @@ def _paged_kernel(table_ref, lens_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, l_
         m_ref[...] = m_sc[...]
 
 
-def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: bool):
-    """q [B, K, Q, Dh] against each row's pages (one shard's pools [1, K, L, P, page, Dh] at
-    layer `layer` [1] int32, table [B, R]) up to
-    cache_len [B]: unnormalised output [B, K, Q, Dh], normaliser l and max m [B, K, Q] (float32).
-    A row's pages past its length are not read: their blocks repeat its last page's index, so
-    the pipeline fetches nothing new."""
+def span_cost(b: int, k: int, queries: int, dh: int, visits: int, block: int, itemsize: int, q_itemsize: int):
+    """pl.CostEstimate of `_span_kernel` over b rows, k kv heads, `visits` blocks of `block` slots
+    each (a row filled to its whole span): the K and V blocks it fetches, its queries, its
+    float32 outputs; two dots per block; an exp per score. What hlo_cost prices the call at."""
+    from jax.experimental import pallas as pl
+
+    slots = visits * block
+    fetched = 2 * b * k * slots * dh * itemsize
+    moved = fetched + b * k * queries * dh * q_itemsize + b * k * queries * (dh + 2 * LANES) * 4
+    return pl.CostEstimate(flops=4 * b * k * queries * slots * dh, transcendentals=b * k * queries * slots,
+                           bytes_accessed=int(moved))
+
+
+def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, interpret: bool):
+    """q [B, K, Q, Dh] against row b's blocks of `block` slots, blocks[b, :counts[b]], of buffer
+    row rows[b] of keys, values [N, K, M, Dh] (blocks[b, j]'s first slot is the row's slot
+    starts[b, j]), up to lens[b]: unnormalised output [B, K, Q, Dh], normaliser l and max m
+    [B, K, Q] (float32; l = 0 for an empty span)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    pool_k, pool_v = pool_k[0], pool_v[0]
     b, k, nq, dh = q.shape
-    num_pages, page = pool_k.shape[2], pool_k.shape[3]
-    row_pages = table.shape[1]
-    pad = -nq % 8
+    visits = blocks.shape[1]
+    pad = -nq % 8  # queries padded to whole sublane tiles (rows of 8); dropped below
     q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
     qn = nq + pad
-    table = jnp.minimum(table, num_pages - 1).astype(jnp.int32)
-    lens = cache_len.astype(jnp.int32)
 
-    def kv_block(bi, h, j, table_ref, lens_ref, layer_ref):
-        last = jnp.maximum((lens_ref[bi] + page - 1) // page - 1, 0)
-        return h, layer_ref[0], table_ref[bi, jnp.minimum(j, last)], 0, 0
+    def kv_block(bi, h, j, rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref):
+        return rows_ref[bi], h, blocks_ref[bi, jnp.minimum(j, jnp.maximum(counts_ref[bi] - 1, 0))], 0
 
-    row_block = lambda bi, h, j, table_ref, lens_ref, layer_ref: (bi, h, 0, 0)  # noqa: E731
+    row_block = lambda bi, h, j, *refs: (bi, h, 0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, k, row_pages),
+        num_scalar_prefetch=5, grid=(b, k, visits),
         in_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
-                  pl.BlockSpec((None, None, None, page, dh), kv_block),
-                  pl.BlockSpec((None, None, None, page, dh), kv_block)],
+                  pl.BlockSpec((None, None, block, dh), kv_block),
+                  pl.BlockSpec((None, None, block, dh), kv_block)],
         out_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
                    pl.BlockSpec((None, None, qn, LANES), row_block),
                    pl.BlockSpec((None, None, qn, LANES), row_block)],
         scratch_shapes=[pltpu.VMEM((qn, LANES), jnp.float32), pltpu.VMEM((qn, LANES), jnp.float32),
                         pltpu.VMEM((qn, dh), jnp.float32)])
+    cost = span_cost(b, k, qn, dh, visits, block, keys.dtype.itemsize, q.dtype.itemsize)
 
     def call():  # built where it runs: interpret mode is read when the call is made
         return pl.pallas_call(
-            functools.partial(_paged_kernel, page=page, scale=dh ** -0.5), grid_spec=grid_spec,
+            functools.partial(_span_kernel, scale=dh ** -0.5), grid_spec=grid_spec,
             out_shape=[jax.ShapeDtypeStruct((b, k, qn, dh), jnp.float32),
                        jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32),
                        jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32)],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        )(table, lens, layer, q, pool_k, pool_v)
+            cost_estimate=cost,
+        )(rows, blocks, starts, counts, lens, q, keys, values)
     if interpret:
         with pltpu.force_tpu_interpret_mode():
             o, l, m = call()
     else:
         o, l, m = call()
     return o[:, :, :nq], l[:, :, :nq, 0], m[:, :, :nq, 0]
+
+
+def contiguous_blocks(slots: int, num_layers: int, layer, lens, block: int):
+    """(blocks, starts, counts) [B, J], [B, J], [B] of rows `lens` [B] long in layer `layer` of
+    a buffer of `num_layers` spans of `slots` slots on one axis, read in blocks of `block`: the
+    blocks from the one holding the layer's first slot to the one holding its last live slot."""
+    total = -(-num_layers * slots // block)
+    visits = min(total, (slots + block - 2) // block + 1)  # most blocks a span of `slots` touches
+    origin = layer * slots
+    first = origin // block
+    j = jnp.arange(visits, dtype=jnp.int32)[None, :]
+    blocks = jnp.broadcast_to(jnp.minimum(first + j, total - 1), (lens.shape[0], visits))
+    starts = (first + j) * block - origin
+    counts = jnp.where(lens > 0, (origin + lens - 1) // block - first + 1, 0)
+    return blocks.astype(jnp.int32), jnp.broadcast_to(starts, blocks.shape).astype(jnp.int32), counts.astype(jnp.int32)
+
+
+def _committed_contiguous_tpu(q, cache_k, cache_v, cache_len, layer, num_layers: int, interpret: bool):
+    """q [B, K, Q, Dh] against layer `layer` (int32 scalar) of one shard's buffers [B, K, L * S,
+    Dh] (L = num_layers; a per-layer buffer: 1), up to cache_len [B]: `_span_call`'s result."""
+    b, _, total, _ = cache_k.shape
+    block = min(BLOCK, total)
+    lens = cache_len.astype(jnp.int32)
+    blocks, starts, counts = contiguous_blocks(total // num_layers, num_layers, layer, lens, block)
+    return _span_call(q, cache_k, cache_v, jnp.arange(b, dtype=jnp.int32), blocks, starts, counts, lens,
+                      block, interpret)
+
+
+def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: bool):
+    """q [B, K, Q, Dh] against each row's pages (one shard's pools [1, K, (L,) P, page, Dh] at
+    layer `layer`, int32 scalar; table [B, R]) up to cache_len [B]: `_span_call`'s result, a
+    page per block (the pool's slot axis is its layers, pages and slots: a view, not a copy)."""
+    _, k, num_pages, page, dh = pool_k.shape[0], pool_k.shape[1], pool_k.shape[-3], pool_k.shape[-2], pool_k.shape[-1]
+    flat = lambda pool: pool.reshape(1, k, -1, dh)  # noqa: E731
+    lens = cache_len.astype(jnp.int32)
+    blocks = (layer * num_pages + jnp.minimum(table, num_pages - 1)).astype(jnp.int32)
+    starts = jnp.broadcast_to(jnp.arange(table.shape[1], dtype=jnp.int32) * page, table.shape)
+    counts = (lens + page - 1) // page
+    return _span_call(q, flat(pool_k), flat(pool_v), jnp.zeros(table.shape[:1], jnp.int32), blocks, starts,
+                      counts, lens, page, interpret)
