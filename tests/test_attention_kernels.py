@@ -174,3 +174,22 @@ def test_the_tpu_kernel_reads_a_stacked_layer_in_place(monkeypatch):
     blocks, starts, counts = attention_kernels.contiguous_blocks(slots, layers, 1, cache_len, 16)
     assert counts.tolist() == [0, 6, 3]  # layer 1 is slots [75, 150): blocks 4..9 of 16
     assert blocks[1].tolist()[:6] == [4, 5, 6, 7, 8, 9] and starts[1, 0] == 64 - 75
+
+
+def test_attention_auto_is_the_platforms_fast_path_resolved_on_the_host():
+    """`--attention auto` (generate's default): the Pallas kernel on TPU, a dry run for a slice
+    included, XLA elsewhere; resolved before any program traces it, which refuses it."""
+    from prove_jax.cli import generate
+    from prove_jax.decoding.dry_run import slice_options
+    from prove_jax.models.kernels import KernelOptions as Kernels
+    assert Kernels(attention="auto").resolve_attention("tpu").attention == "pallas_tpu"
+    assert Kernels(attention="auto").resolve_attention("gpu").attention == "xla"
+    assert Kernels(attention="auto").resolve("tpu").attention == "pallas_tpu"
+    assert Kernels(attention="xla").resolve("tpu").attention == "xla"
+    here = generate.decode_options(generate.parse_args(["--model", "m", "--prompt", "p"]))
+    assert here.kernels.attention == ("pallas_tpu" if jax.default_backend() == "tpu" else "xla")
+    dry = generate.decode_options(generate.parse_args(["--dry-run", "v5p-8", "--model", "m", "--page-size", "64"]))
+    assert slice_options(dry).kernels.attention == "pallas_tpu"
+    q, own, cache = _inputs()
+    with pytest.raises(attention_kernels.AttentionKernelError, match="resolved on the host"):
+        attention_kernels.attend_cached("auto", q[:, 0], None, own[1], cache, jnp.zeros(3, jnp.int32))

@@ -46,7 +46,7 @@ from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODE
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
-from prove_jax.models.kernels import ATTENTION_KERNELS, KernelOptions
+from prove_jax.models.kernels import ATTENTION_CHOICES, KernelOptions
 from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, RequestStream, ResultsFile,
                                          check_output_path, encode_prompts, error_record, output_record,
                                          read_requests, request_hash, request_logprobs, request_params)
@@ -133,9 +133,10 @@ def add_decoding_arguments(ap, calibrate: bool = True) -> None:
     dec.add_argument("--scan-layers", action="store_true",
                      help="run the layers as one lax.scan: compile time stops growing with depth "
                           "(for large models on TPU; on CPU a step costs more; docs/decoding.md)")
-    dec.add_argument("--attention", default="xla", choices=ATTENTION_KERNELS,
-                     help="how cached attention reads the committed KV: xla (default) or a Pallas kernel "
-                          "JAX ships for that platform (docs/decoding.md)")
+    dec.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
+                     help="how cached attention reads the committed KV: auto (default: the Pallas kernel "
+                          "pallas_tpu on TPU, a --dry-run included; xla elsewhere), xla, or a Pallas "
+                          "kernel for that platform (docs/decoding.md)")
     dec.add_argument("--page-size", type=int, default=None,
                      help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this "
                           "many slots: each request owns the pages its own prompt and budget need, not the "
@@ -277,13 +278,20 @@ def decode_options(args) -> DecodeOptions:
                              prefill_chunk=args.prefill_chunk,
                              logprobs=args.logprobs, relaxed_p=args.relaxed_p, scan_layers=args.scan_layers,
                              page_size=args.page_size, kv_pages=args.kv_pages,
-                             kernels=KernelOptions(attention=args.attention), **given).validate()
+                             kernels=_kernels(args), **given).validate()
     except DecodeError as e:  # the library's words for a setting -> the flag that set it
         message = str(e)
         for words, flag in OPTION_FLAGS.items():
             if message.startswith(words + " "):
                 message = flag + message[len(words):]
         raise DecodeError(message) from None
+
+
+def _kernels(args) -> KernelOptions:
+    """--attention as KernelOptions, "auto" resolved here on the host for the backend this
+    process runs on; a --dry-run's, for TPU, when the dry run resolves its options."""
+    kernels = KernelOptions(attention=args.attention)
+    return kernels if getattr(args, "dry_run", None) is not None else kernels.resolve_attention()
 
 
 OPTION_FLAGS = {"block size": "--block-size", "max groups": "--groups", "prefill chunk": "--prefill-chunk",

@@ -147,6 +147,6 @@ class DecodeOptions:
             raise DecodeError(f"page size must be a whole number of slots >= 1, got {self.page_size!r}")
         if self.kv_pages is not None and not (isinstance(self.kv_pages, int) and self.kv_pages >= 1):
             raise DecodeError(f"kv_pages must be a whole number of pages >= 1, got {self.kv_pages!r}")
-        if self.kernels.attention not in ("xla", "pallas_tpu"):
+        if self.kernels.attention not in ("xla", "pallas_tpu", "auto"):
             raise DecodeError(f"the paged KV pool is read by --attention xla or pallas_tpu, not "
                               f"{self.kernels.attention}")

@@ -109,6 +109,9 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
     [B, K, Q, T]. Returns float32 [B, K, Q, Dh] (normalised).
     `platform`: the one compiled for (None: jax's default backend); `rules`: how the mesh lays
     out the rows and kv heads (`sharding.kv_rules`)."""
+    if kind == "auto":
+        raise AttentionKernelError("attention 'auto' is resolved on the host before tracing "
+                                   "(KernelOptions.resolve_attention)")
     check_backend(kind, interpret, platform)
     if kind not in KERNEL_BACKENDS:
         raise AttentionKernelError(f"unknown attention kernel {kind!r}; choose one of {', '.join(ATTENTION_KERNELS)}")

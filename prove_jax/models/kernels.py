@@ -16,6 +16,11 @@ import jax
 
 MATMUL_FORMS = ("weight_major", "input_major", "plain")
 ATTENTION_KERNELS = ("xla", "pallas_gpu", "pallas_tpu")  # models/attention_kernels.py
+# "auto": the platform's fast path, resolved on the host (`KernelOptions.resolve_attention`): on
+# TPU the Pallas kernel, which keeps a wide step's scores in VMEM (XLA writes them to HBM per KV
+# chunk: benchmarks/decode_step_cost.md); XLA elsewhere
+ATTENTION_CHOICES = ATTENTION_KERNELS + ("auto",)
+AUTO_ATTENTION = {"tpu": "pallas_tpu"}
 MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
 CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
 
@@ -46,7 +51,8 @@ class KernelOptions:
     """Allow the lossless step to read the LM head once over every slot when few rows are extra."""
     attention: str = "xla"
     """How cached attention reads the committed slots: "xla" (chunked, models/attention.py) or a
-    shipped kernel (models/attention_kernels.py ATTENTION_KERNELS, e.g. "pallas_gpu")."""
+    shipped kernel (models/attention_kernels.py ATTENTION_KERNELS, e.g. "pallas_gpu"); "auto"
+    until resolved on the host (`resolve_attention`, `resolve`): a program never traces it."""
     interpret: bool = False
     """Run a Pallas attention kernel in interpret mode (any backend; slow: for tests)."""
     platform: str | None = None
@@ -62,9 +68,9 @@ class KernelOptions:
             raise ValueError(f"unknown CPU matmul form {self.cpu_matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
         if self.matmul_form is not None and self.matmul_form not in MATMUL_FORMS:
             raise ValueError(f"unknown matmul form {self.matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
-        if self.attention not in ATTENTION_KERNELS:
+        if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"unknown attention kernel {self.attention!r}; "
-                             f"choose one of {', '.join(ATTENTION_KERNELS)}")
+                             f"choose one of {', '.join(ATTENTION_CHOICES)}")
 
     def target(self) -> str:
         """The platform compiled for: `platform`, else jax's default backend (one per process)."""
@@ -85,8 +91,17 @@ class KernelOptions:
         else this one's, else jax's backend) and the matmul form it takes (`decode_form`), as
         an AOT compile for another platform needs them (`decoding/dry_run.slice_options`)."""
         resolved = dataclasses.replace(self, platform=platform or self.target())
+        resolved = resolved.resolve_attention(resolved.platform)
         form, max_rows = resolved.decode_form()
         return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows)
+
+
+    def resolve_attention(self, platform: str | None = None) -> "KernelOptions":
+        """These options with attention "auto" replaced, on the host, by the fast path of
+        `platform` (else the target's): AUTO_ATTENTION, else "xla"."""
+        if self.attention != "auto":
+            return self
+        return dataclasses.replace(self, attention=AUTO_ATTENTION.get(platform or self.target(), "xla"))
 
 
 DEFAULT_KERNELS = KernelOptions()
