@@ -371,23 +371,23 @@ def test_closed_abandoned_reads_stay_quiet(monkeypatch):
     its path; anything else, and the same error for another path, passes."""
     import sys
     import types
-    from prove_jax.checkpoints import checkpoint
+    from prove_jax.checkpoints import abandoned_reads
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())
+    monkeypatch.setattr(abandoned_reads, "QUIETED", abandoned_reads.QuietedPaths())
 
     def abandoned(path):
         text = (f"Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
                 f"details: ... 'path': '{path}/params/layers.0.attn.k_bias/', ...")
         return types.SimpleNamespace(exc_value=Exception(text), exc_type=Exception)
 
-    with checkpoint.restore_attempt("/ck/a"):  # a restore that returns: passed on, in order
+    with abandoned_reads.restore_attempt("/ck/a"):  # a restore that returns: passed on, in order
         sys.unraisablehook(abandoned("/ck/a"))
         assert seen == []
     assert len(seen) == 1 and sys.unraisablehook == seen.append
     seen.clear()
     with pytest.raises(ValueError, match="damaged"):
-        with checkpoint.restore_attempt("/ck/b"):
+        with abandoned_reads.restore_attempt("/ck/b"):
             sys.unraisablehook(abandoned("/ck/b"))
             raise ValueError("damaged")
     sys.unraisablehook(abandoned("/ck/b"))  # late ones, after the failure was reported

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from prove_jax.checkpoints import checkpoint
+from prove_jax.checkpoints import abandoned_reads, checkpoint
 from prove_jax.training.loop import train
 from tests.train_helpers import tiny_config
 
@@ -116,11 +116,11 @@ def test_config_change_is_refused_not_treated_as_damage(tmp_path, monkeypatch):
     assert open(os.path.join(run_dir, "train_config.json")).read() == saved_config
     # a resumed run reads only its own checkpoint: the initial weights' source (its model
     # config included) need not be there any more
-    from prove_jax.training import loop as trainer
+    from prove_jax.training import model_source
 
     def gone(cfg):
         raise FileNotFoundError("the initial weights were read on resume")
-    monkeypatch.setattr(trainer, "source_model_config", gone)
+    monkeypatch.setattr(model_source, "source_model_config", gone)
     messages = []  # the optimizer's hyperparameters may be retuned, said in the log
     again = train(tiny_config(tmp_path, "cc", ["optimizer.lr=5e-4"], steps=4, save_every=2),
                   show_bar=False, log=messages.append)
@@ -138,9 +138,9 @@ def test_config_change_is_refused_not_treated_as_damage(tmp_path, monkeypatch):
 def test_an_export_cut_short_is_redone_on_relaunch(tmp_path, monkeypatch):
     """RUN_DIR/model from an earlier save (export_every_save) must not pass for the final model
     when the final export was interrupted after the last checkpoint."""
-    from prove_jax.training import loop as trainer
+    from prove_jax.training import export
     cfg = tiny_config(tmp_path, "ex", steps=4, save_every=2, export_every_save=True)
-    real_export = trainer.export_model
+    real_export = export.export_model
     calls = []
 
     def export_then_die(path, *args):
@@ -149,11 +149,11 @@ def test_an_export_cut_short_is_redone_on_relaunch(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_export(path, *args)
 
-    monkeypatch.setattr(trainer, "export_model", export_then_die)
+    monkeypatch.setattr(export, "export_model", export_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, show_bar=False)
     assert os.path.isfile(os.path.join(cfg.run_dir, "model", "config.json"))  # step 2's export
-    monkeypatch.setattr(trainer, "export_model", real_export)
+    monkeypatch.setattr(export, "export_model", real_export)
     result = train(cfg, show_bar=False)
     assert result.start_step == result.final_step == 4 and result.model_dir is not None
     _assert_same_params(checkpoint.params_pure_dict(checkpoint.load_model(result.model_dir)),
@@ -183,8 +183,8 @@ def test_reads_abandoned_by_a_failed_restore_stay_quiet(monkeypatch):
     import types
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())
-    checkpoint.quiet_abandoned_reads("/runs/a/checkpoints/8")
+    monkeypatch.setattr(abandoned_reads, "QUIETED", abandoned_reads.QuietedPaths())
+    abandoned_reads.QUIETED.add("/runs/a/checkpoints/8")
     for exc in (RuntimeError("Event loop is closed"), RuntimeError("something else")):
         sys.unraisablehook(types.SimpleNamespace(exc_value=exc, exc_type=RuntimeError))
     assert [str(u.exc_value) for u in seen] == ["something else"]
@@ -200,30 +200,30 @@ def test_reads_abandoned_by_a_failed_restore_stay_quiet(monkeypatch):
 
 def test_a_closed_loop_error_before_the_failed_restore_returns_stays_quiet(monkeypatch):
     """Orbax closes its event loop when a restore fails, and an abandoned read can call into it
-    before the exception reaches `quiet_abandoned_reads` (a pytest warning, now and then, in
+    before the exception reaches the caller (a pytest warning, now and then, in
     the corrupt-checkpoint test above). `restore_attempt` holds such errors while the restore
     runs: dropped if it raises, passed on in order if it returns; other errors pass at once."""
     import sys
     import types
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    monkeypatch.setattr(checkpoint, "_ABANDONED_READ_DIRS", set())
+    monkeypatch.setattr(abandoned_reads, "QUIETED", abandoned_reads.QuietedPaths())
 
     def unraisable(text):
         sys.unraisablehook(types.SimpleNamespace(exc_value=RuntimeError(text), exc_type=RuntimeError))
-    with checkpoint.restore_attempt("/runs/a/checkpoints/4"):
+    with abandoned_reads.restore_attempt("/runs/a/checkpoints/4"):
         unraisable("Event loop is closed")
         unraisable("something else")
         assert [str(u.exc_value) for u in seen] == ["something else"]
     assert [str(u.exc_value) for u in seen] == ["something else", "Event loop is closed"]
-    assert sys.unraisablehook == seen.append and not checkpoint._ABANDONED_READ_DIRS
+    assert sys.unraisablehook == seen.append and not abandoned_reads.QUIETED.paths
 
     seen.clear()
     with pytest.raises(ValueError, match="damaged"):
-        with checkpoint.restore_attempt("/runs/a/checkpoints/8"):
+        with abandoned_reads.restore_attempt("/runs/a/checkpoints/8"):
             unraisable("Event loop is closed")
             raise ValueError("damaged")
     unraisable("Event loop is closed")  # a late one, after the failure was reported
     unraisable("something else")
     assert [str(u.exc_value) for u in seen] == ["something else"]
-    assert checkpoint._ABANDONED_READ_DIRS == {os.path.abspath("/runs/a/checkpoints/8")}
+    assert abandoned_reads.QUIETED.paths == {os.path.abspath("/runs/a/checkpoints/8")}

@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 from typing import Mapping
 
 import jax
@@ -24,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from prove_jax import storage
+from prove_jax.checkpoints.abandoned_reads import ABANDONED_READ_ERROR, restore_attempt
 from prove_jax.errors import ProveJaxError
 from prove_jax.files import atomic_dir, check_replaceable
 from prove_jax.models import sharding
@@ -116,7 +116,6 @@ def shard_chunk_shapes(cfg: ModelConfig, mesh, rules: Mapping = sharding.DEFAULT
             for name, leaf in _dotted_leaves(placed).items()}
 
 
-_ABANDONED_READ_ERROR = "Encountered error while reading array index"
 # The TensorStore spec in an orbax read error: the parameter's directory is its kvstore path
 # ('path': '.../params/NAME/' in orbax's dump, "path":"..." in tensorstore's JSON, its quotes
 # escaped in a [tensorstore_spec='...'] suffix; in OCDBT the last path is the key, NAME/).
@@ -142,7 +141,7 @@ def restore_error_reason(e: BaseException) -> str:
     for dump in (" See full TensorStore", " [tensorstore_spec="):
         reason = reason.split(dump)[0]
     cause = e.__cause__
-    if reason.startswith(_ABANDONED_READ_ERROR) and cause is not None and str(cause).strip():
+    if reason.startswith(ABANDONED_READ_ERROR) and cause is not None and str(cause).strip():
         reason = restore_error_reason(cause)
     param = _parameter_of(text)
     if param and f"parameter {param}" not in reason:
@@ -159,78 +158,6 @@ def restore_failure(path: str, e: BaseException, what: str = "a damaged or incom
         return (f"cannot restore {path}: the other hosts did not join the read in time (a host "
                 f"that failed first says why in its own log): {reason}")
     return f"cannot restore {path} ({what}): {reason}"
-
-
-_ABANDONED_READ_DIRS: set[str] = set()
-
-
-def _is_closed_loop_error(exc: BaseException | None) -> bool:
-    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-
-
-def _is_abandoned_read_error(exc: BaseException | None) -> bool:
-    """Orbax's read coroutine re-raising a tensorstore error: what an abandoned read prints
-    ("Exception ignored in: <coroutine ... _read_array_index_and_device_put>") when it is
-    closed after the restore failed, once per chunk read in flight."""
-    return exc is not None and str(exc).startswith(_ABANDONED_READ_ERROR)
-
-
-@contextlib.contextmanager
-def restore_attempt(path: str):
-    """Run an orbax restore of `path` inside this. A failed restore's abandoned reads can report
-    into orbax's closed event loop before the exception reaches the caller, too early for
-    `quiet_abandoned_reads`, so those unraisables are held while the restore runs: dropped (and
-    `path` quieted) when it raises, passed on when it returns. Anything else passes at once."""
-    held = []
-    passed_on = sys.unraisablehook
-
-    def hold(unraisable):
-        if _is_closed_loop_error(unraisable.exc_value) or _is_abandoned_read_error(unraisable.exc_value):
-            held.append(unraisable)
-        else:
-            passed_on(unraisable)
-
-    sys.unraisablehook = hold
-    try:
-        yield
-    except Exception:
-        sys.unraisablehook = passed_on
-        quiet_abandoned_reads(path)
-        raise
-    finally:
-        if sys.unraisablehook is hold:
-            sys.unraisablehook = passed_on
-    for unraisable in held:
-        passed_on(unraisable)
-
-
-def quiet_abandoned_reads(path: str) -> None:
-    """Called (by `restore_attempt`) when a restore of `path` failed. Its abandoned reads finish
-    later on tensorstore's threads and print the same error again, per chunk (hundreds under
-    load): "Future exception was never retrieved", "Exception ignored ... Event loop is closed"
-    and "... Encountered error while reading array index". Only those (the first and last only
-    for this path) are dropped, process-wide, since they arrive at any later time."""
-    if not _ABANDONED_READ_DIRS:
-        logging.getLogger("asyncio").addFilter(_keep_unless_abandoned_read)
-        previous_hook = sys.unraisablehook
-
-        def hook(unraisable):
-            exc = unraisable.exc_value
-            if _is_closed_loop_error(exc):
-                return
-            if _is_abandoned_read_error(exc) and any(d in str(exc) for d in _ABANDONED_READ_DIRS):
-                return
-            previous_hook(unraisable)
-        sys.unraisablehook = hook
-    _ABANDONED_READ_DIRS.add(os.path.abspath(path))
-
-
-def _keep_unless_abandoned_read(record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    if not message.startswith("Future exception was never retrieved"):
-        return True
-    error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else ""
-    return not any(d in message or d in error for d in _ABANDONED_READ_DIRS)
 
 
 @contextlib.contextmanager
