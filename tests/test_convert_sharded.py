@@ -22,7 +22,7 @@ from prove_jax.checkpoints import checkpoint, convert
 from prove_jax.cli import convert as convert_cli
 from prove_jax.models import sharding
 from prove_jax.models.params import abstract_model, abstract_sharded, flat_params, param_logical_axes
-from prove_jax.training import loop
+from prove_jax.training import loop, model_source
 from prove_jax.training.config import TrainConfigError
 from tests.multihost import REPO, run_two_processes
 from tests.train_helpers import tiny_config, write_config
@@ -121,7 +121,7 @@ def test_hf_dir_training_start_converts_once_and_a_relaunch_reuses_it(tmp_path, 
                                                                        read_spy):
     make_hf_qwen2(tmp_path / "hf", seed=9, vocab_size=320)
     cfg = tiny_config(tmp_path, "run", objective="ar", mesh=[1, 4, 2], model={"hf_dir": str(tmp_path / "hf")})
-    model_cfg = loop.source_model_config(cfg)
+    model_cfg = model_source.source_model_config(cfg)
     mesh = sharding.make_mesh(tuple(cfg.mesh))
     conversions = []
     real = convert.hf_to_flax
@@ -130,14 +130,14 @@ def test_hf_dir_training_start_converts_once_and_a_relaunch_reuses_it(tmp_path, 
     before = _flat(convert.convert_hf_to_ours(str(tmp_path / "hf"), model_cfg))
 
     def start(mesh=mesh):
-        model = loop.load_initial_model(cfg, model_cfg, mesh)
+        model = model_source.load_initial_model(cfg, model_cfg, mesh)
         got = flat_params(model)
         assert got.keys() == before.keys()
         for name, value in got.items():
             np.testing.assert_array_equal(np.asarray(value), before[name], err_msg=name)
         return model, capsys.readouterr().err
 
-    converted = os.path.join(cfg.run_dir, loop.CONVERTED_DIR)
+    converted = os.path.join(cfg.run_dir, model_source.CONVERTED_DIR)
     _, log = start()
     assert len(conversions) == 1 and "converting" in log and os.path.isfile(
         os.path.join(converted, convert.SOURCE_RECORD))
@@ -206,11 +206,12 @@ from flax import nnx
 from orbax.checkpoint._src.serialization import serialization
 from prove_jax.checkpoints import checkpoint, convert
 from prove_jax.models import sharding
-from prove_jax.training import loop
+from prove_jax.models.params import flat_params
+from prove_jax.training import export, model_source
 from prove_jax.training.config import load_config
 
 cfg = load_config(cfg_path)
-model_cfg = loop.source_model_config(cfg)
+model_cfg = model_source.source_model_config(cfg)
 mesh = sharding.make_mesh(tuple(cfg.mesh))
 conversions, reads = [], []
 real_convert, real_read = convert.hf_to_flax, serialization._read_array_index_and_device_put
@@ -219,16 +220,16 @@ async def spy(devices, index, t, **kw):
     reads.append([d.id for d in devices])
     return await real_read(devices, index, t, **kw)
 serialization._read_array_index_and_device_put = spy
-model = loop.load_initial_model(cfg, model_cfg, mesh)
+model = model_source.load_initial_model(cfg, model_cfg, mesh)
 ref = {{k: np.asarray(v) for k, v in checkpoint._dotted_leaves(
     convert.convert_hf_to_ours(cfg.model.hf_dir, model_cfg)).items()}}
 worst = 0.0
-for name, value in loop.params_lib.flat_params(model).items():
+for name, value in flat_params(model).items():
     for shard in value.addressable_shards:
         worst = max(worst, float(np.max(np.abs(np.asarray(shard.data) - ref[name][shard.index]))))
 graphdef, state = nnx.split(model)
-loop.export_model(os.path.join(cfg.run_dir, "model"), graphdef, nnx.to_pure_dict(state), model_cfg,
-                  cfg.tokenizer.path, dtype="bfloat16")
+export.export_model(os.path.join(cfg.run_dir, "model"), graphdef, nnx.to_pure_dict(state), model_cfg,
+                    cfg.tokenizer.path, dtype="bfloat16")
 local = {{d.id for d in jax.local_devices()}}
 with open(out + f"-{{pid}}.json", "w") as f:
     json.dump({{"conversions": len(conversions), "reads": len(reads), "worst": worst,

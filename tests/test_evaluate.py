@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prove_jax.cli import evaluate as evaluate_cli
-from prove_jax.evaluation import heldout as evaluate
+from prove_jax.evaluation import heldout
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
 from prove_jax.checkpoints.convert import hf_to_flax
 from prove_jax.data.pipeline import TokenizedRows, tokenize_examples
@@ -30,7 +30,7 @@ def test_nll_and_accuracy_match_transformers(pair):
     hf, ours, _ = pair
     ids = np.random.RandomState(0).randint(2, 300, (3, 24)).astype(np.int32)
     ones = np.ones_like(ids, bool)
-    m = evaluate.heldout_metrics(load_model(ours, dtype="float32", param_dtype="float32"),
+    m = heldout.heldout_metrics(load_model(ours, dtype="float32", param_dtype="float32"),
                                  TokenizedRows(ids, ones, ones, 0, 0), batch_size=2)  # padded tail batch
     with torch.no_grad():
         out = hf(torch.tensor(ids, dtype=torch.long), labels=torch.tensor(ids, dtype=torch.long))
@@ -51,7 +51,7 @@ def test_cli_reports_each_model_and_fails_cleanly(pair, tmp_path, capsys):
     [result] = json.loads(out.out)
     rows = tokenize_examples([{"text": data.read_text()}], load_tokenizer(ckpt), max_length=32, block_size=1)
     rows = TokenizedRows(rows.input_ids[:5], rows.loss_mask[:5], rows.valid[:5], 0, 0)
-    expected = evaluate.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
+    expected = heldout.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
     assert result["nll"] == pytest.approx(expected["nll"], rel=1e-5) and result["rows"] == 5
     assert "perplexity" in out.err
     # sharded: rows over data x fsdp = 4 (the batch of 2 rounded up to 4), the model over tensor

@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from prove_jax import storage
 from prove_jax.checkpoints import checkpoint
-from prove_jax.training import loop
+from prove_jax.training import loop, model_source
 from prove_jax.training.preemption import Preempted
 from tests.train_helpers import tiny_config
 
@@ -154,10 +154,10 @@ def test_convert_writes_a_checkpoint_into_a_bucket_that_loads_like_a_local_one(g
     storage.upload_dir(str(hf), hf_remote)
     cfg = tiny_config(tmp_path, "hfrun", run_dir=f"{gcs}/runs/hf", model={"hf_dir": hf_remote},
                       tokenizer={"path": None})
-    assert loop.source_model_config(cfg) == loop.source_model_config(
+    assert model_source.source_model_config(cfg) == model_source.source_model_config(
         tiny_config(tmp_path, "hflocal", model={"hf_dir": str(hf)}, tokenizer={"path": None}))
     mesh = make_mesh((1, 1, 1))
-    converted = loop.convert_hf_once(cfg, mesh)
+    converted = model_source.convert_hf_once(cfg, mesh)
     assert converted == f"{gcs}/runs/hf/converted"
     assert checkpoint.load_config(converted) == checkpoint.load_config(remote)  # the same writer
     assert conversion_stale(hf_remote, converted, mesh) is None

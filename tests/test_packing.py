@@ -224,7 +224,7 @@ def test_padding_fraction_is_reported(tok, tmp_path):
     assert packed.padding_fraction < plain.padding_fraction / 2 and packed.sequences < 16 / 2
     assert packed.trained_tokens == plain.trained_tokens
 
-    from prove_jax.training.loop import make_data_iterator
+    from prove_jax.training.batches import make_data_iterator
     lines = []
     cfg = tiny_config(tmp_path, overrides=["pack_documents=true"])
     make_data_iterator(cfg, tok, lines.append)

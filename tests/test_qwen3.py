@@ -44,7 +44,8 @@ from prove_jax.models.inflate import inflate, inflated_config
 from prove_jax.models.params import create_model, flat_params, param_logical_axes
 from prove_jax.training.commit_head import propose_and_label, train_commit_head
 from prove_jax.training.config import TrainConfigError, load_config
-from prove_jax.training.loop import resolve_tokenizer, train
+from prove_jax.training.loop import train
+from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.hf_models import hf_greedy
 from tests.tokenizers_fixture import make_tokenizer
 from tests.train_helpers import tiny_config

@@ -25,7 +25,7 @@ from prove_jax import memory
 from prove_jax.cli import distill as distill_cli
 from prove_jax.cli import evaluate as evaluate_cli
 from prove_jax.training import distill
-from prove_jax.evaluation import heldout as evaluate
+from prove_jax.evaluation import heldout
 from prove_jax.evaluation import humaneval
 from prove_jax.training import metrics
 from prove_jax.models import sharding
@@ -83,7 +83,7 @@ def test_heldout_nll_weights_every_trained_token_once_across_rows_of_different_l
     ids[~valid] = 0
     want_nll, want_top1, want_tokens = _hf_token_mean(hf, ids, trained, valid)
     rows = TokenizedRows(ids.astype(np.int32), trained, valid, 0, 0)
-    got = evaluate.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows, batch_size=3)
+    got = heldout.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows, batch_size=3)
     assert got["tokens"] == want_tokens == 9 + 4 + 10 + 1 and got["rows"] == 4
     assert got["nll"] == pytest.approx(want_nll, abs=1e-4)
     assert got["perplexity"] == pytest.approx(np.exp(want_nll), rel=1e-3)

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from prove_jax.evaluation import heldout as evaluate
+from prove_jax.evaluation import heldout
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
 from prove_jax.models.config import ModelConfig
 from prove_jax.data.pipeline import TokenizedRows, tokenize_examples
@@ -47,7 +47,7 @@ def test_distill_and_evaluate_on_two_hosts_equal_one_process(tmp_path):
         "--max-rows", "6", "--batch-size", "4", "--mesh", "2,2,2", *joining(i, port)])
     rows = tokenize_examples([{"text": data.read_text()}], load_tokenizer(ckpt), max_length=32, block_size=1)
     rows = TokenizedRows(rows.input_ids[:6], rows.loss_mask[:6], rows.valid[:6], 0, 0)
-    here = evaluate.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
+    here = heldout.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
     # (CPU collectives: Gloo prints its connections to stdout first)
     [result] = json.loads(hosts[0].stdout.splitlines()[-1])
     assert result["nll"] == pytest.approx(here["nll"], rel=1e-5) and result["tokens"] == here["tokens"]

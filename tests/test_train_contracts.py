@@ -1,6 +1,6 @@
 """Training contracts the rest of the suite let through: each test was written against a
 plausible bug (a mutant of the code) that every other test passed, and fails on it. The oracles
-are the documented contracts, written out by hand: the warmup + cosine schedule of optim.py's
+are the documented contracts, written out by hand: the warmup + cosine schedule of optimizer.py's
 docstring (docs/method.md: "cosine schedule, 3% warmup"), the clipped-AdamW update formula, MARS's loss =
 CE(masked) + ar_weight x CE(clean) (docs/method.md section 2), the commit head's "the verifier's
 state at D_i judges D_{i+1}", and the run directory's checkpoint contract (the final step is
@@ -34,7 +34,7 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
 # ---- learning-rate schedule ------------------------------------------------------------------
 
 def _expected_lr(step, lr, total, warmup_ratio, min_ratio):
-    """optim.py's contract, by hand: linear warmup over w = max(1, round(ratio * total)) steps
+    """optimizer.py's contract, by hand: linear warmup over w = max(1, round(ratio * total)) steps
     starting at lr / w (so the first update moves the weights) and reaching lr at step w, then
     cosine decay from lr at step w to lr * min_ratio at step `total`."""
     w = max(1, int(round(warmup_ratio * total)))
@@ -291,7 +291,7 @@ def test_only_mars_pads_rows_to_a_block_with_trained_eos(tmp_path):
     blocks); objective=ar padded too, so its loss had up to block_size - 1 made-up
     EOS-after-EOS targets per row and depended on block_size."""
     import json
-    from prove_jax.training.loop import make_data_iterator
+    from prove_jax.training.batches import make_data_iterator
     from tests.tokenizers_fixture import make_tokenizer
     from tests.train_helpers import tiny_config
     data = tmp_path / "ids.jsonl"  # 3 prompt + 2 trained tokens (the second an EOS) per row
@@ -313,7 +313,7 @@ def test_only_mars_pads_rows_to_a_block_with_trained_eos(tmp_path):
 def test_data_smaller_than_one_batch_is_a_warning(tmp_path):
     """Fewer sequences than one global batch train the same rows repeated in every batch."""
     import json
-    from prove_jax.training.loop import make_data_iterator
+    from prove_jax.training.batches import make_data_iterator
     from tests.tokenizers_fixture import make_tokenizer
     from tests.train_helpers import tiny_config
     data = tmp_path / "ids.jsonl"

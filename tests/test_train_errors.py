@@ -12,7 +12,8 @@ import re
 import pytest
 
 from prove_jax.training.config import TrainConfigError, load_config, valid_keys
-from prove_jax.training.loop import make_data_iterator, resolve_tokenizer
+from prove_jax.training.batches import make_data_iterator
+from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.tokenizers_fixture import make_tokenizer
 from tests.train_helpers import write_config
 from train.train import main
@@ -113,11 +114,11 @@ def test_a_train_step_that_cannot_fit_is_refused_before_the_run_dir_is_written(t
 
 
 def test_missing_and_empty_data(tmp_path, capsys, monkeypatch):
-    from prove_jax.training import loop
+    from prove_jax.training import run_setup
 
     def compiled(*args, **kwargs):  # data errors are found before the step compiles
         raise AssertionError("the train step compiled before the data was checked")
-    monkeypatch.setattr(loop, "compile_step", compiled)
+    monkeypatch.setattr(run_setup, "compile_step", compiled)
     cfg_path = write_config(tmp_path)
     assert main(["--config", cfg_path, f"data={tmp_path}/nope.jsonl", "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -252,7 +253,7 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     with pytest.raises(TrainConfigError, match="mesh must be list, got '1e3'"):
         load_config(str(cfg_path))
     # the inline model config too (PyYAML hands it '1e6'), and a bad value is named before any run
-    from prove_jax.training.loop import source_model_config
+    from prove_jax.training.model_source import source_model_config
     from tests.train_helpers import TINY_MODEL
     theta = write_config(tmp_path, "theta", model={"config": dict(TINY_MODEL, rope_theta="1e6")})
     assert source_model_config(load_config(theta)).rope_theta == 1e6
@@ -263,13 +264,13 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
 def test_a_leftover_run_tokenizer_is_replaced_until_a_checkpoint_exists(tmp_path):
     """RUN_DIR/tokenizer from a launch that never saved a step must not override a corrected
     tokenizer config; once a step is saved it is the run's tokenizer and wins."""
-    from prove_jax.training.loop import _save_run_tokenizer
+    from prove_jax.training.run_tokenizer import save_run_tokenizer
     cfg = load_config(write_config(tmp_path))
     own = os.path.join(cfg.run_dir, "tokenizer")
     make_tokenizer(280).save_pretrained(own)  # an earlier launch's, since corrected
     tokenizer, where = resolve_tokenizer(cfg)
     assert where == cfg.tokenizer.path and len(tokenizer) == len(make_tokenizer(300))
-    _save_run_tokenizer(tokenizer, cfg.run_dir)
+    save_run_tokenizer(tokenizer, cfg.run_dir)
     os.makedirs(os.path.join(cfg.run_dir, "checkpoints", "4"))
     resumed, where = resolve_tokenizer(cfg)
     assert where == own and len(resumed) == len(tokenizer)
@@ -367,7 +368,8 @@ def test_a_tokenizer_that_disagrees_with_the_pretrained_weights_is_refused(tmp_p
     from prove_jax.checkpoints.checkpoint import save_model
     from prove_jax.models.config import ModelConfig
     from prove_jax.models.params import create_model
-    from prove_jax.training.loop import check_tokenizer_matches_weights, source_model_config
+    from prove_jax.training.model_source import source_model_config
+    from prove_jax.training.run_tokenizer import check_tokenizer_matches_weights
     from tests.train_helpers import TINY_MODEL, write_tokenizer
     cfg_path = write_config(tmp_path)
     ckpt = str(tmp_path / "ckpt")
@@ -433,14 +435,14 @@ def test_every_error_class_of_the_package_is_a_prove_jax_error():
 def test_a_prove_jax_error_from_deep_inside_is_one_error_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """Any ProveJaxError, not only the classes the CLI knows by name, raised inside a run."""
     from prove_jax.errors import ProveJaxError
-    from prove_jax.training import loop
+    from prove_jax.training import run_setup
 
     class DeepError(ProveJaxError):  # a subclass of the base alone, no builtin beside it
         pass
 
     def fails(cfg):
         raise DeepError("the weights at /nowhere are on fire; use others")
-    monkeypatch.setattr(loop, "run_model_config", fails)
+    monkeypatch.setattr(run_setup, "run_model_config", fails)
     assert main(["--config", write_config(tmp_path), "--no-progress"]) == 2
     assert capsys.readouterr().err == "error: the weights at /nowhere are on fire; use others\n"
     assert not os.path.exists(os.path.join(tmp_path, "run"))

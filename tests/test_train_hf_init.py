@@ -9,7 +9,8 @@ import torch
 
 from prove_jax.checkpoints import checkpoint
 from prove_jax.data import pipeline as data_lib
-from prove_jax.training.loop import resolve_tokenizer, train
+from prove_jax.training.loop import train
+from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.hf_models import make_hf_qwen2
 from tests.train_helpers import tiny_config
 

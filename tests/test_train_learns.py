@@ -14,7 +14,7 @@ import numpy as np
 
 from prove_jax.data import pipeline as data_lib
 from prove_jax.training.config import load_config
-from prove_jax.training.loop import resolve_tokenizer
+from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.train_helpers import write_config, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -142,7 +142,7 @@ def test_a_mesh_whose_hosts_share_batch_rows_is_refused():
     import jax
     from prove_jax.models.sharding import make_mesh
     from prove_jax.training.config import TrainConfigError
-    from prove_jax.training.loop import check_hosts_split_the_batch
+    from prove_jax.training.mesh import check_hosts_split_the_batch
     host = lambda d: d.id // 4
     for shape in ((2, 1, 4), (1, 2, 4), (8, 1, 1), (2, 2, 2)):  # hosts along data / fsdp: fine
         check_hosts_split_the_batch(make_mesh(shape, devices=jax.devices()), host)

@@ -32,6 +32,19 @@ from prove_jax.models.sharding import batch_shards
 from prove_jax.training.step import BATCH_SPEC
 
 
+def heldout_sums(graphdef, state, batch: dict):
+    """(summed NLL, summed top-1 hits, trained tokens) of one batch, the model rebuilt from
+    (graphdef, state) inside the trace."""
+    m = nnx.merge(graphdef, state)
+    ids = batch["input_ids"]
+    b, length = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
+    logits, _ = m(ids, positions, causal_mask(b, length, batch["valid"]))
+    labels, w = next_token_targets(batch)
+    hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    return (token_nll(logits, labels) * w).sum(), (hit * w).sum(), w.sum()
+
+
 def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
     """Token-weighted NLL / perplexity / top-1 accuracy of `model` over TokenizedRows; with a
     mesh (the model already sharded on it) each batch's rows are split over data x fsdp."""
@@ -45,16 +58,7 @@ def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
         place = lambda batch: jax.device_put(batch, rows_sharding)  # noqa: E731
         out_shardings = NamedSharding(mesh, PartitionSpec())  # every host reads the sums
 
-    @functools.partial(jax.jit, out_shardings=out_shardings)
-    def sums(state, batch):
-        m = nnx.merge(graphdef, state)
-        ids = batch["input_ids"]
-        b, length = ids.shape
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
-        logits, _ = m(ids, positions, causal_mask(b, length, batch["valid"]))
-        labels, w = next_token_targets(batch)
-        hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-        return (token_nll(logits, labels) * w).sum(), (hit * w).sum(), w.sum()
+    sums = jax.jit(functools.partial(heldout_sums, graphdef), out_shardings=out_shardings)
 
     n = rows.input_ids.shape[0]
     nll = hits = count = 0.0

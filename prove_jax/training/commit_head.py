@@ -9,9 +9,8 @@ context, cut at a random trained position. `prove-jax train objective=commit_hea
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-import json
 import os
 import sys
 from typing import NamedTuple
@@ -22,12 +21,25 @@ import numpy as np
 import optax
 from flax import nnx
 
-from prove_jax.models.attention import causal_mask
-from prove_jax.models.tokens import greedy_tokens, readable_tokens
-from prove_jax.training.optimizer import lr_schedule
-
-from prove_jax.models.commit_head import CommitHead, predicted_length
+from prove_jax import distributed
+from prove_jax.checkpoints import checkpoint
+from prove_jax.checkpoints.checkpoint import CheckpointError
 from prove_jax.checkpoints.commit_head import save_commit_head
+from prove_jax.checkpoints.vocab import check_shared_vocabulary
+from prove_jax.models.attention import causal_mask
+from prove_jax.models.commit_head import CommitHead, predicted_length
+from prove_jax.models.params import abstract_model, abstract_sharded
+from prove_jax.models.sharding import shardings_of
+from prove_jax.models.tokens import greedy_tokens, readable_tokens
+from prove_jax.training.batches import make_data_iterator, next_global_batch
+from prove_jax.training.compiled_step import compile_checked
+from prove_jax.training.config import TrainConfigError
+from prove_jax.training.export import export_model
+from prove_jax.training.host_log import log_main
+from prove_jax.training.mesh import config_mesh
+from prove_jax.training.metrics import MetricsFile
+from prove_jax.training.optimizer import lr_schedule
+from prove_jax.training.step import abstract_batch, batch_shardings, gradient_update
 
 
 # ---- labels ----------------------------------------------------------------------------------
@@ -154,7 +166,6 @@ def frozen_config(model_cfg):
 
 def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, mesh, seed: int = 0) -> HeadLayout:
     """The `HeadLayout` of a proposer/verifier pair on `mesh` (a real or an abstract one)."""
-    from prove_jax.models.params import abstract_model, abstract_sharded
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     frozen, defs = {}, {}
     for name, cfg in (("proposer", proposer_cfg), ("verifier", verifier_cfg)):
@@ -166,43 +177,57 @@ def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, me
     return HeadLayout(defs["proposer"], defs["verifier"], head_def, state, frozen)
 
 
-def build_head_step(layout: HeadLayout, tx: optax.GradientTransformation, *, seed: int,
-                    context_len: int, block_size: int, mask_id: int):
-    """Pure (state, frozen, batch, step number) -> (state, metrics): one update of the head, the
-    proposer and verifier frozen. Metrics (over the rows with a context): loss, exact-length
-    accuracy, mean AR-match length, mean predicted length. The step's random contexts come
-    from (seed, step number), so a resumed or re-sharded run draws the same ones."""
+@dataclasses.dataclass(frozen=True)
+class HeadStepSettings:
+    """The head step's static settings (part of its compiled program)."""
+    seed: int  # with the step number, the key of the step's random contexts
+    context_len: int  # the longest context: max_length - block_size
+    block_size: int
+    mask_id: int  # the proposer's `<|mask|>`
 
-    def step(state, frozen, batch, step_number):
-        proposer = nnx.merge(layout.proposer_def, frozen["proposer"])
-        verifier = nnx.merge(layout.verifier_def, frozen["verifier"])
-        key = jax.random.fold_in(jax.random.key(seed), step_number)
-        ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"],
-                           key, context_len=context_len, block_size=block_size, mask_id=mask_id)
-        loss_of = lambda params: head_loss(nnx.merge(layout.head_def, params), ex)  # noqa: E731
-        (loss, logits), grads = jax.value_and_grad(loss_of, has_aux=True)(state["head"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["head"])
-        head = optax.apply_updates(state["head"], updates)
-        true_len = 1 + jnp.sum(ex.labels, axis=-1)
-        threshold = nnx.merge(layout.head_def, head).threshold
-        pred_len = predicted_length(jax.nn.sigmoid(logits) >= threshold)
-        rows = ex.used.astype(jnp.float32)
 
-        def mean(x):
-            return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
-        metrics = {"loss": loss, "length_accuracy": mean(pred_len == true_len),
-                   "ar_match_length": mean(true_len), "predicted_length": mean(pred_len)}
-        return {"head": head, "opt_state": opt_state}, metrics
-    return step
+def head_metrics(head: CommitHead, ex: HeadExamples, loss, logits) -> dict:
+    """Over the rows with a context: the loss, exact-length accuracy, mean AR-match length and
+    mean predicted length."""
+    true_len = 1 + jnp.sum(ex.labels, axis=-1)
+    pred_len = predicted_length(jax.nn.sigmoid(logits) >= head.threshold)
+    rows = ex.used.astype(jnp.float32)
+
+    def mean(x):
+        return jnp.sum(x * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+    return {"loss": loss, "length_accuracy": mean(pred_len == true_len),
+            "ar_match_length": mean(true_len), "predicted_length": mean(pred_len)}
+
+
+def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
+              tx: optax.GradientTransformation, state: dict, frozen: dict, batch: dict,
+              step_number) -> tuple[dict, dict]:
+    """(state, frozen, batch, step number) -> (state, metrics): one `gradient_update` of the
+    head (the train step's recipe), the proposer and verifier frozen. The step's random
+    contexts come from (seed, step number), so a resumed or re-sharded run draws the same ones."""
+    proposer = nnx.merge(proposer_def, frozen["proposer"])
+    verifier = nnx.merge(verifier_def, frozen["verifier"])
+    key = jax.random.fold_in(jax.random.key(settings.seed), step_number)
+    ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"], key,
+                       context_len=settings.context_len, block_size=settings.block_size,
+                       mask_id=settings.mask_id)
+
+    def loss_of(params, ex):
+        head = nnx.merge(head_def, params)
+        loss, logits = head_loss(head, ex)
+        return loss, head_metrics(head, ex, loss, logits)
+
+    head, opt_state, _, metrics = gradient_update(loss_of, tx, state["head"], state["opt_state"], ex)
+    return {"head": head, "opt_state": opt_state}, metrics
 
 
 def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int):
-    """The train config's head step (`build_head_step`), jitted with explicit shardings; the
-    head's state is donated (updated in place)."""
-    from prove_jax.models.sharding import shardings_of
-    from prove_jax.training.step import batch_shardings
-    step = build_head_step(layout, tx, seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
-                           block_size=cfg.block_size, mask_id=mask_id)
+    """The train config's `head_step`, jitted with explicit shardings; the head's state is
+    donated (updated in place)."""
+    settings = HeadStepSettings(seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
+                                block_size=cfg.block_size, mask_id=mask_id)
+    step = functools.partial(head_step, layout.proposer_def, layout.verifier_def, layout.head_def,
+                             settings, tx)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(step, in_shardings=(shardings_of(layout.state), shardings_of(layout.frozen),
                                        batch_shardings(mesh), replicated),
@@ -216,7 +241,6 @@ def abstract_step_number(mesh) -> jax.ShapeDtypeStruct:
 def _require_contexts(loss_mask, valid, context_len: int, step: int, cfg) -> None:
     """A batch without a single usable context would train on nothing (loss 0): say why.
     Checked on the global batch, so every host comes to the same answer."""
-    from prove_jax.training.config import TrainConfigError
     if not bool(_any_cut_point(loss_mask, valid, context_len)):
         raise TrainConfigError(
             f"commit head step {step}: no row of the batch has a trained (response) token within "
@@ -237,24 +261,33 @@ def head_optimizer(cfg) -> optax.GradientTransformation:
 def compile_head_step(layout: HeadLayout, tx, mesh, cfg, mask_id: int, log):
     """The commit-head step compiled for the run's shapes before any weight is read, refused
     with the sizes when the devices cannot hold it (two frozen float32 models, their forwards)."""
-    import time
+    args = (layout.state, layout.frozen, abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
+            abstract_step_number(mesh))
+    return compile_checked(
+        jit_head_step(cfg, layout, tx, mesh, mask_id), args, mesh, name="commit-head step", log=log,
+        what=(f"a commit-head step of {cfg.global_batch_size} x {cfg.max_length} tokens (the "
+              f"frozen proposer and verifier in {FROZEN_DTYPE}, their forwards, the head)"),
+        advice="lower global_batch_size or max_length, or use more devices (fsdp, tensor)")
 
-    from prove_jax import memory
-    from prove_jax.training.step import abstract_batch
-    from prove_jax.training.loop import TrainError
-    step = jit_head_step(cfg, layout, tx, mesh, mask_id)
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step.lower(layout.state, layout.frozen,
-                              abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
-                              abstract_step_number(mesh)).compile()
-    log(f"compiled the commit-head step in {time.perf_counter() - t0:.1f}s")
-    memory.check_fits(compiled, memory.local_devices(mesh),
-                      f"a commit-head step of {cfg.global_batch_size} x {cfg.max_length} tokens (the "
-                      f"frozen proposer and verifier in {FROZEN_DTYPE}, their forwards, the head)",
-                      error=TrainError, with_arguments=True,
-                      advice="lower global_batch_size or max_length, or use more devices (fsdp, tensor)")
-    return compiled
+
+def _check_inputs(cfg):
+    """(proposer config, verifier config, `<|mask|>` id, tokenizer, its directory): everything
+    that can be wrong with the inputs, found before minutes of reading weights."""
+    proposer_cfg = checkpoint.load_config(cfg.proposer)
+    verifier_cfg = checkpoint.load_config(cfg.model.checkpoint)
+    mask_id = proposer_cfg.mask_token_id
+    if mask_id is None:
+        raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
+    tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
+    tokenizer = checkpoint.load_tokenizer(tok_dir)
+    if tokenizer is None:
+        raise CheckpointError(f"no tokenizer in {tok_dir}: set tokenizer.path")
+    check_shared_vocabulary(tokenizer, tok_dir, [
+        (name, path, model_cfg.vocab_size,
+         None if os.path.abspath(path) == os.path.abspath(tok_dir) else checkpoint.load_tokenizer(path))
+        for name, path, model_cfg in (("proposer", cfg.proposer, proposer_cfg),
+                                      ("verifier", cfg.model.checkpoint, verifier_cfg))])
+    return proposer_cfg, verifier_cfg, mask_id, tokenizer, tok_dir
 
 
 def train_commit_head(cfg, show_bar: bool = True) -> dict:
@@ -262,69 +295,40 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     verifier, proposer = MARS proposer checkpoint. The step is compiled and its memory checked
     before the frozen models are read straight into their shardings (a 32B proposer is 128 GB
     in float32); the small head and its optimizer state are replicated."""
-    from prove_jax import distributed
-    from prove_jax.data import pipeline as data_lib
-    from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
-                                                  load_tokenizer)
-    from prove_jax.training.config import TrainConfigError
-    from prove_jax.training.step import BATCH_SPEC
-    from prove_jax.training.loop import config_mesh, export_model, log_main, make_data_iterator
-    from prove_jax.checkpoints.vocab import check_shared_vocabulary
-
     if not cfg.proposer:
         raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
     if not cfg.model.checkpoint:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
     mesh = config_mesh(cfg)
-    # everything that can be wrong with the inputs, before minutes of reading weights
-    proposer_cfg, verifier_cfg = load_config(cfg.proposer), load_config(cfg.model.checkpoint)
-    mask_id = proposer_cfg.mask_token_id
-    if mask_id is None:
-        raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
-    tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
-    tokenizer = load_tokenizer(tok_dir)
-    if tokenizer is None:
-        raise CheckpointError(f"no tokenizer in {tok_dir}: set tokenizer.path")
-    check_shared_vocabulary(tokenizer, tok_dir, [
-        (name, path, model_cfg.vocab_size,
-         None if os.path.abspath(path) == os.path.abspath(tok_dir) else load_tokenizer(path))
-        for name, path, model_cfg in (("proposer", cfg.proposer, proposer_cfg),
-                                      ("verifier", cfg.model.checkpoint, verifier_cfg))])
+    proposer_cfg, verifier_cfg, mask_id, tokenizer, tok_dir = _check_inputs(cfg)
     data = make_data_iterator(cfg, tokenizer, log_main, mesh)  # the rows its devices hold
     tx = head_optimizer(cfg)
     layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
     step = compile_head_step(layout, tx, mesh, cfg, mask_id, log_main)
 
-    frozen = {name: nnx.to_pure_dict(nnx.state(load_model(path, mesh=mesh, dtype=FROZEN_DTYPE,
-                                                          param_dtype=FROZEN_DTYPE)))
+    frozen = {name: nnx.to_pure_dict(nnx.state(checkpoint.load_model(
+                  path, mesh=mesh, dtype=FROZEN_DTYPE, param_dtype=FROZEN_DTYPE)))
               for name, path in (("proposer", cfg.proposer), ("verifier", cfg.model.checkpoint))}
     params = nnx.to_pure_dict(nnx.state(CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))))
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = jax.device_put({"head": params, "opt_state": tx.init(params)}, everywhere)
 
     main = distributed.is_main_process()
-    if main:
-        os.makedirs(cfg.run_dir, exist_ok=True)
+    # a head run never resumes: a rerun replaces the records, from its first one on (a rerun
+    # that fails before any step leaves the last run's file as it was)
+    metrics_file = MetricsFile(cfg.run_dir)
     records = []
     bar_every = max(1, cfg.log_every)
     context_len = cfg.max_length - cfg.block_size
-    metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    # a head run never resumes: a rerun replaces the records, from its first one on (a rerun
-    # that fails before any step leaves the last run's file as it was)
-    with contextlib.ExitStack() as stack, jax.set_mesh(mesh):
-        metrics_file = None
+    with jax.set_mesh(mesh):
         for i in range(1, cfg.steps + 1):
-            batch = data_lib.to_global_batch(next(data), mesh, BATCH_SPEC)
+            batch = next_global_batch(data, mesh)
             _require_contexts(batch["loss_mask"], batch["valid"], context_len, i, cfg)
             state, metrics = step(state, frozen, batch, jax.device_put(np.int32(i), everywhere))
             if i % bar_every == 0 or i == cfg.steps:
                 rec = {"step": i} | {name: float(value) for name, value in metrics.items()}
                 records.append(rec)
-                if main:
-                    if metrics_file is None:
-                        metrics_file = stack.enter_context(open(metrics_path, "w"))
-                    metrics_file.write(json.dumps(rec) + "\n")
-                    metrics_file.flush()
+                metrics_file.append(rec)
                 if show_bar and main:
                     print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
                           f"{rec['length_accuracy']:.2f}, AR-match length {rec['ar_match_length']:.2f}, "

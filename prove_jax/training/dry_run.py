@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -18,16 +19,16 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.models import params as params_lib
 from prove_jax.models.config import PRESETS, ModelConfig, preset
 from prove_jax.models.remat import remat_name
-from prove_jax.training.optimizer import make_optimizer
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax import aot
+from prove_jax.checkpoints.checkpoint import load_config
+from prove_jax.training.commit_head import (FROZEN_DTYPE, abstract_step_number, frozen_config,
+                                            head_layout, head_optimizer, jit_head_step)
 from prove_jax.training.config import TrainConfig
-from prove_jax.training.objectives import make_loss_fn
-from prove_jax.training.step import (abstract_batch, accumulator_dtype, build_step_fn, jit_step,
-                                     state_layout)
+from prove_jax.training.model_source import source_model_config, with_run_dtypes
+from prove_jax.training.step import abstract_batch, accumulator_dtype, configured_step
 
 GIB = aot.GIB
 CHIP_HBM_GIB = aot.CHIP_HBM_GIB
@@ -120,9 +121,6 @@ class DryRunReport:
 
 def _model_config_for(cfg: TrainConfig) -> ModelConfig:
     """Shapes only: the weights (often an HF dir on another machine) are never read."""
-    import os
-
-    from prove_jax.training.loop import source_model_config, with_run_dtypes
     src = cfg.model
     if src.shape_preset and not (src.hf_dir and os.path.isdir(src.hf_dir)) \
             and not (src.checkpoint and os.path.isdir(src.checkpoint)):
@@ -211,12 +209,7 @@ def _abstract_mesh(cfg: TrainConfig, chip: str | None):
 
 def _lowered_train_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     """(train state layout, the step lowered for TPU with shardings on `mesh`)."""
-    tx = make_optimizer(cfg.optimizer, cfg.steps)
-    layout = state_layout(params_lib.abstract_model(model_cfg, cfg.model.remat, cfg.model.scan_layers),
-                          tx, mesh)
-    loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
-                           mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
-    step = jit_step(build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum), layout, mesh)
+    _, layout, step = configured_step(cfg, model_cfg, mesh)
     batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length, packed=cfg.pack_documents)
     return layout, step.trace(layout.abstract, batch).lower(lowering_platforms=("tpu",))
 
@@ -276,9 +269,6 @@ def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> 
 def _proposer_config_for(cfg: TrainConfig) -> ModelConfig:
     """The commit head's proposer shapes: its checkpoint's config when it is on this machine,
     else `proposer_shape_preset`."""
-    import os
-
-    from prove_jax.checkpoints.checkpoint import load_config
     if cfg.proposer and os.path.isdir(cfg.proposer):
         return load_config(cfg.proposer)
     if not cfg.proposer_shape_preset:
@@ -296,8 +286,6 @@ def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunRepo
     """The commit head's step (two forwards of the frozen proposer and one of the frozen
     verifier, both float32, and the small head's update), lowered for TPU on an abstract
     mesh: the frozen models are counted exactly from their shards, the forwards estimated."""
-    from prove_jax.training.commit_head import (FROZEN_DTYPE, abstract_step_number, frozen_config,
-                                                head_layout, head_optimizer, jit_head_step)
     chip, hbm, axis_sizes, mesh, dp, micro = _abstract_mesh(cfg, chip)
     proposer_cfg, verifier_cfg = _proposer_config_for(cfg), _model_config_for(cfg)
     tx = head_optimizer(cfg)

@@ -172,6 +172,50 @@ class TensorBoardWriter:
             shutil.rmtree(self.local, ignore_errors=True)
 
 
+METRICS_FILE = "metrics.jsonl"  # RUN_DIR/metrics.jsonl: one JSON record per logged step
+
+
+class MetricsFile:
+    """RUN_DIR/metrics.jsonl, the one writer of it (the train loop's and the commit head's
+    records alike), on process 0 only; every process may call it (others are no-ops).
+
+    `keep_through(step)` drops the records of later steps now (a resumed run redoes them);
+    without it the first record replaces the file (a run that never resumes; one that fails
+    before its first record leaves the last run's records as they were). At a URL the file is
+    rewritten whole on every record (an object store cannot append)."""
+
+    def __init__(self, run_dir: str):
+        self.main = distributed.is_main_process()
+        self.path = storage.join(run_dir, METRICS_FILE)
+        self.lines: list[str] | None = [] if storage.is_url(run_dir) else None
+        self.started = False  # a record was written, or the old ones were kept
+        if self.main:
+            storage.makedirs(run_dir)
+
+    def keep_through(self, step: int) -> None:
+        """On resume, forget records of steps that the restored checkpoint never reached."""
+        self.started = True
+        if not self.main or not storage.exists(self.path):
+            return
+        keep = [line + "\n" for line in storage.read_text(self.path).splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        if self.lines is not None:
+            self.lines = keep
+        storage.write_text(self.path, "".join(keep))
+
+    def append(self, rec: dict) -> None:
+        if not self.main:
+            return
+        line = json.dumps(rec) + "\n"
+        if self.lines is not None:
+            self.lines.append(line)
+            storage.write_text(self.path, "".join(self.lines))
+        else:
+            with open(self.path, "a" if self.started else "w") as f:
+                f.write(line)
+        self.started = True
+
+
 class MetricsLogger:
     """Writes jsonl and TensorBoard events on process 0 only; every process may call it (others
     are no-ops). `learning_rate` is the optimizer's schedule (the rate of step s is its value at
@@ -182,9 +226,7 @@ class MetricsLogger:
                  learning_rate: Callable | None = None, goodput: Goodput | None = None,
                  tensorboard: bool = True):
         self.main = distributed.is_main_process()
-        self.path = storage.join(run_dir, "metrics.jsonl")
-        # an object store cannot append: at a URL the file is rewritten whole from these lines
-        self.lines: list[str] | None = [] if storage.is_url(run_dir) else None
+        self.file = MetricsFile(run_dir)
         self.tokens_per_step = tokens_per_step
         self.block_size = block_size
         self.learning_rate = learning_rate
@@ -195,25 +237,14 @@ class MetricsLogger:
         self.flops_per_step = flops_per_step
         self.last_time, self.last_step = time.perf_counter(), start_step
         self.bar = None
+        self.file.keep_through(start_step)
         if self.main:
-            storage.makedirs(run_dir)
-            self._drop_records_after(start_step)
             if tensorboard:
                 self.tb = TensorBoardWriter(storage.join(run_dir, TENSORBOARD_DIR), start_step)
             if show_bar:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
                                 dynamic_ncols=True)
-
-    def _drop_records_after(self, step: int) -> None:
-        """On resume, forget records of steps that the restored checkpoint never reached."""
-        if not storage.exists(self.path):
-            return
-        keep = [line + "\n" for line in storage.read_text(self.path).splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
-        if self.lines is not None:
-            self.lines = keep
-        storage.write_text(self.path, "".join(keep))
 
     def record(self, step: int, metrics: dict) -> dict:
         """Log the metrics of the step that just finished (1-based `step`)."""
@@ -238,13 +269,8 @@ class MetricsLogger:
             rec["learning_rate"] = float(self.learning_rate(step - 1))
         if self.goodput is not None:
             rec.update(self.goodput.summary())
+        self.file.append(rec)
         if self.main:
-            if self.lines is not None:
-                self.lines.append(json.dumps(rec) + "\n")
-                storage.write_text(self.path, "".join(self.lines))
-            else:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
             if self.tb is not None:
                 self.tb.write(step, tensorboard_scalars(rec))
             if self.bar is not None:
