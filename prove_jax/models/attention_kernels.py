@@ -196,32 +196,36 @@ def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, 
 
     @pl.when(j < counts_ref[b])  # a visited block holds at least one of the row's slots
     def _visit():
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        # float32 caches at full precision (the tests' oracle); bfloat16 ones as XLA reads them
-        precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=precision) * scale  # [Q, block]
-        slot = starts_ref[b, j] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        seen = (slot >= 0) & (slot < lens_ref[b])
-        s = jnp.where(seen, s, jnp.finfo(jnp.float32).min)
-        # values outside the row's span (another layer's, or past the buffer's end) may be anything
-        v_slot = starts_ref[b, j] + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where((v_slot >= 0) & (v_slot < lens_ref[b]), v, jnp.zeros_like(v))
-        m_prev = m_sc[...][:, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        rescale = jnp.exp(m_prev - m_new)
-        l_sc[...] = jnp.broadcast_to(l_sc[...][:, :1] * rescale + jnp.sum(p, axis=1, keepdims=True), l_sc.shape)
-        m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
-        acc_sc[...] = acc_sc[...] * rescale + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision)
+        _accumulate(q_ref[...], k_ref[...], v_ref[...], starts_ref[b, j], lens_ref[b], m_sc, l_sc, acc_sc, scale)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _done():
         o_ref[...] = acc_sc[...]
         l_ref[...] = l_sc[...]
         m_ref[...] = m_sc[...]
+
+
+def _accumulate(q, k, v, first, length, m_sc, l_sc, acc_sc, scale: float):
+    """The flash-attention recurrence over one block: queries q [Q, Dh] against keys and values
+    [block, Dh] whose first slot is the row's slot `first`, of which those in [0, length) are
+    seen; running max, normaliser and output in m_sc, l_sc [Q, LANES] and acc_sc [Q, Dh]."""
+    # float32 caches at full precision (the tests' oracle); bfloat16 ones as XLA reads them
+    precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=precision) * scale  # [Q, block]
+    slot = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    s = jnp.where((slot >= 0) & (slot < length), s, jnp.finfo(jnp.float32).min)
+    # values outside the row's span (another layer's, past the buffer's end, a stale buffer) may be anything
+    v_slot = first + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+    v = jnp.where((v_slot >= 0) & (v_slot < length), v, jnp.zeros_like(v))
+    m_prev = m_sc[...][:, :1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    rescale = jnp.exp(m_prev - m_new)
+    l_sc[...] = jnp.broadcast_to(l_sc[...][:, :1] * rescale + jnp.sum(p, axis=1, keepdims=True), l_sc.shape)
+    m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
+    acc_sc[...] = acc_sc[...] * rescale + jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
 
 
 def span_cost(b: int, k: int, queries: int, dh: int, visits: int, block: int, itemsize: int, q_itemsize: int):
@@ -310,15 +314,106 @@ def _committed_contiguous_tpu(q, cache_k, cache_v, cache_len, layer, num_layers:
                       block, interpret)
 
 
+def _paged_kernel(table_ref, counts_ref, lens_ref, q_ref, k_hbm, v_hbm, o_ref, l_ref, m_ref,
+                  k_buf, v_buf, sem, m_sc, l_sc, acc_sc, *, scale: float):
+    """`_span_kernel` over a row's pages, `per_step` of them a grid step (k_buf [2, per_step,
+    page, Dh]): each page copied from the pool (k_hbm [K, pages, page, Dh], page table_ref[b, i])
+    into one half of a double buffer while the other half is computed, as JAX's ragged paged
+    attention does; pages past the row's counts_ref[b] are not copied."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    per_step, page, dh = k_buf.shape[1:]
+    count = counts_ref[b]
+    steps = (count + per_step - 1) // per_step
+    row_pages = table_ref.shape[1]
+
+    def each_copy(step, slot, act):  # act(copy) on every page of `step` the row owns
+        for i in range(per_step):
+            at = step * per_step + i
+            index = table_ref[b, jnp.minimum(at, row_pages - 1)]
+
+            @pl.when(at < count)
+            def _():
+                for pool, buf in ((k_hbm, k_buf), (v_hbm, v_buf)):
+                    act(pltpu.make_async_copy(pool.at[h, index], buf.at[slot, i], sem.at[slot]))
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, jnp.finfo(jnp.float32).min, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+        @pl.when(steps > 0)
+        def _first():
+            each_copy(0, 0, lambda c: c.start())
+
+    @pl.when(j < steps)
+    def _visit():
+        slot = j % 2
+
+        @pl.when(j + 1 < steps)
+        def _next():
+            each_copy(j + 1, 1 - slot, lambda c: c.start())
+
+        each_copy(j, slot, lambda c: c.wait())
+        k = k_buf[slot].reshape(per_step * page, dh)
+        v = v_buf[slot].reshape(per_step * page, dh)
+        _accumulate(q_ref[...], k, v, j * per_step * page, lens_ref[b], m_sc, l_sc, acc_sc, scale)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _done():
+        o_ref[...] = acc_sc[...]
+        l_ref[...] = l_sc[...]
+        m_ref[...] = m_sc[...]
+
+
 def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: bool):
     """q [B, K, Q, Dh] against each row's pages (one shard's pools [1, K, (L,) P, page, Dh] at
-    layer `layer`, int32 scalar; table [B, R]) up to cache_len [B]: `_span_call`'s result, a
-    page per block (the pool's slot axis is its layers, pages and slots: a view, not a copy)."""
-    _, k, num_pages, page, dh = pool_k.shape[0], pool_k.shape[1], pool_k.shape[-3], pool_k.shape[-2], pool_k.shape[-1]
-    flat = lambda pool: pool.reshape(1, k, -1, dh)  # noqa: E731
+    layer `layer`, int32 scalar; table [B, R]) up to cache_len [B]: unnormalised output
+    [B, K, Q, Dh], normaliser l and max m [B, K, Q] (float32), pages of BLOCK slots in all a
+    grid step (`_paged_kernel`; the pools are read as [K, L * P, page, Dh]: a view, not a copy)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, k, nq, dh = q.shape
+    num_pages, page = pool_k.shape[-3], pool_k.shape[-2]
+    row_pages = table.shape[1]
+    per_step = max(1, min(row_pages, BLOCK // page))
+    pad = -nq % 8
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    qn = nq + pad
+    flat = lambda pool: pool.reshape(k, -1, page, dh)  # noqa: E731
+    pages = (layer * num_pages + jnp.minimum(table, num_pages - 1)).astype(jnp.int32)
     lens = cache_len.astype(jnp.int32)
-    blocks = (layer * num_pages + jnp.minimum(table, num_pages - 1)).astype(jnp.int32)
-    starts = jnp.broadcast_to(jnp.arange(table.shape[1], dtype=jnp.int32) * page, table.shape)
     counts = (lens + page - 1) // page
-    return _span_call(q, flat(pool_k), flat(pool_v), jnp.zeros(table.shape[:1], jnp.int32), blocks, starts,
-                      counts, lens, page, interpret)
+    row_block = lambda bi, h, j, *refs: (bi, h, 0, 0)  # noqa: E731
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(b, k, -(-row_pages // per_step)),
+        in_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
+                   pl.BlockSpec((None, None, qn, LANES), row_block),
+                   pl.BlockSpec((None, None, qn, LANES), row_block)],
+        scratch_shapes=[pltpu.VMEM((2, per_step, page, dh), pool_k.dtype),
+                        pltpu.VMEM((2, per_step, page, dh), pool_v.dtype), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.VMEM((qn, LANES), jnp.float32), pltpu.VMEM((qn, LANES), jnp.float32),
+                        pltpu.VMEM((qn, dh), jnp.float32)])
+    cost = span_cost(b, k, qn, dh, row_pages, page, pool_k.dtype.itemsize, q.dtype.itemsize)
+
+    def call():  # built where it runs: interpret mode is read when the call is made
+        return pl.pallas_call(
+            functools.partial(_paged_kernel, scale=dh ** -0.5), grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct((b, k, qn, dh), jnp.float32),
+                       jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32),
+                       jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+            cost_estimate=cost,
+        )(pages, counts, lens, q, flat(pool_k), flat(pool_v))
+    if interpret:
+        with pltpu.force_tpu_interpret_mode():
+            o, l, m = call()
+    else:
+        o, l, m = call()
+    return o[:, :, :nq], l[:, :, :nq, 0], m[:, :, :nq, 0]
