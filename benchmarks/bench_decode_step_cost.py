@@ -48,12 +48,19 @@ def parse_args(argv=None):
     p.add_argument("--verifier", default="qwen2.5-3b")
     p.add_argument("--block-size", type=int, default=8, help="verify's K (default 8, as HumanEval measured it)")
     p.add_argument("--lossless", default="6,2", help="lossless K,G (default 6,2, as HumanEval measured it)")
+    p.add_argument("--attention", default="auto",
+                   help="KernelOptions.attention (default auto: what generate runs on TPU, the Pallas kernel)")
+    p.add_argument("--programs", default=None,
+                   help="programs priced in every cell, e.g. step (default: step; the first slice's verify "
+                        "row at the first paged batch also prefill,admit)")
     p.add_argument("--append", action="store_true", help="add the rows to the results already in --out")
     p.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS}; the committed ones: benchmarks)")
     return p.parse_args(argv)
 
 
 def table_row(r: dict) -> str:
+    if r.get("attention") and r["attention"] not in r["label"]:  # rows from before the label named it
+        r = dict(r, label=f"{r['label']}, {r['attention']}")
     if r.get("error"):
         return f"| {r['accelerator']} | {r['label']} | {r['batch']} | | | | | | error: {r['error']} |"
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
@@ -69,32 +76,30 @@ def table_row(r: dict) -> str:
 
 
 NOTES = """Notes.
+- *setting* ends with the attention path: `pallas_tpu`, the Pallas kernel `generate` runs on TPU
+  (`--attention auto`), or `xla` (`--attention xla`, the rows from before the kernel).
 - Bytes are XLA's compiled program read by `prove_jax.hlo_cost`: every top-level instruction
   reads its operands and writes its result in HBM once, a fusion reads what it slices out of an
   operand, an in-place update writes only the update, VMEM buffers (`S(1)`) are not HBM, and a
   loop costs its body times its trip count (a scan's from its condition; the chunked KV read,
-  bounded by the longest row, at `ceil(filled / chunk)`). A Pallas kernel's operands count whole
-  (an upper bound: the paged kernel reads only its layer's pages of the stacked pools).
+  bounded by the longest row, at `ceil(filled / chunk)`). A Pallas kernel costs the
+  `pl.CostEstimate` it carries in the compiled custom call: the K and V blocks a row filled to
+  its whole buffer fetches (every slot of the layer's span, plus the block it straddles into the
+  next layer on the contiguous cache: up to 512 slots, 6% at 8k), its queries and its float32
+  outputs; its operands (the whole stacked cache or pool) are not read.
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, float32 logits written and read. A ratio of 1 is a step
   at the memory-bandwidth limit; the roofline time is what such a step would take.
-- Before the stacked cache kept every layer's slots on one axis and the stacked pools every
-  layer's pages (the report at the same flags, verify K=16, 16 rows, 8k, v5p-8): contiguous
-  115.2 GiB per step (2.73x what must move), the layer's K and V sliced out of [B, K, L, S, Dh]
-  and relaid out in every layer; paged 1146 GiB (27.1x), the whole pool copied twice in every
-  layer (`copy` of bf16[1,4,64,1024,64,128], 512 GiB each per step): a paged TPU step about
-  14x the contiguous one. At the development shape (4 layers of 8 kv heads, 16 rows x 8k, AR):
-  contiguous 4.40x -> 1.05x, paged 11.4x -> 2.9x on the XLA path.
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
-  once per chunk of 256 prompt tokens (30 chunks at 8k) and writes each chunk's attention
+  once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is
   compute-bound (its FLOPs over the chip's peak are the roofline). The admission's all-gathers
-  are its admitted rows' caches crossing the data axis (not removed yet).
-- What is left above 1.3 on the XLA attention path is the step's attention probabilities: a
-  wide step (verify K=16 reads 31 tokens, 155 queries per kv head of the 32B) writes float32
-  scores of each KV chunk to HBM and reads them back, which at 8k contexts is as much as the
-  KV itself. The Pallas kernels keep them in VMEM (`--attention pallas_tpu`); the paged pool
-  gathers each chunk's pages through HBM once on the XLA path."""
+  are its admitted rows' caches crossing the data axis.
+- On the XLA attention path a wide step (verify K=16 reads 31 tokens, 155 queries per kv head
+  of the 32B) writes float32 scores of each KV chunk to HBM and reads them back, which at 8k
+  contexts is as much as the KV itself, and the paged pool gathers each chunk's pages through
+  HBM: those rows' ratios. The Pallas kernel keeps the scores in VMEM and reads the blocks in
+  place."""
 
 
 def main(argv=None) -> int:
@@ -103,6 +108,7 @@ def main(argv=None) -> int:
 
     from prove_jax import aot
     from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.models.kernels import KernelOptions
     from prove_jax.decoding.step_report import step_report
     from prove_jax.evaluation import benchmark as bench_lib
     from prove_jax.models.config import preset
@@ -114,10 +120,13 @@ def main(argv=None) -> int:
     proposer = proposer.replace(mask_token_id=proposer.vocab_size - 1)
     verifier = preset(args.verifier)
     lossless_k, lossless_g = (int(x) for x in args.lossless.split(","))
-    options = {"ar": ("ar", DecodeOptions("ar", 1, scan_layers=True)),
+    kernels = KernelOptions(attention=args.attention)
+    options = {"ar": ("ar", DecodeOptions("ar", 1, scan_layers=True, kernels=kernels)),
                "lossless": (f"lossless K={lossless_k} G={lossless_g}",
-                            DecodeOptions("lossless", lossless_k, max_groups=lossless_g, scan_layers=True)),
-               "verify": (f"verify K={args.block_size}", DecodeOptions("verify", args.block_size, scan_layers=True))}
+                            DecodeOptions("lossless", lossless_k, max_groups=lossless_g, scan_layers=True,
+                                          kernels=kernels)),
+               "verify": (f"verify K={args.block_size}", DecodeOptions("verify", args.block_size, scan_layers=True,
+                                                                        kernels=kernels))}
     modes = args.modes.split(",")
     jobs = []
     for accelerator in args.accelerators.split(","):
@@ -142,6 +151,7 @@ def main(argv=None) -> int:
             label += f", paged ({page})"
         bench_lib.log(f"{accelerator}: {label}, batch {batch}")
         programs = ("step", "prefill", "admit") if (accelerator, mode, batch, page) == first else ("step",)
+        programs = programs if args.programs is None else tuple(args.programs.split(","))
         try:
             report = step_report(proposer, opts, chip=chip, chips=chips, batch=batch, context=args.context,
                                  new_tokens=args.new_tokens, verifier=verifier if mode == "verify" else None,
@@ -152,7 +162,7 @@ def main(argv=None) -> int:
                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
             continue
         bench_lib.log("  " + report.table().replace("\n", "\n  "))
-        rows.append(dict(accelerator=accelerator, label=label, **report.record()))
+        rows.append(dict(accelerator=accelerator, label=f"{label}, {report.setting['attention']}", **report.record()))
     doc = dict(proposer=args.proposer, verifier=args.verifier, dtype="bfloat16", jax=jax.__version__,
                host=bench_lib.device_description(), context=args.context, new_tokens=args.new_tokens, rows=rows)
     md = ["# One decode step on TPU slices, from the compiled program (`generate --dry-run --report`)", "",
