@@ -87,7 +87,7 @@ class StepReport:
         gib, mib = aot.GIB, 2 ** 20
         head = (f"step cost on {s['topology']} ({s['chips']} x {s['chip']}), mesh {s['mesh']}: {s['mode']} "
                 f"K={s['block_size']}, {s['rows']} rows, KV filled to {s['filled']} of {s['slots']} slots, "
-                f"{'paged' if s['page_size'] else 'contiguous'} KV; per chip, one execution")
+                f"{'paged' if s['page_size'] else 'contiguous'} KV, attention {s['attention']}; per chip, one execution")
         rows = [head, "| program | HBM bytes | must move | ratio | GFLOP | roofline | peak | collectives |",
                 "|---|---|---|---|---|---|---|---|"]
         for p in self.programs:
