@@ -94,7 +94,8 @@ def main(argv=None) -> int:
 
     import jax
     from prove_jax import assets
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import cpu_description
     from prove_jax.files import atomic_write_text
     from prove_jax.checkpoints.checkpoint import load_model
     from prove_jax.decoding.step_timing import AR, layout_name
@@ -108,12 +109,12 @@ def main(argv=None) -> int:
     for name, model in shapes:
         vocab = model.cfg.vocab_size
         for rows in (1, 16):
-            bench_lib.log(f"{name}: reduction over [{rows}, {vocab}] ...")
+            log(f"{name}: reduction over [{rows}, {vocab}] ...")
             best = fastest_interleaved(reduction_runs(rows, vocab), args.repeats)
             reductions.append({"shape": name, "rows": rows, "vocab": vocab,
                                "argmax_us": best["argmax"] / STEPS * 1e6,
                                "greedy_tokens_us": best["greedy_tokens"] / STEPS * 1e6})
-        bench_lib.log(f"{name}: decode steps (AR, K=6,G=2), both reductions ...")
+        log(f"{name}: decode steps (AR, K=6,G=2), both reductions ...")
         runs = step_runs(model)
         best = fastest_interleaved(runs, args.repeats if model is shapes[0][1] else max(3, args.repeats // 3))
         for key in [AR] + list(LAYOUTS):
@@ -121,9 +122,9 @@ def main(argv=None) -> int:
             steps.append({"shape": name, "vocab": vocab, "step": layout_name(key),
                           "argmax_ms": old * 1e3, "greedy_tokens_ms": new * 1e3})
         for s in steps[-2:]:
-            bench_lib.log(f"  {s['step']}: {s['argmax_ms']:.2f} ms -> {s['greedy_tokens_ms']:.2f} ms")
+            log(f"  {s['step']}: {s['argmax_ms']:.2f} ms -> {s['greedy_tokens_ms']:.2f} ms")
 
-    cpu = bench_lib.cpu_description() or str(jax.devices()[0])
+    cpu = cpu_description() or str(jax.devices()[0])
     doc = {"device": cpu, "jax": jax.__version__, "repeats": args.repeats, "reductions": reductions,
            "decode_steps": steps}
     md = ["# Greedy-token reduction: jnp.argmax vs `tokens.greedy_tokens` (`benchmarks/bench_argmax.py`)", "",

@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for prove_jax:
 import jax
 
 from prove_jax import assets
-from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.cli.bench_args import arg_type, positive_ints
+from prove_jax.evaluation.progress import log
 from prove_jax.models import attention
-from prove_jax.evaluation.benchmark import cpu_description
+from prove_jax.evaluation.report import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.models.config import PRESETS, preset
@@ -91,7 +92,7 @@ def step_runs(model, batch: int, slots: int, steps: int) -> dict:
 
 def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
     model = create_model(cfg, seed=0)
-    bench_lib.log(f"{cfg.num_params / 1e6:.0f}M parameters, reads: {', '.join(reads())}")
+    log(f"{cfg.num_params / 1e6:.0f}M parameters, reads: {', '.join(reads())}")
     rows = []
     for batch in batches:
         for slots in buffers:
@@ -103,7 +104,7 @@ def measure(cfg, batches, buffers, repeats: int, steps: int) -> list[dict]:
                 for read in (r for r in reads() if r != "chunked"):  # READS order: stable JSON
                     row[f"{read}_over_chunked/{step}"] = ms[f"{read}/{step}"] / ms[f"chunked/{step}"]
             rows.append(row)
-            bench_lib.log(f"batch {batch} buffer {slots}: " + ", ".join(
+            log(f"batch {batch} buffer {slots}: " + ", ".join(
                 f"{k} {v:.3f} ms" for k, v in ms.items()))
     return rows
 
@@ -151,9 +152,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=7,
                     help="interleaved timing rounds, the fastest counts (default 7)")
     ap.add_argument("--steps", type=int, default=30, help="decode steps per timed loop (default 30)")
-    ap.add_argument("--buffers", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--buffers")),
+    ap.add_argument("--buffers", type=arg_type(lambda t: positive_ints(t, "--buffers")),
                     default=BUFFERS, help="buffer lengths in slots (default %(default)s)")
-    ap.add_argument("--batch-sizes", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--batch-sizes")),
+    ap.add_argument("--batch-sizes", type=arg_type(lambda t: positive_ints(t, "--batch-sizes")),
                     default=(1, 4, 16), help="rows per step (default %(default)s)")
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
                     help="time this real Qwen2.5 shape (random weights) instead of the demo proposer's")

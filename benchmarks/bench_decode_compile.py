@@ -30,22 +30,28 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-NOTE = ("Why the scanned step is slower on CPU: XLA:CPU's matmuls take whole buffers, so each step "
-        "slices every layer's weights out of the stack into a copy, a second pass over the weights at "
-        "a shape bound by reading them. Compiled for a TPU the matmuls read the stack at the layer's "
-        "offset, with no copy (tests/test_decode_scan.py checks both programs); a GPU is not yet "
-        "measured. Hence scan_layers is off by default and meant for large models on TPU, where the "
-        "unrolled program's compile time grows with depth.")
+def scan_note(timed: list[dict], backend: str) -> str:
+    """Why scanned decoding ran slower, said only when this run's rows show it (on CPU)."""
+    slower = [r for r in timed if r["layout"] == "scan" and r["vs_unrolled"] < 1]
+    if not slower or backend != "cpu":
+        return ""
+    ran = ", ".join(f"{r['mode']} {r['vs_unrolled']:.2f}x" for r in slower)
+    return (f"Scanned decoding ran slower than unrolled here ({ran}): XLA:CPU's matmuls take whole "
+            "buffers, so each step slices every layer's weights out of the stack into a copy, a "
+            "second pass over the weights at a shape bound by reading them. Compiled for a TPU the "
+            "matmuls read the stack at the layer's offset, with no copy (tests/test_decode_scan.py "
+            "checks both programs). Hence scan_layers is off by default and meant for large models "
+            "on TPU, where the unrolled program's compile time grows with depth.")
 
 
 def parse_args(argv=None):
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.cli.bench_args import arg_type, parse_choices, positive_ints
     from prove_jax.models.config import PRESETS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-1.5b", choices=sorted(PRESETS), help="widths (default qwen2.5-1.5b)")
-    p.add_argument("--layers", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--layers")),
+    p.add_argument("--layers", type=arg_type(lambda t: positive_ints(t, "--layers")),
                    default=[28, 64], help="depths to compile (default 28,64)")
-    p.add_argument("--modes", type=bench_lib.arg_type(lambda t: bench_lib.parse_choices(t, ("ar", "lossless"), "--modes")),
+    p.add_argument("--modes", type=arg_type(lambda t: parse_choices(t, ("ar", "lossless"), "--modes")),
                    default=["ar", "lossless"], help="ar and/or lossless (K=8, 2 mask groups)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--time", default=None, choices=sorted(PRESETS), metavar="PRESET",
@@ -90,10 +96,12 @@ def time_decoding(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]
     from prove_jax import assets
     from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.benchmark import humaneval_prompts
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.progress import log
 
-    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate_to)
-    prompts = bench_lib.humaneval_prompts(pair.tokenizer, num_prompts)
+    pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate_to)
+    prompts = humaneval_prompts(pair.tokenizer, num_prompts)
     runs, outputs, tokens = {}, {}, {}
     for mode in ("ar", "lossless"):
         for scan in (False, True):
@@ -108,7 +116,7 @@ def time_decoding(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]
                 tokens[key] = sum(map(len, result.output_ids))
                 return result.seconds
             runs[key] = run
-    bench_lib.log(f"timing ar and lossless at the {inflate_to} shape, scanned vs unrolled ...")
+    log(f"timing ar and lossless at the {inflate_to} shape, scanned vs unrolled ...")
     best = fastest_interleaved(runs, repeats)
     rows = []
     for (mode, scan), seconds in best.items():
@@ -124,7 +132,8 @@ def main(argv=None) -> int:
     import jax
 
     from prove_jax.decoding.options import DecodeOptions
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.models.config import preset
 
     base = preset(args.preset).replace(dtype=args.dtype, param_dtype=args.dtype, mask_token_id=151665)
@@ -135,12 +144,12 @@ def main(argv=None) -> int:
             for scan in (False, True):
                 options = (DecodeOptions("ar", scan_layers=scan) if mode == "ar"
                            else DecodeOptions("lossless", 8, max_groups=2, scan_layers=scan))
-                bench_lib.log(f"compiling {mode} at {layers} layers, {'scanned' if scan else 'unrolled'}")
+                log(f"compiling {mode} at {layers} layers, {'scanned' if scan else 'unrolled'}")
                 row = dict(layers=layers, mode=mode, layout="scan" if scan else "unrolled", **compile_once(cfg, options))
-                bench_lib.log(f"  {row}")
+                log(f"  {row}")
                 rows.append(row)
     timed = time_decoding(args.time, args.prompts, args.repeats) if args.time else []
-    device = bench_lib.device_description()
+    device = device_description()
     doc = dict(preset=args.preset, dtype=args.dtype, backend=jax.default_backend(), device=device,
                jax=jax.__version__, batch=2, queue=4, prompt_tokens=128, new_tokens=128, rows=rows,
                decode_time=dict(inflate_to=args.time, prompts=args.prompts, repeats=args.repeats, rows=timed))
@@ -163,8 +172,9 @@ def main(argv=None) -> int:
                "| mode | layout | tok/s | vs unrolled | same output as unrolled |", "|---|---|---|---|---|"]
         md += [f"| {r['mode']} | {r['layout']} | {r['tok_per_s']:.1f} | {r['vs_unrolled']:.2f}x | "
                f"{'yes' if r['same_output_as_unrolled'] else 'NO'} |" for r in timed]
-        md += ["", NOTE]
-    bench_lib.write_results(args.out, "decode_compile", doc, md)
+        note = scan_note(timed, jax.default_backend())
+        md += ["", note] if note else []
+    write_results(args.out, "decode_compile", doc, md)
     return 0
 
 

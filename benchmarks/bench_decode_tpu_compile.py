@@ -30,8 +30,8 @@ GIB = 1024 ** 3
 
 
 def parse_args(argv=None):
-    from prove_jax.evaluation import benchmark as bench_lib
-    ints = lambda flag: bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, flag))  # noqa: E731
+    from prove_jax.cli.bench_args import arg_type, positive_ints
+    ints = lambda flag: arg_type(lambda t: positive_ints(t, flag))  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--accelerators", default="v5p-8,v6e-8", help="Cloud TPU types (default v5p-8,v6e-8)")
     p.add_argument("--batch-sizes", type=ints("--batch-sizes"), default=[1, 16, 64], help="default 1,16,64")
@@ -47,34 +47,60 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-NOTES = """Notes.
-- Mesh: the pair's bfloat16 weights (66 GiB) take tensor=2 on v5p (95 GiB chips) and tensor=8 on
-  v6e (32 GiB), as `sharding.inference_tensor_size` picks; lossless (the proposer alone, 61 GiB)
-  takes tensor=4 on v6e. Rows are rounded up to whole data shards: "batch 1" on v5p-8 decodes 2
-  rows (and to whole data x tensor shards where that splits the verifier's cache and holds
-  less KV: a batch of 12 on v6e-8 would decode 16 rows).
-- Collectives are counted per program, a loop body's once: scanned, the proposer's and the
-  verifier's layers are one body each (21 all-reduces); unrolled, every layer's appear (409),
-  and the compile takes about 5 times as long (102 s against 22 in this run). The 2
-  all-gathers are the final token buffers, replicated so every host can read them (`Decoder`'s
-  out_shardings), once per call; no weight or KV cache is gathered.
-- On v6e-8 the verifier's 2 kv heads cannot split over tensor=8. From 16 rows its KV cache and
-  attention split over the rows instead (`sharding.kv_rules`, docs/decoding.md): each chip
-  holds its eighth of the rows, both heads, and the step's queries and attention outputs cross
-  by all-to-all (4 per program: the verifier's scanned layer in its step and in its prefill;
-  activations, 17 MiB at 64 rows), and no all-reduce is added: the chunked KV read's bound,
-  the longest row, is taken before the rows move (taken over the split rows, it was a scalar
-  all-reduce across the tensor axis in every layer of every step). Before, every chip held the verifier's whole cache (about
-  19 GiB at 64 rows of 8k), and verify at batch 64 with 8k contexts did not fit (43 GiB of
-  temporaries); batch 16 at 8k took 21.3 GiB and batch 64 at 2k 22.5. At batch 1 (one row)
-  the cache stays whole on every chip. What is left at batch 64 with 8k is the proposer's own
-  KV, 18 GiB per chip, beside its weights.
-- The Pallas TPU attention kernel (`--attention pallas_tpu`) compiles inside the whole program
-  at about the same memory: on v5p-8 the same, on v6e-8 at batch 64 with 8k contexts 30.9 GiB
-  against XLA's 30.4, with the verifier's attention split over rows too (the kernel reads each
-  chip's rows, both heads).
-- Lossless adaptive follows the TPU table: K=6/G=4 up to 4 rows, K=4/G=2 up to 16, plain AR
-  beyond 32 rows (the table's measured break-even on an H200; not measured on TPU)."""
+def notes(rows: list[dict]) -> str:
+    """What the table shows beyond its cells, each number taken from this run's rows (a note
+    whose rows were not compiled is left out)."""
+    ok = [r for r in rows if not r.get("error")]
+    out = ["Notes."]
+    meshes = []
+    for acc in dict.fromkeys(r["accelerator"] for r in ok):
+        for label, what in (("verify", "the pair"), ("lossless adaptive", "the proposer alone")):
+            r = next((x for x in ok if x["accelerator"] == acc and x["label"] == label), None)
+            if r is not None:  # weight_bytes is per chip: the weights split over tensor x fsdp
+                total = r["weight_bytes"] * r["mesh"]["tensor"] * r["mesh"]["fsdp"]
+                meshes.append(f"{what} ({total / GIB:.0f} GiB of bfloat16 weights) takes "
+                              f"tensor={r['mesh']['tensor']} on {acc} ({r['hbm_bytes'] / GIB:.0f} GiB chips)")
+    if meshes:
+        out.append("- Mesh: " + "; ".join(meshes) + ", as `sharding.inference_tensor_size` picks. Rows "
+                   "are rounded up to whole data shards (and to whole data x tensor shards where that "
+                   "splits the verifier's cache and holds less KV).")
+    unrolled = next((r for r in ok if r["label"] == "verify, unrolled"), None)
+    scanned = unrolled and next((r for r in ok if r["label"] == "verify" and all(
+        r[k] == unrolled[k] for k in ("accelerator", "batch", "context"))), None)
+    if scanned:
+        n = lambda r, k: r["collectives"][k]["count"]  # noqa: E731
+        out.append(f"- Collectives are counted per program, a loop body's once: scanned, the proposer's and "
+                   f"the verifier's layers are one body each ({n(scanned, 'all-reduce')} all-reduces); "
+                   f"unrolled, every layer's appear ({n(unrolled, 'all-reduce')}), and the compile took "
+                   f"{unrolled['compile_seconds']:.0f} s against {scanned['compile_seconds']:.0f}. The "
+                   f"{n(scanned, 'all-gather')} all-gathers are the final token buffers, replicated so every "
+                   f"host can read them (`Decoder`'s out_shardings), once per call; no weight or KV cache "
+                   f"is gathered.")
+    split = [r for r in ok if r["label"] == "verify" and r["collectives"]["all-to-all"]["count"]]
+    if split:
+        r = max(split, key=lambda x: (x["batch"], x["context"]))
+        a2a = r["collectives"]["all-to-all"]
+        out.append(f"- On {r['accelerator']} the verifier's kv heads cannot split over "
+                   f"tensor={r['mesh']['tensor']}: its KV cache and attention split over the rows instead "
+                   f"(`sharding.kv_rules`, docs/decoding.md), each chip holding its share of the rows, and "
+                   f"the step's queries and attention outputs cross by all-to-all ({a2a['count']} per "
+                   f"program, {a2a['bytes'] / 2**20:.0f} MiB at batch {r['batch']}); no all-reduce is "
+                   f"added, as the chunked KV read's bound, the longest row, is taken before the rows "
+                   f"move. At batch 1 (one row) the cache stays whole on every chip.")
+    pallas = []
+    for r in (x for x in ok if x["label"] == "verify, Pallas attention"):
+        xla = next((x for x in ok if x["label"] == "verify" and all(
+            x[k] == r[k] for k in ("accelerator", "batch", "context"))), None)
+        if xla is not None:
+            pallas.append(f"{r['accelerator']} batch {r['batch']} at {r['context']} tokens "
+                          f"{r['peak_bytes'] / GIB:.1f} GiB against XLA's {xla['peak_bytes'] / GIB:.1f}")
+    if pallas:
+        out.append("- The Pallas TPU attention kernel (`--attention pallas_tpu`) compiled inside the whole "
+                   "program: " + "; ".join(pallas) + " (peak per chip).")
+    if any(r["label"] == "lossless adaptive" for r in ok):
+        out.append("- Lossless adaptive follows the TPU table (`decoding/adaptive.py`), whose break-even "
+                   "was measured on an H200, not on TPU.")
+    return "\n".join(out)
 
 
 def table_row(r: dict) -> str:
@@ -103,7 +129,8 @@ def main(argv=None) -> int:
     from prove_jax import aot
     from prove_jax.decoding.dry_run import dry_run_decode
     from prove_jax.decoding.options import DecodeOptions
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.models.config import preset
     from prove_jax.models.kernels import KernelOptions
 
@@ -134,19 +161,19 @@ def main(argv=None) -> int:
     rows = []
     for accelerator, options, batch, context, label in jobs:
         chip, chips = aot.accelerator_chips(accelerator)
-        bench_lib.log(f"{accelerator}: {label}, batch {batch}, context {context}")
+        log(f"{accelerator}: {label}, batch {batch}, context {context}")
         try:
             report = dry_run_decode(proposer, options, chip=chip, chips=chips, batch=batch, context=context,
                                     new_tokens=args.new_tokens, verifier=verifier if options.mode == "verify" else None)
         except Exception as e:  # a program that fails to compile is a result too, said in its row
-            bench_lib.log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             rows.append(dict(accelerator=accelerator, label=label, batch=batch, context=context,
                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
             continue
-        bench_lib.log("  " + report.describe().replace("\n", "\n  "))
+        log("  " + report.describe().replace("\n", "\n  "))
         rows.append(dict(accelerator=accelerator, label=label, **report.record()))
     doc = dict(proposer=args.proposer, verifier=args.verifier, dtype="bfloat16", jax=jax.__version__,
-               host=bench_lib.device_description(), new_tokens=args.new_tokens, rows=rows)
+               host=device_description(), new_tokens=args.new_tokens, rows=rows)
     md = ["# The paper's pair compiled for TPU slices (`prove-jax generate --dry-run`)", "",
           f"`benchmarks/bench_decode_tpu_compile.py`: {args.proposer} proposer, {args.verifier} verifier, "
           f"bfloat16, the whole decode program (prefill, loop, verifier) compiled with libtpu for each "
@@ -160,8 +187,8 @@ def main(argv=None) -> int:
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(table_row(r))
-    md += ["", NOTES]
-    bench_lib.write_results(args.out, "decode_tpu_compile", doc, md)
+    md += ["", notes(rows)]
+    write_results(args.out, "decode_tpu_compile", doc, md)
     return 0
 
 

@@ -44,17 +44,31 @@ PAGE = 64
 ROWS, QUEUE, NEW = 16, 64, 256
 
 
-NOTE = ("Reading the tables: the pool saves more than the KV difference because the contiguous program "
-        "also holds row-sized temporaries of the cache (the admitted row's prefill buffer). The "
-        "temporaries both programs share are the CPU program's own and are not broken down here "
-        "(bench_decode_tpu_compile.py gives a TPU program's). The pool costs nothing per step at its default size (the same loop "
-        "steps and speed); at half the size the rows wait for pages, so fewer decode side by side and "
-        "the loop runs more steps: the memory is traded for throughput, as in any paged server. On "
-        "v5p-8 the XLA read gathers a chunk of pages per layer into temporaries; the paged Pallas "
-        "kernel (`--attention pallas_tpu`) reads them in place. The paged programs' extra all-reduces "
-        "are admission's: a row prefilled into the pool of whichever shard it lands on is "
-        "written and read by explicit shard indices, which GSPMD combines across the data axis; the "
-        "decode step itself moves no page (tests/test_paged_kv.py, on an 8-device CPU mesh).")
+def reading_note(rows: list[dict], kv: list[int], timed: list[dict], tpu: list[dict], tpu_name: str | None) -> str:
+    """How to read this run's tables, each claim said from its own rows (nothing when they do
+    not show it)."""
+    gib, out = 2 ** 30, []
+    saved, kv_saved = rows[0]["total_bytes"] - rows[1]["total_bytes"], kv[0] - kv[1]
+    if saved > kv_saved:
+        out.append(f"The pool saves {saved / gib:.2f} GiB, more than the {kv_saved / gib:.2f} GiB KV "
+                   "difference, because the contiguous program also holds row-sized temporaries of the "
+                   "cache (the admitted row's prefill buffer). The temporaries both programs share are "
+                   "the CPU program's own and are not broken down here (bench_decode_tpu_compile.py "
+                   "gives a TPU program's).")
+    if timed:
+        base = timed[0]
+        out.append("Against contiguous rows (" + f"{base['loop_steps']} loop steps): " + "; ".join(
+            f"{r['layout']} {r['loop_steps']} steps, {r['vs_contiguous']:.2f}x its speed" for r in timed[1:])
+            + ". A pool too small for the rows makes them wait for pages, so fewer decode side by side "
+            "and the loop runs more steps: memory traded for throughput, as in any paged server.")
+    if tpu:
+        out.append(f"On {tpu_name} the XLA read gathers a chunk of pages per layer into temporaries; the "
+                   "paged Pallas kernel (`--attention pallas_tpu`) reads them in place. Extra all-reduces "
+                   "of the paged programs are admission's: a row prefilled into the pool of whichever "
+                   "shard it lands on is written and read by explicit shard indices, which GSPMD combines "
+                   "across the data axis; the decode step itself moves no page (tests/test_paged_kv.py, on "
+                   "an 8-device CPU mesh).")
+    return " ".join(out)
 
 
 def parse_args(argv=None):
@@ -111,7 +125,7 @@ def compiled_bytes(cfg, options, lengths) -> dict:
 def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.progress import log
     from prove_jax.models.config import preset
     cfg = preset(preset_name).replace(dtype="bfloat16", param_dtype="bfloat16", mask_token_id=151665)
     lengths = queue_lengths()
@@ -119,7 +133,7 @@ def memory_rows(preset_name: str) -> tuple[list[dict], dict]:
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bf16
     rows = []
     for name, options in variants:
-        bench_lib.log(f"compiling {name} at the {preset_name} widths ...")
+        log(f"compiling {name} at the {preset_name} widths ...")
         row = dict(layout=name, **compiled_bytes(cfg, options, lengths))
         row["total_bytes"] = row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
         rows.append(row)
@@ -136,7 +150,7 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
     from prove_jax import aot
     from prove_jax.decoding.dry_run import dry_run_decode
     from prove_jax.decoding.options import DecodeOptions
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.progress import log
     from prove_jax.models.config import preset
     from prove_jax.models.kernels import KernelOptions
     cfg = preset(preset_name).replace(mask_token_id=151665)
@@ -152,7 +166,7 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
                 (f"{paged_name}, Pallas kernel", dataclasses.replace(paged, kernels=KernelOptions(attention="pallas_tpu")))]
     rows = []
     for name, options in variants:
-        bench_lib.log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")
+        log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")
         report = dry_run_decode(cfg, options, chip=chip, chips=chips, batch=ROWS, context=max(lengths) + NEW + 1,
                                 new_tokens=NEW, prompt_lengths=lengths, verifier=verifier_cfg)
         stats = report.stats
@@ -169,10 +183,12 @@ def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
     from prove_jax import assets
     from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.benchmark import humaneval_prompts
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.progress import log
 
-    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate_to)
-    prompts = bench_lib.humaneval_prompts(pair.tokenizer, num_prompts)
+    pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate_to)
+    prompts = humaneval_prompts(pair.tokenizer, num_prompts)
     need = max(-(-(len(p) + 128) // 16) for p in prompts)
     variants = {"contiguous": DecodeOptions("lossless", 8, max_groups=2),
                 "paged, default pool": DecodeOptions("lossless", 8, max_groups=2, page_size=16),
@@ -188,7 +204,7 @@ def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
             tokens[name] = sum(map(len, result.output_ids))
             return result.seconds
         runs[name] = run
-    bench_lib.log(f"timing contiguous and paged at the {inflate_to} shape ...")
+    log(f"timing contiguous and paged at the {inflate_to} shape ...")
     best = fastest_interleaved(runs, repeats)
     return [dict(layout=name, seconds=round(s, 3), tok_per_s=round(tokens[name] / s, 2), loop_steps=steps[name],
                  vs_contiguous=round(best["contiguous"] / s, 3),
@@ -211,19 +227,23 @@ def tpu_table(rows: list[dict]) -> list[str]:
     return md
 
 
-PAIR_NOTE = ("Reading the table: the verifier's KV holds the same tokens as the proposer's, so its pools "
-             "(of its own 36 layers and 2 kv heads) use the proposer's page table and free list: one "
-             "allocation serves both. The pool keeps per-chip temporaries to what the queue's requests "
-             "hold at once instead of every row at the longest request, for both models. The verifier's "
-             "2 kv heads cannot split over tensor=8: its contiguous cache splits over the rows instead "
-             "(docs/decoding.md, Several devices), each chip holding 2 of the 16 rows (contiguous "
-             "temporaries were 5.66 GiB while every chip held all 16), at the cost of the 4 small "
-             "all-to-alls of the verifier's queries and outputs; its pools do not split that way yet and "
-             "lie whole on every chip. With the Pallas kernel the proposer's layers read through the "
-             "kernel and the verifier's pool through XLA: a kernel runs per device on whole kv heads, and "
-             "GSPMD lays such a pool out like the query heads; read by the kernel, the verifier's whole "
-             "pool was all-gathered in the loop (6 all-gathers, 953 MiB per program, 2.07 GiB of "
-             "temporaries) before attention left such heads to XLA.")
+def pair_note(verifier_cfg, rows: list[dict]) -> str:
+    """How to read the pair's table, its numbers from the verifier's shape and this run's rows."""
+    tensor, heads = rows[0]["mesh"]["tensor"], verifier_cfg.num_kv_heads
+    a2a = rows[0].get("collectives", {}).get("all-to-all", {}).get("count", 0)
+    split = (f"The verifier's {heads} kv heads cannot split over tensor={tensor}: its contiguous cache "
+             f"splits over the rows instead (docs/decoding.md, Several devices), each chip holding "
+             f"{ROWS // tensor} of the {ROWS} rows, at the cost of {a2a} small all-to-alls of the "
+             f"verifier's queries and outputs; its pools do not split that way yet and lie whole on "
+             f"every chip. " if heads < tensor else "")
+    return ("Reading the table: the verifier's KV holds the same tokens as the proposer's, so its pools "
+            f"(of its own {verifier_cfg.num_layers} layers and {heads} kv heads) use the proposer's page "
+            "table and free list: one allocation serves both. The pool keeps per-chip temporaries to "
+            "what the queue's requests hold at once instead of every row at the longest request, for "
+            "both models. " + split + "With the Pallas kernel the proposer's layers read through the "
+            "kernel and the verifier's pool through XLA: a kernel runs per device on whole kv heads, and "
+            "GSPMD lays such a pool out like the query heads, so the kernel would gather the verifier's "
+            "whole pool in the loop.")
 
 
 def pair_main(args) -> int:
@@ -231,7 +251,7 @@ def pair_main(args) -> int:
     import jax
     import numpy as np
 
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.report import write_results
     from prove_jax.models.config import preset
     proposer, verifier = "qwen2.5-32b", "qwen2.5-3b"
     rows = tpu_rows(proposer, args.pair, verifier=verifier)
@@ -257,8 +277,8 @@ def pair_main(args) -> int:
           f"{pool} pages of {PAGE} slots each ({ROWS} rows of the mean request). KV in all (computed): "
           f"proposer {kv[0][proposer] / gib:.2f} -> {kv[1][proposer] / gib:.2f} GiB, verifier "
           f"{kv[0][verifier] / gib:.2f} -> {kv[1][verifier] / gib:.2f} GiB. XLA's per-chip numbers:",
-          ""] + tpu_table(rows) + ["", PAIR_NOTE]
-    bench_lib.write_results(args.out, "paged_kv_pair", doc, md)
+          ""] + tpu_table(rows) + ["", pair_note(preset(verifier), rows)]
+    write_results(args.out, "paged_kv_pair", doc, md)
     return 0
 
 
@@ -268,11 +288,11 @@ def main(argv=None) -> int:
         return pair_main(args)
     import jax
 
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.report import device_description, write_results
     rows, workload = memory_rows(args.preset)
     tpu = tpu_rows(args.preset, args.tpu) if args.tpu else []
     timed = time_rows(args.time, args.prompts, args.repeats) if args.time else []
-    device = bench_lib.device_description()
+    device = device_description()
     doc = dict(preset=args.preset, backend=jax.default_backend(), device=device, jax=jax.__version__,
                rows=ROWS, queue=QUEUE, new_tokens=NEW, page_size=PAGE, workload=workload, memory=rows, tpu=tpu,
                decode_time=dict(inflate_to=args.time, prompts=args.prompts, repeats=args.repeats, rows=timed))
@@ -303,8 +323,9 @@ def main(argv=None) -> int:
                "| layout | tok/s | loop steps | vs contiguous | same output |", "|---|---|---|---|---|"]
         md += [f"| {r['layout']} | {r['tok_per_s']:.1f} | {r['loop_steps']} | {r['vs_contiguous']:.2f}x | "
                f"{'yes' if r['same_output_as_contiguous'] else 'NO'} |" for r in timed]
-    md += ["", NOTE]
-    bench_lib.write_results(args.out, "paged_kv", doc, md)
+    note = reading_note(rows, kv, timed, tpu, args.tpu)
+    md += ["", note] if note else []
+    write_results(args.out, "paged_kv", doc, md)
     return 0
 
 

@@ -27,8 +27,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _ints(what: str):
-    from prove_jax.evaluation import benchmark as bench_lib
-    return bench_lib.arg_type(lambda text: bench_lib.positive_ints(text, what))
+    from prove_jax.cli.bench_args import arg_type, positive_ints
+    return arg_type(lambda text: positive_ints(text, what))
 
 
 def parse_args(argv=None):
@@ -55,13 +55,16 @@ def main(argv=None) -> int:
     import numpy as np
 
     from prove_jax import assets
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.benchmark import humaneval_prompts
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.options import DecodeOptions, default_prefill_chunk
 
     inflate = None if args.inflate == "none" else args.inflate
-    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
-    prompts = bench_lib.humaneval_prompts(pair.tokenizer, args.humaneval)
+    pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
+    prompts = humaneval_prompts(pair.tokenizer, args.humaneval)
     lengths = np.array([len(p) for p in prompts])
     rows = []
     for b in args.batch_sizes:
@@ -69,17 +72,17 @@ def main(argv=None) -> int:
         for c in args.chunks:
             decoder = pair.decoder(DecodeOptions("ar", prefill_chunk=c))
             runs[c] = lambda d=decoder: d.generate(prompts, 1, batch_size=b).seconds
-        bench_lib.log(f"batch {b}: compiling and timing chunks {args.chunks} ...")
+        log(f"batch {b}: compiling and timing chunks {args.chunks} ...")
         best = fastest_interleaved(runs, args.repeats)
         for c in args.chunks:
             padded = int((-(-lengths // c) * c).sum())
             rows.append({"batch_size": b, "chunk": c, "seconds": best[c],
                          "relative_to_fastest": best[c] / min(best.values()),
                          "padded_token_share": 1 - lengths.sum() / padded})
-            bench_lib.log(f"  chunk {c}: {best[c]:.2f} s")
+            log(f"  chunk {c}: {best[c]:.2f} s")
     meta = {"proposer": assets.DEMO_PROPOSER, "inflated_to": inflate, "prompts": len(prompts),
             "prompt_tokens": int(lengths.sum()), "prompt_lengths": [int(x) for x in lengths],
-            "repeats": args.repeats, "device": bench_lib.device_description(), "jax": jax.__version__,
+            "repeats": args.repeats, "device": device_description(), "jax": jax.__version__,
             "default_chunk": default_prefill_chunk()}
     shape = f"inflated to the {inflate} shape" if inflate else "at its own shape"
     md = ["# Prefill by chunk size (`benchmarks/bench_prefill.py`)", "",
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
           "| batch | chunk | seconds | vs fastest | padded prompt tokens |", "|---|---|---|---|---|"]
     md += [f"| {r['batch_size']} | {r['chunk']} | {r['seconds']:.2f} | {r['relative_to_fastest']:.2f}x | "
            f"{r['padded_token_share']:.0%} |" for r in rows]
-    bench_lib.write_results(args.out, "prefill", {"meta": meta, "rows": rows}, md)
+    write_results(args.out, "prefill", {"meta": meta, "rows": rows}, md)
     return 0
 
 

@@ -26,11 +26,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def parse_args(argv=None):
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.cli.bench_args import arg_type
     from prove_jax.models.config import PRESETS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--temperatures", default=[0.0, 0.3, 0.7, 1.0],
-                   type=bench_lib.arg_type(lambda t: [float(x) for x in t.split(",")]),
+                   type=arg_type(lambda t: [float(x) for x in t.split(",")]),
                    help="temperatures (default 0,0.3,0.7,1.0)")
     p.add_argument("--inflate", default="qwen2.5-0.5b", choices=sorted(PRESETS) + ["none"],
                    help="preset shape to run the shipped proposer in (default qwen2.5-0.5b; none: its own)")
@@ -55,11 +55,14 @@ def main(argv=None) -> int:
     from prove_jax import assets
     from prove_jax.decoding import DecodeOptions, SamplingParams
     from prove_jax.timing import fastest_interleaved
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.benchmark import humaneval_prompts
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import device_description, write_results
 
     inflate = None if args.inflate == "none" else args.inflate
-    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
-    prompts = bench_lib.humaneval_prompts(pair.tokenizer, args.humaneval)
+    pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
+    prompts = humaneval_prompts(pair.tokenizer, args.humaneval)
     settings = {"ar": DecodeOptions("ar"),
                 "lossless": DecodeOptions("lossless", args.block_size, max_groups=args.groups)}
     results, runs = {}, {}
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
                 results[key] = res
                 return res.seconds
             runs[(mode, t)] = run
-    bench_lib.log(f"compiling and timing {len(runs)} settings, {args.repeats} round(s) ...")
+    log(f"compiling and timing {len(runs)} settings, {args.repeats} round(s) ...")
     best = fastest_interleaved(runs, args.repeats)
     rows = []
     for t in args.temperatures:
@@ -87,9 +90,9 @@ def main(argv=None) -> int:
                          "tokens_per_forward": tokens / int(res.forwards.sum()),
                          "seconds": best[(mode, t)], "tokens_per_second": rate,
                          "speedup_vs_ar": rate / ar_rate})
-            bench_lib.log(f"  T={t:g} {mode}: {rows[-1]['tokens_per_forward']:.2f} tok/fwd, "
+            log(f"  T={t:g} {mode}: {rows[-1]['tokens_per_forward']:.2f} tok/fwd, "
                           f"{rate:.1f} tok/s, {rows[-1]['speedup_vs_ar']:.2f}x")
-    device = bench_lib.device_description()
+    device = device_description()
     meta = {"proposer": "demo proposer", "inflated_to": inflate, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "batch_size": 1, "lossless": {"K": args.block_size,
                                                                                    "groups": args.groups},
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
           "| temperature | mode | tokens/forward | tok/s | speedup vs ar |", "|---|---|---|---|---|"]
     md += [f"| {r['temperature']:g} | {r['mode']} | {r['tokens_per_forward']:.2f} | {r['tokens_per_second']:.1f} | "
            f"{r['speedup_vs_ar']:.2f}x |" for r in rows]
-    bench_lib.write_results(args.out, args.name, {"meta": meta, "rows": rows}, md)
+    write_results(args.out, args.name, {"meta": meta, "rows": rows}, md)
     return 0
 
 

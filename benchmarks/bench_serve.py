@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     from prove_jax import assets
     from prove_jax.checkpoints.checkpoint import load_tokenizer, save_model
     from prove_jax.decoding.requests import encode_prompts
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.report import cpu_description
     from prove_jax.evaluation import humaneval
 
     tok = load_tokenizer(assets.DEMO_PROPOSER)
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     model, tmp = assets.DEMO_PROPOSER, None
     if args.inflate:
         tmp = tempfile.mkdtemp(prefix="bench-serve-")
-        pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to=args.inflate)
+        pair = load_pair(assets.DEMO_PROPOSER, inflate_to=args.inflate)
         model = os.path.join(tmp, "proposer")
         print(f"saving the inflated proposer to {model} ...", file=sys.stderr, flush=True)
         save_model(model, pair.proposer, tokenizer_dir=assets.DEMO_PROPOSER)
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     for key, same in agree.items():
         levels[key]["same_text_as_" + base] = same
     meta = {"inflated_to": args.inflate, "max_tokens": args.max_tokens, "load": args.load, "lossless": f"K={args.block_size},G={args.groups}",
-            "alone_latency_s": alone, "cpu": bench_lib.cpu_description(),
+            "alone_latency_s": alone, "cpu": cpu_description(),
             "jax": jax.__version__, "backend": jax.default_backend()}
     name = "serve" if not args.inflate else f"serve_{args.inflate.split('-')[-1]}_shape"
     os.makedirs(args.out, exist_ok=True)

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from prove_jax import assets
-from prove_jax.evaluation import benchmark as bench_lib
-from prove_jax.evaluation.benchmark import cpu_description
+from prove_jax.cli.bench_args import arg_type, parse_layouts, positive_ints
+from prove_jax.evaluation.sweep import BenchError
+from prove_jax.evaluation.report import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.models.config import PRESETS
@@ -259,9 +260,9 @@ def main(argv=None) -> None:
                     help="also time this real model shape at batch 1 (repeatable)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="interleaved timing rounds, the fastest counts (default 5; more on a noisy machine)")
-    ap.add_argument("--widths", type=bench_lib.arg_type(_widths), default=WIDTHS,
+    ap.add_argument("--widths", type=arg_type(_widths), default=WIDTHS,
                     help="forward widths T to time, 1 first (default %(default)s)")
-    ap.add_argument("--layouts", type=bench_lib.arg_type(_layouts), default=LAYOUTS,
+    ap.add_argument("--layouts", type=arg_type(_layouts), default=LAYOUTS,
                     help="lossless layouts KxG to time, e.g. 4x2,8x3 (default: the decode benchmark's)")
     ap.add_argument("--out-dir", default=RESULTS,
                     help="folder for step_cost.json / step_cost.md (default runs/benchmarks/; "
@@ -287,13 +288,13 @@ def main(argv=None) -> None:
 
 
 def _widths(text: str) -> tuple[int, ...]:
-    return tuple(bench_lib.positive_ints(text, "--widths"))
+    return tuple(positive_ints(text, "--widths"))
 
 
 def _layouts(text: str) -> tuple[tuple[int, int], ...]:
-    layouts = bench_lib.parse_layouts(text, "--layouts")
+    layouts = parse_layouts(text, "--layouts")
     if not layouts or any(g is None for _, g in layouts):
-        raise bench_lib.BenchError(f"--layouts: give K x G for each layout, e.g. 4x2,8x3; got {text!r}")
+        raise BenchError(f"--layouts: give K x G for each layout, e.g. 4x2,8x3; got {text!r}")
     return layouts
 
 

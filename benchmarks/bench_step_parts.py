@@ -41,9 +41,9 @@ import jax.numpy as jnp
 
 from bench_step_cost import dense_matmul_runs, layer_kernels
 from prove_jax import assets
-from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.cli.bench_args import arg_type, positive_ints
 from prove_jax.models import attention, qwen2
-from prove_jax.evaluation.benchmark import cpu_description
+from prove_jax.evaluation.report import cpu_description
 from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name
@@ -145,8 +145,8 @@ def markdown(result: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", type=bench_lib.arg_type(
-        lambda text: bench_lib.positive_ints(text, "--batch-sizes")), default=(1, 4, 16))
+    ap.add_argument("--batch-sizes", type=arg_type(
+        lambda text: positive_ints(text, "--batch-sizes")), default=(1, 4, 16))
     ap.add_argument("--repeats", type=int, default=9,
                     help="interleaved timing rounds, the fastest counts (default 9)")
     ap.add_argument("--steps", type=int, default=50, help="decode steps per timed loop (default 50)")

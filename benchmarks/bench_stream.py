@@ -27,11 +27,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def parse_args(argv=None):
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.cli.bench_args import arg_type, positive_ints
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256, help="requests in the job (default 256)")
     p.add_argument("--batch-size", type=int, default=16, help="rows (default 16)")
-    p.add_argument("--chunk-steps", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--chunk-steps")),
+    p.add_argument("--chunk-steps", type=arg_type(lambda t: positive_ints(t, "--chunk-steps")),
                    default=[1, 4, 16, 64], help="steps per call of the chunked loop (default 1,4,16,64)")
     p.add_argument("--modes", default="ar,lossless", help="ar and/or lossless (K=4, G=2) (default both)")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds after the warm-up (default 2)")
@@ -53,11 +53,14 @@ def main(argv=None) -> int:
     from prove_jax import assets
     from prove_jax.decoding import DecodeOptions, SamplingParams
     from prove_jax.timing import fastest_interleaved
-    from prove_jax.decoding.requests import RequestStream, encode_prompts, run_requests
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.decoding.request_run import RequestStream, run_requests
+    from prove_jax.decoding.requests import encode_prompts
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.evaluation import humaneval
 
-    pair = bench_lib.load_pair(assets.DEMO_PROPOSER)
+    pair = load_pair(assets.DEMO_PROPOSER)
     base = encode_prompts(humaneval.prompt_records(humaneval.load_problems()), pair.tokenizer)
     rs = np.random.RandomState(0)
     prompts = [p[: rs.randint(8, len(p) + 1)] for p in (base[i % len(base)] for i in range(args.requests))]
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                 outputs[key] = [got[i] for i in range(len(prompts))]
                 return time.perf_counter() - t0
             runs[(mode, f"stream N={n}")] = chunked
-    bench_lib.log(f"compiling and timing {len(runs)} settings, {args.repeats} round(s) ...")
+    log(f"compiling and timing {len(runs)} settings, {args.repeats} round(s) ...")
     best = fastest_interleaved(runs, args.repeats)
     rows = []
     for mode in modes:
@@ -99,8 +102,8 @@ def main(argv=None) -> int:
             rows.append({"mode": m, "engine": how, "seconds": seconds, "tokens": tokens,
                          "tokens_per_second": tokens / seconds,
                          "vs_generate": best[(mode, "generate")] / seconds})
-            bench_lib.log(f"  {m} {how}: {seconds:.2f} s, {tokens / seconds:.0f} tok/s")
-    device = bench_lib.device_description()
+            log(f"  {m} {how}: {seconds:.2f} s, {tokens / seconds:.0f} tok/s")
+    device = device_description()
     meta = {"requests": args.requests, "batch_size": args.batch_size, "prompt_tokens": [min(map(len, prompts)),
             max(map(len, prompts))], "budgets": [min(budgets), max(budgets)], "repeats": args.repeats,
             "device": device, "jax": jax.__version__}
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
           "| mode | engine | seconds | tok/s | vs generate |", "|---|---|---|---|---|"]
     md += [f"| {r['mode']} | {r['engine']} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} | "
            f"{r['vs_generate']:.2f}x |" for r in rows]
-    bench_lib.write_results(args.out, "stream", {"meta": meta, "rows": rows}, md)
+    write_results(args.out, "stream", {"meta": meta, "rows": rows}, md)
     return 0
 
 

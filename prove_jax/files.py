@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -88,26 +90,42 @@ def is_stream(path: str) -> bool:
     return not stat.S_ISREG(mode) or _FD_PATH.fullmatch(os.path.abspath(path)) is not None
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file via a temporary name + rename (never a half-written file). Through a
-    symlink its target is written (the link stays); a stream (`is_stream`: /dev/stdout, a FIFO,
-    /dev/null) is written into, appending, as there is no file to rename over."""
-    if is_stream(path):
-        with open(path, "a") as f:  # append: a /dev/stdout redirected with >> keeps what it had
-            f.write(text)
-        return
+@contextlib.contextmanager
+def replacing(path: str, suffix: str = ""):
+    """Yield a fresh temporary path beside `path` for the caller to write (a file it creates);
+    renamed onto `path` when the block ends, removed if it raises: never a half-written file.
+    Through a symlink its target is replaced (the link stays). `suffix`: an extension a writer
+    reads the format from (matplotlib's savefig: .png)."""
     path = os.path.realpath(path)
     if os.path.isdir(path):  # else the rename fails, naming the temporary file
         raise IsADirectoryError(f"{path} is a directory; give a file path")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = _temp_sibling(os.path.abspath(path))
-    # os.open with 0o666: the umask's permissions, like any file (mkstemp's are 0600)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = _temp_sibling(path) + suffix
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a text file via a temporary name + rename (`replacing`). Through a symlink its
+    target is written (the link stays); a stream (`is_stream`: /dev/stdout, a FIFO, /dev/null)
+    is written into, appending, as there is no file to rename over."""
+    if is_stream(path):
+        with open(path, "a") as f:  # append: a /dev/stdout redirected with >> keeps what it had
+            f.write(text)
+        return
+    with replacing(path) as tmp:
+        # os.open with 0o666: the umask's permissions, like any file (mkstemp's are 0600)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
+            f.write(text)
+
+
+def read_json(path: str):
+    """The JSON value in the file at `path`, a local path or a URL (gs://); OSError when it
+    cannot be read, ValueError when it is not JSON."""
+    from prove_jax import storage  # a cycle: storage writes its local files through this module
+    return json.loads(storage.read_text(path))

@@ -211,32 +211,35 @@ def test_cli_calibrate(tmp_path):
 
 
 def test_benchmark_calibrated_setting(tmp_path):
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.benchmark import run_settings
+    from prove_jax.evaluation.model_pair import load_pair
+    from prove_jax.evaluation.report import markdown_table
+    from prove_jax.evaluation.sweep import ar_setting, calibrated_setting
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, create_model(CFG, seed=3))
-    pair = bench_lib.load_pair(ckpt)
-    settings = [bench_lib.ar_setting(), bench_lib.calibrated_setting(3)]
+    pair = load_pair(ckpt)
+    settings = [ar_setting(), calibrated_setting(3)]
     assert settings[1].label == "calibrated,K<=3" and settings[1].options.adaptive
-    records, _ = bench_lib.run_settings(pair, settings, _prompts(), 12, [2], repeats=1, progress=lambda m: None)
+    records, _ = run_settings(pair, settings, _prompts(), 12, [2], repeats=1, progress=lambda m: None)
     ar, calibrated = records
     assert calibrated["agreement_with_ar"] == 1.0 and calibrated["generated_tokens"] == ar["generated_tokens"]
     eff = calibrated["effective_options"]  # what calibration chose for batch 2 is on record
     assert eff["mode"] == "ar" or (eff["mode"] == "lossless" and 2 <= eff["block_size"] <= 3)
-    assert "| lossless | calibrated,K<=3 (" in bench_lib.markdown_table(records)
+    assert "| lossless | calibrated,K<=3 (" in markdown_table(records)
 
 
 def test_benchmark_sweep_adaptive_as_the_cli_and_calibrated_optional():
     """The benchmark's adaptive setting caps K at 8, as `infer.generate --adaptive` does (K=4
     capped the GPU/TPU table's K=8 rows); `calibrated=False` (`--no-calibrated`) leaves out the
     calibrated setting, whose measurements compile every candidate layout."""
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.sweep import sweep_settings
     from prove_jax.cli.generate import decode_options, parse_args
     cli_k = decode_options(parse_args(["--mode", "lossless", "--adaptive", "--input", "i", "--output", "o"])).block_size
-    by_label = {s.label: s for s in bench_lib.sweep_settings(["lossless"], False, lossless=[])}
+    by_label = {s.label: s for s in sweep_settings(["lossless"], False, lossless=[])}
     assert list(by_label)[1:] == [f"adaptive,K<={cli_k}", f"calibrated,K<={cli_k}"] and cli_k == 8
     assert by_label[f"adaptive,K<={cli_k}"].options.block_size == 8
     assert not by_label[f"adaptive,K<={cli_k}"].calibrate
-    labels = [s.label for s in bench_lib.sweep_settings(["lossless"], False, lossless=[], calibrated=False)]
+    labels = [s.label for s in sweep_settings(["lossless"], False, lossless=[], calibrated=False)]
     assert labels[1:] == ["adaptive,K<=8"]
 
 

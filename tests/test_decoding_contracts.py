@@ -23,7 +23,8 @@ from prove_jax.evaluation import humaneval
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, adapt_for_batch
 from prove_jax.decoding import calibrate as cal
-from prove_jax.decoding import requests
+from prove_jax.decoding import request_run
+from prove_jax.decoding import results_file
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import create_model
@@ -117,7 +118,7 @@ def test_request_and_option_errors_at_their_bounds(model):
 
 
 def test_describe_options_names_what_ran():
-    from prove_jax.decoding.requests import describe_options
+    from prove_jax.decoding.request_run import describe_options
     d = lambda o: describe_options(o.validate())  # noqa: E731
     assert d(DecodeOptions("ar", 8)) == "ar"
     assert d(DecodeOptions("lossless", 6, max_groups=2)) == "lossless K=6,G=2"
@@ -184,7 +185,7 @@ def test_the_results_file_keeps_whole_records_and_lets_a_rerun_skip_them(tmp_pat
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": "b", "output_ids": [1]}) + "\n" + json.dumps({"id": 7, "error": "x"})
                    + "\n" + json.dumps({"id": "a", "output_ids": [2]}) + "\n" + '{"id": "c", "outp')
-    results = requests.ResultsFile(str(out))
+    results = results_file.ResultsFile(str(out))
     assert set(results.done()) == {"a", "b"}
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["b", "a"]
     results.write({"id": "c", "output_ids": [3]})
@@ -193,15 +194,15 @@ def test_the_results_file_keeps_whole_records_and_lets_a_rerun_skip_them(tmp_pat
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]
     out.write_text("not json\n" + json.dumps({"id": "a"}) + "\n")
     with pytest.raises(DecodeError, match="not an output record"):
-        requests.ResultsFile(str(out)).done()
+        results_file.ResultsFile(str(out)).done()
 
 
 def test_run_requests_stats_add_up_and_every_chunk_shares_one_program(model, ar, monkeypatch):
     """Chunks of 2 requests whose own prompt widths differ (32, 16, 32 after rounding) still run
     one compiled program; per-request and summary stats are those of the outputs."""
-    monkeypatch.setattr(requests, "QUEUE_BATCHES", 1)
+    monkeypatch.setattr(request_run, "QUEUE_BATCHES", 1)
     dec = Decoder(model, NO_EOS, DecodeOptions("lossless", 3, max_groups=2))
-    results, summary = requests.run_requests(dec, PROMPTS, NEW, 2, progress=False)
+    results, summary = request_run.run_requests(dec, PROMPTS, NEW, 2, progress=False)
     outputs, stats = [r.output_ids for r in results], [r.stats for r in results]
     assert dec.trace_count == 1
     assert outputs == ar

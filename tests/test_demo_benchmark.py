@@ -19,6 +19,15 @@ import sys
 import pytest
 
 from prove_jax.cli import benchmark, demo
+from prove_jax.cli.bench_args import arg_type, parse_choices, parse_layouts, positive_ints
+from prove_jax.evaluation.benchmark import long_prompts
+from prove_jax.evaluation.compare import agreement, completion_text, our_sequence, peer_sequence
+from prove_jax.evaluation.model_pair import load_pair
+from prove_jax.evaluation.records import add_decode_only, add_vs_lossless, make_record
+from prove_jax.evaluation.report import accuracy_cell, lossless_note, markdown_table
+from prove_jax.evaluation.runners import Measurement
+from prove_jax.evaluation.sweep import (ALL_MODES, BenchError, DEFAULT_LOSSLESS, ar_setting,
+                                        calibrated_setting, lossless_setting, sweep_settings)
 from prove_jax.evaluation import benchmark as bench_lib
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.models.config import ModelConfig
@@ -57,7 +66,7 @@ def pair(tmp_path_factory):
 
 
 def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
-    loaded = bench_lib.load_pair(pair[0])
+    loaded = load_pair(pair[0])
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     for opts in (DecodeOptions("lossless", 3), DecodeOptions("threshold", 4, tau=0.0)):
         plain = loaded.decoder(opts).generate(prompts, 12)
@@ -71,35 +80,35 @@ def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
 
 
 def test_head_thresholds_sweep_the_commit_head_beside_its_own():
-    settings = [s for s in bench_lib.sweep_settings(["verify"], True, 6, head_thresholds=[0.3, 0.1])
+    settings = [s for s in sweep_settings(["verify"], True, 6, head_thresholds=[0.3, 0.1])
                 if s.options.commit_rule == "head"]
     assert [s.options.head_threshold for s in settings] == [None, 0.3, 0.1]
     assert [s.label for s in settings] == ["K=6,head", "K=6,head,p>=0.3", "K=6,head,p>=0.1"]
-    assert not [s for s in bench_lib.sweep_settings(["verify"], False, head_thresholds=[0.3])
+    assert not [s for s in sweep_settings(["verify"], False, head_thresholds=[0.3])
                 if s.options.commit_rule == "head"]
 
 
 def test_gate_taus_add_the_gated_verifier_rules():
-    settings = [s for s in bench_lib.sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.8, 0.6])
+    settings = [s for s in sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.8, 0.6])
                 if s.options.gate_tau is not None]
     assert [(s.options.commit_rule, s.options.tau_v, s.options.gate_tau) for s in settings] == [
         ("top1", 0.5, 0.8), ("top1", 0.5, 0.6), ("prob", 0.3, 0.8), ("prob", 0.3, 0.6)]
     assert [s.label for s in settings][-1] == "K=6,prob,tau_v=0.3,gate=0.6"
     assert {s.options.confidence for s in settings} == {"prob"}
     # --confidence picks the gate's statistic, as generate's does
-    margin = [s for s in bench_lib.sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.4],
+    margin = [s for s in sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.4],
                                                   confidence="margin") if s.options.gate_tau is not None]
     assert [s.options.confidence for s in margin] == ["margin", "margin"]
     assert [s.label for s in margin] == ["K=6,top1,margin gate=0.4", "K=6,prob,tau_v=0.3,margin gate=0.4"]
 
 
 def test_rules_pick_the_verify_settings():
-    settings = bench_lib.sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["prob"])
+    settings = sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["prob"])
     assert [s.label for s in settings] == ["-", "K=8,prob,tau_v=0.3", "K=8,prob,tau_v=0.3,gate=0.6"]
-    both = bench_lib.sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["top1", "head"])
+    both = sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["top1", "head"])
     assert [s.label for s in both] == ["-", "K=8,top1", "K=8,top1,gate=0.6", "K=8,head"]
     # the default runs every rule, head only where the verifier has one
-    assert {s.options.commit_rule for s in bench_lib.sweep_settings(["verify"], False)[1:]} == {"top1", "prob"}
+    assert {s.options.commit_rule for s in sweep_settings(["verify"], False)[1:]} == {"top1", "prob"}
 
 
 def test_limit_takes_the_first_records_of_a_prompts_file():
@@ -110,37 +119,37 @@ def test_limit_takes_the_first_records_of_a_prompts_file():
         first = [json.loads(line)["id"] for line in f][:16]
     assert [r["id"] for r in records] == first and desc.startswith("the first 16 records of ")
     for argv, message in [(["--limit", "4"], "give a file"), (["--prompts", path, "--limit", "0"], ">= 1, got 0")]:
-        with pytest.raises(bench_lib.BenchError, match=message):
+        with pytest.raises(BenchError, match=message):
             benchmark.load_prompt_records(benchmark.parse_args(argv))
 
 
 def test_agreement_and_output_forms():
-    assert bench_lib.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == {
+    assert agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == {
         "agreement_with_ar": 1.0, "exact_match_with_ar": 1.0}
     # row 1: 2 of 3 positions; row 2: 1 of max(1, 3) = 3 positions -> 3 / 6
-    assert bench_lib.agreement([[1, 9, 3], [4]], [[1, 2, 3], [4, 5, 6]]) == {
+    assert agreement([[1, 9, 3], [4]], [[1, 2, 3], [4, 5, 6]]) == {
         "agreement_with_ar": 0.5, "exact_match_with_ar": 0.0}
-    assert bench_lib.our_sequence([3, 7, 2, 9], eos_ids=[0, 7]) == [3, 0]
-    assert bench_lib.peer_sequence([3, 4], max_new_tokens=5, eos_ids=[0]) == [3, 4, 0]
-    assert bench_lib.peer_sequence([3, 4], max_new_tokens=2, eos_ids=[0]) == [3, 4]
+    assert our_sequence([3, 7, 2, 9], eos_ids=[0, 7]) == [3, 0]
+    assert peer_sequence([3, 4], max_new_tokens=5, eos_ids=[0]) == [3, 4, 0]
+    assert peer_sequence([3, 4], max_new_tokens=2, eos_ids=[0]) == [3, 4]
 
 
 def test_layouts_parse_and_bad_values_name_the_flag():
-    assert bench_lib.parse_layouts("6x2, 4X2,3") == ((6, 2), (4, 2), (3, None))
-    assert bench_lib.parse_layouts("") == ()
+    assert parse_layouts("6x2, 4X2,3") == ((6, 2), (4, 2), (3, None))
+    assert parse_layouts("") == ()
     for bad, message in [("1", "--layouts: '1': K must be >= 2"), ("6x0", "--layouts: '6x0': K must be >= 2 and G >= 1"),
                          ("6by2", "--layouts: '6by2' is not a layout; write K x G as 6x2"),
                          ("6x2x1", "--layouts: '6x2x1' is not a layout")]:
-        with pytest.raises(bench_lib.BenchError) as e:
-            bench_lib.parse_layouts(bad)
+        with pytest.raises(BenchError) as e:
+            parse_layouts(bad)
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
-    with pytest.raises(bench_lib.BenchError, match="^--lossless-blocks: '4y'"):
-        bench_lib.parse_layouts("4y", "--lossless-blocks")
-    assert bench_lib.parse_choices("ar, lossless", bench_lib.ALL_MODES, "--modes") == ["ar", "lossless"]
-    with pytest.raises(bench_lib.BenchError, match="^--modes: unknown 'fast'; choose from ar, threshold"):
-        bench_lib.parse_choices("ar,fast", bench_lib.ALL_MODES, "--modes")
+    with pytest.raises(BenchError, match="^--lossless-blocks: '4y'"):
+        parse_layouts("4y", "--lossless-blocks")
+    assert parse_choices("ar, lossless", ALL_MODES, "--modes") == ["ar", "lossless"]
+    with pytest.raises(BenchError, match="^--modes: unknown 'fast'; choose from ar, threshold"):
+        parse_choices("ar,fast", ALL_MODES, "--modes")
     # the default sweep, and the old spelling still read
-    assert benchmark.layouts_arg(benchmark.parse_args([])) == ("--layouts", bench_lib.DEFAULT_LOSSLESS)
+    assert benchmark.layouts_arg(benchmark.parse_args([])) == ("--layouts", DEFAULT_LOSSLESS)
     assert benchmark.layouts_arg(benchmark.parse_args(["--layouts", "6x2,4x2"])) == ("--layouts", ((6, 2), (4, 2)))
     assert benchmark.layouts_arg(benchmark.parse_args(["--lossless-blocks", "6x2"])) == ("--lossless-blocks", ((6, 2),))
 
@@ -187,9 +196,9 @@ def test_demo_layout_flags_and_lossy_modes(pair, capsys):
 
 
 def test_demo_exactness_and_verdict_in_words():
-    ar = bench_lib.Measurement(bench_lib.ar_setting(), 1, outputs=[[1, 2, 3, 4], [5, 6]],
+    ar = Measurement(ar_setting(), 1, outputs=[[1, 2, 3, 4], [5, 6]],
                                proposer_forwards=6, seconds=[6.0, 7.0])
-    ll = bench_lib.Measurement(bench_lib.lossless_setting(6, 2), 1, outputs=[[1, 2, 3, 4], [5, 6]],
+    ll = Measurement(lossless_setting(6, 2), 1, outputs=[[1, 2, 3, 4], [5, 6]],
                                proposer_forwards=2, seconds=[3.0, 2.5])
     assert demo.exactness_line([ar, ll]) == "yes, token for token (2 of 2 prompts, 6 tokens, checked)"
     head, why = demo.verdict([ar, ll], exact=True)
@@ -209,7 +218,7 @@ def test_demo_exactness_and_verdict_in_words():
 
 
 def test_demo_blocks_spell_the_completion(pair):
-    loaded = bench_lib.load_pair(pair[0])
+    loaded = load_pair(pair[0])
     res = loaded.decoder(DecodeOptions("lossless", 3, record_steps=True)).generate([[40, 41, 42]], 16)
     ids, steps = res.output_ids[0], res.step_commits[0]
     texts = demo.block_texts(loaded.tokenizer, ids, steps)
@@ -281,12 +290,12 @@ def test_benchmark_grades_prompts_with_answers_and_lossless_scores_as_ar(pair, t
     """A prompts file with answers: each mode's accuracy over the graded prompts, with its
     interval; lossless decodes AR's very tokens, so its accuracy is AR's exactly."""
     from prove_jax.evaluation import graders, plot
-    loaded = bench_lib.load_pair(pair[0])
+    loaded = load_pair(pair[0])
     tok, eos = loaded.tokenizer, loaded.eos_ids
     texts = ["def add(a, b):\n", "import os\n", "x = 1\n", "class A:\n"]
     ar = loaded.decoder(DecodeOptions("ar", block_size=1)).generate(
         [tok.encode(t, add_special_tokens=False) for t in texts], 8)
-    said = [bench_lib.completion_text(tok, bench_lib.our_sequence(o, eos), eos) for o in ar.output_ids]
+    said = [completion_text(tok, our_sequence(o, eos), eos) for o in ar.output_ids]
     records = [{"id": "right", "prompt": texts[0], "answer": said[0]},  # graded by --grader exact
                {"id": "wrong", "prompt": texts[1], "answer": said[1] + " and more"},
                {"id": "number", "prompt": texts[2], "answer": "#### 7", "grader": "last_number"},
@@ -319,7 +328,7 @@ def test_benchmark_grades_prompts_with_answers_and_lossless_scores_as_ar(pair, t
     assert th["graded"] == 3 and th["correct"] == ar_right + gained - lost
     md = (tmp_path / "bench.md").read_text()
     assert "| accuracy [95% CI] |" in md and "Accuracy: 3 of 4 prompts graded, 2 by `exact`: " in md
-    assert all(f"| {bench_lib.accuracy_cell(r)} |" in md for r in doc["records"])
+    assert all(f"| {accuracy_cell(r)} |" in md for r in doc["records"])
     panels = len(plot.figure_panels(doc["records"]))  # 1 where every mode scored the same
     png = (tmp_path / "bench.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") == 780 * panels
@@ -335,7 +344,7 @@ def test_benchmark_stopped_midway_keeps_finished_batch_sizes_beside_the_report(p
     def measure_then_fail(runners, *a, **k):  # batch size 2 fails (e.g. out of memory)
         calls.append(len(runners))
         if len(calls) == 2:
-            raise bench_lib.BenchError("stopped at batch 2")
+            raise BenchError("stopped at batch 2")
         return measure(runners, *a, **k)
 
     monkeypatch.setattr(bench_lib, "measure_batch", measure_then_fail)
@@ -366,7 +375,7 @@ def test_lossy_rows_are_compared_with_the_fastest_lossless_setting_round_by_roun
             rec("verify", "K=8,top1", 100, [9.0, 10.0, 10.0]),
             rec("relaxed", "K=6,G=2,p=0.3", 100, [11.0, 11.0, 12.0]),
             rec("hf_greedy", "threads=1", 100, [5.0, 5.0, 5.0], peer=True)]
-    bench_lib.add_vs_lossless(recs)
+    add_vs_lossless(recs)
     verify, relaxed = recs[3], recs[4]
     assert verify["fastest_lossless"] == relaxed["fastest_lossless"] == "K=5,G=2"
     assert verify["vs_lossless"] == pytest.approx(10.5 / 10.0)
@@ -374,13 +383,13 @@ def test_lossy_rows_are_compared_with_the_fastest_lossless_setting_round_by_roun
     assert verify["vs_lossless_rounds"] == pytest.approx([10.0 / 9.0, 10.5 / 10.0, 10.5 / 10.0])
     assert relaxed["vs_lossless"] == pytest.approx(10.5 / 11.0)
     assert all("vs_lossless" not in r for r in recs[:3] + recs[5:])  # ar, lossless and peers: none
-    note = bench_lib.lossless_note(recs)
+    note = lossless_note(recs)
     assert "- batch 1, verify K=8,top1: 1.05x lossless K=5,G=2 (by round: 1.11x, 1.05x, 1.05x)" in note
     no_lossless = [dict(r) for r in recs if r["mode"] != "lossless"]
     for r in no_lossless:
         r.pop("vs_lossless", None)
-    bench_lib.add_vs_lossless(no_lossless)
-    assert bench_lib.lossless_note(no_lossless) == ""
+    add_vs_lossless(no_lossless)
+    assert lossless_note(no_lossless) == ""
 
 
 def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
@@ -388,23 +397,23 @@ def test_decode_only_speedup_takes_the_prefill_out_of_both_sides():
             {"peer": False, "generated_tokens": 100, "seconds_median": 7.0},
             {"peer": False, "generated_tokens": 90, "seconds_median": 5.0},
             {"peer": True, "generated_tokens": 100, "seconds_median": 30.0}]
-    bench_lib.add_decode_only(recs, 2.0)
+    add_decode_only(recs, 2.0)
     assert [r["decode_speedup_vs_ar"] for r in recs[:3]] == pytest.approx([1.0, 2.0, 0.9 * 10 / 3])
     assert recs[3]["decode_speedup_vs_ar"] is None
     assert [r["prefill_seconds"] for r in recs] == [2.0, 2.0, 2.0, None]
-    assert "speedup without prefill" not in bench_lib.markdown_table([])
+    assert "speedup without prefill" not in markdown_table([])
     for r, mode in zip(recs, ("ar", "lossless", "lossless", "hf_greedy")):
         r.update(mode=mode, setting="-", batch_size=1, tokens_per_forward=1.0, tokens_per_second=1.0,
                  speedup_vs_ar=None if r["peer"] else 1.0, agreement_with_ar=1.0,
                  exact_match_with_ar=1.0, pass_at_1=None, compile_seconds=0.0)
-    table = bench_lib.markdown_table(recs).splitlines()
+    table = markdown_table(recs).splitlines()
     assert "| speedup without prefill |" in table[0] and table[3].split(" | ")[7] == "2.00x"
     assert table[5].split(" | ")[5:8] == ["-", "-", "-"]  # the peer: no ratio to AR's decode loop
-    bench_lib.add_decode_only(recs, 12.0)  # a baseline as long as AR's run: nothing to tell
+    add_decode_only(recs, 12.0)  # a baseline as long as AR's run: nothing to tell
     assert [r["decode_speedup_vs_ar"] for r in recs] == [None] * 4
     # the column still stands (the baseline was measured), every cell '-': the table's shape
     # depends on the options, not on timing noise
-    table = bench_lib.markdown_table(recs).splitlines()
+    table = markdown_table(recs).splitlines()
     assert "| speedup without prefill |" in table[0] and table[1].count("|---") == 12
     assert all(row.split(" | ")[7] == "-" for row in table[2:])
 
@@ -511,12 +520,12 @@ def test_benchmark_interrupted_says_where_the_finished_batch_sizes_are(pair, tmp
 
 def test_long_prompts_lead_with_the_others_and_end_with_their_own():
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    long = bench_lib.long_prompts(prompts, 8)
+    long = long_prompts(prompts, 8)
     assert [len(p) for p in long] == [8, 8, 8]
     assert long[0] == [7, 8, 9, 4, 5, 1, 2, 3]  # ... prompt 2, prompt 1, then its own
     assert long[2] == [5, 1, 2, 3, 6, 7, 8, 9]  # cyclic: prompts 1 and 0 lead
-    assert bench_lib.long_prompts([[1, 2, 3]], 7) == [[3, 1, 2, 3, 1, 2, 3]]  # alone: itself again
-    assert bench_lib.long_prompts(prompts, 2) == prompts  # already that long: kept whole
+    assert long_prompts([[1, 2, 3]], 7) == [[3, 1, 2, 3, 1, 2, 3]]  # alone: itself again
+    assert long_prompts(prompts, 2) == prompts  # already that long: kept whole
 
 
 def test_benchmark_long_context_run_times_prompts_of_that_length_ungraded(pair, tmp_path, capsys):
@@ -556,16 +565,16 @@ def test_benchmark_reports_go_under_runs_unless_asked(pair, tmp_path, monkeypatc
 
 
 def test_positive_ints_as_an_argparse_type_names_the_option():
-    assert bench_lib.positive_ints("1, 4,16") == [1, 4, 16]
+    assert positive_ints("1, 4,16") == [1, 4, 16]
     ap = argparse.ArgumentParser()
-    ap.add_argument("--chunks", type=bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, "--chunks")))
+    ap.add_argument("--chunks", type=arg_type(lambda t: positive_ints(t, "--chunks")))
     assert ap.parse_args(["--chunks", "16,32"]).chunks == [16, 32]
     for bad, message in [("8,x", "--chunks must be comma-separated integers"),
                          ("0,8", "--chunks must be positive integers"), ("", "must be positive")]:
         with pytest.raises(SystemExit):
             ap.parse_args(["--chunks", bad])
-        with pytest.raises(bench_lib.BenchError, match=message):
-            bench_lib.positive_ints(bad, "--chunks")
+        with pytest.raises(BenchError, match=message):
+            positive_ints(bad, "--chunks")
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -593,16 +602,16 @@ def test_a_setting_that_chose_ar_reports_ars_own_timing():
     """Adaptive/calibrated lossless that ran plain AR at a batch size is AR: its row gives AR's
     timing and 1.00x, labelled so, not a ratio of two timings of one program (noise: 1.11x)."""
     from prove_jax.decoding import DecodeOptions
-    ar = bench_lib.Measurement(bench_lib.ar_setting(), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
+    ar = Measurement(ar_setting(), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
                                seconds=[1.0, 1.2])
-    chose_ar = bench_lib.Measurement(bench_lib.calibrated_setting(8), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
+    chose_ar = Measurement(calibrated_setting(8), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
                                      seconds=[0.9, 0.95], effective_options=DecodeOptions("ar"))
-    rec = bench_lib.make_record(chose_ar, ar, 3, 1)
+    rec = make_record(chose_ar, ar, 3, 1)
     assert rec["ran_as_ar"] and rec["speedup_vs_ar"] == rec["speedup_fastest_vs_ar"] == 1.0
     assert rec["tokens_per_second"] == ar.tokens_per_second
     rec.update(compile_seconds=0.0)
-    row = bench_lib.markdown_table([rec]).splitlines()[2]
+    row = markdown_table([rec]).splitlines()[2]
     assert "calibrated,K<=8 (chose ar: AR's timing)" in row and "| 1.00x | 1.00x |" in row
-    lossless = bench_lib.Measurement(bench_lib.lossless_setting(4, 2), 1, outputs=[[1, 2, 3]], proposer_forwards=1,
+    lossless = Measurement(lossless_setting(4, 2), 1, outputs=[[1, 2, 3]], proposer_forwards=1,
                                      seconds=[0.5])
-    assert bench_lib.make_record(lossless, ar, 3, 1)["speedup_vs_ar"] == pytest.approx(2 * 1.1)
+    assert make_record(lossless, ar, 3, 1)["speedup_vs_ar"] == pytest.approx(2 * 1.1)

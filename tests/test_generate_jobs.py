@@ -13,7 +13,8 @@ from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.cli import generate
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, SamplingParams
-from prove_jax.decoding.requests import ResultsFile, read_requests
+from prove_jax.decoding.requests import read_requests
+from prove_jax.decoding.results_file import ResultsFile
 from prove_jax.models.params import create_model
 from tests.test_decoding import CFG
 

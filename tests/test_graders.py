@@ -15,7 +15,10 @@ from fractions import Fraction
 import pytest
 
 from prove_jax.cli import benchmark
-from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation.records import grade_records
+from prove_jax.evaluation.report import accuracy_cell
+from prove_jax.evaluation.runners import Measurement
+from prove_jax.evaluation.sweep import Setting
 from prove_jax.evaluation import graders, plot
 from prove_jax.evaluation.graders import GradeError, Reference
 
@@ -137,7 +140,7 @@ def test_wilson_interval_at_the_ends():
 # ---- accuracy in the benchmark's records, report and plot ------------------------------------------
 
 def _measurement(mode, label, outputs):
-    return bench_lib.Measurement(bench_lib.Setting(mode, label), 1, outputs=outputs)
+    return Measurement(Setting(mode, label), 1, outputs=outputs)
 
 
 class _Tok:
@@ -155,7 +158,7 @@ def test_grade_records_fills_accuracy_paired_counts_and_grades_each_completion_o
     seen = []
     grade = graders.grade
     monkeypatch.setattr(graders, "grade", lambda r, p, c: seen.append(len(c)) or grade(r, p, c))
-    bench_lib.grade_records(records, ms, refs, ["p"] * 4, _Tok(), eos_ids=[0], progress=lambda m: None)
+    grade_records(records, ms, refs, ["p"] * 4, _Tok(), eos_ids=[0], progress=lambda m: None)
     assert seen == [5]  # 3 prompts x 3 rows, 4 of the 9 repeats of a completion already seen
     ar, ll, th = records
     assert (ar["correct"], ar["graded"], ar["accuracy"]) == (2, 3, pytest.approx(2 / 3))
@@ -164,8 +167,8 @@ def test_grade_records_fills_accuracy_paired_counts_and_grades_each_completion_o
     assert th["correct"] == 2 and th["accuracy_vs_ar"] == {"gained": 1, "lost": 1}
     assert ll["accuracy_vs_ar"] == {"gained": 0, "lost": 0}
     assert ar["graded_by"] == {"last_number": 2, "exact": 1} and ar["pass_at_1"] is None
-    assert bench_lib.accuracy_cell(ar) == "0.667 [0.208, 0.939]"
-    assert bench_lib.accuracy_cell({"accuracy": None}) == "-"
+    assert accuracy_cell(ar) == "0.667 [0.208, 0.939]"
+    assert accuracy_cell({"accuracy": None}) == "-"
 
 
 def _rec(mode, correct, graded=16, speedup=1.0, batch=1):

@@ -233,11 +233,11 @@ def test_only_records_holding_a_tasks_own_prompt_are_scored_as_that_task():
     """A --prompts record reusing a HumanEval task id for other tokens must not be scored
     against that task's tests."""
     from prove_jax import assets
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.records import humaneval_task_ids
     from prove_jax.checkpoints.checkpoint import load_tokenizer
     tok = load_tokenizer(assets.DEMO_PROPOSER)
     problems = humaneval.load_problems(limit=2)
     real = tok.encode(problems[1]["prompt"], add_special_tokens=False)
-    got = bench_lib.humaneval_task_ids(["HumanEval/0", "HumanEval/1", "mine"], [[1, 2, 3], real, real],
+    got = humaneval_task_ids(["HumanEval/0", "HumanEval/1", "mine"], [[1, 2, 3], real, real],
                                        problems, tok)
     assert got == [None, "HumanEval/1", None]

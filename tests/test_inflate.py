@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prove_jax import assets
-from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation.model_pair import load_pair
 from prove_jax.checkpoints import convert
 from prove_jax.checkpoints.checkpoint import load_model, save_model
 from prove_jax.models.config import ConfigError, ModelConfig, preset
@@ -69,7 +69,7 @@ def test_inflate_refuses_a_smaller_or_incompatible_shape():
 
 
 def test_benchmark_loads_the_demo_proposer_inflated_to_a_preset():
-    pair = bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to="qwen2.5-0.5b")
+    pair = load_pair(assets.DEMO_PROPOSER, inflate_to="qwen2.5-0.5b")
     small = load_model(assets.DEMO_PROPOSER, dtype="float32", param_dtype="float32")
     shape = preset("qwen2.5-0.5b")
     got = pair.proposer.cfg
@@ -79,7 +79,7 @@ def test_benchmark_loads_the_demo_proposer_inflated_to_a_preset():
     tokens = np.array([[5, 100, 2000, 37, 9]], np.int32)
     np.testing.assert_allclose(our_logits(pair.proposer, tokens), our_logits(small, tokens), atol=1e-4)
     with pytest.raises(ConfigError, match="unknown preset"):
-        bench_lib.load_pair(assets.DEMO_PROPOSER, inflate_to="qwen9-huge")
+        load_pair(assets.DEMO_PROPOSER, inflate_to="qwen9-huge")
 
 
 def test_inflating_a_bfloat16_model_keeps_every_weight_bfloat16():

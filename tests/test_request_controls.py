@@ -12,7 +12,7 @@ from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
 from prove_jax.checkpoints.convert import hf_to_flax
 from prove_jax.decoding import DecodeOptions, Decoder
-from prove_jax.decoding.requests import run_requests
+from prove_jax.decoding.request_run import run_requests
 from prove_jax.decoding.sampling import SamplingParams
 from prove_jax.decoding.stopping import StopStrings
 from tests.hf_models import make_hf_qwen2

@@ -94,7 +94,7 @@ def test_an_output_that_is_a_directory_or_the_input_is_refused_before_loading(tm
 
 
 def test_a_missing_output_directory_is_made_and_nothing_is_left_in_it(tmp_path):
-    from prove_jax.decoding.requests import check_output_path
+    from prove_jax.decoding.results_file import check_output_path
     out = tmp_path / "new" / "deeper" / "out.jsonl"
     check_output_path(str(out), None)
     assert os.listdir(out.parent) == []  # the probe is gone, no output yet
@@ -103,7 +103,7 @@ def test_a_missing_output_directory_is_made_and_nothing_is_left_in_it(tmp_path):
 def test_outputs_go_through_symlinks_and_into_fifos_and_devices(tmp_path):
     """Records are appended through a symlink to its target (the link stays), and written into
     a FIFO or /dev/null, which stay what they are."""
-    from prove_jax.decoding.requests import ResultsFile, check_output_path
+    from prove_jax.decoding.results_file import ResultsFile, check_output_path
 
     def write_outputs(path):
         out = ResultsFile(path)
@@ -204,7 +204,7 @@ def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
     """Errors name the request id (not its position), and the summary's `setting` is the layout
     actually decoded: adaptive lossless chose AR on CPU, which mode alone does not say."""
     from prove_jax.decoding import DecodeOptions, Decoder
-    from prove_jax.decoding.requests import run_requests
+    from prove_jax.decoding.request_run import run_requests
     from prove_jax.models.params import create_model
     from tests.test_decoding import CFG
     dec = Decoder(create_model(CFG, seed=3), [1], DecodeOptions("lossless", 4, adaptive=True))

@@ -27,7 +27,9 @@ from prove_jax.checkpoints import checkpoint
 from prove_jax.training import dry_run as dr
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions
+from prove_jax.decoding import request_run
 from prove_jax.decoding import requests
+from prove_jax.decoding import results_file
 from prove_jax.decoding import BatchResult
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,8 +59,8 @@ def test_output_text_leaves_out_the_eos_the_ids_keep(tmp_path, demo_tok):
     without special tokens."""
     eos = demo_tok.eos_token_id
     body = demo_tok.encode("x = 1", add_special_tokens=False)
-    result = requests.RequestResult(body + [eos], "stop", {"generated_tokens": len(body) + 1})
-    row = requests.output_record("a", result, demo_tok)
+    result = request_run.RequestResult(body + [eos], "stop", {"generated_tokens": len(body) + 1})
+    row = results_file.output_record("a", result, demo_tok)
     assert row["output_ids"] == body + [eos]
     assert row["text"] == "x = 1" and demo_tok.eos_token not in row["text"]
 
@@ -72,8 +74,8 @@ def test_an_output_that_links_to_the_input_is_the_input(tmp_path):
     os.link(inp, tmp_path / "hard.jsonl")
     for name in ("link.jsonl", "hard.jsonl"):
         with pytest.raises(DecodeError, match="is the input file"):
-            requests.check_output_path(str(tmp_path / name), str(inp))
-    requests.check_output_path(str(tmp_path / "new.jsonl"), str(inp))  # a new file is fine
+            results_file.check_output_path(str(tmp_path / name), str(inp))
+    results_file.check_output_path(str(tmp_path / "new.jsonl"), str(inp))  # a new file is fine
 
 
 class _ScriptedDecoder:
@@ -99,10 +101,10 @@ class _ScriptedDecoder:
 
 
 def test_run_requests_summary_counts_verifier_forwards_and_decode_time_only(monkeypatch):
-    monkeypatch.setattr(requests, "QUEUE_BATCHES", 2)
+    monkeypatch.setattr(request_run, "QUEUE_BATCHES", 2)
     dec = _ScriptedDecoder()
     prompts = [[i] * (1 + i % 3) for i in range(5)]  # lengths 1, 2, 3, 1, 2
-    results, summary = requests.run_requests(dec, prompts, 8, 2, progress=False)
+    results, summary = request_run.run_requests(dec, prompts, 8, 2, progress=False)
     outputs, stats = [r.output_ids for r in results], [r.stats for r in results]
     # chunks of 2 x 2 requests, every one at the run's prompt width and queue size
     assert dec.calls == [(4, 2, 3, 4), (1, 2, 3, 4)]

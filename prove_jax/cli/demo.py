@@ -30,7 +30,12 @@ from prove_jax.decoding.adaptive import ADAPTIVE_TABLES
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.options import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU
 from prove_jax.errors import ProveJaxError
-from prove_jax.evaluation import benchmark as bench_lib
+from prove_jax.evaluation.benchmark import run_settings
+from prove_jax.evaluation.model_pair import has_commit_head, load_pair
+from prove_jax.evaluation.progress import log
+from prove_jax.evaluation.runners import Measurement
+from prove_jax.evaluation.sweep import (BenchError, Setting, ar_setting, lossless_setting,
+                                        threshold_setting, verify_setting)
 from prove_jax.evaluation import humaneval
 from prove_jax.models.config import PRESETS
 
@@ -96,32 +101,32 @@ def check_args(args) -> None:
                              ("--repeats", args.repeats, 1), ("--groups", args.groups, 1),
                              ("--block-size", args.block_size, 2)):  # lossless proposes K-1 drafts
         if value is not None and value < low:
-            raise bench_lib.BenchError(f"{flag} must be >= {low}, got {value}")
+            raise BenchError(f"{flag} must be >= {low}, got {value}")
     if not 0 <= args.show < args.num_prompts:
-        raise bench_lib.BenchError(f"--show must be in [0, {args.num_prompts}) (--num-prompts), "
+        raise BenchError(f"--show must be in [0, {args.num_prompts}) (--num-prompts), "
                                    f"got {args.show}")
     given = [o for o in LOSSY_OPTIONS if getattr(args, o) is not None]
     if given and not args.lossy:
-        raise bench_lib.BenchError(f"--{given[0].replace('_', '-')} applies to the lossy modes: add --lossy")
+        raise BenchError(f"--{given[0].replace('_', '-')} applies to the lossy modes: add --lossy")
 
 
-def demo_settings(args, platform: str, have_head: bool) -> list[bench_lib.Setting]:
+def demo_settings(args, platform: str, have_head: bool) -> list[Setting]:
     """AR, lossless (recording each forward's commit) and, with --lossy, threshold and verify."""
     k, g = recommended_layout(platform)
     if args.block_size is not None:
         k, g = args.block_size, None
     g = args.groups if args.groups is not None else g
-    settings = [bench_lib.ar_setting(), bench_lib.lossless_setting(k, g, record_steps=True)]
+    settings = [ar_setting(), lossless_setting(k, g, record_steps=True)]
     if args.lossy:
         lossy_k = args.block_size or LOSSY_K
         confidence = args.confidence or "prob"
         tau = DEFAULT_TAU[confidence] if args.tau is None else args.tau
         rule = args.commit_rule or ("head" if have_head else "top1")
         if rule == "head" and not have_head:
-            raise bench_lib.BenchError(f"--commit-rule head needs a commit head in {args.verifier} "
+            raise BenchError(f"--commit-rule head needs a commit head in {args.verifier} "
                                        f"(commit_head/): use --commit-rule top1 or prob")
-        settings += [bench_lib.threshold_setting(tau, lossy_k, confidence),
-                     bench_lib.verify_setting(rule, lossy_k)]
+        settings += [threshold_setting(tau, lossy_k, confidence),
+                     verify_setting(rule, lossy_k)]
     return settings
 
 
@@ -165,7 +170,7 @@ def first_difference(out: list[int], ref: list[int]) -> int | None:
     return None if len(out) == len(ref) else min(len(out), len(ref))
 
 
-def exactness_line(ms: list[bench_lib.Measurement]) -> str:
+def exactness_line(ms: list[Measurement]) -> str:
     ar, ll = ms[0], ms[1]
     diffs = [(i, first_difference(o, r)) for i, (o, r) in enumerate(zip(ll.outputs, ar.outputs))]
     diffs = [(i, d) for i, d in diffs if d is not None]
@@ -176,7 +181,7 @@ def exactness_line(ms: list[bench_lib.Measurement]) -> str:
     return f"NO: {n - len(diffs)} of {n} prompts equal; prompt {i} differs from token {d} on"
 
 
-def holds_everywhere(ms: list[bench_lib.Measurement], records: list[dict]) -> str:
+def holds_everywhere(ms: list[Measurement], records: list[dict]) -> str:
     rows = [("mode", "setting", "tokens/forward", "same output as greedy AR"),
             ("ar", "-", "1.00", "(the reference)"),
             ("lossless", ms[1].setting.label, f"{ms[1].tokens_per_forward:.2f}", exactness_line(ms))]
@@ -187,7 +192,7 @@ def holds_everywhere(ms: list[bench_lib.Measurement], records: list[dict]) -> st
     return table(rows, numbers=(2,))
 
 
-def speed_table(ms: list[bench_lib.Measurement]) -> str:
+def speed_table(ms: list[Measurement]) -> str:
     ar = ms[0].fastest_tokens_per_second
     rows = [("mode", "setting", "tok/s", "vs AR", "compile s")]
     for m in ms:
@@ -196,7 +201,7 @@ def speed_table(ms: list[bench_lib.Measurement]) -> str:
     return table(rows, numbers=(2, 3, 4))
 
 
-def verdict(ms: list[bench_lib.Measurement], exact: bool) -> list[str]:
+def verdict(ms: list[Measurement], exact: bool) -> list[str]:
     """The plain-words verdict on lossless against AR, and why, from the fastest passes."""
     ar, ll = ms[0], ms[1]
     speedup = ll.fastest_tokens_per_second / ar.fastest_tokens_per_second
@@ -226,19 +231,19 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         problems = humaneval.load_problems(limit=args.num_prompts)  # more than HumanEval has: said now
-        have_head = args.lossy and bench_lib.has_commit_head(args.verifier)
+        have_head = args.lossy and has_commit_head(args.verifier)
         settings = demo_settings(args, platform, have_head)
-        bench_lib.log(f"loading the proposer {args.model}"
+        log(f"loading the proposer {args.model}"
                       + (f" and the verifier {args.verifier}" if args.lossy else "") + " ...")
-        pair = bench_lib.load_pair(args.model, args.verifier if args.lossy else None,
+        pair = load_pair(args.model, args.verifier if args.lossy else None,
                                    with_head=have_head, inflate_to=inflate)
         if pair.tokenizer is None:
-            raise bench_lib.BenchError(f"{args.model} has no tokenizer files: the demo needs text")
+            raise BenchError(f"{args.model} has no tokenizer files: the demo needs text")
         prompts = [pair.tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
-        bench_lib.log(f"decoding {len(prompts)} HumanEval prompts x {args.max_new_tokens} tokens with "
+        log(f"decoding {len(prompts)} HumanEval prompts x {args.max_new_tokens} tokens with "
                       f"{', '.join(s.name for s in settings)} (batch 1; each compiles once, then "
                       f"{args.repeats} timed pass(es))")
-        records, ms = bench_lib.run_settings(pair, settings, prompts, args.max_new_tokens, [1],
+        records, ms = run_settings(pair, settings, prompts, args.max_new_tokens, [1],
                                              repeats=args.repeats)
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
         return fail(e)

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from prove_jax.files import atomic_write_text
     from prove_jax.decoding.options import DecodeError, DecodeOptions
     from prove_jax.decoding.loading import build_decoder
-    from prove_jax.decoding.requests import check_output_path, encode_prompts, read_requests
+    from prove_jax.decoding.requests import encode_prompts, read_requests
+    from prove_jax.decoding.results_file import check_output_path
     main_process = True
 
     def log(msg: str) -> None:

@@ -47,9 +47,10 @@ from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
 from prove_jax.models.kernels import ATTENTION_CHOICES, KernelOptions
-from prove_jax.decoding.requests import (ERROR_KEY, QUEUE_BATCHES, RequestStream, ResultsFile,
-                                         check_output_path, encode_prompts, error_record, output_record,
-                                         read_requests, request_hash, request_logprobs, request_params)
+from prove_jax.decoding.request_run import QUEUE_BATCHES, RequestStream
+from prove_jax.decoding.requests import (ERROR_KEY, encode_prompts, error_record, read_requests,
+                                         request_controls, request_hash)
+from prove_jax.decoding.results_file import ResultsFile, check_output_path, output_record
 from prove_jax.decoding.sampling import SamplingParams
 
 SOME_REQUESTS_FAILED = 3  # exit status when the job ran but some requests carry an error
@@ -312,33 +313,6 @@ def default_params(args) -> SamplingParams:
         raise DecodeError(flag + str(e)[len(field):]) from None
 
 
-def params_of_records(records, defaults: SamplingParams, base_seed: int, strict: bool) -> list:
-    """Each record's SamplingParams (None for a failed record); a bad field fails the request
-    (or, with `strict`, the job)."""
-    return _per_record(records, lambda i, rec: request_params(rec, defaults, i, base_seed), strict)
-
-
-def logprobs_of_records(records, default: int | None, strict: bool) -> list:
-    """Alternatives per token each record's logprobs ask for (None: none; `default`: --logprobs),
-    a bad value failing the request (or, with `strict`, the job)."""
-    return _per_record(records, lambda i, rec: request_logprobs(rec, default), strict)
-
-
-def _per_record(records, read, strict: bool) -> list:
-    """`read(i, record)` of each record not failed already (None for those); a DecodeError
-    fails that record (with `strict`, the job)."""
-    out = []
-    for i, rec in enumerate(records):
-        try:
-            out.append(None if ERROR_KEY in rec else read(i, rec))
-        except DecodeError as e:
-            if strict:
-                raise DecodeError(f"request {rec['id']!r}: {e}") from None
-            rec[ERROR_KEY] = f"the request's {e}"
-            out.append(None)
-    return out
-
-
 # What shapes an output file's records: a resumed --output must have been written with the same.
 SETTING_FLAGS = ("mode", "block_size", "groups", "adaptive", "calibrate", "tau", "confidence", "commit_rule",
                  "tau_v", "relaxed_p", "head_threshold", "gate_tau", "dtype", "max_new_tokens", "temperature",
@@ -411,8 +385,7 @@ def _generate(args) -> int:
                                   else f"{flag[2:]} checkpoint not found: {path}")
         records = ([{"id": 0, "prompt": args.prompt}] if args.prompt is not None
                    else read_requests(args.input, strict=args.strict, defaults=defaults, base_seed=args.seed))
-        params = params_of_records(records, defaults, args.seed, args.strict)
-        logprobs = logprobs_of_records(records, args.logprobs, args.strict)
+        params, logprobs = request_controls(records, defaults, args.logprobs, args.seed)
         asked = max((n for n in logprobs if n is not None), default=None)
         if asked is not None and (options.logprobs is None or options.logprobs < asked):
             options = dataclasses.replace(options, logprobs=asked)  # requests asking more than --logprobs

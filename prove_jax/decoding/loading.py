@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -12,6 +13,7 @@ from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.models.sharding import MeshError, inference_mesh, make_mesh
+from prove_jax.checkpoints.commit_head import load_commit_head
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 
 
@@ -36,6 +38,49 @@ def parse_mesh(spec: str | None, configs: Sequence = (), dtype: str = "float32")
         raise DecodeError(str(e)) from None
 
 
+@dataclasses.dataclass
+class LoadedModels:
+    """A proposer checkpoint's model and tokenizer, an optional verifier (and its commit head),
+    and the ids decoding stops and pads with: what every Decoder over these weights shares."""
+    proposer: object
+    verifier: object | None
+    commit_head: object | None
+    tokenizer: object | None
+    eos_ids: list[int]
+    pad_id: int
+
+
+def load_models(model_path: str, verifier_path: str | None = None, with_head: bool = False,
+                dtype: str = "float32", mesh=None, tokenizer=None) -> LoadedModels:
+    """Read a proposer checkpoint and, with `verifier_path`, its verifier (and the verifier's
+    commit head with `with_head`), each restored as `dtype` onto `mesh` (None: one device).
+    The pair's shared vocabulary is checked from the configs and tokenizers before any weight
+    is read. `tokenizer`: the proposer's, when the caller has already loaded it."""
+    if not storage.isdir(model_path):  # a local path or a URL (gs://)
+        raise CheckpointError(f"model checkpoint not found: {model_path}")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_path)
+    if verifier_path is not None:
+        if not storage.isdir(verifier_path):
+            raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
+        if tokenizer is not None:
+            check_shared_vocabulary(tokenizer, model_path, [(
+                "verifier", verifier_path, load_config(verifier_path).vocab_size,
+                load_tokenizer(verifier_path))])
+    model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+    verifier = head = None
+    if verifier_path is not None:
+        verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+        if with_head:
+            head = load_commit_head(verifier_path, mesh=mesh)
+    cfg = model.cfg
+    eos = list(cfg.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [int(tokenizer.eos_token_id)]
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    return LoadedModels(model, verifier, head, tokenizer, eos, pad)
+
+
 def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | None = None,
                   dtype: str = "float32", mesh_shape: str | None = None, mesh=None, tokenizer=None):
     """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier;
@@ -45,8 +90,9 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
+    verify = options.mode == "verify"
     configs = [load_config(model_path)]
-    if options.mode == "verify":
+    if verify:
         if verifier_path is None or not storage.isdir(verifier_path):
             raise CheckpointError(f"verifier checkpoint not found: {verifier_path}")
         configs.append(load_config(verifier_path))
@@ -55,22 +101,9 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
             mesh = parse_mesh(mesh_shape, configs, dtype)
         except MeshError as e:
             raise DecodeError(str(e)) from None
-    if options.mode == "verify":
-        if tokenizer is not None:  # from the configs and tokenizers, before any weight is read
-            check_shared_vocabulary(tokenizer, model_path, [(
-                "verifier", verifier_path, configs[1].vocab_size,
-                load_tokenizer(verifier_path))])
-    model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
-    verifier = head = None
-    if options.mode == "verify":
-        verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
-        if options.commit_rule == "head":
-            from prove_jax.checkpoints.commit_head import load_commit_head
-            head = load_commit_head(verifier_path, mesh=mesh)
-    cfg = model.cfg
-    eos = list(cfg.eos_token_ids)
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = [tokenizer.eos_token_id]
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-    decoder = Decoder(model, eos, options, verifier=verifier, commit_head=head, mesh=mesh, pad_id=pad)
-    return decoder, tokenizer
+    models = load_models(model_path, verifier_path if verify else None,
+                         with_head=verify and options.commit_rule == "head", dtype=dtype, mesh=mesh,
+                         tokenizer=tokenizer)
+    decoder = Decoder(models.proposer, models.eos_ids, options, verifier=models.verifier,
+                      commit_head=models.commit_head, mesh=mesh, pad_id=models.pad_id)
+    return decoder, models.tokenizer

@@ -20,8 +20,10 @@ from prove_jax.data.chat import chat_problem
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
-from prove_jax.decoding.requests import (RequestStream, encode_prompts, output_record, record_problem,
-                                         request_logprobs, request_params)
+from prove_jax.decoding.request_run import RequestStream
+from prove_jax.decoding.requests import (encode_prompts, record_problem, request_logprobs,
+                                         request_params)
+from prove_jax.decoding.results_file import output_record
 from prove_jax.decoding.sampling import SamplingParams
 
 

@@ -9,9 +9,9 @@ so, as `flat_accuracy_line` does in the markdown report).
 
 from __future__ import annotations
 
-import os
-import uuid
 from typing import Sequence
+
+from prove_jax.files import replacing
 
 MODE_COLOURS = {"ar": "black", "lossless": "tab:green", "relaxed": "tab:olive", "threshold": "tab:orange",
                 "verify": "tab:blue", "hf_greedy": "tab:gray", "hf_assisted": "tab:purple",
@@ -88,15 +88,8 @@ def trade_off_figure(records: Sequence[dict], path: str, title: str = "") -> Non
     if flat:
         fig.subplots_adjust(bottom=max(fig.subplotpars.bottom, 0.18))
         fig.text(0.02, 0.01, flat, fontsize=7, ha="left", va="bottom", wrap=True)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex[:12]}.png")  # savefig creates it: umask permissions
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        with replacing(path, suffix=".png") as tmp:  # savefig creates it: umask permissions
+            fig.savefig(tmp, dpi=120)
     finally:
         plt.close(fig)

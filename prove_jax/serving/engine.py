@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from prove_jax.errors import ProveJaxError
 from prove_jax.decoding.engine import request_seed
 from prove_jax.decoding.options import DecodeError
-from prove_jax.decoding.requests import feed_blocks, stream_result
+from prove_jax.decoding.request_run import feed_blocks, stream_result
 from prove_jax.decoding.sampling import Sampler, SamplingParams
 from prove_jax.decoding.stopping import StopStrings
 from prove_jax.decoding.stream import OpenStream

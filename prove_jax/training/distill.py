@@ -53,7 +53,7 @@ def distill_records(decoder, prompt_ids: Sequence[Sequence[int]], ids: Sequence[
     """Greedy continuations as `{"id", "prompt_ids", "response_ids"}` records, which the data
     loader trains as given: a response keeps its EOS when one was generated, none is added at
     the token budget."""
-    from prove_jax.decoding.requests import run_requests
+    from prove_jax.decoding.request_run import run_requests
     t0 = time.perf_counter()
     results, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size,
                                     progress=progress, ids=list(ids))
