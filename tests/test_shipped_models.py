@@ -73,7 +73,6 @@ def test_shipped_lossless_equals_ar_as_an_accelerator_runs_it(monkeypatch):
     from prove_jax.decoding import options as decode_options
     monkeypatch.setattr(decode_options, "PREFILL_CHUNK", {})  # every backend: PREFILL_CHUNK_ACCELERATOR
     table = adaptive.ADAPTIVE_TABLES["gpu"]
-    monkeypatch.setitem(adaptive.ADAPTIVE_TABLES, "cpu", table)
     plain = KernelOptions(matmul_form="plain")
     # one device: the suite's simulated ones would all go on the data axis (8 rows at least)
     ar, tok = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar", kernels=plain), mesh_shape="1,1,1")
@@ -82,6 +81,7 @@ def test_shipped_lossless_equals_ar_as_an_accelerator_runs_it(monkeypatch):
     assert decode_options.default_prefill_chunk() == decode_options.PREFILL_CHUNK_ACCELERATOR > max(map(len, prompts))
     ref = ar.generate(prompts, 48)
     dec = ar.with_options(DecodeOptions("lossless", 8, adaptive=True, kernels=plain))
+    dec.adaptive_table = table  # what an accelerator looks up for its platform
     for rows, layout in ((1, (8, 8)), (4, table[1][1:]), (6, table[2][1:])):
         res = dec.generate(prompts, 48, batch_size=rows)
         assert (res.options.block_size, res.options.max_groups) == layout

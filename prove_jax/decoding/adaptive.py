@@ -4,7 +4,8 @@ tables for this device; ADAPTIVE_TABLES are the fixed defaults)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import types
+from typing import Mapping, Sequence
 
 import jax
 
@@ -15,11 +16,12 @@ from prove_jax.decoding.options import DecodeError, DecodeOptions
 # grows (benchmarks/h200/decode_adaptive.md). On CPU whether lossless pays depends on the
 # machine and the proposer, which no fixed table knows: AR, and `--calibrate` measures
 # (benchmarks/step_cost.md, benchmarks/decode.md).
-ADAPTIVE_TABLES: dict[str, tuple[tuple[int, int, int], ...]] = {
+# Read-only: a table is chosen per Decoder (`adaptive_table=`), never by editing this one.
+ADAPTIVE_TABLES: Mapping[str, tuple[tuple[int, int, int], ...]] = types.MappingProxyType({
     "gpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "tpu": ((1, 8, 8), (4, 6, 4), (8, 4, 3), (16, 4, 2), (32, 2, 2)),
     "cpu": (),
-}
+})
 
 
 def adapt_for_batch(options: DecodeOptions, batch: int, platform: str | None = None,
