@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                          "seconds": best[(mode, t)], "tokens_per_second": rate,
                          "speedup_vs_ar": rate / ar_rate})
             log(f"  T={t:g} {mode}: {rows[-1]['tokens_per_forward']:.2f} tok/fwd, "
-                          f"{rate:.1f} tok/s, {rows[-1]['speedup_vs_ar']:.2f}x")
+                f"{rate:.1f} tok/s, {rows[-1]['speedup_vs_ar']:.2f}x")
     device = device_description()
     meta = {"proposer": "demo proposer", "inflated_to": inflate, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "batch_size": 1, "lossless": {"K": args.block_size,

@@ -97,7 +97,7 @@ def test_gate_taus_add_the_gated_verifier_rules():
     assert {s.options.confidence for s in settings} == {"prob"}
     # --confidence picks the gate's statistic, as generate's does
     margin = [s for s in sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.4],
-                                                  confidence="margin") if s.options.gate_tau is not None]
+                                        confidence="margin") if s.options.gate_tau is not None]
     assert [s.options.confidence for s in margin] == ["margin", "margin"]
     assert [s.label for s in margin] == ["K=6,top1,margin gate=0.4", "K=6,prob,tau_v=0.3,margin gate=0.4"]
 
@@ -197,9 +197,9 @@ def test_demo_layout_flags_and_lossy_modes(pair, capsys):
 
 def test_demo_exactness_and_verdict_in_words():
     ar = Measurement(ar_setting(), 1, outputs=[[1, 2, 3, 4], [5, 6]],
-                               proposer_forwards=6, seconds=[6.0, 7.0])
+                     proposer_forwards=6, seconds=[6.0, 7.0])
     ll = Measurement(lossless_setting(6, 2), 1, outputs=[[1, 2, 3, 4], [5, 6]],
-                               proposer_forwards=2, seconds=[3.0, 2.5])
+                     proposer_forwards=2, seconds=[3.0, 2.5])
     assert demo.exactness_line([ar, ll]) == "yes, token for token (2 of 2 prompts, 6 tokens, checked)"
     head, why = demo.verdict([ar, ll], exact=True)
     assert head == ("Verdict: ProVe-lossless decoded 2.4x as fast as greedy AR here, with the same "
@@ -603,9 +603,9 @@ def test_a_setting_that_chose_ar_reports_ars_own_timing():
     timing and 1.00x, labelled so, not a ratio of two timings of one program (noise: 1.11x)."""
     from prove_jax.decoding import DecodeOptions
     ar = Measurement(ar_setting(), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
-                               seconds=[1.0, 1.2])
+                     seconds=[1.0, 1.2])
     chose_ar = Measurement(calibrated_setting(8), 1, outputs=[[1, 2, 3]], proposer_forwards=3,
-                                     seconds=[0.9, 0.95], effective_options=DecodeOptions("ar"))
+                           seconds=[0.9, 0.95], effective_options=DecodeOptions("ar"))
     rec = make_record(chose_ar, ar, 3, 1)
     assert rec["ran_as_ar"] and rec["speedup_vs_ar"] == rec["speedup_fastest_vs_ar"] == 1.0
     assert rec["tokens_per_second"] == ar.tokens_per_second
@@ -613,5 +613,5 @@ def test_a_setting_that_chose_ar_reports_ars_own_timing():
     row = markdown_table([rec]).splitlines()[2]
     assert "calibrated,K<=8 (chose ar: AR's timing)" in row and "| 1.00x | 1.00x |" in row
     lossless = Measurement(lossless_setting(4, 2), 1, outputs=[[1, 2, 3]], proposer_forwards=1,
-                                     seconds=[0.5])
+                           seconds=[0.5])
     assert make_record(lossless, ar, 3, 1)["speedup_vs_ar"] == pytest.approx(2 * 1.1)

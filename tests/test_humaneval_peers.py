@@ -239,5 +239,5 @@ def test_only_records_holding_a_tasks_own_prompt_are_scored_as_that_task():
     problems = humaneval.load_problems(limit=2)
     real = tok.encode(problems[1]["prompt"], add_special_tokens=False)
     got = humaneval_task_ids(["HumanEval/0", "HumanEval/1", "mine"], [[1, 2, 3], real, real],
-                                       problems, tok)
+                             problems, tok)
     assert got == [None, "HumanEval/1", None]

@@ -220,7 +220,7 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
     """(records {"id", "prompt" | "prompt_ids"}, description of the source)."""
     if args.limit is not None and (args.prompts is None or args.limit < 1):
         raise BenchError("--limit takes the first N records of --prompts: give a file and N >= 1"
-                                   if args.prompts is None else f"--limit must be >= 1, got {args.limit}")
+                         if args.prompts is None else f"--limit must be >= 1, got {args.limit}")
     if args.prompts is not None:
         from prove_jax.decoding.requests import read_requests
         records = read_requests(args.prompts)
@@ -248,7 +248,7 @@ def prompt_references(args, records: list[dict]) -> list[graders.Reference | Non
         raise BenchError(f"{args.prompts or 'prompts'}: {e}") from None
     if args.grader is not None and all(r is None for r in references):
         raise BenchError(f"--grader {args.grader}: no prompt record has an \"answer\" to "
-                                   f"grade against (HumanEval prompts are graded by humaneval without one)")
+                         f"grade against (HumanEval prompts are graded by humaneval without one)")
     return references
 
 
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
             named = [m for m in modes if m in PEER_MODES]
             if named and args.modes != DEFAULT_MODES:  # asked for by name, not by the default
                 raise BenchError(f"--modes names {', '.join(named)} but --no-peers leaves "
-                                           f"the peers out: drop one or the other")
+                                 f"the peers out: drop one or the other")
             modes = [m for m in modes if m not in PEER_MODES]
         have_head = has_commit_head(args.verifier) and "verify" in modes
         taus = _float_list(args.taus, "--taus")
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
                     raise BenchError(f"{s.name}: {e}") from None
         if args.head_thresholds.strip() and not have_head:
             raise BenchError("--head-thresholds sweeps verify's commit head: it needs verify in "
-                                       "--modes and a --verifier with a commit_head/ folder")
+                             "--modes and a --verifier with a commit_head/ folder")
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
             raise BenchError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         if args.repeats < 1:  # found before the models load, not after
@@ -441,30 +441,30 @@ def main(argv=None) -> int:
             raise BenchError(f"--block-size must be >= 1, got {args.block_size}")
         if any(s.mode == "verify" and s.options.tau_v < 0 for s in settings):
             raise BenchError(f"--tau-vs are verifier probabilities: each must be >= 0, "
-                                       f"got {args.tau_vs!r}")
+                             f"got {args.tau_vs!r}")
         if "threshold" in modes and not taus:
             raise BenchError("--taus is empty but threshold is in --modes: give a tau "
-                                       "or drop the mode")
+                             "or drop the mode")
         if "verify" in modes and not any(s.mode == "verify" for s in settings):
             raise BenchError(f"--rules {args.rules!r} leaves verify nothing to run (head needs a "
-                                       "--verifier with a commit_head/ folder): name a rule or drop the mode")
+                             "--verifier with a commit_head/ folder): name a rule or drop the mode")
         if "lossless" in modes and not any(s.mode == "lossless" for s in settings):
             raise BenchError(f"{layouts_flag} is empty and --no-adaptive is set but "
-                                       "lossless is in --modes: give a layout or drop the mode")
+                             "lossless is in --modes: give a layout or drop the mode")
         peers_on = any(s.is_peer for s in settings)
         if peers_on and args.inflate:  # they would run the checkpoint on disk, not the inflated one
             raise BenchError(f"the transformers peers run the checkpoint as stored, not "
-                                       f"inflated to {args.inflate}: add --no-peers")
+                             f"inflated to {args.inflate}: add --no-peers")
         if peers_on and args.dtype != "float32":
             raise BenchError("the transformers peers run float32: with --dtype "
-                                       f"{args.dtype} add --no-peers")
+                             f"{args.dtype} add --no-peers")
         need_verifier = any(s.mode in ("verify", "hf_assisted") for s in settings)
         records_in, prompts_desc = load_prompt_records(args)
         references = prompt_references(args, records_in)
 
         log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
         pair = load_pair(args.model, args.verifier if need_verifier else None,
-                                   dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
+                         dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
         from prove_jax.decoding.requests import encode_prompts
         prompts = encode_prompts(records_in, pair.tokenizer)
         prompt_texts = []  # the graders' (humaneval's test runs the prompt with the completion)
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
             hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")
             hf_models = convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
         log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
-                      f"{args.repeats} timed passes each")
+            f"{args.repeats} timed passes each")
         start_meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
         start_meta["graded"] = grading_meta(references)
 
@@ -495,12 +495,12 @@ def main(argv=None) -> int:
 
         tracing = StepProfile(args.profile, "benchmark_pass", warmup=0)  # the warm-up passes compiled
         records, measurements = run_settings(pair, settings, prompts, args.max_new_tokens,
-                                                       batch_sizes, args.repeats, hf_models,
-                                                       prefill_baseline=args.prefill_baseline,
-                                                       on_batch_done=on_batch_done, profile=tracing)
+                                             batch_sizes, args.repeats, hf_models,
+                                             prefill_baseline=args.prefill_baseline,
+                                             on_batch_done=on_batch_done, profile=tracing)
         if any(r is not None for r in references):
             grade_records(records, measurements, references, prompt_texts, pair.tokenizer,
-                                    pair.eos_ids)
+                          pair.eos_ids)
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
         meta["graded"] = grading_meta(references)
         if args.png != "none":

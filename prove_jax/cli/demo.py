@@ -104,7 +104,7 @@ def check_args(args) -> None:
             raise BenchError(f"{flag} must be >= {low}, got {value}")
     if not 0 <= args.show < args.num_prompts:
         raise BenchError(f"--show must be in [0, {args.num_prompts}) (--num-prompts), "
-                                   f"got {args.show}")
+                         f"got {args.show}")
     given = [o for o in LOSSY_OPTIONS if getattr(args, o) is not None]
     if given and not args.lossy:
         raise BenchError(f"--{given[0].replace('_', '-')} applies to the lossy modes: add --lossy")
@@ -124,7 +124,7 @@ def demo_settings(args, platform: str, have_head: bool) -> list[Setting]:
         rule = args.commit_rule or ("head" if have_head else "top1")
         if rule == "head" and not have_head:
             raise BenchError(f"--commit-rule head needs a commit head in {args.verifier} "
-                                       f"(commit_head/): use --commit-rule top1 or prob")
+                             f"(commit_head/): use --commit-rule top1 or prob")
         settings += [threshold_setting(tau, lossy_k, confidence),
                      verify_setting(rule, lossy_k)]
     return settings
@@ -234,17 +234,17 @@ def main(argv=None) -> int:
         have_head = args.lossy and has_commit_head(args.verifier)
         settings = demo_settings(args, platform, have_head)
         log(f"loading the proposer {args.model}"
-                      + (f" and the verifier {args.verifier}" if args.lossy else "") + " ...")
+            + (f" and the verifier {args.verifier}" if args.lossy else "") + " ...")
         pair = load_pair(args.model, args.verifier if args.lossy else None,
-                                   with_head=have_head, inflate_to=inflate)
+                         with_head=have_head, inflate_to=inflate)
         if pair.tokenizer is None:
             raise BenchError(f"{args.model} has no tokenizer files: the demo needs text")
         prompts = [pair.tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
         log(f"decoding {len(prompts)} HumanEval prompts x {args.max_new_tokens} tokens with "
-                      f"{', '.join(s.name for s in settings)} (batch 1; each compiles once, then "
-                      f"{args.repeats} timed pass(es))")
+            f"{', '.join(s.name for s in settings)} (batch 1; each compiles once, then "
+            f"{args.repeats} timed pass(es))")
         records, ms = run_settings(pair, settings, prompts, args.max_new_tokens, [1],
-                                             repeats=args.repeats)
+                                   repeats=args.repeats)
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
         return fail(e)
 
