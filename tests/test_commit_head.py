@@ -15,9 +15,10 @@ from flax import nnx
 from prove_jax.cli import generate
 from prove_jax.checkpoints.checkpoint import CheckpointError, save_model
 from prove_jax.models.commit_head import CommitHead
-from prove_jax.training.commit_head import (head_examples, head_loss, propose_and_label,
-                                            sample_contexts, train_commit_head, verifier_inputs)
-from prove_jax.checkpoints.commit_head import load_commit_head, save_commit_head
+from prove_jax.training.commit_head_training import (head_examples, head_loss, propose_and_label,
+                                                     sample_contexts, train_commit_head,
+                                                     verifier_inputs)
+from prove_jax.checkpoints.commit_head_io import load_commit_head, save_commit_head
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
 from prove_jax.models.params import create_model

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from prove_jax import assets
 from prove_jax.checkpoints import convert, safetensors_io
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
-from prove_jax.checkpoints.commit_head import load_commit_head
+from prove_jax.checkpoints.commit_head_io import load_commit_head
 from prove_jax.cli import convert as convert_cli
 from prove_jax.cli import generate
 from prove_jax.data import pipeline as data_lib
@@ -42,7 +42,7 @@ from prove_jax.models.commit_head import CommitHead
 from prove_jax.models.config import PRESETS, ConfigError, ModelConfig
 from prove_jax.models.inflate import inflate, inflated_config
 from prove_jax.models.params import create_model, flat_params, param_logical_axes
-from prove_jax.training.commit_head import propose_and_label, train_commit_head
+from prove_jax.training.commit_head_training import propose_and_label, train_commit_head
 from prove_jax.training.config import TrainConfigError, load_config
 from prove_jax.training.loop import train
 from prove_jax.training.run_tokenizer import resolve_tokenizer

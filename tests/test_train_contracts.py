@@ -168,7 +168,7 @@ def test_verifier_inputs_are_the_verifiers_ar_view_of_each_next_token():
     """docs/method.md 3d: the verifier reads [context, D] causally and its logits at D_i judge D_{i+1}
     (decoding/steps.py feeds the head hidden[:, :-1], i.e. D_0..D_{K-2}). Oracle: a plain causal
     forward over [context, D], whose position of D_i sees exactly context + D_0..D_i."""
-    from prove_jax.training.commit_head import verifier_inputs
+    from prove_jax.training.commit_head_training import verifier_inputs
     from prove_jax.models.attention import causal_mask
     verifier = params_lib.create_model(HEAD_CFG.replace(hidden_size=16, num_heads=2, num_kv_heads=1), seed=12)
     rng = np.random.default_rng(3)
@@ -201,7 +201,7 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
     those. Oracle: for each row's context (one full-length row, one left-padded), plain causal
     forwards: the proposer's block after [context, MASK x (K-1)], the verifier's hidden state at
     D_0..D_{K-2} of [context, D], and the proposer's greedy AR on [context, D] for the labels."""
-    from prove_jax.training import commit_head as ch
+    from prove_jax.training import commit_head_training as ch
     from prove_jax.models.attention import causal_mask
     from prove_jax.models.tokens import greedy_tokens
     proposer = params_lib.create_model(HEAD_CFG, seed=11)
@@ -252,7 +252,7 @@ def test_commit_head_is_trained_on_the_token_each_state_judges():
 
 def test_a_context_may_end_at_any_trained_position_from_1_to_context_len():
     """commit_head.cut_points: a context is ids[:p] for a trained p in [1, context_len]."""
-    from prove_jax.training.commit_head import sample_contexts
+    from prove_jax.training.commit_head_training import sample_contexts
     context_len = 6
     ids = jnp.arange(1, 41, dtype=jnp.int32).reshape(4, 10)
     trained = np.zeros((4, 10), bool)

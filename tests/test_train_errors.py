@@ -286,7 +286,7 @@ def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
     assert main(["--config", cfg_path]) == 130
     err = capsys.readouterr().err
     assert "interrupted; rerun the same command to resume" in err and "Traceback" not in err
-    monkeypatch.setattr("prove_jax.training.commit_head.train_commit_head", interrupted)
+    monkeypatch.setattr("prove_jax.training.commit_head_training.train_commit_head", interrupted)
     assert main(["--config", cfg_path, "objective=commit_head"]) == 130
     err = capsys.readouterr().err  # it has no checkpoints to resume from
     assert "interrupted; the commit head keeps no checkpoints: rerun the same command" in err

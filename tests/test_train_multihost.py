@@ -74,8 +74,8 @@ def test_commit_head_trains_on_two_hosts_like_on_one(tmp_path):
     from flax import nnx
 
     from prove_jax.checkpoints.checkpoint import save_model
-    from prove_jax.checkpoints.commit_head import load_commit_head
-    from prove_jax.training.commit_head import train_commit_head
+    from prove_jax.checkpoints.commit_head_io import load_commit_head
+    from prove_jax.training.commit_head_training import train_commit_head
     from prove_jax.models.config import ModelConfig
     from prove_jax.models.params import create_model
     from tests.train_helpers import write_text, write_tokenizer

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         distributed.initialize_from_args(args)
         if cfg.objective == "commit_head":
-            from prove_jax.training.commit_head import train_commit_head
+            from prove_jax.training.commit_head_training import train_commit_head
             train_commit_head(cfg, show_bar=not args.no_progress)
             return 0
         from prove_jax.training.loop import train  # noqa: after initialize

@@ -13,7 +13,7 @@ from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.models.sharding import MeshError, inference_mesh, make_mesh
-from prove_jax.checkpoints.commit_head import load_commit_head
+from prove_jax.checkpoints.commit_head_io import load_commit_head
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 
 

@@ -1,5 +1,5 @@
 """The learned commit head: a small MLP on the verifier that predicts how much of the
-proposer's block to commit (trained by `prove_jax.training.commit_head`).
+proposer's block to commit (trained by `prove_jax.training.commit_head_training`).
 
 For each proposed token D_{i+1} it reads the verifier's hidden state at D_i plus three cheap
 verifier statistics (log p_V(D_{i+1}), whether D_{i+1} is the verifier's top-1, the entropy)

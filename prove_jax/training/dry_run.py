@@ -24,8 +24,9 @@ from prove_jax.models.remat import remat_name
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax import aot
 from prove_jax.checkpoints.checkpoint import load_config
-from prove_jax.training.commit_head import (FROZEN_DTYPE, abstract_step_number, frozen_config,
-                                            head_layout, head_optimizer, jit_head_step)
+from prove_jax.training.commit_head_training import (FROZEN_DTYPE, abstract_step_number,
+                                                     frozen_config, head_layout, head_optimizer,
+                                                     jit_head_step)
 from prove_jax.training.config import TrainConfig
 from prove_jax.training.model_source import source_model_config, with_run_dtypes
 from prove_jax.training.step import abstract_batch, accumulator_dtype, configured_step

@@ -240,9 +240,10 @@ def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id
     (step.build_step_fn) differentiates it. 'ar' ignores the MARS settings; 'mars' needs
     block_size and mask_token_id.
     """
-    if objective == "commit_head":  # trained by training/commit_head.py, not by the train step
+    if objective == "commit_head":  # trained by training/commit_head_training.py, not this step
         raise ObjectiveError("objective=commit_head trains only the verifier's small head "
-                             "(prove_jax/training/commit_head.py), not through the train step")
+                             "(prove_jax/training/commit_head_training.py), not through the train "
+                             "step")
     if objective not in LOSS_FNS:
         raise ObjectiveError(f"unknown objective {objective!r}; valid objectives: {', '.join(OBJECTIVES)}")
     if objective == "ar":

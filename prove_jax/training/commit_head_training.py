@@ -24,7 +24,7 @@ from flax import nnx
 from prove_jax import distributed
 from prove_jax.checkpoints import checkpoint
 from prove_jax.checkpoints.checkpoint import CheckpointError
-from prove_jax.checkpoints.commit_head import save_commit_head
+from prove_jax.checkpoints.commit_head_io import save_commit_head
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.commit_head import CommitHead, predicted_length
