@@ -16,8 +16,11 @@ from typing import Any
 
 import yaml
 
-from prove_jax.errors import ProveJaxError
 from prove_jax import fieldtypes
+from prove_jax.errors import ProveJaxError
+from prove_jax.files import nearest_existing
+from prove_jax.models.config import DTYPES, ConfigError, ModelConfig
+from prove_jax.models.remat import RematError, remat_name
 
 
 class TrainConfigError(ProveJaxError, ValueError):
@@ -94,7 +97,8 @@ class TrainConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     """Optimizer and schedule."""
     objective: str = "mars"
-    """mars (proposer), ar (verifier) or commit_head (the verifier's head: training/commit_head.py)."""
+    """mars (proposer), ar (verifier) or commit_head (the verifier's head:
+    training/commit_head_training.py)."""
     proposer: str | None = None
     """commit_head only: the MARS proposer checkpoint whose blocks the head judges."""
     proposer_shape_preset: str | None = None
@@ -245,7 +249,6 @@ def _check_paths(cfg: "TrainConfig") -> None:
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise TrainConfigError(f"run_dir {run_dir} is a file; it must be a directory (new or a "
                                f"run to resume)")
-    from prove_jax.files import nearest_existing
     ancestor = nearest_existing(run_dir)
     if not os.path.isdir(ancestor):
         raise TrainConfigError(f"run_dir {run_dir} cannot be created: {ancestor} is a file, not a "
@@ -262,13 +265,11 @@ def _check_paths(cfg: "TrainConfig") -> None:
 
 def _check_model_source(src: ModelSource) -> None:
     """What can be told from the config alone: dtype names and inline model.config keys."""
-    from prove_jax.models.config import DTYPES
     for name in ("dtype", "param_dtype"):
         value = getattr(src, name)
         if value is not None and value not in DTYPES:
             raise TrainConfigError(f"model.{name} must be one of {', '.join(DTYPES)} or null, "
                                    f"got {value!r}")
-    from prove_jax.models.remat import RematError, remat_name
     try:
         src.remat = remat_name(src.remat)
     except RematError as e:
@@ -282,7 +283,6 @@ def inline_model_config(config: dict):
     strings become numbers here; every other check (known keys, each value of its field's type)
     is ModelConfig.from_json_dict's, so a bad value fails at load and not inside the first
     forward."""
-    from prove_jax.models.config import ConfigError, ModelConfig
     annotations = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
     d = {k: _yaml_number(v, annotations[k]) if k in annotations else v for k, v in config.items()}
     try:

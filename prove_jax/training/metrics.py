@@ -19,6 +19,8 @@ from typing import Callable
 
 import jax
 import numpy as np
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
 
 from prove_jax import distributed, storage
 
@@ -146,7 +148,6 @@ class TensorBoardWriter:
     FLUSH_S = 30
 
     def __init__(self, logdir: str, start_step: int = 0):
-        from tensorboardX import SummaryWriter
         self.remote = logdir if storage.is_url(logdir) else None
         self.local = tempfile.mkdtemp(prefix="prove-jax-tb-") if self.remote else logdir
         self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None,
@@ -242,7 +243,6 @@ class MetricsLogger:
             if tensorboard:
                 self.tb = TensorBoardWriter(storage.join(run_dir, TENSORBOARD_DIR), start_step)
             if show_bar:
-                from tqdm import tqdm
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
                                 dynamic_ncols=True)
 

@@ -22,6 +22,7 @@ import threading
 from typing import Callable
 
 import jax
+from jax.experimental import multihost_utils
 
 # EX_TEMPFAIL of sysexits.h, "temporary failure, retry later": the state is saved and the same
 # command continues the run. Not 143 (128 + SIGTERM), which also means killed without a save.
@@ -60,7 +61,6 @@ class PreemptionWatch:
 
     def __enter__(self) -> "PreemptionWatch":
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             try:
                 early = multihost_utils.reached_preemption_sync_point(1)
                 multihost_utils.reached_preemption_sync_point(self.first_step)
@@ -89,6 +89,5 @@ class PreemptionWatch:
     def reached(self, step: int) -> bool:
         """Whether the hosts agreed to save `step` and stop: call it once for every step."""
         if self.multihost:
-            from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(step) or self.signalled
         return self.signalled
