@@ -3,9 +3,9 @@
 When a restore fails, the tensorstore reads it had in flight finish later on their own threads
 and report the same error again, once per chunk (hundreds under load): asyncio's "Future
 exception was never retrieved", "Exception ignored ... Event loop is closed" (orbax closed its
-loop) and "... Encountered error while reading array index". Orbax offers no way to cancel or
-await them, and they arrive at any later time, so a failed path stays quieted for the rest of
-the process (`QUIETED`); `restore_attempt` is the one way in.
+loop) and "... Encountered error while reading array index". Orbax's restore (0.12) offers no
+way to cancel or await them, and they arrive at any later time, so a failed path stays quieted
+for the rest of the process (`QUIETED`); `restore_attempt` is the one way in.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def restore_attempt(path: str):
     passed_on = sys.unraisablehook
 
     def hold(unraisable):
-        if _is_closed_loop_error(unraisable.exc_value) or _is_abandoned_read_error(unraisable.exc_value):
+        exc = unraisable.exc_value
+        if _is_closed_loop_error(exc) or _is_abandoned_read_error(exc):
             held.append(unraisable)
         else:
             passed_on(unraisable)

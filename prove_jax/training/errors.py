@@ -1,4 +1,5 @@
-"""The error of a training run that cannot start or continue (a bad setting is `TrainConfigError`)."""
+"""The error of a training run that cannot start or continue (a bad setting is a
+`TrainConfigError`)."""
 
 from __future__ import annotations
 

@@ -135,7 +135,8 @@ def _run_steps(run: RunSetup, state: dict, start: int, end: int, ckpts: RunCheck
             for step in range(start, end):
                 with goodput.timing("data_wait"):
                     batch = next_global_batch(run.data_iter, run.mesh)
-                with tracing.step(sync=lambda: jax.block_until_ready(state)):  # traced: the step whole
+                # traced: the step whole
+                with tracing.step(sync=lambda: jax.block_until_ready(state)):
                     state, metrics = run.step_fn(state, batch)
                 done = step + 1
                 # asked at every step on every host (JAX's manager agrees on a step it was

@@ -51,7 +51,8 @@ class RunSetup:
 
 def prepare_run(cfg: TrainConfig, log: Callable[[str], None], goodput: Goodput) -> RunSetup:
     """Everything a launch can check or compile before it writes to the run dir (and before it
-    reads any weight): a bad setting, tokenizer or data set fails here, leaving the dir as it was."""
+    reads any weight): a bad setting, tokenizer or data set fails here, leaving the dir as it
+    was."""
     run_dir = storage.absolute(cfg.run_dir)
     cfg = dataclasses.replace(cfg, run_dir=run_dir)
     storage.require_bucket(run_dir)  # before orbax or gcsfs could create a mistyped one

@@ -116,8 +116,8 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, grad
     def loss_of(params, micro):
         return loss_fn(nnx.merge(graphdef, params), micro)
 
-    params, opt_state, grads, metrics = gradient_update(loss_of, tx, state["params"], state["opt_state"],
-                                                        batch, grad_accum)
+    params, opt_state, grads, metrics = gradient_update(
+        loss_of, tx, state["params"], state["opt_state"], batch, grad_accum)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -139,7 +139,8 @@ def configured_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     """(optimizer, state layout, jitted train step) of a config training `model_cfg` on `mesh`
     (a real or an abstract one): the one recipe the loop compiles and the dry run lowers."""
     tx = make_optimizer(cfg.optimizer, cfg.steps)
-    layout = state_layout(abstract_model(model_cfg, cfg.model.remat, cfg.model.scan_layers), tx, mesh)
+    model = abstract_model(model_cfg, cfg.model.remat, cfg.model.scan_layers)
+    layout = state_layout(model, tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
                            mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
     step = build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum)
