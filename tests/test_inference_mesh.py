@@ -41,6 +41,16 @@ def collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
             for dtype, dims, op in _COLLECTIVE.findall(hlo)]
 
 
+GATHERS = ("all-gather", "all-to-all", "reduce-scatter")
+
+
+def admissions(decoder):
+    """(settings, HLO text) of every admission program the decoder's stream compiled."""
+    found = [(key[2], c.as_text()) for key, c in decoder._stream_compiled.items() if key[0] == "admit"]
+    assert found, "the stream admitted nothing: the test no longer covers admission"
+    return found
+
+
 @pytest.fixture(scope="module")
 def models():
     """The model on one device, and on a data=2 x tensor=4 mesh (weights placed by the rules)."""
@@ -85,6 +95,8 @@ def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(mode
     assert _stream(decoder, rows) == one_device  # lossless == AR token for token, on the mesh
     assert decoder.generate(PROMPTS, NEW, batch_size=2).output_ids == one_device
 
+    if rows == 2:  # 4 requests for 2 rows: admitted between chunks, each written on its shard
+        assert all(not [c for c in collectives(h) if c[0] in GATHERS] for _, h in admissions(decoder))
     compiled = _chunk_program(decoder)
     hlo = compiled.as_text()
     found = collectives(hlo)
@@ -153,6 +165,14 @@ def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothi
                        for _, _, shape in moved), moved
         buffers = _chunk_program(decoder).output_shardings.verifier_cache
         assert all(s.spec == spec for s in jax.tree.leaves(buffers)), buffers
+        # admission prefills each row in its own block of rows (8 with the verifier split over
+        # rows, tests/test_admission.py): no cache crosses devices, only the verifier prefill's
+        # queries and outputs (each less than one head's slots of one layer of one row)
+        assert decoder.admission_shards(rows) == (8 if rows == 8 else 2)
+        for settings, admit_hlo in admissions(decoder):
+            moved = [c for c in collectives(admit_hlo) if c[0] in GATHERS and c[1] not in ("s32", "pred")]
+            assert {op for op, _, _ in moved} <= ({"all-to-all"} if rows == 8 else set()), moved
+            assert all(np.prod(shape) < settings.num_slots * CFG.head_dim for _, _, shape in moved), moved
         if rows == 8:  # one row per device [1, both kv heads, every layer, S, Dh]
             assert re.search(r"f32\[1,2,{},\d+,{}\]".format(verifier_cfg.num_layers, CFG.head_dim), hlo)
 
@@ -225,6 +245,30 @@ def test_the_tensor_axis_is_the_smallest_kv_head_split_that_fits():
     assert sharding.kv_rules(4, 8, mesh) is sharding.DEFAULT_RULES  # the heads split
     assert sharding.kv_rules(2, 8, sharding.make_mesh((8, 1, 1))) is sharding.DEFAULT_RULES
     assert sharding.kv_rules(2, 8) is sharding.DEFAULT_RULES  # no ambient mesh
+
+
+def test_the_tensor_axis_grows_until_the_weights_and_the_kv_cache_fit():
+    """The cache of the rows decoded splits over every device whatever the tensor size; only the
+    weights' share shrinks. A 32B proposer in bfloat16 at 64 rows x 8k on v6e-8: 15.3 GiB of
+    weights and 16 GiB of KV per chip at tensor=4 (over 31.25 GiB), 7.6 + 16 at tensor=8."""
+    size, kv_bytes = sharding.inference_tensor_size, sharding.kv_cache_bytes
+    big_cfg = preset("qwen2.5-32b")
+    big = big_cfg.num_params * 2
+    kv = kv_bytes([big_cfg], 64, 8192, "bfloat16")
+    assert kv == 2 * 64 * 8 * 128 * 2 * 64 * 8192  # K and V x layers x kv heads x head dim x bf16, per slot
+    v6e = int(31.25 * GIB)
+    assert size(8, 8, big, v6e) == 4 and size(8, 8, big, v6e, kv_bytes=kv) == 8
+    assert size(8, 8, big, v6e, kv_bytes=kv // 4) == 4  # 16 rows: tensor=4 holds them
+    assert size(8, 8, big, 95 * GIB, kv_bytes=kv) == 2  # a v5p chip holds both at tensor=2
+
+    # the tiny model on the 8 simulated devices, weights W = 124544 bytes, 512 bytes of KV a slot:
+    # 8 rows x 256 slots put W + 1.05 W per device at tensor=1, over 0.9 x 2 W; 0.5 W + 1.05 W at 2
+    small = CFG.num_params * 4
+    assert (small, kv_bytes([CFG], 1, 1)) == (124544, 512)
+    assert size(4, 8, small, 2 * small, kv_bytes=kv_bytes([CFG], 8, 64)) == 1
+    assert size(4, 8, small, 2 * small, kv_bytes=kv_bytes([CFG], 8, 256)) == 2
+    mesh = sharding.inference_mesh([CFG], "float32", device_bytes=2 * small, kv_bytes=kv_bytes([CFG], 8, 256))
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
 
 
 def test_build_decoder_picks_the_inference_mesh_and_an_explicit_mesh_wins(tmp_path, monkeypatch, one_device):

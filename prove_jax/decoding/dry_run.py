@@ -107,11 +107,14 @@ def slice_options(options: DecodeOptions) -> DecodeOptions:
                                prefill_chunk=options.prefill_chunk or PREFILL_CHUNK_ACCELERATOR).validate()
 
 
-def mesh_shape(configs: list[ModelConfig], dtype: str, chips: int, hbm_bytes: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) of the inference mesh `generate` picks for these models on the slice."""
+def mesh_shape(configs: list[ModelConfig], dtype: str, chips: int, hbm_bytes: int,
+               kv_bytes: int = 0) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of the inference mesh `generate` picks for these models on the slice
+    (with `kv_bytes`: for a KV cache that large, `sharding.kv_cache_bytes`)."""
     weight_bytes = sum(c.num_params for c in configs) * jnp.dtype(dtype).itemsize
     try:
-        tensor = sharding.inference_tensor_size(configs[0].num_kv_heads, chips, weight_bytes, hbm_bytes)
+        tensor = sharding.inference_tensor_size(configs[0].num_kv_heads, chips, weight_bytes, hbm_bytes,
+                                                kv_bytes=kv_bytes)
     except sharding.MeshError as e:
         raise DecodeError(str(e)) from None
     return chips // tensor, 1, tensor
@@ -179,7 +182,7 @@ def _on_slice(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips
     configs = [proposer] + ([verifier.replace(dtype=dtype, param_dtype=dtype)] if options.mode == "verify" else [])
     hbm = aot.chip_hbm_bytes(chip)
     try:
-        axis_sizes = mesh_shape(configs, dtype, chips, hbm)
+        axis_sizes = mesh_shape(configs, dtype, chips, hbm, sharding.kv_cache_bytes(configs, batch, context, dtype))
         mesh, topology = aot.topology_mesh(chip, axis_sizes, AXES)
     except ValueError as e:  # a chip count the generation does not come in, an unknown chip
         raise DecodeError(str(e)) from None

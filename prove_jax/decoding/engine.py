@@ -26,7 +26,7 @@ from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
 from prove_jax.models.paged import pages_needed
 from prove_jax.models.qwen2 import stack_layers, unstack_layers
-from prove_jax.models.sharding import ROW_SPLIT_RULES, batch_shards, kv_per_device
+from prove_jax.models.sharding import ROW_SPLIT_RULES, batch_shards, kv_per_device, kv_rules
 
 if TYPE_CHECKING:  # stream.py imports this module's neighbours; the class is made in stream()
     from prove_jax.decoding.stream import DecodeStream
@@ -191,6 +191,19 @@ class Decoder:
 
     def _data_size(self) -> int:
         return 1 if self.mesh is None else batch_shards(self.mesh)
+
+    def admission_shards(self, rows: int) -> int:
+        """Blocks the requests of one admission into a batch of `rows` rows come in: as many as
+        the finest split of its rows (the data shards; data x tensor where a contiguous cache
+        splits over rows, `sharding.kv_rules`). Block j holds the requests for rows of shard j,
+        so each is prefilled and written on the devices that hold its row (`admit_rows`)."""
+        if self.mesh is None:
+            return 1
+        shards = self._data_size()
+        if self.options.page_size is None:
+            cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
+            shards = max([shards] + [batch_shards(self.mesh, kv_rules(c.num_kv_heads, rows, self.mesh)) for c in cfgs])
+        return shards
 
     def _kv_per_device(self, rows: int) -> int:
         """KV elements per cache slot one device holds at `rows` rows, both models' caches."""

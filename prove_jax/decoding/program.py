@@ -27,6 +27,7 @@ from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models import paged
 from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed
+from prove_jax.models.sharding import DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules, rows_per_device
 from prove_jax.models.tokens import readable_tokens
 
 
@@ -234,27 +235,71 @@ def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSet
 # The host keeps the queue: between chunks of decode steps it reads which rows finished, hands
 # their results out, and admits waiting requests into the free rows in one batched prefill.
 
-def put_rows(state: LoopState, rows_state: LoopState, rows: jax.Array) -> LoopState:
-    """`state` with batch rows `rows` [R] replaced by `rows_state` (R rows); an index past the
-    batch is dropped. The scalars (the loop counter) are the batch's and stay."""
-    return queue.put_state(state, rows_state, rows,
-                           lambda full, part: full if full.ndim == 0 else full.at[rows].set(part, mode="drop"))
+def put_shard_rows(full: jax.Array, part: jax.Array, rows: jax.Array, rules=DEFAULT_RULES,
+                   axes: tuple | None = None) -> jax.Array:
+    """full [B, ...] with part [R, ...] written at batch rows `rows` [R], shard by shard: part's
+    R rows come in blocks, block j for rows of shard j of the B rows as the ambient mesh splits
+    them under `rules` (one block without a mesh). A row outside its block's shard (the padding
+    index B) is dropped. Vmapped over the shards, with both sides pinned where the rows lie
+    (`axes`: the logical axes of full, default rows then replicated), each device writes the rows
+    it holds from the admitted rows it computed; indexed by batch row, GSPMD all-gathered the
+    admitted rows' caches over the data axis (benchmarks/decode_step_cost.md, `admit`)."""
+    b, r = full.shape[0], part.shape[0]
+    shards = b // rows_per_device(b, rules)
+    if r % shards:
+        shards = 1
+    per, width = b // shards, r // shards
+    local = jnp.where(rows // per == jnp.arange(r) // width, rows % per, per)  # per: dropped
+    axes = ("batch", None) + (tuple(axes[1:]) if axes is not None else (None,) * (full.ndim - 1))
+    split = lambda x: x.reshape((shards, -1) + x.shape[1:])  # noqa: E731
+    write = jax.vmap(lambda f, p, i: f.at[i].set(p.astype(f.dtype), mode="drop"))
+    local = constrain(local.reshape(shards, width), axes[:2], rules)
+    return write(split(full), constrain(split(part), axes, rules), local).reshape(full.shape)
+
+
+def put_admitted(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
+    """`state` with the admitted rows `part` (in blocks, one per row shard: `put_shard_rows`)
+    at batch rows `rows` [R]. Contiguous caches go where their rows lie (`sharding.kv_rules`:
+    a cache split over rows on the tensor axis too takes the finer blocks, which the host's
+    `Decoder.admission_shards` arranges); a paged pool is the admitted rows' (their prefill
+    wrote into their shards' pools), their page tables put at `rows`."""
+    def put(full, new):
+        return full if full.ndim == 0 else put_shard_rows(full, new, rows)
+
+    def caches(full, new):
+        if full is None or isinstance(full, PagedKVCache):
+            return full
+        first = jax.tree.leaves(full)[0]
+        rules = kv_rules(first.shape[1], first.shape[0])
+        return jax.tree.map(lambda f, n: put_shard_rows(f, n, rows, rules, KV_CACHE_AXES), full, new)
+
+    merged = jax.tree.map(put, state.replace(cache=None, verifier_cache=None),
+                          part.replace(cache=None, verifier_cache=None))
+    if not isinstance(state.cache, PagedKVCache):
+        return merged.replace(cache=caches(state.cache, part.cache),
+                              verifier_cache=caches(state.verifier_cache, part.verifier_cache))
+    cache = part.cache.replace(table=put(state.cache.table, part.cache.table), home=None)
+    verifier_cache = part.verifier_cache
+    if verifier_cache is not None:
+        verifier_cache = verifier_cache.with_pages_of(cache)
+    return merged.replace(cache=cache, verifier_cache=verifier_cache)
 
 
 def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, verifier_params,
                state: LoopState, requests: Requests, rows: jax.Array) -> LoopState:
-    """Prefill `requests` (R of them, together) and write them into batch rows `rows` [R]. A
-    paged pool first takes back the pages of every finished row; the host admits only what
-    fits (stream.py)."""
+    """Prefill `requests` (R of them, together) and write them into batch rows `rows` [R]. The
+    requests come in blocks, one per row shard of the batch (`Decoder.admission_shards`; a
+    padding request's row is B), so each is prefilled where its row lies and nothing crosses the
+    data axis (`put_admitted`). A paged pool first takes back the pages of every finished row;
+    each block's rows take their shard's pages. The host admits only what fits (stream.py)."""
     model = nnx.merge(graphdef, params)
     verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
-    pool = home = verifier_pool = None
+    pool = verifier_pool = None
     if settings.options.page_size is not None:
         state = queue.release_done(state)
         pool, verifier_pool = state.cache, state.verifier_cache
-        home = pool.row_homes()[jnp.minimum(rows, settings.num_rows - 1)]
-    return put_rows(state, start_rows(model, verifier, requests, settings, pool=pool, home=home,
-                                      verifier_pool=verifier_pool), rows)
+    return put_admitted(state, start_rows(model, verifier, requests, settings, pool=pool,
+                                          verifier_pool=verifier_pool), rows)
 
 
 def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings, params,

@@ -89,6 +89,14 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
     return placed.replace(cache=cache(state.cache), verifier_cache=cache(state.verifier_cache))
 
 
+def _spread(free: list[int], per_shard: int) -> list[int]:
+    """Free rows taken round-robin over the row shards (`per_shard` rows each): the first of
+    every shard, then the second, ...; an admission's largest block, which sets its compiled
+    size, stays small."""
+    rank = {r: sum(1 for o in free if o // per_shard == r // per_shard and o < r) for r in free}
+    return sorted(free, key=lambda r: (rank[r], r))
+
+
 def _buckets(rows: int, shards: int = 1) -> list[int]:
     """Admission sizes compiled: `shards` (the batch's data shards) times powers of two below
     `rows`, and `rows`."""
@@ -292,18 +300,20 @@ class DecodeStream:
     def _admit(self, admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd):
         """Prefill the next waiting requests into the free rows, together: in order, as many as
         rows are free and (with a paged pool) their shards' pages are; none when the next fits
-        nowhere."""
-        placed = self._placements(free, waiting, serving)
-        count = len(placed)
-        if count == 0:
+        nowhere. The requests go in blocks, one per row shard (`Decoder.admission_shards`),
+        each padded to the fullest block's bucket: every row is prefilled where it lies."""
+        rows = self.settings.num_rows
+        shards = self.decoder.admission_shards(rows)
+        placed = self._placements(_spread(free, rows // shards), waiting, serving)
+        if not placed:
             return state
-        size = next(b for b in _buckets(self.settings.num_rows, self.decoder._data_size()) if b >= count)
-        taken = [i for _, i in placed]
-        del waiting[len(waiting) - count:]
-        rows = [r for r, _ in placed] + [self.settings.num_rows] * (size - count)  # past the batch: dropped
-        state = self._run("admit", size, admit_fn, params, vparams, state,
-                          self._take(taken + [len(self.seeds)] * (size - count)),
-                          np.asarray(rows, np.int32), donate=(2,))
+        del waiting[len(waiting) - len(placed):]
+        blocks = [[(r, i) for r, i in placed if r // (rows // shards) == j] for j in range(shards)]
+        size = next(b for b in _buckets(rows, shards) if b >= shards * max(map(len, blocks)))
+        pad = [(rows, len(self.seeds))] * (size // shards)  # past the batch: dropped; no budget
+        order = [p for block in blocks for p in (block + pad)[: size // shards]]
+        state = self._run("admit", size, admit_fn, params, vparams, state, self._take([i for _, i in order]),
+                          np.asarray([r for r, _ in order], np.int32), donate=(2,))
         for r, i in placed:
             serving[r], seen[r], seen_fwd[r] = i, int(self.requests.prompt_len[i]), 0
         return state
@@ -463,7 +473,7 @@ class OpenStream(DecodeStream):
                 self._state_sharding = state_sharding(dec._batch_sharding(),
                                                       jax.eval_shape(start_fn, params, vparams, first))
             self._state = self._run("start", rows, start_fn, params, vparams, first)
-            for size in _buckets(rows, dec._data_size()):
+            for size in _buckets(rows, dec.admission_shards(rows)):
                 self._compiled("admit", size, admit_fn, (params, vparams, self._state, self._take([dummy] * size),
                                                           np.full((size,), rows, np.int32)), donate=(2,))
             self._state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, self._state, np.int32(1),

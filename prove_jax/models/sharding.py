@@ -127,20 +127,33 @@ def make_mesh(shape: Sequence[int] | Mapping[str, int] = (1, 1, 1),
 INFERENCE_WEIGHT_SHARE = 0.5
 
 
+# With the KV cache of the requested rows x buffer known, the weights and that cache together
+# may take this share of a device's memory: the rest holds the step's activations and temporaries.
+INFERENCE_FIT_SHARE = 0.9
+
+
 def inference_tensor_size(num_kv_heads: int, num_devices: int, weight_bytes: int,
-                          device_bytes: int | None, share: float = INFERENCE_WEIGHT_SHARE) -> int:
+                          device_bytes: int | None, share: float = INFERENCE_WEIGHT_SHARE,
+                          kv_bytes: int = 0) -> int:
     """Devices the tensor axis of the default inference mesh spans: the smallest common divisor
     of `num_kv_heads` and `num_devices` that leaves each device at most `share` of its
-    `device_bytes` in weights (`weight_bytes` in all, split that many ways). Short of that, the
-    largest such divisor if the weights fit at all; 1 when the device memory is unknown.
+    `device_bytes` in weights (`weight_bytes` in all, split that many ways) and, with
+    `kv_bytes` (the KV caches of every row decoded, in all), weights and its share of the cache
+    within `INFERENCE_FIT_SHARE` of it. Short of that, the largest such divisor if the weights
+    fit at all; 1 when the device memory is unknown.
 
     Only kv-head divisors: each device then holds whole kv heads with their query heads, and
-    computes and caches their keys and values alone (a split head would be gathered per step)."""
+    computes and caches their keys and values alone (a split head would be gathered per step).
+    The cache splits over every device whatever the tensor size (kv heads on tensor, rows on
+    data), so only the weights' share shrinks as tensor grows: a 32B proposer at 64 rows x 8k on
+    v6e-8 holds 15.3 GiB of weights and 16 GiB of KV per chip at tensor=4, which does not fit
+    31.25 GiB, and 7.6 GiB of weights at tensor=8, which does (benchmarks/decode_step_cost.md)."""
     if device_bytes is None or num_devices == 1:
         return 1
     sizes = [t for t in range(1, num_kv_heads + 1) if num_kv_heads % t == 0 and num_devices % t == 0]
+    kv = kv_bytes / num_devices
     for t in sizes:
-        if weight_bytes / t <= share * device_bytes:
+        if weight_bytes / t <= share * device_bytes and weight_bytes / t + kv <= INFERENCE_FIT_SHARE * device_bytes:
             return t
     if weight_bytes / sizes[-1] <= device_bytes:
         return sizes[-1]
@@ -150,11 +163,18 @@ def inference_tensor_size(num_kv_heads: int, num_devices: int, weight_bytes: int
                     f"--mesh with an fsdp axis (which gathers the weights on every step)")
 
 
+def kv_cache_bytes(configs: Sequence, rows: int, slots: int, dtype: str = "float32") -> int:
+    """Bytes of the contiguous KV caches of `rows` rows x `slots` slots for the models of
+    `configs` (keys and values of every layer and kv head), in all devices together."""
+    return sum(2 * c.num_layers * c.num_kv_heads * c.head_dim for c in configs) * rows * slots * jnp.dtype(dtype).itemsize
+
+
 def inference_mesh(configs: Sequence, dtype: str = "float32", devices=None,
-                   device_bytes: int | None = None) -> Mesh | None:
+                   device_bytes: int | None = None, kv_bytes: int = 0) -> Mesh | None:
     """The default mesh to decode the models of `configs` (the proposer first, then a verifier)
     on `devices` (default all, every host's): tensor parallelism over the proposer's kv heads
-    as far as the weights need to fit (`inference_tensor_size`), the rest on data. None on one
+    as far as the weights (and `kv_bytes` of KV cache, `kv_cache_bytes`, when the rows and
+    buffer are known) need to fit (`inference_tensor_size`), the rest on data. None on one
     device. `device_bytes`: memory per device (default: `device_memory`)."""
     devices = jax.devices() if devices is None else list(devices)
     if len(devices) == 1:
@@ -162,7 +182,8 @@ def inference_mesh(configs: Sequence, dtype: str = "float32", devices=None,
     if device_bytes is None:
         device_bytes = device_memory(devices)
     weight_bytes = sum(c.num_params for c in configs) * jnp.dtype(dtype).itemsize
-    tensor = inference_tensor_size(configs[0].num_kv_heads, len(devices), weight_bytes, device_bytes)
+    tensor = inference_tensor_size(configs[0].num_kv_heads, len(devices), weight_bytes, device_bytes,
+                                   kv_bytes=kv_bytes)
     return make_mesh((len(devices) // tensor, 1, tensor), devices=devices)
 
 
