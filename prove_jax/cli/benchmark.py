@@ -38,6 +38,8 @@ import shutil
 import sys
 import tempfile
 
+import jax
+
 from prove_jax.errors import ProveJaxError
 from prove_jax import assets
 from prove_jax.cli.bench_args import parse_choices, parse_layouts, positive_ints
@@ -50,9 +52,12 @@ from prove_jax.evaluation.report import cpu_description, lossless_note, markdown
 from prove_jax.evaluation.sweep import (ALL_MODES, BenchError, DEFAULT_LOSSLESS, DEFAULT_TAUS,
                                         DEFAULT_TAU_VS, sweep_settings)
 from prove_jax.evaluation import graders, humaneval
-from prove_jax.evaluation.plot import flat_accuracy_line
+from prove_jax.evaluation.plot import flat_accuracy_line, trade_off_figure
 from prove_jax.cli.runner import INTERRUPTED, run_cli
+from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.decoding.options import COMMIT_RULES, CONFIDENCE_KINDS, DecodeError
+from prove_jax.decoding.requests import encode_prompts, read_requests
+from prove_jax.decoding.results_file import check_output_path
 from prove_jax.files import atomic_write_text
 from prove_jax.models.config import DTYPES, PRESETS
 from prove_jax.profiling import StepProfile
@@ -222,7 +227,6 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
         raise BenchError("--limit takes the first N records of --prompts: give a file and N >= 1"
                          if args.prompts is None else f"--limit must be >= 1, got {args.limit}")
     if args.prompts is not None:
-        from prove_jax.decoding.requests import read_requests
         records = read_requests(args.prompts)
         if args.limit is None:
             return records, f"file {args.prompts}"
@@ -230,7 +234,6 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
     if args.heldout is not None:
         if args.heldout < 1:
             raise BenchError(f"--heldout must be >= 1, got {args.heldout}")
-        from prove_jax.data.corpus import build_corpus, heldout_prompts
         records = heldout_prompts(build_corpus().heldout, limit=args.heldout)
         return records, f"{len(records)} held-out CPython stdlib function prompts"
     n = 16 if args.humaneval is None else args.humaneval
@@ -267,7 +270,6 @@ def _config_summary(cfg) -> dict:
 
 
 def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_threads) -> dict:
-    import jax
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "proposer": _shown_path(args.model),
@@ -392,7 +394,6 @@ def main(argv=None) -> int:
         if args.max_new_tokens < 1:
             raise BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         torch_threads = positive_ints(args.torch_threads, "--torch-threads")
-        from prove_jax.decoding.results_file import check_output_path
         # every output is checked before anything loads: a bad path found after an hour's run
         # lost the report (only the .partial files without pass@1 were left)
         outputs = {}
@@ -465,7 +466,6 @@ def main(argv=None) -> int:
         log(f"loading {args.model}" + (f" and {args.verifier}" if need_verifier else "") + " ...")
         pair = load_pair(args.model, args.verifier if need_verifier else None,
                          dtype=args.dtype, with_head=have_head, inflate_to=args.inflate)
-        from prove_jax.decoding.requests import encode_prompts
         prompts = encode_prompts(records_in, pair.tokenizer)
         prompt_texts = []  # the graders' (humaneval's test runs the prompt with the completion)
         if pair.tokenizer is not None:
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
         meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
         meta["graded"] = grading_meta(references)
         if args.png != "none":
-            from prove_jax.evaluation.plot import trade_off_figure  # figure first: the likeliest to fail
+            # the figure first: the likeliest to fail
             trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
                                                       f"{prompts_desc}, {args.max_new_tokens} new tokens")
         # both rendered before either is written, the JSON (the record the report is rendered

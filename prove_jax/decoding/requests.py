@@ -163,12 +163,10 @@ def request_controls(records: Sequence[dict], defaults: SamplingParams, default_
     """Each record's SamplingParams and logprobs count (None for a record that failed already),
     from records `read_requests` checked with the same `defaults`: their values were validated
     there, so this only reads them."""
-    live = [(i, rec) for i, rec in enumerate(records) if ERROR_KEY not in rec]
-    params: list[SamplingParams | None] = [None] * len(records)
-    logprobs: list[int | None] = [None] * len(records)
-    for i, rec in live:
-        params[i] = request_params(rec, defaults, i, base_seed)
-        logprobs[i] = request_logprobs(rec, default_logprobs)
+    ok = [ERROR_KEY not in rec for rec in records]
+    params = [request_params(rec, defaults, i, base_seed) if good else None
+              for i, (rec, good) in enumerate(zip(records, ok))]
+    logprobs = [request_logprobs(rec, default_logprobs) if good else None for rec, good in zip(records, ok)]
     return params, logprobs
 
 

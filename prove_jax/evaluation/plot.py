@@ -49,7 +49,7 @@ def figure_panels(records: Sequence[dict]) -> list[tuple[str, str]]:
 
 def trade_off_figure(records: Sequence[dict], path: str, title: str = "") -> None:
     """Write the PNG atomically (temp file + rename)."""
-    import matplotlib
+    import matplotlib  # optional, and slow to import: only a figure needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
