@@ -5,6 +5,10 @@ Rows have different prompt lengths, so every step writes at a different slot per
 written into the cache too and must be overwritten, never seen.
 """
 
+import ast
+import inspect
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +18,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models import attention
 from prove_jax.models.attention import (CPU_SHORT_CHUNK_ROWS, GPU_CHUNKED_MIN_ROWS, KVCache, StepMask,
                                         cache_chunk, causal_mask)
+from prove_jax.models.paged import PagedKVCache
 from prove_jax.models.params import create_model
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -180,3 +185,48 @@ def test_chunked_cache_attention_reads_only_as_far_as_the_longest_row():
     assert np.isnan(one_pass(cache, [100, 500])).any()  # what reading the whole buffer gives
     want = one_pass(tuple(jnp.nan_to_num(c) for c in cache), [100, 500])
     np.testing.assert_allclose(longer, want, atol=1e-5, rtol=1e-5)
+
+
+def test_every_layer_view_writes_and_reads_through_one_interface():
+    """A per-layer buffer, a layer of the stacked buffer and a layer of the paged pools are one
+    interface (`write`, `read`, `slots`, `page_size`, `rules`, `kernel_reads`, `kernel_cache`):
+    the same step written at each row's own slots reads back the same, every other slot left
+    as it was, and the attention layer's forward calls nothing else (it holds no test of the
+    cache's type)."""
+    b, slots, page, t = 3, 16, 4, 3
+    rng = np.random.RandomState(1)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((b, CFG.num_kv_heads, t, CFG.head_dim)), jnp.float32)
+                    for _ in range(2))
+    start = jnp.asarray([0, 5, 13], jnp.int32)  # row 2's last slot runs past the buffer: dropped
+    per_layer = KVCache.zeros(CFG, b, slots, dtype=jnp.float32)
+    stacked = KVCache.zeros(CFG, b, slots, dtype=jnp.float32, stacked=True)
+    pool = PagedKVCache.zeros(CFG, b, slots // page, b * slots // page, page, dtype=jnp.float32)
+    pool = pool.allocate(jnp.full((b,), slots // page, jnp.int32))
+    views = {"per-layer": per_layer.layer(1), "stacked": stacked.scanned_layer(stacked.k, stacked.v, jnp.int32(1), 2),
+             "paged": pool.layer(1)}
+    want = np.zeros((b, CFG.num_kv_heads, slots, CFG.head_dim), np.float32)
+    for r in range(b):
+        end = min(slots, int(start[r]) + t)
+        want[r, :, int(start[r]):end] = np.asarray(new_k)[r, :, :end - int(start[r])]
+
+    kinds = {}
+
+    @jax.jit
+    def write_and_read(views):  # one program for all: (all slots, the second chunk) per view
+        written = {name: view.write(new_k, new_v, start) for name, view in views.items()}
+        kinds.update({name: (type(w), w.kernel_cache() is not None) for name, w in written.items()})
+        other = written["stacked"].replace(layer=jnp.int32(0)).read(0, slots)[0]  # the layer not written
+        return {name: (w.read(0, slots)[0], w.read(page, page)[0]) for name, w in written.items()}, other
+
+    read, other = write_and_read(views)
+    for name, view in views.items():
+        assert view.slots == slots and view.page_size in (1, page), name
+        assert view.rules is attention.DEFAULT_RULES and view.kernel_reads, name
+        assert kinds[name] == (type(view), True), name
+        np.testing.assert_array_equal(np.asarray(read[name][0]), want, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(read[name][1]), want[:, :, page:2 * page], err_msg=name)
+    assert not np.asarray(other).any()
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(attention.Attention.__call__)))
+    tests = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance"]
+    assert not tests, [ast.unparse(n) for n in tests]

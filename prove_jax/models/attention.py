@@ -4,6 +4,14 @@ Masks are explicit because MARS training and block decoding need non-causal ones
 `KVCache` the mask is a `StepMask`: queries attend to the committed slots and to the step's own
 keys under one softmax, so no [B, T, S] mask is ever built.
 
+One cache interface: an attention layer sees its part of any cache as a layer view, one of
+`ContiguousKV` (a per-layer buffer), `LayerKV` (a layer of the stacked buffer a layer scan
+carries) or `paged.PagedKV` (a layer of the paged pools), and calls only what they all provide:
+`write(new_k, new_v, start)`, `read(start, size)`, `slots`, `page_size`, `rules` (where the
+buffer lies: split over kv heads, or over rows where the tensor axis cannot split them) and
+`kernel_cache()` / `kernel_reads` (what a shipped kernel reads, and whether it may). The whole
+caches hand out those views (`KVCache.layer`, `.scanned_layer`; `PagedKVCache` likewise).
+
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
 G = H // K query heads per kv head, Dh head dim.
 """
@@ -23,7 +31,6 @@ from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.norm import RMSNorm
-from prove_jax.models.paged import PagedKV
 from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules, rows_per_device,
                                       splits_evenly)
 
@@ -73,6 +80,15 @@ class KVCache:
     def stacked(self) -> bool:
         return not isinstance(self.k, tuple)
 
+    def layer(self, i: int) -> "ContiguousKV":
+        """Layer i's view of a per-layer cache."""
+        return ContiguousKV(self.k[i], self.v[i])
+
+    def scanned_layer(self, k: jax.Array, v: jax.Array, index: jax.Array, num_layers: int) -> "LayerKV":
+        """Layer `index`'s view of the stacked buffers k, v a layer scan carries (this cache's own,
+        as the scan has updated them so far)."""
+        return LayerKV(k, v, index, num_layers)
+
 
 def cache_axes(stacked: bool) -> tuple[str, ...]:
     """Logical axes of one cache buffer: KV_CACHE_AXES, per layer or stacked (the layers' slots
@@ -81,19 +97,82 @@ def cache_axes(stacked: bool) -> tuple[str, ...]:
 
 
 @struct.dataclass
+class ContiguousKV:
+    """One layer's own buffers k, v [B, K, S, Dh] of a per-layer `KVCache`, as its attention
+    layer sees them (the module docstring lists the interface)."""
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        """Slots a read starts on a multiple of: any."""
+        return 1
+
+    @property
+    def rules(self):
+        """Where the buffer lies (`sharding.kv_rules` of its rows and kv heads)."""
+        return kv_rules(self.k.shape[1], self.k.shape[0])
+
+    @property
+    def kernel_reads(self) -> bool:
+        return True
+
+    def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "ContiguousKV":
+        """Row b's step keys and values new[b] [K, T, Dh] written at slots start[b] + [0, T)."""
+        rules = self.rules
+        return self.replace(k=write_step(self.k, new_k, start, rules=rules),
+                            v=write_step(self.v, new_v, start, rules=rules))
+
+    def read(self, start: jax.Array | int = 0, size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, K, size, Dh] of slots [start, start + size) (default: all, the
+        buffers as they lie)."""
+        if size is None or size == self.slots:
+            return self.k, self.v
+        return (jax.lax.dynamic_slice_in_dim(self.k, start, size, axis=2),
+                jax.lax.dynamic_slice_in_dim(self.v, start, size, axis=2))
+
+    def kernel_cache(self) -> tuple[jax.Array, jax.Array]:
+        """What `attention_kernels.attend_cached` reads: the buffers."""
+        return self.k, self.v
+
+
+@struct.dataclass
 class LayerKV:
     """Layer `layer`'s part of a stacked cache k, v [B, K, L * S, Dh], as a scanned layer sees
     it: it writes its step's slots into the whole buffer (in place in the scan's carry) and
-    reads its own layer's."""
+    reads its own layer's (the module docstring lists the interface)."""
     k: jax.Array
     v: jax.Array
     layer: jax.Array  # int32 scalar
-    num_layers: int = struct.field(pytree_node=False, default=0)  # L; 0: not yet known (Attention sets it)
+    num_layers: int = struct.field(pytree_node=False, default=1)  # L
 
     @property
     def slots(self) -> int:
         """S: a layer's slots."""
         return self.k.shape[2] // self.num_layers
+
+    @property
+    def page_size(self) -> int:
+        return 1
+
+    @property
+    def rules(self):
+        return kv_rules(self.k.shape[1], self.k.shape[0])
+
+    @property
+    def kernel_reads(self) -> bool:
+        return True
+
+    def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "LayerKV":
+        """Row b's step keys and values written at this layer's slots start[b] + [0, T), into the
+        whole stacked buffer (`write_step`)."""
+        rules, layer = self.rules, (self.layer, self.num_layers)
+        return self.replace(k=write_step(self.k, new_k, start, layer=layer, rules=rules),
+                            v=write_step(self.v, new_v, start, layer=layer, rules=rules))
 
     def read(self, start: jax.Array | int = 0, size: int | None = None) -> tuple[jax.Array, jax.Array]:
         """This layer's keys and values [B, K, size, Dh] of slots [start, start + size) (default:
@@ -104,6 +183,10 @@ class LayerKV:
         first = jnp.asarray(self.layer, jnp.int32) * self.slots + jnp.asarray(start, jnp.int32)
         take = lambda c: jax.lax.dynamic_slice_in_dim(c, first, size, axis=2)  # noqa: E731
         return take(self.k), take(self.v)
+
+    def kernel_cache(self) -> "LayerKV":
+        """What `attention_kernels.attend_cached` reads: the stacked buffers at this layer, in place."""
+        return self
 
 
 @struct.dataclass
@@ -158,8 +241,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, pd, rngs, axis="head_dim")
 
     def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
-        """x [B,T,D]; attn_mask bool [B,T,T] without cache, a StepMask with kv = (k, v) [B,K,S,Dh],
-        a `LayerKV` (stacked cache) or a `PagedKV` (paged pool)."""
+        """x [B,T,D]; attn_mask bool [B,T,T] without a cache, a StepMask with kv, a layer view of
+        a cache (`ContiguousKV`, `LayerKV` or `PagedKV`). Returns (output, the view written)."""
         cfg = self.cfg
         dt = x.dtype
         # checkpoint names: what a remat policy may keep (models/remat.py); identity otherwise
@@ -178,7 +261,7 @@ class Attention(nnx.Module):
         g = cfg.num_heads // cfg.num_kv_heads
         # a contiguous cache whose heads the tensor axis cannot split is read split over rows:
         # the queries move there (an all-to-all of the step's activations, not of the cache)
-        rules = DEFAULT_RULES if kv is None or isinstance(kv, PagedKV) else kv_rules(cfg.num_kv_heads, b)
+        rules = DEFAULT_RULES if kv is None else kv.rules
         longest = None
         if rules is not DEFAULT_RULES:
             # the chunked read's bound, taken where the rows lie whole: over rows split across
@@ -195,25 +278,16 @@ class Attention(nnx.Module):
             out = _attend(q, [own + (attn_mask,)])
         else:
             start = attn_mask.cache_len
-            if isinstance(kv, LayerKV):
-                layer = (kv.layer, cfg.num_layers)
-                kv = kv.replace(k=write_step(kv.k, own[0], start, layer=layer, rules=rules),
-                                v=write_step(kv.v, own[1], start, layer=layer, rules=rules), num_layers=cfg.num_layers)
-                committed = kv  # read a chunk at a time, in place (`_attend_cached`)
-            elif isinstance(kv, PagedKV):  # read through the page table (by XLA or the paged kernel)
-                kv = committed = kv.write(own[0], own[1], start)
-            else:
-                kv = committed = (write_step(kv[0], own[0], start, rules=rules),
-                                  write_step(kv[1], own[1], start, rules=rules))
+            kv = kv.write(own[0], own[1], start)
             # in XLA: a view of admitted rows (their prefill; its rows lie on any shard), and kv
             # heads the mesh cannot split left whole (rows too few to split over tensor): GSPMD
             # splits such a cache like the query heads, and a per-device kernel would gather all
             # of it on every call (benchmarks/paged_kv_pair.md)
-            if (kernels.attention == "xla" or isinstance(kv, PagedKV) and kv.home is not None
+            if (kernels.attention == "xla" or not kv.kernel_reads
                     or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
-                out = _attend_cached(q, own, attn_mask.intra, committed, start, kernels.platform, rules, longest)
+                out = _attend_cached(q, own, attn_mask.intra, kv, start, kernels.platform, rules, longest)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
-                out = _attend_cached_kernel(q, own, attn_mask.intra, committed, start, kernels, rules)
+                out = _attend_cached_kernel(q, own, attn_mask.intra, kv.kernel_cache(), start, kernels, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         if rules is not DEFAULT_RULES:  # back to the heads the output projection's kernel holds
             out = constrain(constrain(out, ("batch", "sequence", "heads", "head_dim"), rules),
@@ -331,29 +405,20 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     masked chunk changes nothing bit for bit, so a row's result ignores the other rows' lengths.
 
     q [B, T, K, G, Dh]; own: (keys, values) [B, K, T, Dh]; intra bool [B or 1, T, T];
-    cache: (keys, values) [B, K, S, Dh], or a `PagedKV` (read through its page table, chunks of
-    whole pages); cache_len int32 [B]; `rules`: how the rows split (`sharding.kv_rules`);
-    `longest`: max(cache_len) if the caller has it (default: taken here).
+    cache: a layer view (`ContiguousKV`, `LayerKV`, a `PagedKV` read in chunks of whole pages),
+    or (keys, values) [B, K, S, Dh]; cache_len int32 [B]; `rules`: how the rows split
+    (`sharding.kv_rules`); `longest`: max(cache_len) if the caller has it (default: taken here).
     Returns [B, T, K, G, Dh].
     """
     dt = q.dtype
-    paged = isinstance(cache, PagedKV)
-    if paged:
-        slots, read, page = cache.slots, cache.read, cache.page_size
-    elif isinstance(cache, LayerKV):
-        slots, read, page = cache.slots, cache.read, 1
-    else:
-        cache_k, cache_v = cache
-        slots, page = cache_k.shape[2], 1
-
-        def read(start, size):
-            return (jax.lax.dynamic_slice_in_dim(cache_k, start, size, axis=2),
-                    jax.lax.dynamic_slice_in_dim(cache_v, start, size, axis=2))
+    if isinstance(cache, tuple):  # bare buffers, as tests and benchmarks pass them
+        cache = ContiguousKV(*cache)
+    slots, read, page = cache.slots, cache.read, cache.page_size
     # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
     size = cache_chunk(slots, rows=rows_per_device(q.shape[0], rules), platform=platform)
     size = min(slots, -(-size // page) * page)
     if size >= slots:  # one pass over the whole (short) buffer
-        keys, values = cache if isinstance(cache, tuple) else read(0, slots)
+        keys, values = read(0, slots)
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
         return _attend(q, [(keys.astype(dt), values.astype(dt), committed[:, None, :]), own + (intra,)])
     t, g = q.shape[1], q.shape[3]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.sharding import constrain, rows_per_device
+from prove_jax.models.sharding import DEFAULT_RULES, constrain, rows_per_device
 
 # a pool: one per data shard, kv heads on tensor (as KV_CACHE_AXES); pages and slots whole
 POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")
@@ -125,7 +125,13 @@ class PagedKVCache:
         return _homes(self.table.shape[0], self.shards, self.home)
 
     def layer(self, i: int) -> "PagedKV":
+        """Layer i's view of per-layer pools."""
         return PagedKV(self.k[i], self.v[i], self.table, self.home)
+
+    def scanned_layer(self, k: jax.Array, v: jax.Array, index: jax.Array, num_layers: int) -> "PagedKV":
+        """Layer `index`'s view of the stacked pools k, v a layer scan carries (their layer axis
+        says how many: `num_layers` is for the interface `KVCache.scanned_layer` shares)."""
+        return PagedKV(k, v, self.table, self.home, index)
 
     def free_pages(self) -> jax.Array:
         """Free pages of each shard's pool [D]."""
@@ -218,8 +224,9 @@ def _read_pool(pool, table, first: jax.Array, count: int, layer=None):
 @struct.dataclass
 class PagedKV:
     """One layer's pools, the rows' page table (and `home`, as in `PagedKVCache`), as the
-    attention layer sees them. The batch's own rows are written and read per shard (vmapped
-    over the shards, each row on its shard's devices); a view's rows by explicit shard indices."""
+    attention layer sees them (the interface of every layer view: models/attention.py). The
+    batch's own rows are written and read per shard (vmapped over the shards, each row on its
+    shard's devices); a view's rows by explicit shard indices."""
     k: jax.Array  # [D, K, Pl, page, Dh]; with `layer`, every layer's [D, K, L, Pl, page, Dh]
     v: jax.Array
     table: jax.Array  # [B, R]
@@ -238,6 +245,21 @@ class PagedKV:
     @property
     def pages_per_shard(self) -> int:
         return self.k.shape[-3]
+
+    @property
+    def rules(self):
+        """Where the pools lie: each data shard's own, kv heads on tensor (never split over rows)."""
+        return DEFAULT_RULES
+
+    @property
+    def kernel_reads(self) -> bool:
+        """A kernel reads the batch's own rows, each on its shard; a view's rows (`home`) lie on
+        any shard, so they are read in XLA."""
+        return self._by_shard()
+
+    def kernel_cache(self) -> "PagedKV":
+        """What `attention_kernels.attend_cached` reads: the pools through the page table."""
+        return self
 
     def _by_shard(self) -> bool:
         """The batch's own rows (a whole number per shard, as `data_shards` splits them)."""

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from prove_jax.models.attention import Attention, KVCache, LayerKV, rope_cos_sin
-from prove_jax.models.paged import PagedKV, PagedKVCache
+from prove_jax.models.attention import Attention, KVCache, rope_cos_sin
+from prove_jax.models.paged import PagedKVCache
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
@@ -75,12 +75,11 @@ class Qwen2(nnx.Module):
         if isinstance(self.layers, LayerStack):
             x, cache = self.layers.scan_cached(x, cos, sin, attn_mask, cache, kernels)
             return self.final_norm(x), cache
-        paged = isinstance(cache, PagedKVCache)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, attn_mask, cache.layer(i) if paged else (cache.k[i], cache.v[i]), kernels)
-            new_k.append(kv.k if paged else kv[0])
-            new_v.append(kv.v if paged else kv[1])
+            x, kv = layer(x, cos, sin, attn_mask, cache.layer(i), kernels)
+            new_k.append(kv.k)
+            new_v.append(kv.v)
         x = self.final_norm(x)
         return x, cache.replace(k=tuple(new_k), v=tuple(new_v))
 
@@ -148,12 +147,11 @@ class LayerStack(nnx.Module):
         layer writes only its step's slots in place (a cache passed as the scan's xs/ys would be
         rebuilt every step)."""
         graphdef, weights = nnx.split(self.layer)
-        paged = isinstance(cache, PagedKVCache)
 
         def body(carry, xs):
             x, k, v = carry
             state, index = xs
-            kv = PagedKV(k, v, cache.table, cache.home, index) if paged else LayerKV(k, v, index)
+            kv = cache.scanned_layer(k, v, index, self.num_layers)
             x, kv = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, kv, kernels)
             return (x, kv.k, kv.v), None
 
