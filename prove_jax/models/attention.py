@@ -285,7 +285,7 @@ class Attention(nnx.Module):
             # of it on every call (benchmarks/paged_kv_pair.md)
             if (kernels.attention == "xla" or not kv.kernel_reads
                     or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
-                out = _attend_cached(q, own, attn_mask.intra, kv, start, kernels.platform, rules, longest)
+                out = _attend_cached(q, own, attn_mask.intra, kv, start, kernels.target(), rules, longest)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
                 out = _attend_cached_kernel(q, own, attn_mask.intra, kv.kernel_cache(), start, kernels, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -379,7 +379,7 @@ def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOption
     grouped = _group_queries(q)
     own_scores = _masked_scores(grouped, own[0], intra, t, g)
     out = attention_kernels.attend_cached(kernels.attention, grouped, own_scores, own[1], cache,
-                                          cache_len, interpret=kernels.interpret, platform=kernels.platform,
+                                          cache_len, interpret=kernels.interpret, platform=kernels.target(),
                                           rules=rules)
     return _ungroup_queries(out.astype(q.dtype), t, g)
 
