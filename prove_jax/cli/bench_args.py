@@ -52,5 +52,6 @@ def parse_choices(text: str, choices: Sequence[str], flag: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in items if x not in choices]
     if unknown:
-        raise BenchError(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
+        raise BenchError(f"{flag}: unknown {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(choices)}")
     return items

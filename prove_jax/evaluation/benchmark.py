@@ -34,7 +34,8 @@ from prove_jax.decoding.requests import encode_prompts
 from prove_jax.evaluation import humaneval, peers
 from prove_jax.evaluation.model_pair import ModelPair
 from prove_jax.evaluation.progress import log
-from prove_jax.evaluation.records import PREFILL_LABEL, add_decode_only, add_vs_lossless, make_record
+from prove_jax.evaluation.records import (PREFILL_LABEL, add_decode_only, add_vs_lossless,
+                                          make_record)
 from prove_jax.evaluation.runners import Measurement, OurRunner, PeerRunner, measure_batch
 from prove_jax.evaluation.sweep import BenchError, Setting, ar_setting
 from prove_jax.profiling import StepProfile
@@ -65,7 +66,9 @@ def convert_for_peers(pair: ModelPair, out_dir: str, need_draft: bool,
     """HF copies (float32) of our checkpoints via our flax-to-hf converter, loaded in torch."""
     peers._torch()  # a clear error when torch is missing
     out = {}
-    names = [("proposer", pair.proposer_path)] + ([("verifier", pair.verifier_path)] if need_draft else [])
+    names = [("proposer", pair.proposer_path)]
+    if need_draft:
+        names.append(("verifier", pair.verifier_path))
     for name, path in names:
         if path is None:
             raise BenchError(f"peer runs need a {name} checkpoint")
@@ -109,11 +112,13 @@ def run_settings(pair: ModelPair, settings: Sequence[Setting], prompts: Sequence
             if s.is_peer:
                 if hf_models is None:
                     raise BenchError(f"{s.mode} needs the HF copies of the models (peers disabled)")
-                runners.append(PeerRunner(hf_models, s, prompts, max_new_tokens, b, pair.eos_ids, pair.pad_id))
+                runners.append(PeerRunner(hf_models, s, prompts, max_new_tokens, b, pair.eos_ids,
+                                          pair.pad_id))
             else:
                 runners.append(OurRunner(pair, s, prompts, max_new_tokens, b, profile))
         if prefill_baseline:
-            runners.append(OurRunner(pair, Setting("ar", PREFILL_LABEL, ar_setting().options), prompts, 1, b))
+            baseline = Setting("ar", PREFILL_LABEL, ar_setting().options)
+            runners.append(OurRunner(pair, baseline, prompts, 1, b))
         ms = measure_batch(runners, repeats, progress)
         prefill = ms.pop() if prefill_baseline else None
         batch_records = [make_record(m, ms[0], max_new_tokens, len(prompts)) for m in ms]

@@ -31,7 +31,8 @@ def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompt
         "tokens_per_forward": m.tokens_per_forward,
         "tokens_per_second": m.tokens_per_second,
         "seconds_median": m.median_seconds, "seconds_all": m.seconds,
-        "speedup_vs_ar": m.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else None,
+        "speedup_vs_ar": (m.tokens_per_second / ar.tokens_per_second
+                          if ar.tokens_per_second else None),
         # AR's many short steps suffer most from a loaded machine's stalls (its passes spread
         # further than lossless ones), so the median ratio flatters lossless there; the fastest
         # passes are each side at its least disturbed
@@ -49,33 +50,34 @@ def make_record(m: Measurement, ar: Measurement, max_new_tokens: int, num_prompt
     if m.effective_options is not None and m.effective_options.mode == "ar" and s.mode != "ar":
         # the setting chose plain AR here: its ratio to AR would be two timings of one program,
         # noise, so it reports AR's own timing
-        rec.update(ran_as_ar=True, tokens_per_second=ar.tokens_per_second, seconds_median=ar.median_seconds,
-                   speedup_vs_ar=1.0, speedup_fastest_vs_ar=1.0)
+        rec.update(ran_as_ar=True, tokens_per_second=ar.tokens_per_second,
+                   seconds_median=ar.median_seconds, speedup_vs_ar=1.0, speedup_fastest_vs_ar=1.0)
     if s.options is not None:
         asked = s.options.validate()  # with its defaults filled in, as the decoder ran it
         opts = dataclasses.asdict(asked)
         opts.pop("record_steps", None)
         rec["options"] = opts
         if m.effective_options is not None and m.effective_options != asked:
-            rec["effective_options"] = {k: v for k, v in dataclasses.asdict(m.effective_options).items()
-                                        if k != "record_steps"}
+            effective = dataclasses.asdict(m.effective_options)
+            rec["effective_options"] = {k: v for k, v in effective.items() if k != "record_steps"}
     else:
         rec["options"] = dict(s.peer_kwargs)
     return rec
 
 
-def humaneval_task_ids(ids: Sequence[str], prompts: Sequence[Sequence[int]], problems: Sequence[dict],
-                       tokenizer) -> list[str | None]:
+def humaneval_task_ids(ids: Sequence[str], prompts: Sequence[Sequence[int]],
+                       problems: Sequence[dict], tokenizer) -> list[str | None]:
     """Per prompt, the HumanEval task it is scored as: its id, when that is a task id and the
     prompt's tokens are that task's prompt; else None (a record reusing a task id for other
     text would be scored against the wrong tests)."""
     by_id = {p["task_id"]: p for p in problems}
-    return [i if i in by_id and list(p) == tokenizer.encode(by_id[i]["prompt"], add_special_tokens=False)
-            else None for i, p in zip(ids, prompts)]
+    own = lambda i: tokenizer.encode(by_id[i]["prompt"], add_special_tokens=False)  # noqa: E731
+    return [i if i in by_id and list(p) == own(i) else None for i, p in zip(ids, prompts)]
 
 
-def implicit_humaneval_references(references: Sequence[graders.Reference | None], ids: Sequence[str],
-                                  prompts: Sequence[Sequence[int]], tokenizer) -> list[graders.Reference | None]:
+def implicit_humaneval_references(references: Sequence[graders.Reference | None],
+                                  ids: Sequence[str], prompts: Sequence[Sequence[int]],
+                                  tokenizer) -> list[graders.Reference | None]:
     """`references` with HumanEval's prompts graded as such: a record without an answer whose id
     is a HumanEval task id and whose prompt is that task's own (`humaneval_task_ids`) is graded
     by `humaneval` against the task's test, as the default prompt set (`--humaneval N`) is.
@@ -122,11 +124,13 @@ def grade_records(records: list[dict], measurements: list[Measurement],
                                          [prompt_texts[i] for i, _ in keys], [t for _, t in keys])):
         verdicts[k] = ok
     right = [[verdicts[(i, text)] for i, text in zip(idx, t)] for t in texts]
-    ar_right = {r["batch_size"]: ok for r, ok in zip(records, right) if r["mode"] == "ar" and r["setting"] == "-"}
+    ar_right = {r["batch_size"]: ok for r, ok in zip(records, right)
+                if r["mode"] == "ar" and r["setting"] == "-"}
     humaneval_at = [j for j, i in enumerate(idx) if references[i].grader == "humaneval"]
     for rec, ok in zip(records, right):
         correct = sum(ok)
-        rec.update(accuracy=correct / len(idx), accuracy_ci95=list(graders.wilson_interval(correct, len(idx))),
+        rec.update(accuracy=correct / len(idx),
+                   accuracy_ci95=list(graders.wilson_interval(correct, len(idx))),
                    correct=correct, graded=len(idx), graded_by=dict(counts))
         ar = ar_right.get(rec["batch_size"])
         rec["accuracy_vs_ar"] = None if ar is None else {
@@ -170,7 +174,8 @@ def add_vs_lossless(records: list[dict]) -> None:
         return
     best = max(lossless, key=lambda r: r["tokens_per_second"])
     rounds = min(len(r["seconds_all"]) for r in records if not r["peer"])
-    best_rounds = [max(r["generated_tokens"] / r["seconds_all"][i] for r in lossless) for i in range(rounds)]
+    best_rounds = [max(r["generated_tokens"] / r["seconds_all"][i] for r in lossless)
+                   for i in range(rounds)]
     for r in records:
         if r["peer"] or r["mode"] not in LOSSY_MODES:
             continue

@@ -53,16 +53,15 @@ def lossless_note(records: Sequence[dict]) -> str:
         if r.get("vs_lossless") is None:
             continue
         per_round = ", ".join(f"{x:.2f}x" for x in r["vs_lossless_rounds"])
-        lines.append(f"- batch {r['batch_size']}, {r['mode']} {r['setting']}: {r['vs_lossless']:.2f}x "
-                     f"lossless {r['fastest_lossless']}" + (f" (by round: {per_round})"
-                                                             if len(r["vs_lossless_rounds"]) > 1 else ""))
+        by_round = f" (by round: {per_round})" if len(r["vs_lossless_rounds"]) > 1 else ""
+        lines.append(f"- batch {r['batch_size']}, {r['mode']} {r['setting']}: "
+                     f"{r['vs_lossless']:.2f}x lossless {r['fastest_lossless']}" + by_round)
     if not lines:
         return ""
-    return ("\nAgainst the fastest lossless setting of the run at the same batch size (median passes; "
-            "by round: each round's passes, which ran back to back):\n\n" + "\n".join(lines) + "\n")
+    return ("\nAgainst the fastest lossless setting of the run at the same batch size (median "
+            "passes; by round: each round's passes, which ran back to back):\n\n"
+            + "\n".join(lines) + "\n")
 
-
-# ---- tables ---------------------------------------------------------------------------------------
 
 def _ratio(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
@@ -83,21 +82,24 @@ def markdown_table(records: Sequence[dict]) -> str:
     the run (few new tokens) shows '-' there, and the table keeps its shape."""
     decode_only = any(r.get("prefill_seconds") is not None for r in records)
     extra = " speedup without prefill |" if decode_only else ""
-    head = ("| mode | setting | batch | tokens/forward | tok/s | speedup vs ar | fastest passes |" + extra
-            + " agreement (token) | exact match | accuracy [95% CI] | compile s |\n"
+    head = ("| mode | setting | batch | tokens/forward | tok/s | speedup vs ar | fastest passes |"
+            + extra + " agreement (token) | exact match | accuracy [95% CI] | compile s |\n"
             + "|---" * (11 + decode_only) + "|\n")
     rows = []
     for r in records:
         setting = r["setting"]
         eff = r.get("effective_options")
         if eff:  # adaptive: what actually ran at this batch size
-            setting += (f" (K={eff['block_size']},G={LosslessLayout.build(eff['block_size'], eff['max_groups']).num_groups})"
-                        if eff["mode"] == "lossless" else
+            groups = (LosslessLayout.build(eff["block_size"], eff["max_groups"]).num_groups
+                      if eff["mode"] == "lossless" else None)
+            setting += (f" (K={eff['block_size']},G={groups})" if groups is not None else
                         " (chose ar: AR's timing)" if r.get("ran_as_ar") else f" ({eff['mode']})")
-        rows.append(f"| {r['mode']} | {setting} | {r['batch_size']} | {r['tokens_per_forward']:.2f} "
+        rows.append(f"| {r['mode']} | {setting} | {r['batch_size']} "
+                    f"| {r['tokens_per_forward']:.2f} "
                     f"| {r['tokens_per_second']:.1f} | {_ratio(r['speedup_vs_ar'])} "
                     f"| {_ratio(r.get('speedup_fastest_vs_ar'))} "
                     + (f"| {_ratio(r.get('decode_speedup_vs_ar'))} " if decode_only else "")
-                    + f"| {100 * r['agreement_with_ar']:.1f}% | {100 * r['exact_match_with_ar']:.0f}% "
+                    + f"| {100 * r['agreement_with_ar']:.1f}% "
+                    f"| {100 * r['exact_match_with_ar']:.0f}% "
                     f"| {accuracy_cell(r)} | {r['compile_seconds']:.1f} |")
     return head + "\n".join(rows) + "\n"

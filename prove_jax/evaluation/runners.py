@@ -60,8 +60,8 @@ class OurRunner:
     """Decodes the prompt set with one of our settings: one queue served by `batch_size` rows
     (continuous batching, one compiled program per batch size)."""
 
-    def __init__(self, pair: ModelPair, setting: Setting, prompts, max_new_tokens: int, batch_size: int,
-                 profile: StepProfile | None = None):
+    def __init__(self, pair: ModelPair, setting: Setting, prompts, max_new_tokens: int,
+                 batch_size: int, profile: StepProfile | None = None):
         self.pair, self.setting, self.prompts = pair, setting, prompts
         self.max_new, self.batch = max_new_tokens, batch_size
         self.profile = profile or StepProfile(None, "benchmark_pass")  # --profile: traced passes
@@ -72,8 +72,8 @@ class OurRunner:
             calibrate_decoder(self.decoder, prompts, batch_size, max_new_tokens, log=log)
 
     def _generate(self, prompts):
-        return self.decoder.generate(prompts, self.max_new, batch_size=self.batch, prompt_width=self.width,
-                                     queue_size=len(self.prompts))
+        return self.decoder.generate(prompts, self.max_new, batch_size=self.batch,
+                                     prompt_width=self.width, queue_size=len(self.prompts))
 
     def warmup(self) -> None:
         t0 = time.perf_counter()
@@ -104,7 +104,8 @@ class PeerRunner:
 
     def __init__(self, hf_models: dict, setting: Setting, prompts, max_new_tokens: int,
                  batch_size: int, eos_ids: list[int], pad_id: int):
-        self.setting, self.prompts, self.max_new, self.batch = setting, prompts, max_new_tokens, batch_size
+        self.setting, self.prompts = setting, prompts
+        self.max_new, self.batch = max_new_tokens, batch_size
         self.eos_ids, self.pad_id = eos_ids, pad_id
         kw = dict(setting.peer_kwargs)
         self.torch_threads = kw.pop("torch_threads", None)
@@ -117,9 +118,11 @@ class PeerRunner:
             draft = hf_models.get("verifier")
             if draft is None:
                 raise BenchError("hf_assisted needs a verifier checkpoint as the draft model")
-            self.fn = lambda ps, n, warm: peers.hf_assisted(target, draft, ps, n, warmup=warm, **common, **kw)
+            self.fn = lambda ps, n, warm: peers.hf_assisted(target, draft, ps, n, warmup=warm,
+                                                            **common, **kw)
         else:
-            self.fn = lambda ps, n, warm: peers.hf_prompt_lookup(target, ps, n, warmup=warm, **common, **kw)
+            self.fn = lambda ps, n, warm: peers.hf_prompt_lookup(target, ps, n, warmup=warm,
+                                                                 **common, **kw)
         self.m = Measurement(setting, batch_size)
 
     def _set_threads(self) -> None:
@@ -144,7 +147,8 @@ class PeerRunner:
         return run.wall_seconds
 
 
-def measure_batch(runners: Sequence, repeats: int, progress: Callable[[str], None] = log) -> list[Measurement]:
+def measure_batch(runners: Sequence, repeats: int,
+                  progress: Callable[[str], None] = log) -> list[Measurement]:
     """Warm every runner up, then `repeats` interleaved timed passes (order rotated per pass)."""
     if repeats < 1:
         raise BenchError(f"repeats must be >= 1, got {repeats}")
@@ -158,6 +162,7 @@ def measure_batch(runners: Sequence, repeats: int, progress: Callable[[str], Non
         for i in range(n):
             r = runners[(i + rep) % n]
             s = r.timed_pass()
+            rate = r.m.generated_tokens / s if s else 0
             progress(f"  pass {rep + 1}/{repeats} {r.setting.name:<34} batch {r.m.batch_size:<3} "
-                     f"{r.m.generated_tokens:>6} tok  {s:7.2f}s  {r.m.generated_tokens / s if s else 0:8.1f} tok/s")
+                     f"{r.m.generated_tokens:>6} tok  {s:7.2f}s  {rate:8.1f} tok/s")
     return [r.m for r in runners]

@@ -56,7 +56,8 @@ def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
 
 
 def relaxed_setting(k: int, groups: int | None, relaxed_p: float) -> Setting:
-    """Lossless's step with relaxed acceptance (`DecodeOptions.relaxed_p`): lossy, shown as its own mode."""
+    """Lossless's step with relaxed acceptance (`DecodeOptions.relaxed_p`): lossy, shown as its
+    own mode."""
     exact = lossless_setting(k, groups)
     return Setting("relaxed", f"{exact.label},p={relaxed_p:g}",
                    dataclasses.replace(exact.options, relaxed_p=relaxed_p))
@@ -70,23 +71,26 @@ def calibrated_setting(k_max: int = 8) -> Setting:
 
 def threshold_setting(tau: float, k: int = 8, confidence: str = "prob") -> Setting:
     label = f"K={k},tau={tau:g}" + ("" if confidence == "prob" else f",{confidence}")
-    return Setting("threshold", label, DecodeOptions("threshold", block_size=k, tau=tau, confidence=confidence))
+    return Setting("threshold", label,
+                   DecodeOptions("threshold", block_size=k, tau=tau, confidence=confidence))
 
 
 def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5, head_threshold: float | None = None,
                    gate_tau: float | None = None, confidence: str = "prob") -> Setting:
     """Verify with commit `rule`; `gate_tau` gates it by the proposer's `confidence` statistic."""
-    gate = "" if gate_tau is None else f",gate={gate_tau:g}" if confidence == "prob" else f",{confidence} gate={gate_tau:g}"
+    gate = ("" if gate_tau is None else f",gate={gate_tau:g}" if confidence == "prob"
+            else f",{confidence} gate={gate_tau:g}")
     label = (f"K={k},{rule}" + (f",tau_v={tau_v:g}" if rule == "prob" else "")
              + (f",p>={head_threshold:g}" if head_threshold is not None else "") + gate)
-    return Setting("verify", label, DecodeOptions("verify", block_size=k, commit_rule=rule, tau_v=tau_v,
-                                                  head_threshold=head_threshold, gate_tau=gate_tau,
-                                                  confidence=confidence))
+    return Setting("verify", label, DecodeOptions(
+        "verify", block_size=k, commit_rule=rule, tau_v=tau_v, head_threshold=head_threshold,
+        gate_tau=gate_tau, confidence=confidence))
 
 
 DEFAULT_TAUS = (0.95, 0.8, 0.5)
 DEFAULT_TAU_VS = (0.3, 0.1)
-DEFAULT_LOSSLESS = ((2, None), (3, None), (4, None), (4, 2), (6, 2), (6, 3), (6, None), (8, 2), (8, 3))
+DEFAULT_LOSSLESS = ((2, None), (3, None), (4, None), (4, 2), (6, 2), (6, 3), (6, None), (8, 2),
+                    (8, 3))
 
 
 def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
@@ -95,7 +99,8 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
                    adaptive: bool = True, tau_vs: Sequence[float] = DEFAULT_TAU_VS,
                    calibrated: bool = True, confidence: str = "prob",
                    relaxed_ps: Sequence[float] = (), head_thresholds: Sequence[float] = (),
-                   gate_taus: Sequence[float] = (), rules: Sequence[str] = COMMIT_RULES) -> list[Setting]:
+                   gate_taus: Sequence[float] = (),
+                   rules: Sequence[str] = COMMIT_RULES) -> list[Setting]:
     """The benchmark's sweep for the named modes (`ar` always comes first).
 
     `block_size` is the proposal length of `threshold` / `verify` (the proposer's MARS block);
@@ -119,7 +124,8 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
         out += [lossless_setting(k, g) for k, g in lossless]
         out += [relaxed_setting(k, g, p) for k, g in lossless for p in relaxed_ps]
         if adaptive:
-            out.append(lossless_setting(8, adaptive=True))  # K<=8: as `prove-jax generate --adaptive`
+            # K<=8: as `prove-jax generate --adaptive`
+            out.append(lossless_setting(8, adaptive=True))
             if calibrated:
                 out.append(calibrated_setting(8))
     if "verify" in modes:
@@ -128,7 +134,8 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
         if "prob" in rules:
             out += [verify_setting("prob", block_size, t) for t in tau_vs]
         if "top1" in rules:
-            out += [verify_setting("top1", block_size, gate_tau=g, confidence=confidence) for g in gate_taus]
+            out += [verify_setting("top1", block_size, gate_tau=g, confidence=confidence)
+                    for g in gate_taus]
         if "prob" in rules:
             out += [verify_setting("prob", block_size, t, gate_tau=g, confidence=confidence)
                     for g in gate_taus for t in tau_vs]
