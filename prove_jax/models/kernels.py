@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import MappingProxyType
 
 import jax
 
@@ -20,7 +21,7 @@ ATTENTION_KERNELS = ("xla", "pallas_gpu", "pallas_tpu")  # models/attention_kern
 # TPU the Pallas kernel, which keeps a wide step's scores in VMEM (XLA writes them to HBM per KV
 # chunk: benchmarks/decode_step_cost.md); XLA elsewhere
 ATTENTION_CHOICES = ATTENTION_KERNELS + ("auto",)
-AUTO_ATTENTION = {"tpu": "pallas_tpu"}
+AUTO_ATTENTION = MappingProxyType({"tpu": "pallas_tpu"})
 MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
 CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
 
@@ -94,7 +95,6 @@ class KernelOptions:
         resolved = resolved.resolve_attention(resolved.platform)
         form, max_rows = resolved.decode_form()
         return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows)
-
 
     def resolve_attention(self, platform: str | None = None) -> "KernelOptions":
         """These options with attention "auto" replaced, on the host, by the fast path of
