@@ -346,7 +346,7 @@ def test_a_stored_parameter_the_config_does_not_expect_is_named(capsys, ckpt, tm
 
 
 def test_restore_error_reason_names_the_parameter_from_the_spec():
-    from prove_jax.checkpoints.checkpoint import restore_error_reason
+    from prove_jax.checkpoints.restore_errors import restore_error_reason
     spec = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
             "details: <bound method spec of TensorStore({\n  'kvstore': {\n    'driver': 'file',\n"
             "    'path': '/ck/params/layers.0.attn.k_bias/',\n  },\n})>.")

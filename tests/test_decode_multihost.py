@@ -113,7 +113,7 @@ def test_a_host_that_fails_stops_the_job_and_the_other_says_so(tmp_path):
 def test_restore_failure_blames_a_timeout_on_several_hosts_on_the_other_hosts(monkeypatch):
     import jax
 
-    from prove_jax.checkpoints.checkpoint import restore_failure
+    from prove_jax.checkpoints.restore_errors import restore_failure
     timeout = RuntimeError("UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out")
     assert "(a damaged or incomplete checkpoint): UNKNOWN" in restore_failure("/ckpt/params", timeout)
     monkeypatch.setattr(jax, "process_count", lambda: 2)

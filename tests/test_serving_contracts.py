@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from prove_jax import assets, distributed, files
-from prove_jax.checkpoints import checkpoint
+from prove_jax.checkpoints import checkpoint, restore_errors
 from prove_jax.training import dry_run as dr
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeError, DecodeOptions
@@ -257,7 +257,7 @@ def test_tokenizer_files_carry_the_chat_template(tmp_path, demo_tok):
 
 def test_restore_error_reason_is_the_first_line_without_the_spec_dump():
     e = ValueError("NOT_FOUND: Error opening file x [tensorstore_spec={...}]\nTraceback junk\nmore")
-    assert checkpoint.restore_error_reason(e) == "NOT_FOUND: Error opening file x"
+    assert restore_errors.restore_error_reason(e) == "NOT_FOUND: Error opening file x"
 
 
 # ---- dry run: the activation estimate, term by term -----------------------------------------

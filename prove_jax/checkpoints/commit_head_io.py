@@ -10,7 +10,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from prove_jax import distributed
-from prove_jax.checkpoints.checkpoint import CheckpointError, restore_failure
+from prove_jax.checkpoints.checkpoint import CheckpointError
+from prove_jax.checkpoints.restore_errors import restore_failure
 from prove_jax.files import atomic_dir, atomic_write_text
 from prove_jax.models.commit_head import HEAD_DIR, CommitHead
 

@@ -22,7 +22,7 @@ from etils import epath
 from prove_jax.errors import ProveJaxError
 from prove_jax import distributed, storage
 from prove_jax.checkpoints.abandoned_reads import restore_attempt
-from prove_jax.checkpoints.checkpoint import restore_error_reason
+from prove_jax.checkpoints.restore_errors import restore_error_reason
 from prove_jax.models.params import dotted_path
 
 
