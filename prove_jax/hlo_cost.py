@@ -311,6 +311,10 @@ class ModuleCost:
             return self._fusion_cost(instr, comp, operand_bytes, out)
         if op in ("dot", "convolution"):
             return sum(operand_bytes) + out, _dot_flops(instr, comp.shapes)
+        if op == "slice-start":  # ((source), slice, context): reads the slice, writes it where it lands
+            parts = _split_top(instr.shape.strip()[1:-1])
+            if len(parts) >= 2:
+                return array_bytes(parts[1], hbm_only=False) + array_bytes(parts[1]), 0
         if op.endswith("-start"):  # async: its result tuple holds the source and the destination
             return out, 0
         if op == "custom-call" and (estimate := kernel_estimate(instr.attrs)) is not None:

@@ -166,6 +166,18 @@ ENTRY %main (a: bf16[1,8,65536,1024], q: f32[4,8,16,128]) -> f32[4,8,16,128] {
     assert bare.bytes == 2 ** 30 + 2 * 4 * 8 * 16 * 128 * 4 and bare.flops == 0
 
 
+def test_an_async_slice_costs_its_slice():
+    """libtpu slices a buffer into VMEM in pieces (`slice-start`, its result tuple holding the
+    whole source): each piece costs the bytes it takes, not the source (which counted a 20 MB
+    weight five times in a v6e-8 verify step)."""
+    line = ("  %s{i} = ((s8[20316160]{{0:T(1024)}}), s8[4194304]{{0:T(1024)S(1)}}, s32[]{{:S(2)}}) "
+            "slice-start(%a), slice={{[{lo}:{hi}]}}\n")
+    text = ("HloModule m\n\nENTRY %main (a: s8[20316160]) -> s8[4194304] {\n  %a = s8[20316160] parameter(0)\n"
+            + "".join(line.format(i=i, lo=i * 4194304, hi=(i + 1) * 4194304) for i in range(4))
+            + "  ROOT %d = s8[4194304]{0:T(1024)S(1)} slice-done(%s0)\n}\n")
+    assert hlo_cost.program_cost(text).bytes == 4 * 4194304
+
+
 def _stacked_buffers(state) -> list[str]:
     """'dims' text of each stacked cache or pool buffer of a loop state, as HLO prints shapes."""
     leaves = jax.tree.leaves(state.cache.k) + jax.tree.leaves(state.cache.v)
