@@ -15,7 +15,10 @@ import os
 import re
 import time
 
+import jax
 import numpy as np
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh
 
 from prove_jax.errors import ProveJaxError
 
@@ -41,8 +44,10 @@ GIB = 1024 ** 3
 CHIP_HBM_GIB = {"v5p": 95, "v5e": 16, "v4": 32, "v6e": 31.25, "H100": 80, "H200": 141}
 # Per chip, from the Cloud TPU and NVIDIA spec sheets: HBM bandwidth in bytes/s and dense
 # bf16 peak in FLOP/s (H100/H200: SXM). What `roofline_seconds` of a step report divides by.
-CHIP_HBM_BANDWIDTH = {"v5p": 2765e9, "v5e": 819e9, "v4": 1200e9, "v6e": 1640e9, "H100": 3350e9, "H200": 4800e9}
-CHIP_PEAK_FLOPS = {"v5p": 459e12, "v5e": 197e12, "v4": 275e12, "v6e": 918e12, "H100": 989e12, "H200": 989e12}
+CHIP_HBM_BANDWIDTH = {"v5p": 2765e9, "v5e": 819e9, "v4": 1200e9, "v6e": 1640e9, "H100": 3350e9,
+                      "H200": 4800e9}
+CHIP_PEAK_FLOPS = {"v5p": 459e12, "v5e": 197e12, "v4": 275e12, "v6e": 918e12, "H100": 989e12,
+                   "H200": 989e12}
 
 
 class UnknownChip(ProveJaxError, ValueError):
@@ -64,7 +69,8 @@ def chip_hbm_bytes(chip: str) -> int:
 def roofline_seconds(chip: str, hbm_bytes: float, flops: float) -> float:
     """The least time a program moving `hbm_bytes` and computing `flops` per chip can take on
     `chip`: whichever of its memory bandwidth and its bf16 peak binds."""
-    return max(hbm_bytes / _chip_value(CHIP_HBM_BANDWIDTH, chip), flops / _chip_value(CHIP_PEAK_FLOPS, chip))
+    return max(hbm_bytes / _chip_value(CHIP_HBM_BANDWIDTH, chip),
+               flops / _chip_value(CHIP_PEAK_FLOPS, chip))
 
 
 def libtpu_available() -> bool:
@@ -77,11 +83,12 @@ CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
 
 
 def accelerator_chips(accelerator: str) -> tuple[str, int]:
-    """(chip, chips) of a Cloud TPU accelerator type: "v5p-8" -> ("v5p", 4), "v6e-8" -> ("v6e", 8)."""
+    """(chip, chips) of a Cloud TPU accelerator type: "v5p-8" -> ("v5p", 4),
+    "v6e-8" -> ("v6e", 8)."""
     chip, _, count = accelerator.lower().partition("-")
     if chip not in CORES_PER_CHIP or not count.isdigit() or int(count) % CORES_PER_CHIP[chip]:
-        raise UnknownChip(f"unknown TPU accelerator type {accelerator!r}: give one like v5p-8 or v6e-8 "
-                          f"(generations {', '.join(CORES_PER_CHIP)})")
+        raise UnknownChip(f"unknown TPU accelerator type {accelerator!r}: give one like v5p-8 or "
+                          f"v6e-8 (generations {', '.join(CORES_PER_CHIP)})")
     return chip, int(count) // CORES_PER_CHIP[chip]
 
 
@@ -92,7 +99,8 @@ def topology_name(chip: str, devices: int) -> str:
         raise ValueError(f"no TPU topology for chip {chip!r}; compiled dry runs know "
                          f"{', '.join(TPU_TOPOLOGIES)}")
     if devices not in shapes:
-        raise ValueError(f"{chip} slices come in {', '.join(map(str, shapes))} chips, not {devices}")
+        raise ValueError(f"{chip} slices come in {', '.join(map(str, shapes))} chips, not "
+                         f"{devices}")
     return f"{chip.lower()}:{shapes[devices]}"
 
 
@@ -102,8 +110,6 @@ def topology_mesh(chip: str, axis_sizes, axis_names):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.lower()}-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chip is attached: nothing to lock
-    from jax.experimental import topologies
-    from jax.sharding import AxisType, Mesh
     name = topology_name(chip, math.prod(axis_sizes))
     # a slice smaller than a host (a single chip) must say so: libtpu assumes whole hosts
     small = {"chips_per_host_bounds": (1, 1, 1)} if math.prod(axis_sizes) == 1 else {}
@@ -122,7 +128,8 @@ class CompiledStats:
     alias_bytes: int
     temp_bytes: int
     collectives: dict  # kind -> {"count": n, "bytes": result bytes summed}
-    compile_cpu_seconds: float = 0.0  # CPU time of the compile, all threads: steadier on a busy machine
+    # CPU time of the compile, all threads: steadier on a busy machine
+    compile_cpu_seconds: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -131,7 +138,8 @@ class CompiledStats:
 
 
 def collective_counts(hlo_text: str) -> dict:
-    """{kind: {"count", "bytes"}} of the collectives in compiled HLO text (async pairs count once)."""
+    """{kind: {"count", "bytes"}} of the collectives in compiled HLO text (async pairs count
+    once)."""
     out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
     for line in hlo_text.splitlines():
         m = _COLLECTIVE_LINE.search(line)
@@ -151,7 +159,8 @@ class DoesNotFit(ProveJaxError, ValueError):
 
 
 def compile_stats(lowered, topology: str, what: str = "the step",
-                  advice: str = "model.remat=full, a larger slice, a smaller batch") -> CompiledStats:
+                  advice: str = "model.remat=full, a larger slice, a smaller batch",
+                  ) -> CompiledStats:
     """Compile a `jax.stages.Lowered` for its topology and read its memory and collectives.
     A program too large for a chip raises DoesNotFit with XLA's numbers and `advice` (what to
     lower), not its traceback."""
@@ -161,7 +170,6 @@ def compile_stats(lowered, topology: str, what: str = "the step",
 def compile_with_stats(lowered, topology: str, what: str = "the step",
                        advice: str = "model.remat=full, a larger slice, a smaller batch"):
     """(compiled program, CompiledStats) of `compile_stats`, for a caller that reads the HLO too."""
-    import jax
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         compiled = lowered.compile()
@@ -174,6 +182,7 @@ def compile_with_stats(lowered, topology: str, what: str = "the step",
     memory = compiled.memory_analysis()
     return compiled, CompiledStats(
         topology=topology, compile_seconds=seconds, compile_cpu_seconds=cpu_seconds,
-        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         collectives=collective_counts(compiled.as_text()))

@@ -18,8 +18,11 @@ import os
 import sys
 import warnings
 
+import flax
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 
 from prove_jax.errors import ProveJaxError
 
@@ -31,7 +34,8 @@ class DistributedError(ProveJaxError, ValueError):
 def _on_tpu_pod() -> bool:
     """Multi-host TPU slice by its environment alone: the runtime lists every host (or a
     multislice coordinator)."""
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "") or os.environ.get("TPU_PROCESS_ADDRESSES", "")
+    hosts = (os.environ.get("TPU_WORKER_HOSTNAMES", "")
+             or os.environ.get("TPU_PROCESS_ADDRESSES", ""))
     return "," in hosts or bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
 
 
@@ -46,10 +50,11 @@ def _cluster_types() -> list:
     """JAX's cluster environments (TPU VM metadata, GKE TPU, Slurm, Open MPI, Kubernetes), in the
     order its `initialize()` tries them; the opt-in ones (mpi4py) left out, as it does."""
     try:
-        from jax._src.clusters import ClusterEnv
+        from jax._src.clusters import ClusterEnv  # optional: a private module JAX may drop
     except ImportError:  # a JAX without the module: the environment check alone decides
         return []
-    return [env for env in ClusterEnv._cluster_types if not getattr(env, "opt_in_only_method", False)]
+    return [env for env in ClusterEnv._cluster_types
+            if not getattr(env, "opt_in_only_method", False)]
 
 
 def detect_cluster() -> Cluster | None:
@@ -142,7 +147,6 @@ def launch_facts(argv: list[str] | None = None) -> dict[str, str]:
             skip = True
         elif not a.startswith(tuple(o + "=" for o in PER_HOST_OPTIONS)):
             kept.append(a)
-    import flax
     return {"launch": str(_how_joined), "program": os.path.basename(sys.argv[0]),
             "local device count": str(jax.local_device_count()),
             "jax version": jax.__version__, "flax version": flax.__version__,
@@ -175,7 +179,6 @@ def _gather_through_coordinator(mine: np.ndarray) -> np.ndarray:
     collective: a first collective sets up the CPU backend's gloo context, after which a host
     that fails later leaves the others waiting in a collective with no time limit (before it,
     they stop when setting it up times out; tests/test_decode_multihost.py)."""
-    from jax._src import distributed as jax_distributed
     client = jax_distributed.global_state.client
     # a fresh key per check (every host checks as often, in the same order): a host that reads
     # while another posts its next check's facts must not get those
@@ -184,11 +187,13 @@ def _gather_through_coordinator(mine: np.ndarray) -> np.ndarray:
     rows = []
     for i in range(jax.process_count()):
         try:
-            rows.append(json.loads(client.blocking_key_value_get(f"{prefix}/{i}", FACTS_TIMEOUT_S * 1000)))
+            rows.append(json.loads(client.blocking_key_value_get(f"{prefix}/{i}",
+                                                                 FACTS_TIMEOUT_S * 1000)))
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise DistributedError(f"host {i} did not post its launch settings within "
-                                   f"{FACTS_TIMEOUT_S}s of joining ({first}); see its log") from None
+                                   f"{FACTS_TIMEOUT_S}s of joining ({first}); see its log"
+                                   ) from None
     return np.asarray(rows, np.int64)
 
 
@@ -206,9 +211,9 @@ def check_hosts_agree(facts: dict[str, str], gather=None) -> None:
     hard = [d for d in differ if not d.startswith(ADVISORY_FACTS)]
     if hard:
         ours = "; ".join(f"{k}: {v}" for k, v in facts.items() if k not in ADVISORY_FACTS)
-        raise DistributedError(f"the hosts were launched differently: {'; '.join(hard)} from host 0 "
-                               f"(host {jax.process_index()} has {ours}); start every host with the "
-                               f"same command")
+        raise DistributedError(f"the hosts were launched differently: {'; '.join(hard)} from host "
+                               f"0 (host {jax.process_index()} has {ours}); start every host with "
+                               f"the same command")
     if differ and is_main_process():
         print(f"warning: the hosts run different command lines ({'; '.join(differ)} from host "
               f"0's: {facts[ADVISORY_FACTS[0]]})", file=sys.stderr, flush=True)
@@ -218,10 +223,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The multi-host launch options of every command that runs on a pod (train, generate)."""
     parser.add_argument("--coordinator", default=None,
                         help="multi-host: coordinator address HOST:PORT (process 0 listens there)")
-    parser.add_argument("--num-processes", type=int, default=None, help="multi-host: total process count")
-    parser.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="multi-host: total process count")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="multi-host: this process's index")
     parser.add_argument("--heartbeat-timeout", type=int, default=None,
-                        help="multi-host: seconds before a silent peer is declared dead (JAX default 100)")
+                        help="multi-host: seconds before a silent peer is declared dead (JAX "
+                             "default 100)")
 
 
 def initialize_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> bool:
@@ -241,5 +249,4 @@ def is_main_process() -> bool:
 def barrier(name: str) -> None:
     """Wait until every process got here (`name` must be the same on all); nothing on one."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)

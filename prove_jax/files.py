@@ -17,18 +17,21 @@ def check_replaceable(path: str, marker: str, what: str, error: type[Exception])
     It may be new, empty, or an earlier output of the same kind (it holds `marker`); anything
     else (a file, a source tree given as --out by mistake) is kept.
     """
-    from prove_jax import storage  # URLs too (storage writes its local files through this module)
+    # URLs too; cycle: storage writes its local files through this module
+    from prove_jax import storage
     if storage.exists(path) and not storage.isdir(path):
         raise error(f"output {path} is a file; give a directory")
-    if storage.isdir(path) and storage.listdir(path) and not storage.exists(storage.join(path, marker)):
-        raise error(f"output {path} exists and is not {what} (no {marker}); refusing to replace it: "
-                    f"choose a new directory")
+    if (storage.isdir(path) and storage.listdir(path)
+            and not storage.exists(storage.join(path, marker))):
+        raise error(f"output {path} exists and is not {what} (no {marker}); refusing to replace "
+                    f"it: choose a new directory")
 
 
 def _temp_sibling(path: str) -> str:
     """A fresh hidden name beside `path` for writing it under before the rename: on the same
     filesystem (so the rename is atomic) and recognisable as ours (.tmp-NAME-...)."""
-    return os.path.join(os.path.dirname(path), f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+    return os.path.join(os.path.dirname(path),
+                        f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
 
 
 def atomic_dir(final_path: str):
@@ -127,5 +130,5 @@ def atomic_write_text(path: str, text: str) -> None:
 def read_json(path: str):
     """The JSON value in the file at `path`, a local path or a URL (gs://); OSError when it
     cannot be read, ValueError when it is not JSON."""
-    from prove_jax import storage  # a cycle: storage writes its local files through this module
+    from prove_jax import storage  # cycle: storage writes its local files through this module
     return json.loads(storage.read_text(path))

@@ -41,7 +41,8 @@ def program_memory(compiled, with_arguments: bool = False) -> int:
     ma = compiled.memory_analysis()
     if ma is None:
         return 0
-    extra = int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
+    unaliased = int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)
+    extra = int(ma.temp_size_in_bytes) + max(0, unaliased)
     return extra + (int(ma.argument_size_in_bytes) if with_arguments else 0)
 
 

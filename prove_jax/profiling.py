@@ -22,9 +22,11 @@ class StepProfile:
     """Wrap each step in `with profile.step():`; steps `warmup` .. `warmup + steps - 1` are
     traced into `directory`. A profile with no directory does nothing (callers wrap always)."""
 
-    def __init__(self, directory: str | None, name: str, warmup: int = DEFAULT_WARMUP, steps: int = DEFAULT_STEPS):
+    def __init__(self, directory: str | None, name: str, warmup: int = DEFAULT_WARMUP,
+                 steps: int = DEFAULT_STEPS):
         if warmup < 0 or steps < 1:
-            raise ValueError(f"profile: warm-up steps must be >= 0 and traced steps >= 1, got {warmup}, {steps}")
+            raise ValueError("profile: warm-up steps must be >= 0 and traced steps >= 1, got "
+                             f"{warmup}, {steps}")
         if directory is not None and os.path.exists(directory) and not os.path.isdir(directory):
             raise NotADirectoryError(f"--profile {directory}: exists and is not a directory")
         self.directory, self.name, self.warmup, self.steps = directory, name, warmup, steps
@@ -57,7 +59,8 @@ class StepProfile:
             self.close()
 
     def close(self) -> None:
-        """Stop the trace if it runs (a run with fewer steps than warm-up + traced ones ends it here)."""
+        """Stop the trace if it runs (a run with fewer steps than warm-up + traced ones ends it
+        here)."""
         if self.active:
             jax.profiler.stop_trace()
             self.active = False

@@ -82,7 +82,8 @@ def _raise_storage_error(path: str, what: str):
     except FileNotFoundError:
         bucket = bucket_of(path)
         if bucket is not None and not _bucket_exists(bucket):
-            raise StorageError(f"bucket {bucket} not found (or not accessible), for {path}") from None
+            raise StorageError(f"bucket {bucket} not found (or not accessible), for {path}"
+                               ) from None
         raise StorageError(f"not found: {path}") from None
     except PermissionError as e:
         raise StorageError(f"no permission to {what} {path}: {_first_line(e)}") from None
@@ -205,10 +206,13 @@ def fingerprint(path: str) -> list:
     return [int(info.get("size") or 0), str(info.get("generation") or info.get("updated") or "")]
 
 
+def _open(path: str, mode: str):
+    return as_path(path).open(mode) if is_url(path) else open(path, mode)
+
+
 def _copy_file(src: str, dest: str) -> None:
     """One file, streamed (a multi-GB shard never sits in memory whole); either side a URL."""
-    with errors(src), (as_path(src).open("rb") if is_url(src) else open(src, "rb")) as f, \
-            errors(dest, "write"), (as_path(dest).open("wb") if is_url(dest) else open(dest, "wb")) as g:
+    with errors(src), _open(src, "rb") as f, errors(dest, "write"), _open(dest, "wb") as g:
         shutil.copyfileobj(f, g, 16 << 20)
 
 

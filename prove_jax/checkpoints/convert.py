@@ -19,11 +19,18 @@ import time
 from typing import Iterator
 
 import numpy as np
+from jax.sharding import AbstractMesh, AxisType
 
+from prove_jax import storage
 from prove_jax.checkpoints import safetensors_io
-from prove_jax.models.config import ConfigError, ModelConfig
+from prove_jax.checkpoints.checkpoint import (copy_tokenizer_files, load_config, load_model,
+                                              save_params, shard_chunk_shapes)
 from prove_jax.checkpoints.hf_weights import (WeightError, check_hf_tensor, expected_hf_keys,
                                               hf_shape, hf_to_ours, ours_to_hf)
+from prove_jax.files import nearest_existing, read_json
+from prove_jax.models.config import ConfigError, ModelConfig
+from prove_jax.models.params import abstract_model, flat_params
+from prove_jax.models.sharding import MESH_AXES
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -36,7 +43,8 @@ def _np_dtype(name: str) -> np.dtype:
 class _Progress:
     """Tensor count / bytes on stderr, at most once every `every` seconds, plus a final line."""
 
-    def __init__(self, what: str, total_tensors: int, total_bytes: int, enabled: bool, every: float = 2.0):
+    def __init__(self, what: str, total_tensors: int, total_bytes: int, enabled: bool,
+                 every: float = 2.0):
         self.what, self.total_tensors, self.total_bytes = what, total_tensors, total_bytes
         self.enabled, self.every = enabled, every
         self.done = self.bytes = 0
@@ -49,18 +57,18 @@ class _Progress:
         if self.enabled and (now - self.last >= self.every or self.done == self.total_tensors):
             self.last = now
             print(f"{self.what}: {self.done}/{self.total_tensors} tensors, {self.bytes / 1e9:.2f}/"
-                  f"{self.total_bytes / 1e9:.2f} GB, {now - self.start:.1f}s", file=sys.stderr, flush=True)
+                  f"{self.total_bytes / 1e9:.2f} GB, {now - self.start:.1f}s", file=sys.stderr,
+                  flush=True)
 
 
 def _check_out_dir(out: str, overwrite: bool) -> None:
     """Refuse an output that exists (unless --overwrite) or cannot be created, before converting:
     the output is written under a temporary sibling name, which an OSError would name instead."""
-    from prove_jax import storage
     if storage.exists(out) and (not storage.isdir(out) or storage.listdir(out)) and not overwrite:
-        raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to replace it)")
+        raise ConfigError(f"output {out} already exists and is not empty (pass --overwrite to "
+                          "replace it)")
     if storage.is_url(out):  # a bucket prefix: nothing to create beforehand
         return
-    from prove_jax.files import nearest_existing
     parent = nearest_existing(out)  # atomic_dir creates the missing ones
     if not os.path.isdir(parent):
         raise ConfigError(f"cannot create output {out}: {parent} is a file, not a directory")
@@ -91,8 +99,8 @@ def read_hf_config(hf_dir: str) -> ModelConfig:
     bos ids fill those config.json leaves out (Qwen2.5 names its pad token only there)."""
     path = os.path.join(hf_dir, "config.json")
     if os.path.isdir(os.path.join(hf_dir, "params")):
-        raise ConfigError(f"{hf_dir} is a prove-jax checkpoint (it has params/), not a Hugging Face "
-                          f"model directory; flax-to-hf converts in that direction")
+        raise ConfigError(f"{hf_dir} is a prove-jax checkpoint (it has params/), not a Hugging "
+                          f"Face model directory; flax-to-hf converts in that direction")
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json in {hf_dir}")
     cfg = ModelConfig.from_hf_dict(_read_json(path))
@@ -102,7 +110,8 @@ def read_hf_config(hf_dir: str) -> ModelConfig:
         eos = gen.get("eos_token_id")
         eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-            raise ConfigError(f"{gen_path}: eos_token_id must be an id or a list of ids, got {gen['eos_token_id']!r}")
+            raise ConfigError(f"{gen_path}: eos_token_id must be an id or a list of ids, got "
+                              f"{gen['eos_token_id']!r}")
         changes = {"eos_token_ids": tuple(dict.fromkeys(list(cfg.eos_token_ids) + eos))}
         for key in ("pad_token_id", "bos_token_id"):
             value = gen.get(key)
@@ -132,14 +141,14 @@ def _untie_if_the_head_differs(hf_dir: str, cfg: ModelConfig) -> ModelConfig:
     except safetensors_io.SafetensorsError:
         return cfg
     print(f"note: {hf_dir}: config.json ties the word embeddings, but {head} differs from {embed}; "
-          f"converting untied (with the file's head), as transformers loads it", file=sys.stderr, flush=True)
+          f"converting untied (with the file's head), as transformers loads it", file=sys.stderr,
+          flush=True)
     return cfg.replace(tie_word_embeddings=False)
 
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+        d = read_json(path)
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a non-UTF-8 file
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
@@ -153,7 +162,8 @@ def plan_hf_to_ours(infos: dict[str, safetensors_io.TensorInfo],
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     if cfg.tie_word_embeddings and embed not in infos and head in infos:
         # safetensors' save_model stores a shared tensor once, under the name that sorts first:
-        # for a tied Qwen2/Qwen3 that is lm_head.weight, which transformers loads as the embedding too.
+        # for a tied Qwen2/Qwen3 that is lm_head.weight, which transformers loads as the
+        # embedding too.
         infos = dict(infos)
         infos[embed] = dataclasses.replace(infos.pop(head), name=embed)
     wanted = []
@@ -161,8 +171,8 @@ def plan_hf_to_ours(infos: dict[str, safetensors_io.TensorInfo],
         if check_hf_tensor(name, info.shape, cfg) is not None:
             # integers or bools, e.g. a quantized export's packed values (bfloat16 is kind "V")
             if info.dtype.kind in "iub":
-                raise WeightError(f"weight {name} is stored as {info.dtype.name}, not floating point "
-                                  f"(a quantized checkpoint?); convert the float weights")
+                raise WeightError(f"weight {name} is stored as {info.dtype.name}, not floating "
+                                  f"point (a quantized checkpoint?); convert the float weights")
             wanted.append(info)
     missing = [k for k in expected_hf_keys(cfg) if k not in infos]
     if missing:
@@ -190,16 +200,16 @@ def convert_hf_to_ours(hf_dir: str, cfg: ModelConfig, progress: bool = False) ->
 
 def _check_against_model(flat: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     """Our tree must be exactly the model's parameter set (guards the table, shapes included)."""
-    from prove_jax.models.params import abstract_model, flat_params  # jax import only when needed
-
     want = {k: tuple(v.shape) for k, v in flat_params(abstract_model(cfg)).items()}
     missing = sorted(set(want) - set(flat))
     extra = sorted(set(flat) - set(want))
     if missing or extra:
-        raise WeightError(f"converted params do not match the model: missing {missing[:5]}, extra {extra[:5]}")
+        raise WeightError(f"converted params do not match the model: missing {missing[:5]}, extra "
+                          f"{extra[:5]}")
     for k, shape in want.items():
         if flat[k].shape != shape:
-            raise WeightError(f"shape mismatch for {k}: converted {flat[k].shape}, model expects {shape}")
+            raise WeightError(f"shape mismatch for {k}: converted {flat[k].shape}, model expects "
+                              f"{shape}")
 
 
 def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: str | None = None,
@@ -214,8 +224,6 @@ def hf_to_flax(hf_dir: str, out: str, dtype: str | None = None, compute_dtype: s
     chunks of its shards on that mesh, so that a load onto it reads each host's shards only;
     without, one chunk per array. `record_source` writes SOURCE_RECORD (see `conversion_stale`).
     """
-    from prove_jax.checkpoints.checkpoint import save_params, shard_chunk_shapes
-
     if not os.path.isdir(hf_dir):
         raise safetensors_io.SafetensorsError(f"HF model directory not found: {hf_dir}")
     _check_out_dir(out, overwrite)
@@ -241,8 +249,6 @@ def chunk_mesh(mesh):
     it is, [data, fsdp, tensor] sizes as an AbstractMesh (no devices needed)."""
     if hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
         return mesh
-    from jax.sharding import AbstractMesh, AxisType
-    from prove_jax.models.sharding import MESH_AXES
     sizes = tuple(mesh)
     if len(sizes) != len(MESH_AXES) or not all(isinstance(n, int) and n >= 1 for n in sizes):
         raise ConfigError(f"mesh must be {len(MESH_AXES)} sizes (data, fsdp, tensor), each a whole "
@@ -260,12 +266,11 @@ def source_record(hf_dir: str, mesh=None) -> dict:
     """What a conversion of `hf_dir` depends on: the directory, the size and modification time of
     its config, generation config, index and safetensors files (reading no tensor), and the
     sizes of the mesh whose shards it is stored in (None: one chunk per array)."""
-    from prove_jax import storage  # hf_dir may be a URL (gs://)
     names = sorted(n for n in storage.listdir(hf_dir) if n.endswith(".safetensors") or n in (
         "config.json", "generation_config.json", safetensors_io.INDEX_FILE))
     files = {name: storage.fingerprint(storage.join(hf_dir, name)) for name in names}
     sizes = None if mesh is None else dict(chunk_mesh(mesh).shape)
-    where = hf_dir if storage.is_url(hf_dir) else os.path.realpath(hf_dir)
+    where = hf_dir if storage.is_url(hf_dir) else os.path.realpath(hf_dir)  # may be gs://
     return {"format": _RECORD_FORMAT, "hf_dir": where, "files": files, "mesh": sizes}
 
 
@@ -274,9 +279,8 @@ def conversion_stale(hf_dir: str, out: str, mesh=None) -> str | None:
     (None when it is): missing, made without a record, from another directory, from files that
     changed since (a file's size or modification time), or for another mesh. Nothing but
     `out`'s record and `hf_dir`'s file listing is read."""
-    from prove_jax import storage  # out may be a URL (a gs:// run_dir)
-    try:
-        recorded = json.loads(storage.read_text(storage.join(out, SOURCE_RECORD)))
+    try:  # out may be a URL (a gs:// run_dir)
+        recorded = read_json(storage.join(out, SOURCE_RECORD))
     except (FileNotFoundError, storage.StorageError):
         return "not converted yet" if not storage.exists(out) else f"{out} has no {SOURCE_RECORD}"
     except (OSError, ValueError) as e:
@@ -298,7 +302,8 @@ def conversion_stale(hf_dir: str, out: str, mesh=None) -> str | None:
 # ---- ours -> HF --------------------------------------------------------------------------------
 
 def plan_shards(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int) -> list[list]:
-    """Greedy split into files of at most `max_bytes` of tensor data (a bigger tensor gets its own)."""
+    """Greedy split into files of at most `max_bytes` of tensor data (a bigger tensor gets its
+    own)."""
     shards, current, size = [], [], 0
     for entry in entries:
         n = int(np.prod(entry[2])) * np.dtype(entry[1]).itemsize
@@ -315,10 +320,6 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
                progress: bool = False) -> list[str]:
     """Our checkpoint -> HF dir that `AutoModelForCausalLM.from_pretrained` loads. Returns the
     safetensors file names written."""
-    from prove_jax import storage
-    from prove_jax.checkpoints.checkpoint import copy_tokenizer_files, load_config, load_model
-    from prove_jax.models.params import flat_params
-
     cfg = load_config(ckpt)
     out_dtype = dtype or cfg.param_dtype
     if out_dtype not in DTYPES:
@@ -326,7 +327,8 @@ def flax_to_hf(ckpt: str, out: str, dtype: str | None = None,
     if max_shard_size <= 0:
         raise ConfigError(f"--max-shard-size must be positive, got {max_shard_size}")
     _check_out_dir(out, overwrite)
-    flat = {k: np.asarray(v) for k, v in flat_params(load_model(ckpt)).items()}  # host views, no copy
+    # host views, no copy
+    flat = {k: np.asarray(v) for k, v in flat_params(load_model(ckpt)).items()}
     target = _np_dtype(out_dtype)
     entries = [(name, target, hf_shape(name, cfg)) for name in expected_hf_keys(cfg)]
     shards = plan_shards(entries, max_shard_size)

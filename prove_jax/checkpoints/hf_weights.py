@@ -106,7 +106,8 @@ RULES: tuple[_Rule, ...] = (
     _Rule(_LAYER + r"self_attn\.k_norm\.weight", "layers.{i}.attn.k_norm.weight",
           lambda cfg: (cfg.head_dim,), _unchanged, _unchanged, _has_qk_norm),
     _Rule(_LAYER + r"self_attn\.o_proj\.weight", "layers.{i}.attn.o_kernel",
-          lambda cfg: (cfg.hidden_size, cfg.num_heads * cfg.head_dim), _split_o_heads, _merge_o_heads),
+          lambda cfg: (cfg.hidden_size, cfg.num_heads * cfg.head_dim), _split_o_heads,
+          _merge_o_heads),
     _Rule(_LAYER + r"mlp\.gate_proj\.weight", "layers.{i}.mlp.gate_kernel",
           lambda cfg: (cfg.intermediate_size, cfg.hidden_size), _unchanged, _unchanged),
     _Rule(_LAYER + r"mlp\.up_proj\.weight", "layers.{i}.mlp.up_kernel",
@@ -146,8 +147,8 @@ def _match(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str | N
         if not m:
             continue
         if not rule.applies(cfg):
-            raise WeightError(f"unexpected weight {name!r} (shape {shape}): a {cfg.model_type} model "
-                              f"has no such tensor; is config.json's model_type right?")
+            raise WeightError(f"unexpected weight {name!r} (shape {shape}): a {cfg.model_type} "
+                              f"model has no such tensor; is config.json's model_type right?")
         if rule.ours == "lm_head" and cfg.tie_word_embeddings:
             # tied: the head is the embedding; a copy in the file is equal to it (convert's
             # read_hf_config unties the config when it differs, as transformers does)
@@ -158,9 +159,11 @@ def _match(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str | N
                               f"config expects {want}")
         i = m.groupdict().get("i")
         if i is not None and int(i) >= cfg.num_layers:
-            raise WeightError(f"unexpected key {name}: layer {i} but config has {cfg.num_layers} layers")
+            raise WeightError(f"unexpected key {name}: layer {i} but config has {cfg.num_layers} "
+                              "layers")
         return rule.ours.format(i=i), rule
-    raise WeightError(f"unmapped weight {name!r} (shape {shape}): not part of a {cfg.model_type} model")
+    raise WeightError(f"unmapped weight {name!r} (shape {shape}): not part of a {cfg.model_type} "
+                      "model")
 
 
 def hf_to_ours(name: str, array: np.ndarray, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
@@ -179,7 +182,8 @@ def hf_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     raise WeightError(f"unmapped weight {name!r}: not part of a {cfg.model_type} model")
 
 
-def ours_to_hf(flat_params: dict[str, np.ndarray], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def ours_to_hf(flat_params: dict[str, np.ndarray],
+               cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, HF-layout array) for every parameter in our flat dotted-path dict."""
     for name in expected_hf_keys(cfg):
         for pattern, rule in _COMPILED:

@@ -59,13 +59,14 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raise SafetensorsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         header_len = int.from_bytes(head, "little")
         if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-            raise SafetensorsError(f"{path}: corrupt safetensors header (header length {header_len} "
-                                   f"does not fit in a {size}-byte file)")
+            raise SafetensorsError(f"{path}: corrupt safetensors header (header length "
+                                   f"{header_len} does not fit in a {size}-byte file)")
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from None
+        raise SafetensorsError(f"{path}: corrupt safetensors header (not valid JSON: {e})"
+                               ) from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_start, data_size = 8 + header_len, size - 8 - header_len
@@ -150,12 +151,13 @@ def model_files(model_dir: str) -> list[str]:
                                    f"tensor name -> shard file, got {type(weight_map).__name__})")
         for name, shard in weight_map.items():
             if not isinstance(shard, str) or not shard:
-                raise SafetensorsError(f"{index}: corrupt index (tensor {name!r} maps to {shard!r}, "
-                                       f"not a shard file name)")
+                raise SafetensorsError(f"{index}: corrupt index (tensor {name!r} maps to "
+                                       f"{shard!r}, not a shard file name)")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not os.path.isfile(os.path.join(model_dir, name)):
-                raise SafetensorsError(f"{index} lists shard {name} which is missing from {model_dir}")
+                raise SafetensorsError(f"{index} lists shard {name} which is missing from "
+                                       f"{model_dir}")
         return [os.path.join(model_dir, name) for name in files]
     raise SafetensorsError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} "
                            f"(only safetensors checkpoints are supported)")
@@ -168,7 +170,8 @@ def model_index(model_dir: str) -> dict[str, TensorInfo]:
         for name, info in read_header(path).items():
             if name in infos:
                 raise SafetensorsError(f"duplicate tensor {name!r}: in both "
-                                       f"{os.path.basename(infos[name].file)} and {os.path.basename(path)}")
+                                       f"{os.path.basename(infos[name].file)} and "
+                                       f"{os.path.basename(path)}")
             infos[name] = info
     return infos
 
@@ -210,7 +213,8 @@ def header_bytes(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
     offsets, pos = [], 0
     for name, dtype, shape in entries:
         n = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": _CODE_OF[np.dtype(dtype)], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        header[name] = {"dtype": _CODE_OF[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [pos, pos + n]}
         offsets.append(pos)
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -219,7 +223,8 @@ def header_bytes(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
 
 
 def write_file(path: str, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
-               arrays: Iterator[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> int:
+               arrays: Iterator[tuple[str, np.ndarray]],
+               metadata: dict[str, str] | None = None) -> int:
     """Write a planned file, pulling arrays one at a time; returns bytes of tensor data.
 
     `arrays` must yield exactly the planned names, dtypes and shapes in order: the header is
@@ -231,9 +236,10 @@ def write_file(path: str, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
         f.write(head)
         for name, dtype, shape in entries:
             got_name, array = next(arrays)
-            if got_name != name or array.dtype != np.dtype(dtype) or tuple(array.shape) != tuple(shape):
-                raise SafetensorsError(f"writer expected {name} {np.dtype(dtype)} {tuple(shape)}, got "
-                                       f"{got_name} {array.dtype} {tuple(array.shape)}")
+            if (got_name != name or array.dtype != np.dtype(dtype)
+                    or tuple(array.shape) != tuple(shape)):
+                raise SafetensorsError(f"writer expected {name} {np.dtype(dtype)} {tuple(shape)}, "
+                                       f"got {got_name} {array.dtype} {tuple(array.shape)}")
             data = np.ascontiguousarray(array)
             f.write(memoryview(data.reshape(-1).view(np.uint8)))
             total += data.nbytes

@@ -46,13 +46,14 @@ def ensure_mask_token(tokenizer, cfg: ModelConfig) -> tuple[object, ModelConfig,
     mask_id = _token_id(tokenizer, MASK_TOKEN)
     if mask_id is None:
         if cfg.mask_token_id is not None:
-            raise VocabError(f"model config says mask_token_id={cfg.mask_token_id} but the tokenizer "
-                             f"has no {MASK_TOKEN} token (use the tokenizer saved with the checkpoint)")
+            raise VocabError(f"model config says mask_token_id={cfg.mask_token_id} but the "
+                             f"tokenizer has no {MASK_TOKEN} token (use the tokenizer saved with "
+                             "the checkpoint)")
         tokenizer.add_tokens([MASK_TOKEN], special_tokens=True)
         mask_id = _token_id(tokenizer, MASK_TOKEN)
     elif cfg.mask_token_id is not None and cfg.mask_token_id != mask_id:
-        raise VocabError(f"model config says mask_token_id={cfg.mask_token_id} but the tokenizer maps "
-                         f"{MASK_TOKEN} to {mask_id}")
+        raise VocabError(f"model config says mask_token_id={cfg.mask_token_id} but the tokenizer "
+                         f"maps {MASK_TOKEN} to {mask_id}")
     grown = mask_id >= cfg.vocab_size
     vocab_size = -(-(mask_id + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE if grown else cfg.vocab_size
     return tokenizer, cfg.replace(vocab_size=vocab_size, mask_token_id=mask_id), grown
@@ -95,7 +96,8 @@ def _grow(x: jax.Array, new_size: int, axis: int, logical_axes) -> jax.Array:
     if isinstance(x.sharding, NamedSharding):
         shape = list(x.shape)
         shape[axis] = new_size
-        out = NamedSharding(x.sharding.mesh, sharding.logical_to_spec(logical_axes, shape, x.sharding.mesh))
+        mesh = x.sharding.mesh
+        out = NamedSharding(mesh, sharding.logical_to_spec(logical_axes, shape, mesh))
         return jax.jit(grow, out_shardings=out)(x)
     return jax.jit(grow)(x)
 

@@ -118,7 +118,8 @@ def generate(num_train: int, num_test: int, seed: int = 0,
     two never share a prompt. The test problems cycle through 1, 2, 3 steps for an even mix.
     """
     if num_train < 0 or num_test < 0 or num_train + num_test == 0:
-        raise TaskError(f"need a positive number of problems, got train {num_train}, test {num_test}")
+        raise TaskError(f"need a positive number of problems, got train {num_train}, test "
+                        f"{num_test}")
     if not 0 < test_percent < 100:
         raise TaskError(f"test_percent must be in 1..99, got {test_percent}")
     rng = random.Random(seed)
@@ -130,8 +131,8 @@ def generate(num_train: int, num_test: int, seed: int = 0,
     while len(train) < num_train or len(test) < num_test:
         tries += 1
         if tries > limit:
-            raise TaskError(f"could not draw {num_train} train and {num_test} test distinct problems "
-                            f"(got {len(train)} and {len(test)} after {limit} draws)")
+            raise TaskError(f"could not draw {num_train} train and {num_test} test distinct "
+                            f"problems (got {len(train)} and {len(test)} after {limit} draws)")
         steps = 1 + len(test) % MAX_STEPS if len(train) >= num_train else None
         p = make_problem(rng, steps)
         if p.prompt in seen:

@@ -2,7 +2,7 @@
 
 It is written by others (PSF licence), present wherever Python is, and needs no download, so
 the shipped model pair can be reproduced offline from it. Tests and generated data are left
-out (see `EXCLUDED_DIRS` / `EXCLUDED_FILES`). Everything here is deterministic for a given
+out (see `EXCLUDED_DIRS` / `EXCLUDED_FILE_PREFIXES`). Everything here is deterministic for a given
 interpreter: files are sorted by relative path, and whether a file is held out depends only on
 a SHA-256 hash of that path, so a shrunken corpus (`max_bytes`) holds out a subset of the full
 corpus's held-out files and never leaks them into training.
@@ -24,8 +24,9 @@ import sys
 import sysconfig
 from typing import Iterable, Iterator
 
-from prove_jax.errors import ProveJaxError
 from prove_jax.data.jsonl import read_jsonl
+from prove_jax.errors import ProveJaxError
+from prove_jax.files import atomic_dir, check_replaceable
 
 # Directory names skipped anywhere in the tree: test suites, installed third-party packages,
 # byte code, compiled extensions, build configuration and pydoc's generated topic strings.
@@ -157,7 +158,8 @@ def _function_prompt(lines: list[str], node: ast.FunctionDef | ast.AsyncFunction
                      ) -> tuple[str, str] | None:
     """(prompt, reference body) for a documented function, dedented to column 0, or None."""
     body = node.body
-    if len(body) < 2 or not (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    if len(body) < 2 or not (isinstance(body[0], ast.Expr)
+                             and isinstance(body[0].value, ast.Constant)
                              and isinstance(body[0].value.value, str)):
         return None  # no docstring, or nothing to complete after it
     start = min([node.lineno] + [d.lineno for d in node.decorator_list])
@@ -201,13 +203,15 @@ def function_prompts(source: SourceFile, max_prompt_chars: int = 2000,
                 if cut is not None:
                     prompt, reference = cut
                     if len(prompt) <= max_prompt_chars and len(reference) <= max_reference_chars:
-                        records.append({"id": f"stdlib/{source.path}:{qual}{child.name}:{child.lineno}",
-                                        "prompt": prompt, "reference": reference})
+                        where = f"{source.path}:{qual}{child.name}:{child.lineno}"
+                        records.append({"id": f"stdlib/{where}", "prompt": prompt,
+                                        "reference": reference})
     visit(tree, "")
     return records
 
 
-def heldout_prompts(heldout: Iterable[SourceFile], limit: int | None = None, **kwargs) -> list[dict]:
+def heldout_prompts(heldout: Iterable[SourceFile], limit: int | None = None,
+                    **kwargs) -> list[dict]:
     """Completion prompts `{"id", "prompt", "reference"}` from held-out files, in file order.
 
     With `limit`, prompts are spread over the files (round robin) so no single large module
@@ -269,7 +273,6 @@ def write_corpus(out_dir: str, root: str | None = None,
                  heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, max_bytes: int | None = None,
                  max_prompts: int | None = 256) -> dict:
     """Build the corpus and write it to `out_dir` atomically; returns the manifest."""
-    from prove_jax.files import atomic_dir, check_replaceable  # imported here: they pull in jax
     check_replaceable(out_dir, "manifest.json", "a corpus written by this tool", CorpusError)
     if max_prompts is not None and max_prompts < 0:
         raise CorpusError(f"max_prompts must be >= 0, got {max_prompts}")

@@ -23,6 +23,7 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import grain
+import grain.checkpoint as gcp
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -72,7 +73,8 @@ def _parse_jsonl(path: str) -> list[Example]:
             examples.append({"text": record["text"]})
         elif isinstance(record, dict) and _is_ids(record.get("prompt_ids")) and _is_ids(
                 record.get("response_ids")):
-            examples.append({"prompt_ids": record["prompt_ids"], "response_ids": record["response_ids"]})
+            examples.append({"prompt_ids": record["prompt_ids"],
+                             "response_ids": record["response_ids"]})
         else:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(f'{path}:{lineno}: expected a {{"prompt", "response"}} or {{"text"}} '
@@ -82,7 +84,8 @@ def _parse_jsonl(path: str) -> list[Example]:
 
 
 def _is_ids(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in value)
 
 
 def _load_file(path: str) -> list[Example]:
@@ -103,7 +106,8 @@ def _load_folder(path: str) -> list[Example]:
         with storage.errors(path):
             found = [str(p) for p in storage.as_path(path).rglob("*") if p.is_file()]
         base = str(path).rstrip("/") + "/"
-        files = [f for f in found if not any(part.startswith(".") for part in f[len(base):].split("/"))
+        files = [f for f in found
+                 if not any(part.startswith(".") for part in f[len(base):].split("/"))
                  and f.endswith(TEXT_SUFFIXES + (".jsonl",))]
     for root, dirs, names in ([] if storage.is_url(path) else os.walk(path)):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -163,7 +167,8 @@ class TokenizedRows:
     valid: np.ndarray       # bool [N, L]
     truncated: int
     dropped: int
-    segment_ids: np.ndarray | None = None  # int32 [N, L], pack_documents only: 1.. per example, 0 = padding
+    # int32 [N, L], pack_documents only: 1.. per example, 0 = padding
+    segment_ids: np.ndarray | None = None
     positions: np.ndarray | None = None    # int32 [N, L], pack_documents only: restart per example
     filled: int = 0                         # block-end EOS fill tokens over all rows
 
@@ -187,7 +192,8 @@ def _token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
 def _special_ids(tokenizer) -> tuple[int, int]:
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise DataError("the tokenizer has no eos_token; set one (it ends responses and pads blocks)")
+        raise DataError("the tokenizer has no eos_token; set one (it ends responses and pads "
+                        "blocks)")
     pad = tokenizer.pad_token_id
     return int(eos), int(eos if pad is None else pad)
 
@@ -229,7 +235,8 @@ def _best_fit(lengths: Sequence[int], max_length: int) -> list[list[int]]:
 
 def tokenize_examples(examples: Sequence[Example], tokenizer, *, max_length: int, block_size: int,
                       chat: bool = False, pack: bool = True,
-                      pack_documents: bool = False, enable_thinking: bool | None = None) -> TokenizedRows:
+                      pack_documents: bool = False,
+                      enable_thinking: bool | None = None) -> TokenizedRows:
     """Rows of exactly max_length tokens (see the module docstring for the masks).
 
     `pack` joins plain text into one stream cut at max_length (no document boundaries);
@@ -316,7 +323,8 @@ class _RowLookup:
 
     def __call__(self, batch_indices: np.ndarray) -> dict[str, np.ndarray]:
         r, index = self.rows, np.asarray(batch_indices)[self.host]
-        row = {"input_ids": r.input_ids[index], "loss_mask": r.loss_mask[index], "valid": r.valid[index]}
+        row = {"input_ids": r.input_ids[index], "loss_mask": r.loss_mask[index],
+               "valid": r.valid[index]}
         if r.segment_ids is not None:
             row |= {"segment_ids": r.segment_ids[index], "positions": r.positions[index]}
         return row
@@ -336,7 +344,8 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
                  block_size: int, global_batch_size: int, seed: int, shuffle: bool = True,
                  num_epochs: int | None = None, process_index: int | None = None,
                  process_count: int | None = None, chat: bool = False, pack: bool = True,
-                 pack_documents: bool = False, read_threads: int = 0, enable_thinking: bool | None = None,
+                 pack_documents: bool = False, read_threads: int = 0,
+                 enable_thinking: bool | None = None,
                  worker_count: int = 0, rows: Sequence[int] | None = None) -> grain.DatasetIterator:
     """This host's batch iterator: dicts of input_ids / loss_mask / valid (with
     `pack_documents` also segment_ids / positions), each [b, max_length].
@@ -358,16 +367,19 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
         raise DataError(f"process_index {process_index} outside 0..{process_count - 1}")
     if num_epochs is not None and num_epochs <= 0:
         raise DataError(f"num_epochs must be positive or None (forever), got {num_epochs}")
-    examples = load_examples(examples_or_path) if isinstance(examples_or_path, (str, os.PathLike)) \
-        else list(examples_or_path)
+    if isinstance(examples_or_path, (str, os.PathLike)):
+        examples = load_examples(examples_or_path)
+    else:
+        examples = list(examples_or_path)
     if not examples:
         raise DataError("empty dataset: no examples given")
     tokenized = tokenize_examples(examples, tokenizer, max_length=max_length, block_size=block_size,
-                                  chat=chat, pack=pack, pack_documents=pack_documents, enable_thinking=enable_thinking)
+                                  chat=chat, pack=pack, pack_documents=pack_documents,
+                                  enable_thinking=enable_thinking)
     n = tokenized.input_ids.shape[0]
     if n == 0:
-        raise DataError(f"empty dataset: all {len(examples)} examples were dropped (no trained tokens "
-                        f"within max_length {max_length})")
+        raise DataError(f"empty dataset: all {len(examples)} examples were dropped (no trained "
+                        f"tokens within max_length {max_length})")
     if tokenized.truncated or tokenized.dropped:
         log.warning("data: %d sequences longer than max_length %d were truncated; %d rows dropped "
                     "(no trained token left)", tokenized.truncated, max_length, tokenized.dropped)
@@ -382,8 +394,8 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
         host_batch = global_batch_size // process_count
         rows = range(process_index * host_batch, (process_index + 1) * host_batch)
     host = np.asarray(rows, np.int64)
-    if host.ndim != 1 or not host.size or np.any(np.diff(host) <= 0) or host[0] < 0 \
-            or host[-1] >= global_batch_size:
+    if (host.ndim != 1 or not host.size or np.any(np.diff(host) <= 0) or host[0] < 0
+            or host[-1] >= global_batch_size):
         raise DataError(f"rows {host.tolist()} are not ascending rows of a global batch of "
                         f"{global_batch_size}")
     ds = grain.MapDataset.range(n)
@@ -409,18 +421,17 @@ def make_dataset(examples_or_path: str | Sequence[Example], tokenizer, *, max_le
 
 def iterator_save_args(iterator):
     """orbax args that save the iterator's state (use inside ocp.args.Composite)."""
-    import grain.checkpoint as gcp
     return gcp.CheckpointSave(iterator)
 
 
 def iterator_restore_args(iterator):
     """orbax args that restore a saved state into `iterator` (built with the same settings)."""
-    import grain.checkpoint as gcp
     return gcp.CheckpointRestore(iterator)
 
 
 def to_global_batch(host_batch: Mapping[str, Any], mesh,
-                    batch_spec: PartitionSpec = PartitionSpec(("data", "fsdp"))) -> dict[str, jax.Array]:
+                    batch_spec: PartitionSpec = PartitionSpec(("data", "fsdp")),
+                    ) -> dict[str, jax.Array]:
     """Assemble each host's rows into global arrays sharded over the batch axes of `mesh`."""
     sharding = NamedSharding(mesh, batch_spec)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))

@@ -16,7 +16,11 @@ import os
 import time
 from typing import Iterable
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer, Qwen2Tokenizer
+
 from prove_jax.errors import ProveJaxError
+from prove_jax.files import atomic_dir, check_replaceable
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -52,9 +56,9 @@ class TokenizerInfo:
     num_bytes: int
 
 
-def qwen2_pipeline(vocab: dict[str, int] | None = None, merges: list[tuple[str, str]] | None = None):
+def qwen2_pipeline(vocab: dict[str, int] | None = None,
+                   merges: list[tuple[str, str]] | None = None):
     """A `tokenizers.Tokenizer` with Qwen2's normalizer, pre-tokenizer and decoder."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     if vocab is None:
         model = models.BPE()
     else:
@@ -72,7 +76,6 @@ def qwen2_pipeline(vocab: dict[str, int] | None = None, merges: list[tuple[str, 
 def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = 2,
               show_progress: bool = False):
     """Train the byte-level BPE; returns (tokenizers.Tokenizer, texts seen, UTF-8 bytes seen)."""
-    from tokenizers import pre_tokenizers, trainers
     min_vocab = len(SPECIAL_TOKENS) + 256
     if vocab_size <= min_vocab:
         raise TokenizerBuildError(f"vocab_size must exceed {min_vocab} (4 special tokens + 256 "
@@ -98,7 +101,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_fr
 
 def to_transformers(tok, model_max_length: int = 32768):
     """Wrap a trained pipeline as transformers' `Qwen2Tokenizer` (built from vocab + merges)."""
-    from transformers import Qwen2Tokenizer
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     hf = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, eos_token=EOS_TOKEN,
@@ -110,13 +112,11 @@ def to_transformers(tok, model_max_length: int = 32768):
 
 
 def _check_replaceable(out_dir: str) -> None:
-    from prove_jax.files import check_replaceable
     check_replaceable(out_dir, "tokenizer.json", "a tokenizer folder", TokenizerBuildError)
 
 
 def save_tokenizer(tok, out_dir: str, model_max_length: int = 32768) -> None:
     """Write the HF tokenizer folder atomically (tokenizer.json, tokenizer_config.json, ...)."""
-    from prove_jax.files import atomic_dir
     _check_replaceable(out_dir)
     hf = to_transformers(tok, model_max_length)
     with atomic_dir(out_dir) as tmp:
@@ -128,17 +128,17 @@ def verify_tokenizer_dir(out_dir: str, tok, sample_texts: Iterable[str] = ()) ->
 
     Returns the special-token ids. Raises TokenizerBuildError on any difference.
     """
-    from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
     ids = {name: hf.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
     expected = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
     if ids != expected:
         raise TokenizerBuildError(f"special token ids after reload {ids} != trained {expected}")
-    if hf.eos_token_id != ids[EOS_TOKEN] or hf.pad_token_id != ids[EOS_TOKEN] \
-            or hf.mask_token_id != ids[MASK_TOKEN]:
+    if (hf.eos_token_id != ids[EOS_TOKEN] or hf.pad_token_id != ids[EOS_TOKEN]
+            or hf.mask_token_id != ids[MASK_TOKEN]):
         raise TokenizerBuildError("reloaded tokenizer has wrong eos/pad/mask token ids")
     if len(hf) != tok.get_vocab_size():
-        raise TokenizerBuildError(f"reloaded vocab size {len(hf)} != trained {tok.get_vocab_size()}")
+        raise TokenizerBuildError(f"reloaded vocab size {len(hf)} != trained "
+                                  f"{tok.get_vocab_size()}")
     for text in sample_texts:
         a, b = hf.encode(text), tok.encode(text).ids
         if a != b:
@@ -168,5 +168,4 @@ def load_tokenizer_dir(path: str):
     """The saved tokenizer as transformers loads it (offline)."""
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise TokenizerBuildError(f"no tokenizer.json in {path}")
-    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

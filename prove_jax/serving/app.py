@@ -26,7 +26,8 @@ from prove_jax.serving.engine import Engine, Handle, Update
 from prove_jax.serving.metrics import CONTENT_TYPE
 from prove_jax.serving.protocol import RequestError
 
-DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
+# how often a non-streamed request checks that its client is still there
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 def _error(e: RequestError) -> JSONResponse:
@@ -52,14 +53,15 @@ def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingPara
 
     async def health(request: Request) -> Response:
         if engine.error is not None:
-            return JSONResponse({"status": "error", "error": engine.error.splitlines()[-1]}, status_code=503)
+            return JSONResponse({"status": "error", "error": engine.error.splitlines()[-1]},
+                                status_code=503)
         if not engine.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                         "owned_by": "prove-jax"}]})
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "prove-jax"}
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def metrics(request: Request) -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
@@ -81,12 +83,14 @@ def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingPara
             parsed = protocol.parse_request(body, chat, defaults, max_logprobs)
             if parsed.model is not None and parsed.model != model_name:
                 raise RequestError(f"The model '{parsed.model}' does not exist; this server serves "
-                                   f"'{model_name}'", param="model", status=404, code="model_not_found")
+                                   f"'{model_name}'", param="model", status=404,
+                                   code="model_not_found")
             prompt = _encode(parsed, tokenizer)
             problem = engine.request_problem(prompt, parsed.params)
             if problem is not None:
                 field, why = problem
-                raise RequestError(f"the request {why}", param={"max_new_tokens": "max_tokens"}.get(field, field))
+                raise RequestError(f"the request {why}",
+                                   param={"max_new_tokens": "max_tokens"}.get(field, field))
             handle = Handle(asyncio.get_running_loop(), prompt, parsed.params)
             try:
                 engine.submit(handle)
@@ -98,7 +102,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingPara
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         stamp = int(time.time())
         if parsed.stream:
-            return StreamingResponse(_sse(engine, handle, parsed, rid, stamp, model_name, len(prompt)),
+            return StreamingResponse(_sse(engine, handle, parsed, rid, stamp, model_name,
+                                          len(prompt)),
                                      media_type="text/event-stream")
         final = None
         try:
@@ -119,9 +124,11 @@ def build_app(engine: Engine, tokenizer, model_name: str, defaults: SamplingPara
                 engine.cancel(handle)
         logprobs = None
         if parsed.logprobs is not None:
-            logprobs = protocol.logprobs_body(final.output_ids, final.logprobs, parsed.logprobs, chat, tokenizer)
-        return JSONResponse(protocol.completion_body(rid, stamp, model_name, chat, final.text, final.finish_reason,
-                                                     len(prompt), len(final.output_ids), logprobs))
+            logprobs = protocol.logprobs_body(final.output_ids, final.logprobs, parsed.logprobs,
+                                              chat, tokenizer)
+        return JSONResponse(protocol.completion_body(rid, stamp, model_name, chat, final.text,
+                                                     final.finish_reason, len(prompt),
+                                                     len(final.output_ids), logprobs))
 
     async def text_completions(request: Request) -> Response:
         return await completions(request, chat=False)
@@ -139,21 +146,24 @@ def _encode(parsed: protocol.ParsedRequest, tokenizer) -> list[int]:
     """The request's prompt as token ids: chat messages through the tokenizer's chat template."""
     if parsed.chat:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise RequestError("the model's tokenizer has no chat template: use /v1/completions", param="messages")
+            raise RequestError("the model's tokenizer has no chat template: use /v1/completions",
+                               param="messages")
         switch = {}
         if parsed.enable_thinking is not None:
             problem = chat_problem(tokenizer, parsed.enable_thinking)
             if problem is not None:
                 raise RequestError(f"chat_template_kwargs: {problem}", param="chat_template_kwargs")
             switch = {THINKING_SWITCH: parsed.enable_thinking}
-        ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True, **switch)
+        ids = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True,
+                                            tokenize=True, **switch)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
     if isinstance(parsed.prompt, list):
         return list(parsed.prompt)
     if tokenizer is None:
-        raise RequestError("the model has no tokenizer: send the prompt as token ids", param="prompt")
+        raise RequestError("the model has no tokenizer: send the prompt as token ids",
+                           param="prompt")
     return tokenizer.encode(parsed.prompt, add_special_tokens=False)
 
 
@@ -188,9 +198,11 @@ async def _sse(engine: Engine, handle: Handle, parsed: protocol.ParsedRequest, r
                 yield event(protocol.chunk_body(rid, stamp, model, chat, text[len(sent):]))
                 sent = text
             if update.final:
-                yield event(protocol.chunk_body(rid, stamp, model, chat, None, finish_reason=update.finish_reason))
+                yield event(protocol.chunk_body(rid, stamp, model, chat, None,
+                                                finish_reason=update.finish_reason))
                 if parsed.include_usage:
-                    yield event(protocol.usage_chunk(rid, stamp, model, chat, prompt_tokens, len(update.output_ids)))
+                    yield event(protocol.usage_chunk(rid, stamp, model, chat, prompt_tokens,
+                                                     len(update.output_ids)))
                 yield "data: [DONE]\n\n"
                 return
     finally:

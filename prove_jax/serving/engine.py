@@ -66,7 +66,8 @@ class Update:
 class Handle:
     """A submitted request as its HTTP handler sees it: updates arrive on `updates`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: Sequence[int], params: SamplingParams):
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: Sequence[int],
+                 params: SamplingParams):
         self.loop = loop
         self.prompt, self.params = list(prompt), params
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
@@ -116,10 +117,11 @@ class Engine:
         self._stopping = threading.Event()
         self._deadline: float | None = None
         self._thread = threading.Thread(target=self._main, name="prove-jax-engine", daemon=True)
-        self.metrics = ServerMetrics(queue_depth=lambda: (self.stream.waiting if self.stream else 0) + self._pending,
-                                     running=lambda: self.stream.running if self.stream else 0,
-                                     steps=lambda: self.stream.steps if self.stream else 0,
-                                     compiled=lambda: len(self.decoder._stream_compiled) if self.decoder else 0)
+        self.metrics = ServerMetrics(
+            queue_depth=lambda: (self.stream.waiting if self.stream else 0) + self._pending,
+            running=lambda: self.stream.running if self.stream else 0,
+            steps=lambda: self.stream.steps if self.stream else 0,
+            compiled=lambda: len(self.decoder._stream_compiled) if self.decoder else 0)
 
     # ---- the HTTP side (any thread) -------------------------------------------------------
 
@@ -131,7 +133,8 @@ class Engine:
         """The engine thread has not ended (it may be loading or compiling)."""
         return self._thread.is_alive()
 
-    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str, str] | None:
+    def request_problem(self, prompt: Sequence[int],
+                        params: SamplingParams) -> tuple[str, str] | None:
         """(field, why) the request cannot be served (OpenStream.request_problem), or None;
         checked on the caller's thread, before anything is queued."""
         return self.stream.request_problem(prompt, params)
@@ -142,8 +145,8 @@ class Engine:
         if self._stopping.is_set():
             raise DecodeError("the server is shutting down")
         if self._pending + len(self._live) >= self.options.max_queue:
-            raise DecodeError(f"the server is busy: {self.options.max_queue} requests are queued or "
-                              f"decoding (--max-queue); retry later")
+            raise DecodeError(f"the server is busy: {self.options.max_queue} requests are queued "
+                              f"or decoding (--max-queue); retry later")
         with self._lock:
             self._pending += 1
         self._inbox.put(("submit", handle))
@@ -173,12 +176,13 @@ class Engine:
             self.decoder, self.tokenizer = self._load()
             o = self.options
             self.stream = OpenStream(self.decoder, o.rows, o.max_prompt_tokens, o.max_new_tokens,
-                                     capacity=o.max_queue, sampler=SAMPLERS[o.sampling], chunk_steps=o.chunk_steps,
-                                     log=self.log)
+                                     capacity=o.max_queue, sampler=SAMPLERS[o.sampling],
+                                     chunk_steps=o.chunk_steps, log=self.log)
             start = time.perf_counter()
             self.stream.warm_up()
             self.log(f"compiled {len(self.decoder._stream_compiled)} programs in "
-                     f"{time.perf_counter() - start:.1f}s; serving {self.stream.settings.num_rows} rows")
+                     f"{time.perf_counter() - start:.1f}s; serving {self.stream.settings.num_rows} "
+                     "rows")
         except Exception as e:  # noqa: BLE001 - reported as the server's error, then it exits
             if isinstance(e, (ProveJaxError, ValueError, OSError)):  # the command line reports it
                 self.error = str(e)
@@ -223,14 +227,16 @@ class Engine:
                     self._admit(handle)
                 elif kind == "cancel":
                     self._cancel(handle)
-            if self._stopping.is_set() and self._deadline is not None and time.perf_counter() > self._deadline:
+            if (self._stopping.is_set() and self._deadline is not None
+                    and time.perf_counter() > self._deadline):
                 self._deadline = None
                 for index, live in list(self._live.items()):
                     live.aborted = True
                     if self.stream.cancel(index):  # still waiting: it ends now, with no text
                         self._finish(index)
                         if not isinstance(live.handle, _Gone):
-                            live.handle.post(Update("", final=True, output_ids=[], finish_reason="abort"))
+                            live.handle.post(Update("", final=True, output_ids=[],
+                                                    finish_reason="abort"))
             if not self._live:
                 continue
             for event in stream.step():
@@ -269,7 +275,8 @@ class Engine:
 
     def _finish(self, index: int) -> _Live:
         live = self._live.pop(index)
-        self._by_handle.pop(id(live.handle.original if isinstance(live.handle, _Gone) else live.handle), None)
+        handle = live.handle.original if isinstance(live.handle, _Gone) else live.handle
+        self._by_handle.pop(id(handle), None)
         return live
 
     def _deliver(self, event) -> None:
@@ -286,7 +293,8 @@ class Engine:
                 self.metrics.generated.inc(len(event.new_ids))
                 for n in event.blocks or ():
                     self.metrics.per_forward.observe(n)
-            if not live.stops.stopped and feed_blocks(live.stops, event.new_ids, event.blocks or [len(event.new_ids)]):
+            if not live.stops.stopped and feed_blocks(live.stops, event.new_ids,
+                                                      event.blocks or [len(event.new_ids)]):
                 self.stream.cancel(event.index)  # the row stops before the next chunk's first step
         if event.output is None:
             if not isinstance(live.handle, _Gone) and event.new_ids:
@@ -295,8 +303,9 @@ class Engine:
         self._finish(event.index)
         out = event.output
         result = stream_result(out, live.stops)
-        text = result.text if result.text is not None else self.tokenizer.decode(result.output_ids,
-                                                                                 skip_special_tokens=True)
+        text = result.text
+        if text is None:
+            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         if isinstance(live.handle, _Gone):
             return
         with self.metrics.lock:
@@ -306,8 +315,8 @@ class Engine:
             if n > 1 and live.first_token is not None:
                 self.metrics.tpot.observe((now - live.first_token) / (n - 1))
         reason = "abort" if live.aborted and not live.stops.stopped else result.finish_reason
-        live.handle.post(Update(text, final=True, output_ids=result.output_ids, finish_reason=reason,
-                                logprobs=result.logprobs))
+        live.handle.post(Update(text, final=True, output_ids=result.output_ids,
+                                finish_reason=reason, logprobs=result.logprobs))
 
 
 class _Gone:

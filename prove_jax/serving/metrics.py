@@ -18,7 +18,8 @@ class _Metric:
         self.name, self.help = PREFIX + name, help
 
     def lines(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"] + self.samples()
+        return [f"# HELP {self.name} {self.help}",
+                f"# TYPE {self.name} {self.kind}"] + self.samples()
 
     def samples(self) -> list[str]:
         raise NotImplementedError
@@ -88,25 +89,36 @@ class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
                  steps: Callable[[], int], compiled: Callable[[], int]):
         self.lock = threading.Lock()
-        self.requests = Counter("requests_total", "requests finished (completed, stopped or cut at their length)")
-        self.cancelled = Counter("requests_cancelled_total", "requests whose client went away before they finished")
-        self.rejected = Counter("requests_rejected_total", "requests refused (bad request, too large, queue full)")
-        self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens of the requests admitted")
-        self.generated = Counter("generated_tokens_total", "tokens generated (committed by the decode loop)")
-        self.forwards = Counter("proposer_forwards_total", "proposer forwards while requests decoded (per request)")
-        self.per_forward = Histogram("tokens_per_forward", "tokens one proposer forward committed to a request",
+        self.requests = Counter("requests_total",
+                                "requests finished (completed, stopped or cut at their length)")
+        self.cancelled = Counter("requests_cancelled_total",
+                                 "requests whose client went away before they finished")
+        self.rejected = Counter("requests_rejected_total",
+                                "requests refused (bad request, too large, queue full)")
+        self.prompt_tokens = Counter("prompt_tokens_total",
+                                     "prompt tokens of the requests admitted")
+        self.generated = Counter("generated_tokens_total",
+                                 "tokens generated (committed by the decode loop)")
+        self.forwards = Counter("proposer_forwards_total",
+                                "proposer forwards while requests decoded (per request)")
+        self.per_forward = Histogram("tokens_per_forward",
+                                     "tokens one proposer forward committed to a request",
                                      (1, 2, 3, 4, 5, 6, 8, 12, 16))
-        self.ttft = Histogram("time_to_first_token_seconds", "from a request's arrival to its first token",
+        self.ttft = Histogram("time_to_first_token_seconds",
+                              "from a request's arrival to its first token",
                               LATENCY_BUCKETS)
         self.tpot = Histogram("time_per_output_token_seconds",
-                              "a request's time from its first token to its last, per token after the first",
+                              "a request's time from its first token to its last, per token after "
+                              "the first",
                               LATENCY_BUCKETS)
-        self._all = [self.requests, self.cancelled, self.rejected, self.prompt_tokens, self.generated,
-                     self.forwards, self.per_forward, self.ttft, self.tpot,
+        self._all = [self.requests, self.cancelled, self.rejected, self.prompt_tokens,
+                     self.generated, self.forwards, self.per_forward, self.ttft, self.tpot,
                      Gauge("queue_depth", "requests waiting for a row", queue_depth),
                      Gauge("running_requests", "requests decoding in the batch's rows", running),
-                     Gauge("decode_steps_total", "decode steps the loop has run (all rows together)", steps, "counter"),
-                     Gauge("compiled_programs", "programs the engine compiled (constant after warm-up)", compiled)]
+                     Gauge("decode_steps_total",
+                           "decode steps the loop has run (all rows together)", steps, "counter"),
+                     Gauge("compiled_programs",
+                           "programs the engine compiled (constant after warm-up)", compiled)]
 
     def render(self) -> str:
         with self.lock:

@@ -32,14 +32,16 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 # Fields either endpoint reads (OpenAI's names, plus the engine's own top_k, min_p and
 # stop_token_ids, as vLLM takes them) and those it accepts only at their no-op value.
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-                 "n", "top_k", "min_p", "stop_token_ids", "user", "presence_penalty", "frequency_penalty",
-                 "logit_bias", "logprobs"}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                 "stream_options", "n", "top_k", "min_p", "stop_token_ids", "user",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens",
+                               "chat_template_kwargs"}
 # field -> the values that change nothing (anything else is refused, named)
 NO_OP_VALUES = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
+                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                "logit_bias": (None, {})}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -54,14 +56,16 @@ class ParsedRequest:
     logprobs: int | None  # alternatives per token to return; None: no logprobs
     stream: bool
     include_usage: bool  # stream: a last chunk carries the usage
-    enable_thinking: bool | None = None  # chat: the template's thinking switch (Qwen3's), as vLLM takes it
+    # chat: the template's thinking switch (Qwen3's), as vLLM takes it
+    enable_thinking: bool | None = None
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_request(body: Any, chat: bool, defaults: SamplingParams, max_logprobs: int | None) -> ParsedRequest:
+def parse_request(body: Any, chat: bool, defaults: SamplingParams,
+                  max_logprobs: int | None) -> ParsedRequest:
     """Check a request body of /v1/completions (`chat` False) or /v1/chat/completions against
     what this server serves; `defaults` are the server's sampling flags, which the request's
     fields override. Raises RequestError naming the field."""
@@ -74,7 +78,8 @@ def parse_request(body: Any, chat: bool, defaults: SamplingParams, max_logprobs:
     for key, no_op in NO_OP_VALUES.items():
         if key in body and body[key] not in no_op:
             why = {"n": "send n requests instead (each with its own seed)",
-                   "best_of": "send several requests instead"}.get(key, "this server does not support it")
+                   "best_of": "send several requests instead"}.get(
+                       key, "this server does not support it")
             raise RequestError(f"{key}={body[key]!r} is not supported: {why}", param=key)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -90,7 +95,8 @@ def parse_request(body: Any, chat: bool, defaults: SamplingParams, max_logprobs:
         if not stream:
             raise RequestError("'stream_options' applies with stream: true", param="stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise RequestError("'stream_options' may hold only include_usage", param="stream_options")
+            raise RequestError("'stream_options' may hold only include_usage",
+                               param="stream_options")
         include_usage = bool(options.get("include_usage", False))
     prompt = messages = None
     if chat:
@@ -103,7 +109,8 @@ def parse_request(body: Any, chat: bool, defaults: SamplingParams, max_logprobs:
                            param="logprobs")
     return ParsedRequest(chat=chat, model=model, prompt=prompt, messages=messages,
                          params=_params(body, chat, defaults), logprobs=logprobs, stream=stream,
-                         include_usage=include_usage, enable_thinking=_thinking(body.get("chat_template_kwargs")))
+                         include_usage=include_usage,
+                         enable_thinking=_thinking(body.get("chat_template_kwargs")))
 
 
 def _thinking(kwargs) -> bool | None:
@@ -115,7 +122,8 @@ def _thinking(kwargs) -> bool | None:
                            param="chat_template_kwargs")
     switch = kwargs.get("enable_thinking")
     if switch is not None and not isinstance(switch, bool):
-        raise RequestError("'chat_template_kwargs.enable_thinking' must be true or false", param="chat_template_kwargs")
+        raise RequestError("'chat_template_kwargs.enable_thinking' must be true or false",
+                           param="chat_template_kwargs")
     return switch
 
 
@@ -134,23 +142,27 @@ def _prompt(prompt) -> str | list[int]:
         raise RequestError("'prompt' is required", param="prompt")
     problem = prompt_ids_problem(prompt)
     if problem is not None:
-        raise RequestError(f"'prompt' must be a string or a list of token ids: {problem.replace('prompt_ids', 'prompt')}",
+        raise RequestError("'prompt' must be a string or a list of token ids: "
+                           f"{problem.replace('prompt_ids', 'prompt')}",
                            param="prompt")
     return prompt
 
 
 def _messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {role, content}", param="messages")
+        raise RequestError("'messages' must be a non-empty list of {role, content}",
+                           param="messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}] needs a 'role' ({', '.join(ROLES)})", param="messages")
+            raise RequestError(f"messages[{i}] needs a 'role' ({', '.join(ROLES)})",
+                               param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", param="messages")
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported",
+                                   param="messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", param="messages")
@@ -187,10 +199,12 @@ def _params(body: dict, chat: bool, defaults: SamplingParams) -> SamplingParams:
     """The request's SamplingParams: the server's defaults overridden by its fields, validated
     by SamplingParams itself (so the server refuses what `generate` refuses)."""
     fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-              "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids", "max_tokens": "max_new_tokens"}
+              "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
+              "max_tokens": "max_new_tokens"}
     if chat and body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
-            raise RequestError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+            raise RequestError("give max_tokens or max_completion_tokens, not both",
+                               param="max_tokens")
         fields = dict(fields, max_completion_tokens="max_new_tokens")
     given = {}
     for key, name in fields.items():
@@ -223,8 +237,8 @@ def completion_body(rid: str, created: int, model: str, chat: bool, text: str, f
                     prompt_tokens: int, completion_tokens: int, logprobs=None) -> dict:
     """The whole (non-streamed) response."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -238,7 +252,10 @@ def chunk_body(rid: str, created: int, model: str, chat: bool, text: str | None,
     """One streamed chunk: a piece of text (chat: the assistant role with the first), or the
     finish reason with the last."""
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        if role:
+            delta = {"role": "assistant", "content": ""}
+        else:
+            delta = {} if text is None else {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     else:
@@ -247,7 +264,8 @@ def chunk_body(rid: str, created: int, model: str, chat: bool, text: str | None,
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, created: int, model: str, chat: bool, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid: str, created: int, model: str, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict:
     """The last chunk with stream_options.include_usage: no choices, the usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
