@@ -46,8 +46,8 @@ from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name, ti
 from prove_jax.timing import fastest_interleaved, timed
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.steps import head_in_one_pass
-from prove_jax.models.kernels import KernelOptions
-from prove_jax.models.matmul import CPU_DECODE_MAX_ROWS, default_cpu_form, dense
+from prove_jax.models.kernels import CPU_DECODE_MAX_ROWS, KernelOptions, default_cpu_form
+from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
 WIDTHS = (1, 4, 7, 9, 10, 16, 29)  # 1 = AR; lossless K=2,G=2 .. K=8,G=3 (see LosslessLayout.width)

@@ -50,8 +50,8 @@ from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name
 from prove_jax.timing import fastest_interleaved
 from prove_jax.decoding.options import DecodeOptions
 from prove_jax.decoding.program import step_shape
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
-from prove_jax.models.matmul import default_cpu_form, dense
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions, default_cpu_form
+from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
 LAYOUTS = ((4, 2), (6, 2))  # lossless K, G; with AR

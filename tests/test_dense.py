@@ -5,6 +5,9 @@ decode loop is tests/test_decode_in_place.py.)"""
 
 import copy
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.extend.core
@@ -18,7 +21,8 @@ from prove_jax.checkpoints.checkpoint import (CheckpointError, load_model, param
 from prove_jax.models import matmul
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.kernels import DEFAULT_KERNELS, MATMUL_FORMS, KernelOptions
+from prove_jax.models.kernels import (CPU_DECODE_MAX_ROWS, DEFAULT_KERNELS, MATMUL_FORM_ENV, MATMUL_FORMS,
+                                      KernelOptions, KernelOptionsError)
 from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
@@ -83,16 +87,16 @@ def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
 
 def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert jax.default_backend() == "cpu"
-    monkeypatch.delenv(matmul.MATMUL_FORM_ENV, raising=False)
+    monkeypatch.delenv(MATMUL_FORM_ENV, raising=False)
     kernels = KernelOptions()
     form, limit = matmul.decode_matmul_form(kernels)
     assert form == "weight_major"
-    assert limit == matmul.CPU_DECODE_MAX_ROWS
+    assert limit == CPU_DECODE_MAX_ROWS
     w = jnp.ones((8, 16))
     decode = functools.partial(dense, kernels=kernels)
     assert _has_barrier(decode, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
     assert not _has_barrier(decode, jnp.ones((2, limit, 16)), w)  # prefill / training rows
-    monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "plain")  # the override for other CPUs
+    monkeypatch.setenv(MATMUL_FORM_ENV, "plain")  # the override for other CPUs
     # read on the host when options are made, never while tracing: options made before the
     # change keep their form, and the new ones differ from them (so they key another program)
     assert matmul.decode_matmul_form(kernels) == ("weight_major", limit)
@@ -101,19 +105,38 @@ def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert overridden != kernels and overridden.cpu_matmul_form == "plain"
     assert matmul.decode_matmul_form(overridden) == ("plain", limit)
     assert not _has_barrier(functools.partial(dense, kernels=overridden), jnp.ones((2, 3, 16)), w)
-    monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "fastest")
+    monkeypatch.setenv(MATMUL_FORM_ENV, "fastest")
     with pytest.raises(ValueError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major, input_major, plain"):
         KernelOptions()
-    monkeypatch.delenv(matmul.MATMUL_FORM_ENV)
+    monkeypatch.delenv(MATMUL_FORM_ENV)
     with pytest.raises(ValueError, match="unknown matmul form 'transposed'"):
         KernelOptions(matmul_form="transposed")
+
+
+def test_bad_cpu_matmul_env_is_one_error_line_not_an_import_failure(tmp_path):
+    """A bad PROVE_JAX_CPU_MATMUL is a KernelOptionsError where options are made or used: the
+    package still imports (DEFAULT_KERNELS holds it unchecked), and the CLI prints one line."""
+    held = KernelOptions(cpu_matmul_form="fastest")  # what DEFAULT_KERNELS is under that env
+    with pytest.raises(KernelOptionsError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major"):
+        held.decode_form()
+    with pytest.raises(KernelOptionsError, match="PROVE_JAX_CPU_MATMUL='fastest'"):
+        jax.make_jaxpr(functools.partial(dense, kernels=held))(jnp.ones((1, 3, 16)), jnp.ones((8, 16)))
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    env = {**os.environ, MATMUL_FORM_ENV: "fastest", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "prove_jax.cli.main", "generate", "--input", "in.jsonl",
+                          "--output", "out.jsonl"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "error: PROVE_JAX_CPU_MATMUL='fastest': choose one of weight_major, input_major, plain"]
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_platform_picks_the_form_it_compiles_for(monkeypatch):
     """`KernelOptions.platform` is honoured while tracing: options for a TPU traced on this CPU
     take the accelerator's plain form (no barrier), whatever the CPU default; `resolve` spells
     the same choice out on the host."""
-    monkeypatch.setenv(matmul.MATMUL_FORM_ENV, "input_major")
+    monkeypatch.setenv(MATMUL_FORM_ENV, "input_major")
     x, w = jnp.ones((1, 3, 16)), jnp.ones((8, 16))
     for platform, form in (("tpu", "plain"), ("gpu", "plain"), ("cpu", "input_major")):
         kernels = KernelOptions(platform=platform)

@@ -4,7 +4,8 @@ Every choice here is read while tracing, so it must be part of whatever keys a c
 `DecodeOptions.kernels` carries it into the decoder's cache key, and model forwards take it as
 an explicit argument. Nothing is read from module globals or the environment at trace time: the
 one environment setting (`PROVE_JAX_CPU_MATMUL`) is read on the host when an options object is
-made, into its `cpu_matmul_form` field.
+made, into its `cpu_matmul_form` field; a bad value is a `KernelOptionsError` when options are
+made or first used, never at import (`DEFAULT_KERNELS` holds it unchecked until used).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 from types import MappingProxyType
 
 import jax
+
+from prove_jax.errors import ProveJaxError
 
 MATMUL_FORMS = ("weight_major", "input_major", "plain")
 ATTENTION_KERNELS = ("xla", "pallas_gpu", "pallas_tpu")  # models/attention_kernels.py
@@ -26,15 +29,27 @@ MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
 CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
 
 
+class KernelOptionsError(ProveJaxError, ValueError):
+    """A kernel choice no program has: an unknown form or kernel, or a bad PROVE_JAX_CPU_MATMUL."""
+
+
+def _env_cpu_form() -> str:
+    """`PROVE_JAX_CPU_MATMUL` as set (unchecked), else weight-major, which holds up at real model
+    sizes on every CPU measured; input-major copies every weight per call (step_cost.md)."""
+    return os.environ.get(MATMUL_FORM_ENV) or "weight_major"
+
+
+def _checked_cpu_form(form: str) -> str:
+    if form not in MATMUL_FORMS:
+        raise KernelOptionsError(f"{MATMUL_FORM_ENV}={form!r}: "
+                                 f"choose one of {', '.join(MATMUL_FORMS)}")
+    return form
+
+
 def default_cpu_form() -> str:
-    """`PROVE_JAX_CPU_MATMUL` if set, else weight-major, which holds up at real model sizes on every
-    CPU measured; input-major copies every weight per call (benchmarks/step_cost.md)."""
-    form = os.environ.get(MATMUL_FORM_ENV)
-    if form:
-        if form not in MATMUL_FORMS:
-            raise ValueError(f"{MATMUL_FORM_ENV}={form!r}: choose one of {', '.join(MATMUL_FORMS)}")
-        return form
-    return "weight_major"
+    """The CPU's default decode form: `PROVE_JAX_CPU_MATMUL` if set, else weight-major; a bad
+    value is a KernelOptionsError."""
+    return _checked_cpu_form(_env_cpu_form())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +76,19 @@ class KernelOptions:
     form and the cache's chunk size, and is checked against the attention kernel; None: jax's
     default backend. Set it for an AOT compile for another one (`resolve`)."""
     cpu_matmul_form: str = dataclasses.field(default_factory=default_cpu_form)
-    """The CPU's form where `matmul_form` is None: PROVE_JAX_CPU_MATMUL as it was when these options
-    were made (read there, on the host, so that it keys a compile cache), else weight_major."""
+    """The CPU's form where `matmul_form` is None: PROVE_JAX_CPU_MATMUL as it was when these
+    options were made (read there, on the host, so that it keys a compile cache), else
+    weight_major."""
 
     def __post_init__(self):
-        if self.cpu_matmul_form not in MATMUL_FORMS:
-            raise ValueError(f"unknown CPU matmul form {self.cpu_matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
+        # cpu_matmul_form is checked where it is used (`decode_form`), so that DEFAULT_KERNELS,
+        # made at import, can hold a bad PROVE_JAX_CPU_MATMUL without failing the import
         if self.matmul_form is not None and self.matmul_form not in MATMUL_FORMS:
-            raise ValueError(f"unknown matmul form {self.matmul_form!r}; choose one of {', '.join(MATMUL_FORMS)}")
+            raise KernelOptionsError(f"unknown matmul form {self.matmul_form!r}; "
+                                     f"choose one of {', '.join(MATMUL_FORMS)}")
         if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"unknown attention kernel {self.attention!r}; "
-                             f"choose one of {', '.join(ATTENTION_CHOICES)}")
+            raise KernelOptionsError(f"unknown attention kernel {self.attention!r}; "
+                                     f"choose one of {', '.join(ATTENTION_CHOICES)}")
 
     def target(self) -> str:
         """The platform compiled for: `platform`, else jax's default backend (one per process)."""
@@ -84,7 +101,7 @@ class KernelOptions:
         if self.matmul_form is not None:
             return self.matmul_form, max_rows
         if self.target() == "cpu":
-            return self.cpu_matmul_form, max_rows
+            return _checked_cpu_form(self.cpu_matmul_form), max_rows
         return "plain", 0
 
     def resolve(self, platform: str | None = None) -> "KernelOptions":
@@ -101,7 +118,9 @@ class KernelOptions:
         `platform` (else the target's): AUTO_ATTENTION, else "xla"."""
         if self.attention != "auto":
             return self
-        return dataclasses.replace(self, attention=AUTO_ATTENTION.get(platform or self.target(), "xla"))
+        attention = AUTO_ATTENTION.get(platform or self.target(), "xla")
+        return dataclasses.replace(self, attention=attention)
 
 
-DEFAULT_KERNELS = KernelOptions()
+# made at import: the environment's form unchecked, a bad one raising where it is first used
+DEFAULT_KERNELS = KernelOptions(cpu_matmul_form=_env_cpu_form())

@@ -10,10 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-# the CPU defaults live with the options they fill in (models/kernels.py); named here too for
-# the benchmark scripts that report them
-from prove_jax.models.kernels import (CPU_DECODE_MAX_ROWS, DEFAULT_KERNELS, MATMUL_FORM_ENV,  # noqa: F401
-                                      KernelOptions, default_cpu_form)
+from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 
 # XLA:CPU covers a weight-major product's token rows in tiles of 8 and a ragged last tile costs
 # about a whole one, so past 4 rows they are padded (benchmarks/step_cost.md, "unpadded").
