@@ -193,10 +193,11 @@ class Decoder:
         return 1 if self.mesh is None else batch_shards(self.mesh)
 
     def admission_shards(self, rows: int) -> int:
-        """Blocks the requests of one admission into a batch of `rows` rows come in: as many as
-        the finest split of its rows (the data shards; data x tensor where a contiguous cache
-        splits over rows, `sharding.kv_rules`). Block j holds the requests for rows of shard j,
-        so each is prefilled and written on the devices that hold its row (`admit_rows`)."""
+        """The finest split of a batch of `rows` rows: the data shards, or data x tensor where a
+        contiguous cache splits over rows (`sharding.kv_rules`). An admission of a multiple of
+        that many requests comes in that many blocks, else in one per data shard; block j holds
+        the requests for rows of shard j, so each is prefilled and written on the devices that
+        hold its row (`program.admit_rows`, stream.py)."""
         if self.mesh is None:
             return 1
         shards = self._data_size()

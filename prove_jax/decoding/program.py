@@ -239,15 +239,16 @@ def put_shard_rows(full: jax.Array, part: jax.Array, rows: jax.Array, rules=DEFA
                    axes: tuple | None = None) -> jax.Array:
     """full [B, ...] with part [R, ...] written at batch rows `rows` [R], shard by shard: part's
     R rows come in blocks, block j for rows of shard j of the B rows as the ambient mesh splits
-    them under `rules` (one block without a mesh). A row outside its block's shard (the padding
-    index B) is dropped. Vmapped over the shards, with both sides pinned where the rows lie
-    (`axes`: the logical axes of full, default rows then replicated), each device writes the rows
-    it holds from the admitted rows it computed; indexed by batch row, GSPMD all-gathered the
+    them under `rules` (the data shards' when R is not a multiple of that split; one block
+    without a mesh). A row outside its block's shard (the padding index B) is dropped. Vmapped
+    over the shards, with the admitted rows and their indices pinned to the blocks (`axes`: the
+    logical axes of full, default rows then replicated), each device writes the rows it holds
+    from the admitted rows it computed; indexed by batch row, GSPMD all-gathered the
     admitted rows' caches over the data axis (benchmarks/decode_step_cost.md, `admit`)."""
     b, r = full.shape[0], part.shape[0]
     shards = b // rows_per_device(b, rules)
-    if r % shards:
-        shards = 1
+    if r % shards:  # fewer admitted rows than a split over rows has blocks: the data shards' blocks
+        rules, shards = DEFAULT_RULES, b // rows_per_device(b)
     per, width = b // shards, r // shards
     local = jnp.where(rows // per == jnp.arange(r) // width, rows % per, per)  # per: dropped
     axes = ("batch", None) + (tuple(axes[1:]) if axes is not None else (None,) * (full.ndim - 1))
@@ -259,10 +260,12 @@ def put_shard_rows(full: jax.Array, part: jax.Array, rows: jax.Array, rules=DEFA
 
 def put_admitted(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
     """`state` with the admitted rows `part` (in blocks, one per row shard: `put_shard_rows`)
-    at batch rows `rows` [R]. Contiguous caches go where their rows lie (`sharding.kv_rules`:
-    a cache split over rows on the tensor axis too takes the finer blocks, which the host's
-    `Decoder.admission_shards` arranges); a paged pool is the admitted rows' (their prefill
-    wrote into their shards' pools), their page tables put at `rows`."""
+    at batch rows `rows` [R]. Contiguous caches go where their rows lie (`sharding.kv_rules`):
+    a cache split over rows on the tensor axis too takes the finer blocks of
+    `Decoder.admission_shards` when R is a multiple of them (the admitted rows' cache is split
+    so too), else the data shards' blocks (the admitted rows' cache then lies whole on each
+    tensor device, which writes the rows it holds). A paged pool is the admitted rows' (their
+    prefill wrote into their shards' pools), their page tables put at `rows`."""
     def put(full, new):
         return full if full.ndim == 0 else put_shard_rows(full, new, rows)
 

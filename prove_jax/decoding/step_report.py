@@ -122,10 +122,10 @@ def stream_programs(decoder, prompts, new_tokens: int, batch: int):
     """({name: (jitted function, abstract arguments)}, settings, abstract loop state) of the
     programs `Decoder.stream` compiles for these requests, on `decoder.mesh` if it has one:
     "step" (`run_chunk`: its loop's body is one decode step), "prefill" (`start_batch`) and
-    "admit" (`admit_rows` of one request per row shard, the smallest admission)."""
+    "admit" (`admit_rows` of one request per data shard, the smallest admission)."""
     stream = decoder.stream(prompts, new_tokens, batch_size=batch)
     settings, mesh = stream.settings, decoder.mesh
-    rows, shards = settings.num_rows, decoder.admission_shards(settings.num_rows)
+    rows, shards = settings.num_rows, decoder._data_size()
     batch_sharding = decoder._batch_sharding()
     replicated = None if mesh is None else NamedSharding(mesh, P())
     bound = (decoder.graphdef, decoder.verifier_graphdef)
@@ -267,7 +267,7 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
             trips = {"prefill_chunks": prefill_chunks, "kv_chunks": max(1, kv_trips // 2)}
             cost = hlo_cost.program_cost(text, unknown_trips=lambda instr, depth: (
                 prefill_chunks if depth == 0 else trips["kv_chunks"]))
-            admitted = settings.num_rows if name == "prefill" else decoder.admission_shards(settings.num_rows)
+            admitted = settings.num_rows if name == "prefill" else decoder._data_size()
             need = must_move(decoder, settings, state, 0, prompt_len, 1, rows=admitted)
         report.programs.append(ProgramCost(
             name=name, hbm_bytes=cost.bytes, min_hbm_bytes=need, flops=cost.flops,

@@ -302,14 +302,21 @@ class DecodeStream:
         rows are free and (with a paged pool) their shards' pages are; none when the next fits
         nowhere. The requests go in blocks, one per row shard (`Decoder.admission_shards`),
         each padded to the fullest block's bucket: every row is prefilled where it lies."""
-        rows = self.settings.num_rows
-        shards = self.decoder.admission_shards(rows)
-        placed = self._placements(_spread(free, rows // shards), waiting, serving)
+        rows, dec = self.settings.num_rows, self.decoder
+        fine, coarse = dec.admission_shards(rows), dec._data_size()
+        placed = self._placements(_spread(free, rows // fine), waiting, serving)
         if not placed:
             return state
         del waiting[len(waiting) - len(placed):]
-        blocks = [[(r, i) for r, i in placed if r // (rows // shards) == j] for j in range(shards)]
-        size = next(b for b in _buckets(rows, shards) if b >= shards * max(map(len, blocks)))
+
+        def blocks(shards):
+            return [[(r, i) for r, i in placed if r // (rows // shards) == j] for j in range(shards)]
+        # the smallest size whose blocks hold the rows: blocks of the finest split where the size
+        # is a multiple of it, else of the data shards (a cache split over rows on the tensor
+        # axis too then takes its rows from the data shard's block, tensor devices alike)
+        size, shards = next((b, s) for b in _buckets(rows, coarse) for s in [fine if b % fine == 0 else coarse]
+                            if b >= s * max(map(len, blocks(s))))
+        blocks = blocks(shards)
         pad = [(rows, len(self.seeds))] * (size // shards)  # past the batch: dropped; no budget
         order = [p for block in blocks for p in (block + pad)[: size // shards]]
         state = self._run("admit", size, admit_fn, params, vparams, state, self._take([i for _, i in order]),
@@ -473,7 +480,7 @@ class OpenStream(DecodeStream):
                 self._state_sharding = state_sharding(dec._batch_sharding(),
                                                       jax.eval_shape(start_fn, params, vparams, first))
             self._state = self._run("start", rows, start_fn, params, vparams, first)
-            for size in _buckets(rows, dec.admission_shards(rows)):
+            for size in _buckets(rows, dec._data_size()):
                 self._compiled("admit", size, admit_fn, (params, vparams, self._state, self._take([dummy] * size),
                                                           np.full((size,), rows, np.int32)), donate=(2,))
             self._state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, self._state, np.int32(1),
