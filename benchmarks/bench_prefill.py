@@ -4,7 +4,7 @@
 
 Each chunk size gets its own compiled `ar` decode of one new token per prompt (prefill and a
 single step, nothing else) over the first N HumanEval prompts with the shipped proposer,
-optionally inflated to a preset's shape (`prove_jax/inflate.py`), at batch 1 (a queue: each
+optionally inflated to a preset's shape (`prove_jax/models/inflate.py`), at batch 1 (a queue: each
 admitted row prefills alone) and at batch N (one static batch). After a warm-up the sizes are
 timed in interleaved rounds; the fastest round counts (a shared machine only adds time). A
 prompt's last chunk is padded, so the table also gives the share of padded prompt tokens.

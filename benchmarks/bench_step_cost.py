@@ -4,9 +4,9 @@ Times, inside a jitted `fori_loop` against a static KV cache (200 slots filled, 
 buffer): one forward of T new tokens, relative to T=1; the decoder layers' matmuls alone at
 each width (where the cost of a few extra tokens comes from on this device); and the engine's
 whole decode step of each lossless layout, relative to an AR step. The matmuls and the steps
-are timed side by side in the forms `model.dense` can take for decode steps (weight-major, its
+are timed side by side in the forms `matmul.dense` can take for decode steps (weight-major, its
 rows padded to whole kernel tiles; the same unpadded; input-major; plain); ratios are against
-this CPU's default form (`model.default_cpu_form`). For the demo proposer's shapes at batch
+this CPU's default form (`kernels.default_cpu_form`). For the demo proposer's shapes at batch
 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost does not depend on
 the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per
 step needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
@@ -77,7 +77,7 @@ def layer_kernels(model) -> list[jax.Array]:
 
 
 class Form(NamedTuple):
-    """A form `model.dense` can take for up to CPU_DECODE_MAX_ROWS rows (`matmul`, one of
+    """A form `matmul.dense` can take for up to CPU_DECODE_MAX_ROWS rows (`matmul`, one of
     model.MATMUL_FORMS), weight-major rows padded to whole tiles or not; `suffix` tags its JSON
     keys, `title` its markdown rows."""
     matmul: str
@@ -87,7 +87,7 @@ class Form(NamedTuple):
 
     @property
     def kernels(self) -> KernelOptions:
-        """The kernel options that trace `model.dense` in this form, on any platform."""
+        """The kernel options that trace `matmul.dense` in this form, on any platform."""
         return KernelOptions(matmul_form=self.matmul, matmul_max_rows=CPU_DECODE_MAX_ROWS, pad_dot_rows=self.pad)
 
 
@@ -98,7 +98,7 @@ FORMS = {"weight_major": Form("weight_major", True, "_weight_major", "weight-maj
 
 
 def dense_matmul_runs(model, batch: int, widths, steps: int, kernels=None, forms=FORMS) -> dict:
-    """{(form, T): run} timing the decoder layers' matmuls alone (`model.dense` of x [B*T, in]
+    """{(form, T): run} timing the decoder layers' matmuls alone (`matmul.dense` of x [B*T, in]
     with every layer weight, or with the weight matrices `kernels`; no attention, norms or LM
     head) in each of `forms`: isolates how XLA's dot kernels scale with T. (Reading one element
     of each product times the same as reducing all of it: XLA drops no part of the dots.)"""
@@ -198,13 +198,13 @@ def markdown(models: list[dict]) -> list[str]:
              "engine's whole step (forward, LM head on the rows it needs, acceptance, commit) of "
              "each lossless layout (K tokens, G mask groups, width T), relative to an AR step. "
              "A layout pays off only when it commits more tokens per step than its step costs.", "",
-             "The forms `model.dense` can run a decode step's at most "
+             "The forms `matmul.dense` can run a decode step's at most "
              f"{models[0]['decode_max_rows']} token rows in: *weight-major*, W @ x^T, the weight as "
              "the dot's left operand, its rows padded with zero rows to whole 8-row kernel tiles "
-             "past 4 rows (`model.padded_dot_rows`; *unpadded*: without that); *input-major*, "
+             "past 4 rows (`matmul.padded_dot_rows`; *unpadded*: without that); *input-major*, "
              "x @ t(W) with the weight transposed to [in, out] once, outside the loop; *plain*, "
              "x @ W^T as written (what runs for more rows, and on accelerators). This CPU's "
-             f"default (`model.default_cpu_form`) is **{FORMS[models[0]['default_form']].title}**. "
+             f"default (`kernels.default_cpu_form`) is **{FORMS[models[0]['default_form']].title}**. "
              "All forms are timed in the same run, interleaved, on the same weights.", ""]
     for m in models:
         widths = m["widths"]

@@ -46,7 +46,7 @@ def parse_args(argv=None):
     for name in ("steps", "batch", "length", "block_size", "hidden", "layers", "vocab"):
         if getattr(args, name) < 1:  # --steps 0 was a StatisticsError after the whole set-up
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.length % args.block_size:  # MARS rows are whole blocks (data.py)
+    if args.length % args.block_size:  # MARS rows are whole blocks (data/pipeline.py)
         p.error(f"--length {args.length} must be a multiple of --block-size {args.block_size}")
     return args
 

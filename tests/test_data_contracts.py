@@ -2,8 +2,8 @@
 a plausible bug (a mutant of the code) that every other test passed, and fails on it. The
 oracles are written out by hand from the documented contracts: docs/method.md section 2 (position p
 predicts token p + 1; a target is trained when it is a response/text token and real; EOS pads
-to a block multiple, then the row is right-padded), data.py's docstrings (truncation and drop
-counts, the stats, a finite run ending on the same step on every host, what a folder of data
+to a block multiple, then the row is right-padded), data/pipeline.py's docstrings (truncation
+and drop counts, the stats, a finite run ending on the same step on every host, what a folder of data
 holds), the tokenizer's Qwen2 pipeline (NFC, by `unicodedata`) and its verification, and the
 mask token's row (inside the vocabulary, a multiple of 64). Most mutants hid behind the test
 fixtures: a tokenizer whose pad token is its EOS, batches whose loss_mask never leaves `valid`,

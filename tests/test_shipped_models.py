@@ -66,7 +66,7 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
 
 def test_shipped_lossless_equals_ar_as_an_accelerator_runs_it(monkeypatch):
     """What a GPU/TPU runs, checked here since no test machine has one: the plain matmul form
-    (`model.dense` uses the CPU forms only on CPU), the accelerator prefill chunk, and the
+    (`matmul.dense` uses the CPU forms only on CPU), the accelerator prefill chunk, and the
     adaptive table's layouts, the widest first (K=8 with a group per acceptance length: a
     64-token step). A trained proposer, so steps accept partial blocks and use middle groups."""
     from prove_jax.decoding import adaptive

@@ -270,7 +270,7 @@ def test_a_context_may_end_at_any_trained_position_from_1_to_context_len():
 # ---- data: rows kept for their EOS block padding -------------------------------------------
 
 def test_a_row_trained_only_on_its_eos_block_padding_is_kept():
-    """data.py: the EOS padding up to a block multiple is trained, so a pair with an empty
+    """data/pipeline.py: the EOS padding up to a block multiple is trained, so a pair with an empty
     response still teaches "EOS after this prompt"; at a block multiple there is no padding and
     the row trains nothing (dropped)."""
     from prove_jax.data.pipeline import tokenize_examples
