@@ -16,6 +16,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from tests.xla_flags import xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
@@ -29,3 +31,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+@pytest.fixture(scope="session")
+def demo_tok():
+    """The shipped demo proposer's tokenizer (Qwen2.5's vocabulary and chat template)."""
+    # imported here, not at the top: jax must not load before the environment above is set
+    from prove_jax import assets
+    from prove_jax.checkpoints import checkpoint
+    return checkpoint.load_tokenizer(assets.DEMO_PROPOSER)
