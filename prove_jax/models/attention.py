@@ -31,8 +31,8 @@ from prove_jax.models.initializers import param
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.norm import RMSNorm
-from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules, rows_per_device,
-                                      splits_evenly)
+from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules,
+                                      rows_per_device, splits_evenly)
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -62,7 +62,8 @@ class KVCache:
     v: tuple[jax.Array, ...] | jax.Array
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None, stacked: bool = False) -> "KVCache":
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None,
+              stacked: bool = False) -> "KVCache":
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
         # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES), or
@@ -70,10 +71,11 @@ class KVCache:
         rules = kv_rules(config.num_kv_heads, batch)
         if stacked:
             shape = shape[:2] + (config.num_layers * length,) + shape[3:]
-            mk = lambda: constrain(jnp.zeros(shape, dtype), cache_axes(stacked=True), rules)  # noqa: E731
+            axes = cache_axes(stacked=True)
+            mk = lambda: constrain(jnp.zeros(shape, dtype), axes, rules)  # noqa: E731
         else:
-            mk = lambda: tuple(constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES, rules)  # noqa: E731
-                               for _ in range(config.num_layers))
+            zeros = lambda: constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES, rules)  # noqa: E731
+            mk = lambda: tuple(zeros() for _ in range(config.num_layers))  # noqa: E731
         return cls(k=mk(), v=mk())
 
     @property
@@ -84,7 +86,8 @@ class KVCache:
         """Layer i's view of a per-layer cache."""
         return ContiguousKV(self.k[i], self.v[i])
 
-    def scanned_layer(self, k: jax.Array, v: jax.Array, index: jax.Array, num_layers: int) -> "LayerKV":
+    def scanned_layer(self, k: jax.Array, v: jax.Array, index: jax.Array,
+                      num_layers: int) -> "LayerKV":
         """Layer `index`'s view of the stacked buffers k, v a layer scan carries (this cache's own,
         as the scan has updated them so far)."""
         return LayerKV(k, v, index, num_layers)
@@ -127,7 +130,8 @@ class ContiguousKV:
         return self.replace(k=write_step(self.k, new_k, start, rules=rules),
                             v=write_step(self.v, new_v, start, rules=rules))
 
-    def read(self, start: jax.Array | int = 0, size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    def read(self, start: jax.Array | int = 0,
+             size: int | None = None) -> tuple[jax.Array, jax.Array]:
         """Keys and values [B, K, size, Dh] of slots [start, start + size) (default: all, the
         buffers as they lie)."""
         if size is None or size == self.slots:
@@ -174,7 +178,8 @@ class LayerKV:
         return self.replace(k=write_step(self.k, new_k, start, layer=layer, rules=rules),
                             v=write_step(self.v, new_v, start, layer=layer, rules=rules))
 
-    def read(self, start: jax.Array | int = 0, size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    def read(self, start: jax.Array | int = 0,
+             size: int | None = None) -> tuple[jax.Array, jax.Array]:
         """This layer's keys and values [B, K, size, Dh] of slots [start, start + size) (default:
         all), sliced from the stacked buffers directly: taken whole first, the layer was copied
         out of the buffer in every layer of every step (benchmarks/decode_step_cost.md)."""
@@ -185,7 +190,8 @@ class LayerKV:
         return take(self.k), take(self.v)
 
     def kernel_cache(self) -> "LayerKV":
-        """What `attention_kernels.attend_cached` reads: the stacked buffers at this layer, in place."""
+        """What `attention_kernels.attend_cached` reads: the stacked buffers at this layer, in
+        place."""
         return self
 
 
@@ -250,9 +256,12 @@ class Attention(nnx.Module):
         k = dense(x, self.k_kernel[...].astype(dt), kernels=kernels)
         v = dense(x, self.v_kernel[...].astype(dt), kernels=kernels)
         if cfg.attention_bias:
-            q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
-        q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
-        if cfg.qk_norm:  # Qwen3: each head over head_dim, before RoPE, as transformers' Qwen3Attention
+            biases = (self.q_bias, self.k_bias, self.v_bias)
+            q, k, v = (y + b[...].astype(dt) for y, b in zip((q, k, v), biases))
+        q, k = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj")
+        v = checkpoint_name(v, "v_proj")
+        # Qwen3: each head over head_dim, before RoPE, as transformers' Qwen3Attention
+        if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, cos, sin), ("batch", "sequence", "heads", "head_dim"))
         k = apply_rope(k, cos, sin)
@@ -285,14 +294,17 @@ class Attention(nnx.Module):
             # of it on every call (benchmarks/paged_kv_pair.md)
             if (kernels.attention == "xla" or not kv.kernel_reads
                     or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
-                out = _attend_cached(q, own, attn_mask.intra, kv, start, kernels.target(), rules, longest)
+                out = _attend_cached(q, own, attn_mask.intra, kv, start, kernels.target(), rules,
+                                     longest)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
-                out = _attend_cached_kernel(q, own, attn_mask.intra, kv.kernel_cache(), start, kernels, rules)
+                out = _attend_cached_kernel(q, own, attn_mask.intra, kv.kernel_cache(), start,
+                                            kernels, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         if rules is not DEFAULT_RULES:  # back to the heads the output projection's kernel holds
             out = constrain(constrain(out, ("batch", "sequence", "heads", "head_dim"), rules),
                             ("batch", "sequence", "heads", "head_dim"))
-        out = checkpoint_name(dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels), "o_proj")
+        out = dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels)
+        out = checkpoint_name(out, "o_proj")
         return out, kv
 
 
@@ -326,8 +338,10 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: tuple 
         slots = jnp.concatenate([slots, start[:, None] + size], axis=1)
         new = jnp.concatenate([new, new], axis=2)
     slots = jnp.broadcast_to(slots[:, None], (b, k, slots.shape[1]))
-    write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731  [S, Dh] <- [T, Dh] at [T]
-    if layer is not None:  # layer l's slot s is l * S + s; one past S is dropped, not the next layer's
+    # [S, Dh] <- [T, Dh] at [T]
+    write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
+    # layer l's slot s is l * S + s; one past S is dropped, not the next layer's
+    if layer is not None:
         index, n_layers = layer
         slots = jnp.where(slots < size, index * size + slots, n_layers * size)
     return constrain(jax.vmap(jax.vmap(write))(cache, new, slots), KV_CACHE_AXES, rules)
@@ -367,20 +381,22 @@ def _ungroup_queries(out: jax.Array, t: int, g: int) -> jax.Array:
 def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: int) -> jax.Array:
     """Scaled float32 scores [B, K, G*T, S_i] of grouped queries [B, K, G*T, Dh] against keys
     [B, K, S_i, Dh]; -huge where mask [B or 1, T, S_i] hides the key from the token."""
-    s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32)
+    s = s * q.shape[-1] ** -0.5
     mask = jnp.broadcast_to(mask[:, None], (mask.shape[0], g, t, keys.shape[2]))
     return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
 
 
-def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOptions, rules=DEFAULT_RULES) -> jax.Array:
+def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOptions,
+                          rules=DEFAULT_RULES) -> jax.Array:
     """`_attend_cached` with the committed span read by `kernels.attention`'s kernel, on each
     device's rows and kv heads as `rules` lay them."""
     t, g = q.shape[1], q.shape[3]
     grouped = _group_queries(q)
     own_scores = _masked_scores(grouped, own[0], intra, t, g)
     out = attention_kernels.attend_cached(kernels.attention, grouped, own_scores, own[1], cache,
-                                          cache_len, interpret=kernels.interpret, platform=kernels.target(),
-                                          rules=rules)
+                                          cache_len, interpret=kernels.interpret,
+                                          platform=kernels.target(), rules=rules)
     return _ungroup_queries(out.astype(q.dtype), t, g)
 
 
@@ -398,7 +414,8 @@ def cache_chunk(slots: int, rows: int = 1, platform: str | None = None) -> int:
 
 
 def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Array,
-                   platform: str | None = None, rules=DEFAULT_RULES, longest: jax.Array | None = None) -> jax.Array:
+                   platform: str | None = None, rules=DEFAULT_RULES,
+                   longest: jax.Array | None = None) -> jax.Array:
     """`_attend` over a step's own keys/values and the committed slots of a static buffer, which
     is sized for the longest generation: a long one is read a chunk (`cache_chunk`) at a time up
     to the longest row, with a running max and normaliser (the flash-attention recurrence). A
@@ -420,7 +437,8 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     if size >= slots:  # one pass over the whole (short) buffer
         keys, values = read(0, slots)
         committed = jnp.arange(slots)[None, :] < cache_len[:, None]  # [B, S]
-        return _attend(q, [(keys.astype(dt), values.astype(dt), committed[:, None, :]), own + (intra,)])
+        spans = [(keys.astype(dt), values.astype(dt), committed[:, None, :]), own + (intra,)]
+        return _attend(q, spans)
     t, g = q.shape[1], q.shape[3]
     q = _group_queries(q)
 

@@ -18,7 +18,8 @@ HEAD_DIR = "commit_head"  # the head's folder inside a verifier checkpoint
 
 
 class CommitHead(nnx.Module):
-    def __init__(self, hidden_size: int, width: int = 64, threshold: float = 0.5, *, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, width: int = 64, threshold: float = 0.5, *,
+                 rngs: nnx.Rngs):
         self.hidden_size, self.width, self.threshold = hidden_size, width, threshold
         self.in_proj = nnx.Linear(hidden_size + 3, width, rngs=rngs)
         self.out_proj = nnx.Linear(width, 1, rngs=rngs)

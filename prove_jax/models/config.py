@@ -56,8 +56,8 @@ def _check_plain_qwen2(hf: dict[str, Any], num_layers: int) -> None:
         for i in range(num_layers)]
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding:
-        raise ConfigError(f"sliding-window attention (window {window} on layer(s) "
-                          f"{', '.join(map(str, sliding[:8]))}{' ...' if len(sliding) > 8 else ''}) is "
+        listed = ", ".join(map(str, sliding[:8])) + (" ..." if len(sliding) > 8 else "")
+        raise ConfigError(f"sliding-window attention (window {window} on layer(s) {listed}) is "
                           f"not supported: every layer here attends to the whole context")
 
 
@@ -130,10 +130,12 @@ class ModelConfig:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(f"mask_token_id={self.mask_token_id} outside vocab_size={self.vocab_size}")
+            raise ConfigError(f"mask_token_id={self.mask_token_id} outside "
+                              f"vocab_size={self.vocab_size}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be one of {', '.join(DTYPES)}, "
+                                  f"got {getattr(self, name)!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
                               f"got {self.model_type!r}")
@@ -208,7 +210,8 @@ class ModelConfig:
         for key, d in (("rope_parameters", rope), ("rope_scaling", scaling)):
             if not isinstance(d, dict):
                 raise ConfigError(f"HF config {key} must be an object, got {d!r}")
-        theta = value("rope_theta", "rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        theta = value("rope_theta", "rope_theta",
+                      rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default'); "
@@ -219,8 +222,8 @@ class ModelConfig:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"HF config has a malformed activation or sliding-window setting "
-                              f"(hidden_act, use_sliding_window, sliding_window, max_window_layers, "
-                              f"layer_types): {e}") from None
+                              f"(hidden_act, use_sliding_window, sliding_window, "
+                              f"max_window_layers, layer_types): {e}") from None
         eos = hf.get("eos_token_id")
         eos_ids = value("eos_token_ids", "eos_token_id",
                         eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
@@ -231,8 +234,10 @@ class ModelConfig:
             intermediate_size=inter,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=value("num_kv_heads", "num_key_value_heads", hf.get("num_key_value_heads") or heads),
-            head_dim=value("head_dim", "head_dim", hf.get("head_dim") or _default_head_dim(model_type, hidden, heads)),
+            num_kv_heads=value("num_kv_heads", "num_key_value_heads",
+                               hf.get("num_key_value_heads") or heads),
+            head_dim=value("head_dim", "head_dim",
+                           hf.get("head_dim") or _default_head_dim(model_type, hidden, heads)),
             rope_theta=theta,
             rms_norm_eps=value("rms_norm_eps", "rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             # null reads as false, as transformers' `if config.tie_word_embeddings` does
@@ -252,7 +257,8 @@ class ModelConfig:
         eos = list(self.eos_token_ids)
         family = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
         if self.model_type == "qwen3":
-            family = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False}
+            family = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                      "attention_bias": False}
         return family | {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -294,8 +300,8 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown {where} keys {unknown}; valid keys: {sorted(types)}")
         d = {k: v for k, v in d.items() if k in types}
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"{where} is missing required key(s) {missing}")
@@ -322,39 +328,51 @@ class ModelConfig:
 
 # Real Qwen2.5 shapes (from the published config.json files). Vocab rows are the padded 151,936
 # (151,665 real ids), which is why `<|mask|>` fits without a resize.
-_QWEN25_COMMON = MappingProxyType(dict(vocab_size=151_936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                                       bos_token_id=151643, eos_token_ids=(151645, 151643), pad_token_id=151643))
+_QWEN25_COMMON = MappingProxyType(dict(vocab_size=151_936, rope_theta=1_000_000.0,
+                                       rms_norm_eps=1e-6, bos_token_id=151643,
+                                       eos_token_ids=(151645, 151643), pad_token_id=151643))
+_QWEN25_WIDE_VOCAB = MappingProxyType(_QWEN25_COMMON | {"vocab_size": 152_064})  # 7B and up
 _QWEN25_PRESETS = MappingProxyType({
-    "qwen2.5-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                                num_kv_heads=2, head_dim=64, tie_word_embeddings=True, **_QWEN25_COMMON),
-    "qwen2.5-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                                num_kv_heads=2, head_dim=128, tie_word_embeddings=True, **_QWEN25_COMMON),
-    "qwen2.5-3b": ModelConfig(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
-                              num_kv_heads=2, head_dim=128, tie_word_embeddings=True, **_QWEN25_COMMON),
-    "qwen2.5-7b": ModelConfig(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-                              num_kv_heads=4, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
-    "qwen2.5-14b": ModelConfig(hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40,
-                               num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
-    "qwen2.5-32b": ModelConfig(hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
-                               num_kv_heads=8, head_dim=128, **_QWEN25_COMMON | {"vocab_size": 152_064}),
+    "qwen2.5-0.5b": ModelConfig(
+        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, tie_word_embeddings=True, **_QWEN25_COMMON),
+    "qwen2.5-1.5b": ModelConfig(
+        hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+        head_dim=128, tie_word_embeddings=True, **_QWEN25_COMMON),
+    "qwen2.5-3b": ModelConfig(
+        hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2,
+        head_dim=128, tie_word_embeddings=True, **_QWEN25_COMMON),
+    "qwen2.5-7b": ModelConfig(
+        hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+        head_dim=128, **_QWEN25_WIDE_VOCAB),
+    "qwen2.5-14b": ModelConfig(
+        hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40, num_kv_heads=8,
+        head_dim=128, **_QWEN25_WIDE_VOCAB),
+    "qwen2.5-32b": ModelConfig(
+        hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
+        head_dim=128, **_QWEN25_WIDE_VOCAB),
 })
 # Real Qwen3 (dense) shapes, from the published config.json files: one vocabulary (151,936 rows)
 # at every size, head_dim 128 whatever the width, 8 kv heads, tied heads up to 4B, 40,960 positions.
-_QWEN3_COMMON = MappingProxyType(_QWEN25_COMMON | dict(model_type="qwen3", head_dim=128, num_kv_heads=8,
+_QWEN3_COMMON = MappingProxyType(_QWEN25_COMMON | dict(model_type="qwen3", head_dim=128,
+                                                       num_kv_heads=8,
                                                        max_position_embeddings=40_960))
 _QWEN3_PRESETS = MappingProxyType({
-    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-                              tie_word_embeddings=True, **_QWEN3_COMMON),
-    "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                              tie_word_embeddings=True, **_QWEN3_COMMON),
-    "qwen3-4b": ModelConfig(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
-                            tie_word_embeddings=True, **_QWEN3_COMMON),
-    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                            **_QWEN3_COMMON),
-    "qwen3-14b": ModelConfig(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
-                             **_QWEN3_COMMON),
-    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
-                             **_QWEN3_COMMON),
+    "qwen3-0.6b": ModelConfig(
+        hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+        tie_word_embeddings=True, **_QWEN3_COMMON),
+    "qwen3-1.7b": ModelConfig(
+        hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+        tie_word_embeddings=True, **_QWEN3_COMMON),
+    "qwen3-4b": ModelConfig(
+        hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+        tie_word_embeddings=True, **_QWEN3_COMMON),
+    "qwen3-8b": ModelConfig(
+        hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, **_QWEN3_COMMON),
+    "qwen3-14b": ModelConfig(
+        hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40, **_QWEN3_COMMON),
+    "qwen3-32b": ModelConfig(
+        hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64, **_QWEN3_COMMON),
 })
 PRESETS: Mapping[str, ModelConfig] = MappingProxyType({**_QWEN25_PRESETS, **_QWEN3_PRESETS})
 

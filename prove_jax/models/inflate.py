@@ -37,7 +37,8 @@ from prove_jax.models.config import ConfigError, ModelConfig
 from prove_jax.models.qwen2 import Qwen2
 from prove_jax.models.params import abstract_model, flat_params, set_flat_params
 
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim")
 
 
 def inflated_config(src: ModelConfig, shape: ModelConfig) -> ModelConfig:
@@ -98,7 +99,8 @@ def inflate(model: Qwen2, shape: ModelConfig) -> Qwen2:
         for norm in ("input_norm", "post_attn_norm"):
             new[p + norm + ".weight"] = _embed(old[p + norm + ".weight"] * norm_scale, (d,))
         a = p + "attn."
-        new[a + "q_kernel"] = _embed(old[a + "q_kernel"] * q_scale, (h, dh, d), (q_heads, rope_dims))
+        new[a + "q_kernel"] = _embed(old[a + "q_kernel"] * q_scale, (h, dh, d),
+                                     (q_heads, rope_dims))
         # source kv head j is target kv head j
         new[a + "k_kernel"] = _embed(old[a + "k_kernel"], (kv, dh, d), (None, rope_dims))
         new[a + "v_kernel"] = _embed(old[a + "v_kernel"], (kv, dh, d))

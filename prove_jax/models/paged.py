@@ -45,7 +45,8 @@ def pages_needed(prompt_len: jax.Array, max_new: jax.Array, page_size: int) -> j
     """Pages a request needs [R]: its committed tokens' slots, [0, prompt_len + max_new) (a
     step's slots past them are dropped writes: the step reads its own keys directly); none for
     a request with no budget (padding)."""
-    return jnp.where(max_new > 0, (prompt_len + max_new + page_size - 1) // page_size, 0).astype(jnp.int32)
+    pages = (prompt_len + max_new + page_size - 1) // page_size
+    return jnp.where(max_new > 0, pages, 0).astype(jnp.int32)
 
 
 def _homes(rows: int, shards: int, home: jax.Array | None = None) -> jax.Array:
@@ -59,7 +60,8 @@ def _homes(rows: int, shards: int, home: jax.Array | None = None) -> jax.Array:
 def shard_cumsum(need: jax.Array, homes: jax.Array, shards: int) -> jax.Array:
     """Each row's need [R] added up over the rows before it and itself on its shard (`homes`
     [R]): what its shard's pool has given out once the row has its pages."""
-    mine = (homes[:, None] == jnp.arange(shards)[None, :]).astype(jnp.int32) * need[:, None]  # [R, D]
+    mine = (homes[:, None] == jnp.arange(shards)[None, :]).astype(jnp.int32)
+    mine = mine * need[:, None]  # [R, D]
     return jnp.take_along_axis(jnp.cumsum(mine, axis=0), homes[:, None], axis=1)[:, 0]
 
 
@@ -76,7 +78,8 @@ class PagedKVCache:
     """The pools of every layer, the page table of the rows it serves and which pages are free.
     `home` [R] names each row's data shard in a cache of some admitted rows (a view made by
     `allocate` for their prefill); None for the batch's own rows (row r on shard r // (B/D))."""
-    k: tuple[jax.Array, ...] | jax.Array  # per layer [D, K, Pl, page, Dh]; stacked [D, K, L, Pl, page, Dh]
+    # per layer [D, K, Pl, page, Dh]; stacked [D, K, L, Pl, page, Dh]
+    k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
     table: jax.Array  # [B, R] int32 page of the row's shard; Pl: none
     free: jax.Array  # [D, Pl] bool
@@ -128,7 +131,8 @@ class PagedKVCache:
         """Layer i's view of per-layer pools."""
         return PagedKV(self.k[i], self.v[i], self.table, self.home)
 
-    def scanned_layer(self, k: jax.Array, v: jax.Array, index: jax.Array, num_layers: int) -> "PagedKV":
+    def scanned_layer(self, k: jax.Array, v: jax.Array, index: jax.Array,
+                      num_layers: int) -> "PagedKV":
         """Layer `index`'s view of the stacked pools k, v a layer scan carries (their layer axis
         says how many: `num_layers` is for the interface `KVCache.scanned_layer` shares)."""
         return PagedKV(k, v, self.table, self.home, index)
@@ -144,7 +148,8 @@ class PagedKVCache:
         d, p, row_pages = self.shards, self.pages_per_shard, self.table.shape[1]
         homes = _homes(need.shape[0], d, home)
         first = shard_cumsum(need, homes, d) - need  # the row's first page in its shard's free list
-        free_lists = jax.vmap(lambda f: jnp.nonzero(f, size=p, fill_value=p)[0])(self.free).astype(jnp.int32)
+        free_lists = jax.vmap(lambda f: jnp.nonzero(f, size=p, fill_value=p)[0])(self.free)
+        free_lists = free_lists.astype(jnp.int32)
         j = jnp.arange(row_pages, dtype=jnp.int32)[None, :]
         pick = jnp.minimum(first[:, None] + j, p - 1)
         table = jnp.where(j < need[:, None], free_lists[homes[:, None], pick], p)
@@ -161,8 +166,8 @@ class PagedKVCache:
         those rows own none."""
         p = self.pages_per_shard
         owned = jnp.where(rows[:, None], self.table, p)
-        return self.replace(free=self.free.at[self.row_homes()[:, None], owned].set(True, mode="drop"),
-                            table=jnp.where(rows[:, None], p, self.table))
+        free = self.free.at[self.row_homes()[:, None], owned].set(True, mode="drop")
+        return self.replace(free=free, table=jnp.where(rows[:, None], p, self.table))
 
     def put_rows(self, part: "PagedKVCache", rows: jax.Array) -> "PagedKVCache":
         """This cache with `part`'s pools (written by the admitted rows' prefill) and its rows'
@@ -195,19 +200,22 @@ def _write_pool(pool, new, start, table, layer=None):
         return pool.at[:, pages, offsets].set(flat, mode="drop")
     # every layer's pages as one axis, slot (layer * P + page) * page_size + offset: indexed by
     # (layer, page, offset), XLA:TPU gave the written pool a tiling its readers did not take and
-    # copied the whole pool in every layer of every step (benchmarks/decode_step_cost.md)
     # copied the whole pool in every layer of every step (benchmarks/decode_step_cost.md); the
-    # kv heads are the scatter's batching axis (vmapped), not part of its window, for the same reason
+    # kv heads are the scatter's batching axis (vmapped), not part of its window, for the same
+    # reason
     k, n_layers, p, size, dh = pool.shape
-    slot = jnp.where(pages < p, (layer * p + pages) * size + offsets, n_layers * p * size)  # past: dropped
+    # past the pool: dropped
+    slot = jnp.where(pages < p, (layer * p + pages) * size + offsets, n_layers * p * size)
     write = jax.vmap(lambda head, values, at: head.at[at].set(values, mode="drop"))
-    return write(pool.reshape(k, -1, dh), flat, jnp.broadcast_to(slot, (k,) + slot.shape)).reshape(pool.shape)
+    slots = jnp.broadcast_to(slot, (k,) + slot.shape)
+    return write(pool.reshape(k, -1, dh), flat, slots).reshape(pool.shape)
 
 
 def _read_pool(pool, table, first: jax.Array, count: int, layer=None):
     """Rows' logical pages [first, first + count) of one shard's pool (its layer `layer` when
     stacked), [b, K, count * page, Dh]."""
-    pages = jnp.minimum(jax.lax.dynamic_slice_in_dim(table, first, count, axis=1), pool.shape[-3] - 1)
+    pages = jax.lax.dynamic_slice_in_dim(table, first, count, axis=1)
+    pages = jnp.minimum(pages, pool.shape[-3] - 1)
     if layer is None:
         x = pool[:, pages]  # [K, b, c, page, Dh]
     else:  # pages of every layer as one axis, as `_write_pool` writes them; gathered per (row,
@@ -216,7 +224,8 @@ def _read_pool(pool, table, first: jax.Array, count: int, layer=None):
         k, n_layers, p = pool.shape[:3]
         flat = pool.reshape((k, n_layers * p) + pool.shape[3:])
         at = jnp.broadcast_to((layer * p + pages)[:, None], (pages.shape[0], k) + pages.shape[1:])
-        x = jax.vmap(jax.vmap(lambda head, i: head[i]), in_axes=(None, 0))(flat, at)  # [b, K, c, page, Dh]
+        # [b, K, c, page, Dh]
+        x = jax.vmap(jax.vmap(lambda head, i: head[i]), in_axes=(None, 0))(flat, at)
         return x.reshape(pages.shape[0], k, -1, pool.shape[-1])
     return x.transpose(1, 0, 2, 3, 4).reshape(pages.shape[0], pool.shape[0], -1, pool.shape[-1])
 
@@ -248,7 +257,8 @@ class PagedKV:
 
     @property
     def rules(self):
-        """Where the pools lie: each data shard's own, kv heads on tensor (never split over rows)."""
+        """Where the pools lie: each data shard's own, kv heads on tensor (never split over
+        rows)."""
         return DEFAULT_RULES
 
     @property
@@ -278,7 +288,8 @@ class PagedKV:
 
             def put(pool, new):
                 write = jax.vmap(lambda p, n, s, t: _write_pool(p, n, s, t, layer))
-                return constrain(write(pool, self._split(new), start_d, table), pool_axes(layer is not None))
+                written = write(pool, self._split(new), start_d, table)
+                return constrain(written, pool_axes(layer is not None))
         else:
             def put(pool, new):
                 return _write_rows(pool, new, start, self.table, self._homes(), layer)
@@ -292,7 +303,8 @@ class PagedKV:
             table = self._split(self.table)
 
             def take(pool):
-                x = jax.vmap(lambda shard, t: _read_pool(shard, t, first, count, self.layer))(pool, table)
+                read = lambda shard, t: _read_pool(shard, t, first, count, self.layer)  # noqa: E731
+                x = jax.vmap(read)(pool, table)
                 return x.reshape((-1,) + x.shape[2:])
         else:
             def take(pool):
@@ -300,7 +312,10 @@ class PagedKV:
                                     self.pages_per_shard - 1)
                 homes = self._homes()[:, None]
                 # [R, c, K, page, Dh]
-                x = pool[homes, :, pages] if self.layer is None else pool[homes, :, self.layer, pages]
+                if self.layer is None:
+                    x = pool[homes, :, pages]
+                else:
+                    x = pool[homes, :, self.layer, pages]
                 return x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], size, x.shape[-1])
         return take(self.k), take(self.v)
 

@@ -13,7 +13,8 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models.qwen2 import Qwen2
 
 
-def abstract_model(cfg: ModelConfig, remat: str | bool = "none", scan_layers: bool = False) -> Qwen2:
+def abstract_model(cfg: ModelConfig, remat: str | bool = "none",
+                   scan_layers: bool = False) -> Qwen2:
     """A Qwen2 whose parameters are ShapeDtypeStructs: no memory allocated. `remat` and
     `scan_layers` shape the training forward only (`Qwen2`); the parameters are the same."""
     return nnx.eval_shape(lambda: Qwen2(cfg, nnx.Rngs(0), remat=remat, scan_layers=scan_layers))
@@ -66,7 +67,9 @@ def dotted_path(path) -> str:
 
 def flat_params(model_or_state) -> dict[str, jax.Array]:
     """{'layers.0.attn.q_kernel': array, ...} for every nnx.Param."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    state = model_or_state
+    if not isinstance(state, nnx.State):
+        state = nnx.state(model_or_state, nnx.Param)
     flat = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
@@ -86,7 +89,8 @@ def param_logical_axes(model) -> dict[str, tuple]:
 def set_flat_params(model, flat: Mapping[str, jax.Array]) -> None:
     """Assign arrays (already in our layout) to the model's parameters in place."""
     state = nnx.state(model, nnx.Param)
-    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
     for path, var in leaves:
         name = dotted_path(path)
         var.set_value(flat[name])

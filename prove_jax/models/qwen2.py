@@ -56,19 +56,23 @@ class Qwen2(nnx.Module):
         hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, kernels)
         return self.logits(hidden, kernels), cache
 
-    def hidden_states(self, tokens, positions, attn_mask, cache: KVCache | PagedKVCache | None = None,
+    def hidden_states(self, tokens, positions, attn_mask,
+                      cache: KVCache | PagedKVCache | None = None,
                       kernels: KernelOptions = DEFAULT_KERNELS):
         """Final-norm hidden states [B, T, D] and the updated cache (a contiguous `KVCache` or a
         `PagedKVCache`, per layer or stacked as the layers are)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         # Gather the table over fsdp first, as FSDP does for every weight: looked up straight from
-        # its [vocab/tensor, embed/fsdp] layout, GSPMD rematerialises the whole [B, T, D] activation.
+        # its [vocab/tensor, embed/fsdp] layout, GSPMD rematerialises the whole [B, T, D]
+        # activation.
         table = constrain(self.embed[...], ("vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "sequence", "embed"))
-        # Materialised once per forward: left to fusion, XLA:CPU recomputed cos/sin in every layer.
-        cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta))
+        # Materialised once per forward: left to fusion, XLA:CPU recomputed cos/sin in every
+        # layer.
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = jax.lax.optimization_barrier((cos, sin))
         if cache is None:
             x = self._training_layers(x, cos, sin, attn_mask, kernels)
             return self.final_norm(x), None
@@ -101,7 +105,8 @@ class Qwen2(nnx.Module):
         per-layer parameters: checkpoints, conversion and decoding keep one entry per layer,
         and the scan's gradient comes back per layer through the stack's transpose."""
         if isinstance(self.layers, LayerStack):
-            raise ValueError("a model with stacked layers (stack_layers) decodes only; train the per-layer model")
+            raise ValueError("a model with stacked layers (stack_layers) decodes only; "
+                             "train the per-layer model")
         graphdef = nnx.graphdef(self.layers[0])
 
         def layer_fn(state, x, cos, sin, attn_mask):
@@ -114,7 +119,8 @@ class Qwen2(nnx.Module):
                 x = layer_fn(nnx.state(layer), x, cos, sin, attn_mask)
             return x
         layer_fn = with_remat(layer_fn, self.remat, prevent_cse=False)
-        stacked = jax.tree.map(lambda *v: jnp.stack(v), *[nnx.state(layer) for layer in self.layers])
+        states = [nnx.state(layer) for layer in self.layers]
+        stacked = jax.tree.map(lambda *v: jnp.stack(v), *states)
         stacked = jax.tree.map(  # each stacked weight sharded as one layer's, "layers" replicated
             lambda v: v.replace(constrain(v.get_value(), ("layers",) + tuple(v.logical_axes))),
             stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -142,7 +148,8 @@ class LayerStack(nnx.Module):
         self.layer = layer
         self.num_layers = num_layers
 
-    def scan_cached(self, x, cos, sin, attn_mask, cache: KVCache | PagedKVCache, kernels: KernelOptions):
+    def scan_cached(self, x, cos, sin, attn_mask, cache: KVCache | PagedKVCache,
+                    kernels: KernelOptions):
         """x through every layer; the stacked cache (or stacked paged pools) is carried and each
         layer writes only its step's slots in place (a cache passed as the scan's xs/ys would be
         rebuilt every step)."""
@@ -178,12 +185,14 @@ def stack_layers(model: Qwen2) -> Qwen2:
         values = [v.get_value() for v in variables]
         sharding = getattr(values[0], "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
-            out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+            spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+            out = jax.sharding.NamedSharding(sharding.mesh, spec)
             value = jax.jit(_stack, out_shardings=out)(*values)
         else:
             value = jnp.stack(values)
         axes = getattr(first, "logical_axes", None)
-        return first.replace(value, **({} if axes is None else {"logical_axes": ("layers",) + tuple(axes)}))
+        named = {} if axes is None else {"logical_axes": ("layers",) + tuple(axes)}
+        return first.replace(value, **named)
 
     is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
     stacked = jax.tree.map(stack, *[nnx.state(layer) for layer in layers], is_leaf=is_var)
@@ -200,8 +209,10 @@ def unstack_layers(model: Qwen2) -> Qwen2:
     def layer(i):
         def take(v):
             axes = getattr(v, "logical_axes", None)
-            return v.replace(v.get_value()[i], **({} if axes is None else {"logical_axes": tuple(axes)[1:]}))
-        return nnx.merge(layer_def, jax.tree.map(take, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+            named = {} if axes is None else {"logical_axes": tuple(axes)[1:]}
+            return v.replace(v.get_value()[i], **named)
+        is_variable = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+        return nnx.merge(layer_def, jax.tree.map(take, stacked, is_leaf=is_variable))
 
     out.layers = nnx.List([layer(i) for i in range(out.layers.num_layers)])
     return out
@@ -232,8 +243,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x, kernels: KernelOptions = DEFAULT_KERNELS):
         dt = x.dtype
-        gate = checkpoint_name(dense(x, self.gate_kernel[...].astype(dt), kernels=kernels), "gate_proj")
+        gate = dense(x, self.gate_kernel[...].astype(dt), kernels=kernels)
+        gate = checkpoint_name(gate, "gate_proj")
         up = checkpoint_name(dense(x, self.up_kernel[...].astype(dt), kernels=kernels), "up_proj")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        return checkpoint_name(dense(h, self.down_kernel[...].astype(dt), kernels=kernels), "down_proj")
+        down = dense(h, self.down_kernel[...].astype(dt), kernels=kernels)
+        return checkpoint_name(down, "down_proj")
 

@@ -150,14 +150,17 @@ def inference_tensor_size(num_kv_heads: int, num_devices: int, weight_bytes: int
     31.25 GiB, and 7.6 GiB of weights at tensor=8, which does (benchmarks/decode_step_cost.md)."""
     if device_bytes is None or num_devices == 1:
         return 1
-    sizes = [t for t in range(1, num_kv_heads + 1) if num_kv_heads % t == 0 and num_devices % t == 0]
+    sizes = [t for t in range(1, num_kv_heads + 1)
+             if num_kv_heads % t == 0 and num_devices % t == 0]
     kv = kv_bytes / num_devices
     for t in sizes:
-        if weight_bytes / t <= share * device_bytes and weight_bytes / t + kv <= INFERENCE_FIT_SHARE * device_bytes:
+        if (weight_bytes / t <= share * device_bytes
+                and weight_bytes / t + kv <= INFERENCE_FIT_SHARE * device_bytes):
             return t
     if weight_bytes / sizes[-1] <= device_bytes:
         return sizes[-1]
-    raise MeshError(f"the weights ({weight_bytes / 2**30:.1f} GiB) do not fit {num_devices} devices of "
+    raise MeshError(f"the weights ({weight_bytes / 2**30:.1f} GiB) do not fit {num_devices} "
+                    f"devices of "
                     f"{device_bytes / 2**30:.1f} GiB even split {sizes[-1]} ways over their "
                     f"{num_kv_heads} kv heads: use more devices, a smaller --dtype, or an explicit "
                     f"--mesh with an fsdp axis (which gathers the weights on every step)")
@@ -166,7 +169,8 @@ def inference_tensor_size(num_kv_heads: int, num_devices: int, weight_bytes: int
 def kv_cache_bytes(configs: Sequence, rows: int, slots: int, dtype: str = "float32") -> int:
     """Bytes of the contiguous KV caches of `rows` rows x `slots` slots for the models of
     `configs` (keys and values of every layer and kv head), in all devices together."""
-    return sum(2 * c.num_layers * c.num_kv_heads * c.head_dim for c in configs) * rows * slots * jnp.dtype(dtype).itemsize
+    per_slot = sum(2 * c.num_layers * c.num_kv_heads * c.head_dim for c in configs)
+    return per_slot * rows * slots * jnp.dtype(dtype).itemsize
 
 
 def inference_mesh(configs: Sequence, dtype: str = "float32", devices=None,
@@ -182,8 +186,8 @@ def inference_mesh(configs: Sequence, dtype: str = "float32", devices=None,
     if device_bytes is None:
         device_bytes = device_memory(devices)
     weight_bytes = sum(c.num_params for c in configs) * jnp.dtype(dtype).itemsize
-    tensor = inference_tensor_size(configs[0].num_kv_heads, len(devices), weight_bytes, device_bytes,
-                                   kv_bytes=kv_bytes)
+    tensor = inference_tensor_size(configs[0].num_kv_heads, len(devices), weight_bytes,
+                                   device_bytes, kv_bytes=kv_bytes)
     return make_mesh((len(devices) // tensor, 1, tensor), devices=devices)
 
 

@@ -47,13 +47,14 @@ def make_data_iterator(cfg: TrainConfig, tokenizer, log: Callable[[str], None], 
         packed = f" ({stats.documents} documents packed)" if cfg.pack_documents else ""
         log(f"data: {stats.examples} examples -> {stats.sequences} sequences of {cfg.max_length} "
             f"tokens{packed}, {stats.trained_tokens} trained tokens, {stats.steps_per_epoch} "
-            f"steps/epoch, {100 * stats.padding_fraction:.1f}% padding (+{100 * stats.fill_fraction:.1f}% "
-            f"block-end EOS)")
+            f"steps/epoch, {100 * stats.padding_fraction:.1f}% padding "
+            f"(+{100 * stats.fill_fraction:.1f}% block-end EOS)")
         if stats.truncated:
             log(f"warning: {stats.truncated} sequence(s) longer than max_length={cfg.max_length} "
                 f"were truncated")
         if stats.dropped:
-            log(f"warning: {stats.dropped} sequence(s) dropped (no trained token within max_length)")
+            log(f"warning: {stats.dropped} sequence(s) dropped "
+                f"(no trained token within max_length)")
         if stats.steps_per_epoch == 0:
             log(f"warning: {stats.sequences} sequence(s) fill less than one global batch of "
                 f"{cfg.global_batch_size}: each batch repeats them (more data, or a smaller "

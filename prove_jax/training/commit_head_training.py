@@ -164,13 +164,15 @@ def frozen_config(model_cfg):
     return model_cfg.replace(dtype=FROZEN_DTYPE, param_dtype=FROZEN_DTYPE)
 
 
-def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, mesh, seed: int = 0) -> HeadLayout:
+def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, mesh,
+                seed: int = 0) -> HeadLayout:
     """The `HeadLayout` of a proposer/verifier pair on `mesh` (a real or an abstract one)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     frozen, defs = {}, {}
     for name, cfg in (("proposer", proposer_cfg), ("verifier", verifier_cfg)):
         defs[name], frozen[name] = abstract_sharded(abstract_model(frozen_config(cfg)), mesh)
-    head_def, head = nnx.split(nnx.eval_shape(lambda: CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(seed))))
+    head_def, head = nnx.split(
+        nnx.eval_shape(lambda: CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(seed))))
     head = nnx.to_pure_dict(head)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                          {"head": head, "opt_state": jax.eval_shape(tx.init, head)})
@@ -208,8 +210,8 @@ def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
     proposer = nnx.merge(proposer_def, frozen["proposer"])
     verifier = nnx.merge(verifier_def, frozen["verifier"])
     key = jax.random.fold_in(jax.random.key(settings.seed), step_number)
-    ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"], key,
-                       context_len=settings.context_len, block_size=settings.block_size,
+    ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"],
+                       key, context_len=settings.context_len, block_size=settings.block_size,
                        mask_id=settings.mask_id)
 
     def loss_of(params, ex):
@@ -217,7 +219,8 @@ def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
         loss, logits = head_loss(head, ex)
         return loss, head_metrics(head, ex, loss, logits)
 
-    head, opt_state, _, metrics = gradient_update(loss_of, tx, state["head"], state["opt_state"], ex)
+    head, opt_state, _, metrics = gradient_update(loss_of, tx, state["head"], state["opt_state"],
+                                                  ex)
     return {"head": head, "opt_state": opt_state}, metrics
 
 
@@ -235,7 +238,8 @@ def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mes
 
 
 def abstract_step_number(mesh) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
 
 def _require_contexts(loss_mask, valid, context_len: int, step: int, cfg) -> None:
@@ -254,14 +258,16 @@ def _any_cut_point(loss_mask, valid, context_len: int) -> jax.Array:
 
 
 def head_optimizer(cfg) -> optax.GradientTransformation:
-    """Adam on the train config's schedule: first update at lr / warmup, any steps / warmup_ratio."""
+    """Adam on the train config's schedule: first update at lr / warmup, any steps /
+    warmup_ratio."""
     return optax.adam(lr_schedule(cfg.optimizer, cfg.steps))
 
 
 def compile_head_step(layout: HeadLayout, tx, mesh, cfg, mask_id: int, log):
     """The commit-head step compiled for the run's shapes before any weight is read, refused
     with the sizes when the devices cannot hold it (two frozen float32 models, their forwards)."""
-    args = (layout.state, layout.frozen, abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
+    args = (layout.state, layout.frozen,
+            abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
             abstract_step_number(mesh))
     return compile_checked(
         jit_head_step(cfg, layout, tx, mesh, mask_id), args, mesh, name="commit-head step", log=log,
@@ -277,14 +283,16 @@ def _check_inputs(cfg):
     verifier_cfg = checkpoint.load_config(cfg.model.checkpoint)
     mask_id = proposer_cfg.mask_token_id
     if mask_id is None:
-        raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: train it with objective=mars")
+        raise CheckpointError(f"proposer {cfg.proposer} has no <|mask|> token: "
+                              f"train it with objective=mars")
     tok_dir = cfg.tokenizer.path or cfg.model.checkpoint
     tokenizer = checkpoint.load_tokenizer(tok_dir)
     if tokenizer is None:
         raise CheckpointError(f"no tokenizer in {tok_dir}: set tokenizer.path")
     check_shared_vocabulary(tokenizer, tok_dir, [
         (name, path, model_cfg.vocab_size,
-         None if os.path.abspath(path) == os.path.abspath(tok_dir) else checkpoint.load_tokenizer(path))
+         None if os.path.abspath(path) == os.path.abspath(tok_dir)
+         else checkpoint.load_tokenizer(path))
         for name, path, model_cfg in (("proposer", cfg.proposer, proposer_cfg),
                                       ("verifier", cfg.model.checkpoint, verifier_cfg))])
     return proposer_cfg, verifier_cfg, mask_id, tokenizer, tok_dir
@@ -296,7 +304,8 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     before the frozen models are read straight into their shardings (a 32B proposer is 128 GB
     in float32); the small head and its optimizer state are replicated."""
     if not cfg.proposer:
-        raise TrainConfigError("objective=commit_head needs proposer=PATH (the MARS proposer checkpoint)")
+        raise TrainConfigError("objective=commit_head needs proposer=PATH "
+                               "(the MARS proposer checkpoint)")
     if not cfg.model.checkpoint:
         raise TrainConfigError("objective=commit_head needs model.checkpoint=PATH (the verifier)")
     mesh = config_mesh(cfg)
@@ -309,7 +318,8 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     frozen = {name: nnx.to_pure_dict(nnx.state(checkpoint.load_model(
                   path, mesh=mesh, dtype=FROZEN_DTYPE, param_dtype=FROZEN_DTYPE)))
               for name, path in (("proposer", cfg.proposer), ("verifier", cfg.model.checkpoint))}
-    params = nnx.to_pure_dict(nnx.state(CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))))
+    head = CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
+    params = nnx.to_pure_dict(nnx.state(head))
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = jax.device_put({"head": params, "opt_state": tx.init(params)}, everywhere)
 
@@ -330,8 +340,9 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
                 records.append(rec)
                 metrics_file.append(rec)
                 if show_bar and main:
-                    print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, exact length "
-                          f"{rec['length_accuracy']:.2f}, AR-match length {rec['ar_match_length']:.2f}, "
+                    print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, "
+                          f"exact length {rec['length_accuracy']:.2f}, "
+                          f"AR-match length {rec['ar_match_length']:.2f}, "
                           f"predicted {rec['predicted_length']:.2f}", file=sys.stderr, flush=True)
     out = os.path.join(cfg.run_dir, "model")
     export_model(out, layout.verifier_def, frozen["verifier"], frozen_config(verifier_cfg), tok_dir)

@@ -52,7 +52,8 @@ class ModelSource:
     drops by 40%, benchmarks/tpu_compile.md). Parameters, checkpoints and decoding stay per
     layer; each step stacks the layer weights (one extra copy)."""
     shape_preset: str | None = None
-    """--dry-run only: a preset with the same shapes, used when the weights are not on this machine."""
+    """--dry-run only: a preset with the same shapes, used when the weights are not on this
+    machine."""
 
 
 @dataclasses.dataclass
@@ -172,15 +173,15 @@ class TrainConfig:
             # an untrained head exported), max_length = block_size no room for a context
             if self.block_size < 2:
                 raise TrainConfigError(f"objective=commit_head needs block_size >= 2 (got "
-                                       f"{self.block_size}): the head judges tokens D_1..D_(K-1) of "
-                                       f"each K-token block")
+                                       f"{self.block_size}): the head judges tokens D_1..D_(K-1) "
+                                       f"of each K-token block")
             if self.pack_documents:
                 raise TrainConfigError("objective=commit_head cuts one context per row: set "
                                        "pack_documents=false")
             if self.max_length <= self.block_size:
-                raise TrainConfigError(f"objective=commit_head needs max_length > block_size (got "
-                                       f"{self.max_length} and {self.block_size}): each row's context "
-                                       f"is at most max_length - block_size tokens")
+                raise TrainConfigError(f"objective=commit_head needs max_length > block_size "
+                                       f"(got {self.max_length} and {self.block_size}): each "
+                                       f"row's context is at most max_length - block_size tokens")
         if self.max_length % self.block_size:  # rows are padded to whole blocks (data/pipeline.py)
             raise TrainConfigError(f"max_length={self.max_length} must be a multiple of "
                                    f"block_size={self.block_size}")
@@ -190,7 +191,8 @@ class TrainConfig:
             raise TrainConfigError(f"enable_thinking={str(self.enable_thinking).lower()} is a chat "
                                    f"template switch: set chat=true too, or enable_thinking=null")
         if not (math.isfinite(self.ar_weight) and self.ar_weight >= 0):
-            raise TrainConfigError(f"ar_weight must be a finite number >= 0, got {self.ar_weight!r}")
+            raise TrainConfigError(f"ar_weight must be a finite number >= 0, "
+                                   f"got {self.ar_weight!r}")
         _check_model_source(self.model)
         if self.export_dtype not in (None, "float32", "bfloat16"):
             raise TrainConfigError(f"export_dtype must be float32, bfloat16 or null (the trained "
@@ -429,8 +431,9 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
                 obj.tokenizer = TokenizerSource(path=value)
                 continue
             raise _unknown(key)
-        if cls is ModelSource and leaf in ("hf_dir", "checkpoint", "preset", "config") and value is not None:
-            for other in ("hf_dir", "checkpoint", "preset", "config"):
+        sources = ("hf_dir", "checkpoint", "preset", "config")
+        if cls is ModelSource and leaf in sources and value is not None:
+            for other in sources:
                 setattr(obj, other, None)  # choosing a model source replaces the old one
         annotation = _field_types(cls)[leaf].type
         if _is_text(annotation) and text.strip() not in ("null", "None", "~"):
@@ -456,7 +459,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             try:
                 raw = yaml.safe_load(f) or {}
             except yaml.YAMLError as e:
-                raise TrainConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+                first_line = str(e).splitlines()[0]
+                raise TrainConfigError(f"{path} is not valid YAML: {first_line}") from None
     cfg = apply_overrides(_build(TrainConfig, raw), list(overrides))
     cfg.data = expand_path(cfg.data)
     cfg.run_dir = expand_path(cfg.run_dir)

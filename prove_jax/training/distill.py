@@ -14,6 +14,7 @@ import time
 from typing import Sequence
 
 from prove_jax.data.corpus import CorpusError, function_prompts, iter_source_files, iter_texts
+from prove_jax.decoding.request_run import run_requests
 
 
 def train_function_prompts(corpus_dir: str, max_prompt_chars: int = 1500) -> list[dict]:
@@ -49,11 +50,11 @@ def sample_prompts(records: Sequence[dict], num: int | None, seed: int) -> list[
 
 
 def distill_records(decoder, prompt_ids: Sequence[Sequence[int]], ids: Sequence[str],
-                    max_new_tokens: int, batch_size: int, log=print, progress: bool = True) -> list[dict]:
+                    max_new_tokens: int, batch_size: int, log=print,
+                    progress: bool = True) -> list[dict]:
     """Greedy continuations as `{"id", "prompt_ids", "response_ids"}` records, which the data
     loader trains as given: a response keeps its EOS when one was generated, none is added at
     the token budget."""
-    from prove_jax.decoding.request_run import run_requests
     t0 = time.perf_counter()
     results, summary = run_requests(decoder, prompt_ids, max_new_tokens, batch_size,
                                     progress=progress, ids=list(ids))

@@ -86,7 +86,8 @@ class DryRunReport:
             "per-device memory:",
         ] + ([f"  frozen models{gib(self.frozen_bytes)}  (proposer and verifier)"]
              if self.frozen_bytes else []) + [
-            f"  parameters   {gib(self.param_bytes)}" + ("  (the head)" if self.frozen_bytes else ""),
+            f"  parameters   {gib(self.param_bytes)}"
+            + ("  (the head)" if self.frozen_bytes else ""),
             f"  gradients    {gib(self.grad_bytes)}",
             f"  optimizer    {gib(self.opt_bytes)}",
             f"  activations  {gib(self.activation_bytes)}  (estimate"
@@ -170,7 +171,8 @@ def activation_bytes(m: ModelConfig, rows: int, length: int, tensor: int, remat:
     (models/remat.py; true/false: full/none): without remat every layer's intermediates, with
     it what the policy saves of each layer plus one layer's intermediates, recomputed."""
     remat = remat_name(remat)
-    per_layer, mask, vocab, elem_bytes, kept_per_layer = _layer_bytes(m, rows, length, tensor, remat)
+    per_layer, mask, vocab, elem_bytes, kept_per_layer = _layer_bytes(m, rows, length, tensor,
+                                                                      remat)
     tokens = rows * length
     logits = 3 * tokens * vocab * 4  # f32 logits, softmax, grad
     kept = (m.num_layers * per_layer if remat == "none"
@@ -219,7 +221,8 @@ def _slice_mesh(chip: str, axis_sizes):
     """(the chip's TPU slice of this mesh size as a Mesh, its topology name, "") from libtpu, or
     (None, None, why there is none)."""
     if not aot.libtpu_available():
-        return None, None, "libtpu is not installed (pip install libtpu; see docs/environment.md): the estimate only"
+        return None, None, ("libtpu is not installed (pip install libtpu; see "
+                            "docs/environment.md): the estimate only")
     if chip.lower() not in aot.TPU_TOPOLOGIES:
         return None, None, f"{chip} is not a TPU: the estimate only"
     try:
@@ -239,7 +242,8 @@ def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> 
     model_cfg = _model_config_for(cfg)
     length = cfg.max_length
     # with libtpu the step is lowered once, on the real slice's mesh, and compiled there
-    slice_mesh, topology, note = _slice_mesh(chip, axis_sizes) if compile else (None, None, "not asked for")
+    slice_mesh, topology, note = (_slice_mesh(chip, axis_sizes) if compile
+                                  else (None, None, "not asked for"))
     target = mesh if slice_mesh is None else slice_mesh
     # abstract: nothing is placed on (or runs on) the slice's devices
     with jax.sharding.use_abstract_mesh(mesh if slice_mesh is None else slice_mesh.abstract_mesh):
@@ -252,7 +256,8 @@ def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> 
     grads_b = params_b  # one micro-batch's gradients, in the parameters' dtype and sharding
     if cfg.optimizer.grad_accum > 1:  # plus their running sum across the micro-batch scan
         grads_b += _shard_bytes(jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(p.shape, accumulator_dtype(p.dtype), sharding=p.sharding),
+            lambda p: jax.ShapeDtypeStruct(p.shape, accumulator_dtype(p.dtype),
+                                           sharding=p.sharding),
             layout.abstract["params"]))
     return DryRunReport(
         chip=chip, hbm_bytes=hbm, mesh=dict(zip(MESH_AXES, axis_sizes)),
@@ -264,7 +269,8 @@ def dry_run(cfg: TrainConfig, chip: str | None = None, compile: bool = True) -> 
         lowered=True, lower_seconds=seconds, micro_batch_per_device=micro // dp,
         streamed_length=streamed, compiled=compiled, compile_note=note,
         forward=(f"remat {cfg.model.remat}, "
-                 f"{model_cfg.num_layers} layers {'scanned' if cfg.model.scan_layers else 'unrolled'}"))
+                 f"{model_cfg.num_layers} layers "
+                 f"{'scanned' if cfg.model.scan_layers else 'unrolled'}"))
 
 
 def _proposer_config_for(cfg: TrainConfig) -> ModelConfig:
@@ -294,7 +300,8 @@ def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunRepo
         layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
         step = jit_head_step(cfg, layout, tx, mesh, proposer_cfg.mask_token_id)
         t0 = time.perf_counter()
-        step.trace(layout.state, layout.frozen, abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
+        batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)
+        step.trace(layout.state, layout.frozen, batch,
                    abstract_step_number(mesh)).lower(lowering_platforms=("tpu",))
         seconds = time.perf_counter() - t0
     rows, k = cfg.global_batch_size // dp, cfg.block_size
@@ -306,7 +313,8 @@ def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunRepo
                                                axis_sizes[2], k - 1))
     return DryRunReport(
         chip=chip, hbm_bytes=hbm, mesh=dict(zip(MESH_AXES, axis_sizes)),
-        devices=math.prod(axis_sizes), model_params=proposer_cfg.num_params + verifier_cfg.num_params,
+        devices=math.prod(axis_sizes),
+        model_params=proposer_cfg.num_params + verifier_cfg.num_params,
         param_bytes=head_b, grad_bytes=head_b, opt_bytes=_shard_bytes(layout.state["opt_state"]),
         activation_bytes=activations, lowered=True, lower_seconds=seconds,
         micro_batch_per_device=rows, streamed_length=cfg.max_length,

@@ -29,9 +29,10 @@ def check_hosts_split_the_batch(mesh, process_of=lambda d: d.process_index) -> N
     shared = any(owned[a] & owned[b] for i, a in enumerate(processes) for b in processes[i + 1:])
     if shared or len({len(v) for v in owned.values()}) != 1:
         raise TrainConfigError(
-            f"mesh {dict(mesh.shape)} does not split the batch across the {len(processes)} processes: "
-            f"each host feeds its own rows, so the batch axes data x fsdp = {shards} must run across "
-            f"the hosts (put the hosts on data or fsdp, the tensor axis within a host)")
+            f"mesh {dict(mesh.shape)} does not split the batch across the {len(processes)} "
+            f"processes: each host feeds its own rows, so the batch axes data x fsdp = {shards} "
+            f"must run across the hosts (put the hosts on data or fsdp, the tensor axis within a "
+            f"host)")
 
 
 def config_mesh(cfg: TrainConfig, log: Callable[[str], None] = log_main):

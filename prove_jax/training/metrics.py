@@ -51,7 +51,8 @@ def train_flops_per_step(model_cfg, batch: int, length: int, objective: str) -> 
     """Forward + backward FLOPs of one step (matmuls only; attention over the full span)."""
     streamed = length * (2 if objective == "mars" else 1)
     matmul = 6.0 * matmul_params(model_cfg) * batch * streamed
-    attn = 12.0 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * batch * streamed ** 2
+    per_pair = 12.0 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim
+    attn = per_pair * batch * streamed ** 2
     return matmul + attn
 
 
@@ -115,7 +116,8 @@ TB_TAGS = {
     "loss": "train/loss", "learning_rate": "train/learning_rate",
     "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "step_time_s": "perf/step_time_s",
     "padding_fraction": "data/padding_fraction",
-    "goodput": "goodput/goodput", "wall_s": "goodput/wall_s", "productive_s": "goodput/productive_s",
+    "goodput": "goodput/goodput", "wall_s": "goodput/wall_s",
+    "productive_s": "goodput/productive_s",
     "compile_s": "goodput/compile_s", "checkpoint_s": "goodput/checkpoint_s",
     "data_wait_s": "goodput/data_wait_s", "startup_s": "goodput/startup_s",
 }
@@ -287,7 +289,8 @@ class MetricsLogger:
         acc = rec.get("masked_acc_by_pos")
         if acc:
             shown = acc[:4] + (["..", acc[-1]] if len(acc) > 5 else acc[4:])
-            parts.append("acc@pos " + " ".join(x if isinstance(x, str) else f"{x:.2f}" for x in shown))
+            shown = [x if isinstance(x, str) else f"{x:.2f}" for x in shown]
+            parts.append("acc@pos " + " ".join(shown))
         if rec.get("tokens_per_s"):
             parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
         if rec.get("mfu") is not None:

@@ -67,8 +67,9 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
         return source_model_config(cfg)
     src = cfg.model
     overrides = {k: v for k, v in (("dtype", src.dtype), ("param_dtype", src.param_dtype)) if v}
-    return ModelConfig.from_json_dict(saved["model_config"],
-                                      where=f"the model config saved in {cfg.run_dir}").replace(**overrides)
+    saved_cfg = ModelConfig.from_json_dict(saved["model_config"],
+                                           where=f"the model config saved in {cfg.run_dir}")
+    return saved_cfg.replace(**overrides)
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -95,7 +96,8 @@ def load_initial_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     except checkpoint.CheckpointError as e:
         if src.hf_dir is None:
             raise
-        raise checkpoint.CheckpointError(f"{e}; delete {path} to convert model.hf_dir again") from None
+        raise checkpoint.CheckpointError(f"{e}; delete {path} to convert model.hf_dir "
+                                         f"again") from None
     if model.cfg != model_cfg:  # settled from the same files before any weight was read
         raise TrainError(f"the weights in {path} are of another model than this run's config "
                          f"(was {src.hf_dir or path} changed during the launch?)")
@@ -118,7 +120,8 @@ def convert_hf_once(cfg: TrainConfig, mesh) -> str:
         log_main(f"converting {hf_dir} into {out}{again}, on host 0 alone; every host then reads "
                  f"its own shards from there")
         if not storage.is_url(hf_dir):
-            convert.hf_to_flax(hf_dir, out, overwrite=True, progress=True, mesh=mesh, record_source=True)
+            convert.hf_to_flax(hf_dir, out, overwrite=True, progress=True, mesh=mesh,
+                               record_source=True)
             return
         # the safetensors reader takes local files: host 0 downloads the model once, converts
         # it, and records the bucket's files as the source (their generations, not a temp dir)

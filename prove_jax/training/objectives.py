@@ -34,7 +34,8 @@ def _check_block(length: int, block_size: int) -> None:
     if block_size <= 0:
         raise ObjectiveError(f"block_size must be positive, got {block_size}")
     if length % block_size:
-        raise ObjectiveError(f"sequence length {length} is not a multiple of block_size {block_size}")
+        raise ObjectiveError(f"sequence length {length} is not a multiple of block_size "
+                             f"{block_size}")
 
 
 def same_document(segment_ids: jax.Array) -> jax.Array:
@@ -65,7 +66,8 @@ def mars_attention_mask(length: int, block_size: int, valid: jax.Array | None = 
     causal = pos[None, :] <= pos[:, None]                # [Lq, Lk]
     same_block = blk[:, None] == blk[None, :]
     earlier_block = blk[None, :] < blk[:, None]
-    clean_rows = jnp.concatenate([causal, jnp.zeros_like(causal)], axis=1)        # clean -> masked: never
+    # clean -> masked: never
+    clean_rows = jnp.concatenate([causal, jnp.zeros_like(causal)], axis=1)
     masked_rows = jnp.concatenate([earlier_block, causal & same_block], axis=1)
     mask = jnp.concatenate([clean_rows, masked_rows], axis=0)[None]  # [1, 2L, 2L]
     if valid is not None:
@@ -86,7 +88,8 @@ def _packed_mars_mask(length: int, block_size: int, segment_ids: jax.Array,
     same_block = blk[:, :, None] == blk[:, None, :]
     earlier_block = blk[:, None, :] < blk[:, :, None]
     clean_rows = jnp.concatenate([causal & same_doc, jnp.zeros_like(same_doc)], axis=2)
-    masked_rows = jnp.concatenate([earlier_block & same_doc, causal & same_block & same_doc], axis=2)
+    masked_rows = jnp.concatenate([earlier_block & same_doc, causal & same_block & same_doc],
+                                  axis=2)
     return jnp.concatenate([clean_rows, masked_rows], axis=1)
 
 
@@ -99,7 +102,8 @@ def next_token_targets(batch) -> tuple[jax.Array, jax.Array]:
     weights = jnp.concatenate([trained[:, 1:], jnp.zeros_like(trained[:, :1])], axis=1)
     if "segment_ids" in batch:
         seg = batch["segment_ids"]
-        same = jnp.concatenate([seg[:, 1:] == seg[:, :-1], jnp.zeros_like(seg[:, :1], bool)], axis=1)
+        same = jnp.concatenate([seg[:, 1:] == seg[:, :-1], jnp.zeros_like(seg[:, :1], bool)],
+                               axis=1)
         weights = weights & same
     return labels, weights.astype(jnp.float32)
 
@@ -245,7 +249,8 @@ def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id
                              "(prove_jax/training/commit_head_training.py), not through the train "
                              "step")
     if objective not in LOSS_FNS:
-        raise ObjectiveError(f"unknown objective {objective!r}; valid objectives: {', '.join(OBJECTIVES)}")
+        raise ObjectiveError(f"unknown objective {objective!r}; "
+                             f"valid objectives: {', '.join(OBJECTIVES)}")
     if objective == "ar":
         return ar_loss
     if block_size is None or block_size <= 0:
@@ -253,5 +258,5 @@ def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id
     if mask_token_id is None:
         raise ObjectiveError("objective 'mars' needs mask_token_id (add <|mask|> with "
                              "prove_jax.checkpoints.vocab.ensure_mask_token)")
-    return functools.partial(mars_loss, block_size=int(block_size), mask_token_id=int(mask_token_id),
-                             ar_weight=float(ar_weight))
+    return functools.partial(mars_loss, block_size=int(block_size),
+                             mask_token_id=int(mask_token_id), ar_weight=float(ar_weight))

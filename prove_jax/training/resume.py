@@ -59,7 +59,8 @@ RETUNABLE_PREFIX = "optimizer."
 def saved_steps(run_dir: str) -> int | None:
     """`steps` of the run's train_config.json (None if unreadable)."""
     try:
-        return int(json.loads(storage.read_text(storage.join(run_dir, "train_config.json")))["steps"])
+        saved = json.loads(storage.read_text(storage.join(run_dir, "train_config.json")))
+        return int(saved["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -106,7 +107,8 @@ def restore_run(ckpts: RunCheckpoints, layout, data_iter, cfg: TrainConfig):
         return None
     step, state, _ = restored
     if step > cfg.steps:
-        raise TrainError(f"{ckpts.dir} has a checkpoint at step {step}, past steps={cfg.steps}: set "
-                         f"steps to at least {step} to continue this run, or use a new run_dir")
+        raise TrainError(f"{ckpts.dir} has a checkpoint at step {step}, past steps={cfg.steps}: "
+                         f"set steps to at least {step} to continue this run, or use a new "
+                         f"run_dir")
     return step, state
 

@@ -79,7 +79,8 @@ def saved_run_meta(run_dir: str) -> dict | None:
         return None
     for step in sorted((int(n) for n in storage.listdir(ckpt_dir) if n.isdigit()), reverse=True):
         try:
-            meta = json.loads(storage.read_text(storage.join(ckpt_dir, str(step), "meta", "metadata")))
+            meta_path = storage.join(ckpt_dir, str(step), "meta", "metadata")
+            meta = json.loads(storage.read_text(meta_path))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict):
@@ -113,7 +114,8 @@ class RunCheckpoints:
         steps = sorted(self.steps(), reverse=True)
         expected = leaf_shapes(abstract_state)
         for i, step in enumerate(steps):
-            args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+            args = {"state": ocp.args.StandardRestore(abstract_state),
+                    "meta": ocp.args.JsonRestore()}
             try:
                 with restore_attempt(storage.join(self.dir, str(step))):
                     self._check_structure(step, expected)  # a config change raises, moves nothing
@@ -145,14 +147,16 @@ class RunCheckpoints:
         serves a relaunch on another number of hosts."""
         folder = storage.join(self.dir, str(step), "data")
         own = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        names = sorted(n for n in storage.listdir(folder) if re.fullmatch(r"process_\d+-of-\d+\.json", n))
+        names = sorted(n for n in storage.listdir(folder)
+                       if re.fullmatch(r"process_\d+-of-\d+\.json", n))
         if not names:
             raise FileNotFoundError(f"no data-iterator state in {folder}")
         if own not in names:
             self.log(f"checkpoint step {step} was saved by "
                      f"{names[0].split('-of-')[1].removesuffix('.json')} process(es), this launch "
                      f"has {jax.process_count()}: resuming the data at the same global batch")
-        return json.loads(storage.read_text(storage.join(folder, own if own in names else names[0])))
+        chosen = own if own in names else names[0]
+        return json.loads(storage.read_text(storage.join(folder, chosen)))
 
     def _check_structure(self, step: int, expected: dict[str, tuple]) -> None:
         """Compare the step's stored array paths and shapes (its metadata file, no array data)

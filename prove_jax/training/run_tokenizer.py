@@ -102,6 +102,7 @@ def check_tokenizer_matches_weights(cfg: TrainConfig, tokenizer, where: str,
     try:
         vocab.check_shared_vocabulary(tokenizer, where, [("model", src, model_cfg.vocab_size, own)])
     except vocab.VocabError as e:
-        raise TrainConfigError(f"{e}; leave tokenizer.path unset to use the model's own tokenizer") from None
+        raise TrainConfigError(f"{e}; leave tokenizer.path unset to use the model's own "
+                               f"tokenizer") from None
 
 
