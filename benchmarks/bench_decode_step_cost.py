@@ -96,8 +96,15 @@ NOTES = """Notes.
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
   once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is
-  compute-bound (its FLOPs over the chip's peak are the roofline). The admission's all-gathers
-  are its admitted rows' caches crossing the data axis.
+  compute-bound (its FLOPs over the chip's peak are the roofline). The xla admission rows
+  predate admission in blocks, one per data shard, each row written where it lies
+  (`program.put_shard_rows`): their all-gathers were the admitted rows' caches crossing the data
+  axis. Since (`--modes verify --batch-sizes 16 --paged-modes none --programs admit`, pallas_tpu):
+  v5p-8 K=8 1234.5 GiB, all-reduce 7 alone (the K=16 row above); v6e-8 K=8 493.3 GiB, 76.18
+  TFLOP, 323 ms, all-gather 2, all-reduce 6. v6e-8's data axis is 1: those two gather over the
+  tensor axis the 3B verifier's KV of the admitted row, which GSPMD splits over 2 of the 8 tensor
+  devices in the prefill. Admitted in 8 blocks (the verifier cache's row split) it gathers
+  nothing, but prefills 8 rows (621.02 TFLOP, 676 ms), so a lone request is admitted as one row.
 - On the XLA attention path a wide step (verify K=16 reads 31 tokens, 155 queries per kv head
   of the 32B) writes float32 scores of each KV chunk to HBM and reads them back, which at 8k
   contexts is as much as the KV itself, and the paged pool gathers each chunk's pages through
