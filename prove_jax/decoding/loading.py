@@ -9,7 +9,7 @@ import jax
 
 from prove_jax import storage
 from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load_model,
-                                              load_tokenizer)
+                                              load_model_stacked, load_tokenizer)
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
 from prove_jax.models.sharding import MeshError, inference_mesh, make_mesh
@@ -51,9 +51,11 @@ class LoadedModels:
 
 
 def load_models(model_path: str, verifier_path: str | None = None, with_head: bool = False,
-                dtype: str = "float32", mesh=None, tokenizer=None) -> LoadedModels:
+                dtype: str = "float32", mesh=None, tokenizer=None, stacked: bool = False) -> LoadedModels:
     """Read a proposer checkpoint and, with `verifier_path`, its verifier (and the verifier's
-    commit head with `with_head`), each restored as `dtype` onto `mesh` (None: one device).
+    commit head with `with_head`), each restored as `dtype` onto `mesh` (None: one device),
+    with `stacked` straight into the stacked layers a scanned decoder runs (`load_model_stacked`:
+    no second copy of the weights while they are stacked).
     The pair's shared vocabulary is checked from the configs and tokenizers before any weight
     is read. `tokenizer`: the proposer's, when the caller has already loaded it."""
     if not storage.isdir(model_path):  # a local path or a URL (gs://)
@@ -67,10 +69,11 @@ def load_models(model_path: str, verifier_path: str | None = None, with_head: bo
             check_shared_vocabulary(tokenizer, model_path, [(
                 "verifier", verifier_path, load_config(verifier_path).vocab_size,
                 load_tokenizer(verifier_path))])
-    model = load_model(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+    load = load_model_stacked if stacked else load_model
+    model = load(model_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
     verifier = head = None
     if verifier_path is not None:
-        verifier = load_model(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
+        verifier = load(verifier_path, mesh=mesh, dtype=dtype, param_dtype=dtype)
         if with_head:
             head = load_commit_head(verifier_path, mesh=mesh)
     cfg = model.cfg
@@ -103,7 +106,7 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
             raise DecodeError(str(e)) from None
     models = load_models(model_path, verifier_path if verify else None,
                          with_head=verify and options.commit_rule == "head", dtype=dtype, mesh=mesh,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, stacked=options.scan_layers)
     decoder = Decoder(models.proposer, models.eos_ids, options, verifier=models.verifier,
                       commit_head=models.commit_head, mesh=mesh, pad_id=models.pad_id)
     return decoder, models.tokenizer
