@@ -271,6 +271,16 @@ def test_the_tensor_axis_grows_until_the_weights_and_the_kv_cache_fit():
     assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
 
 
+def test_the_default_mesh_is_sized_for_the_kv_cache_generate_will_hold(monkeypatch):
+    """parse_mesh (generate's default mesh) passes the KV cache of the rows x slots it is given
+    to the mesh rule, so a batch whose cache does not fit beside the weights gets more tensor."""
+    small = CFG.num_params * 4
+    monkeypatch.setattr(sharding, "device_memory", lambda devices: 2 * small)
+    assert dict(parse_mesh(None, [CFG]).shape)["tensor"] == 1
+    assert dict(parse_mesh(None, [CFG], kv_shape=(8, 64)).shape)["tensor"] == 1
+    assert dict(parse_mesh(None, [CFG], kv_shape=(8, 256)).shape)["tensor"] == 2
+
+
 def test_build_decoder_picks_the_inference_mesh_and_an_explicit_mesh_wins(tmp_path, monkeypatch, one_device):
     path = str(tmp_path / "ckpt")
     save_model(path, create_model(CFG, seed=3))

@@ -416,11 +416,14 @@ def _generate(args) -> int:
                               "use stop_token_ids")
         verifier = args.verifier or (assets.DEMO_VERIFIER if args.mode == "verify" else None)
         say(f"loading {args.model} ...")
+        # the default mesh is sized for these rows' KV cache too, not the weights alone
+        budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
+        kv_shape = (min(args.batch_size, max(len(prompts), 1)),
+                    max((len(p) for p in prompts if p is not None), default=0) + max(budgets, default=0))
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
-                                   mesh_shape=args.mesh, tokenizer=tokenizer)
+                                   mesh_shape=args.mesh, tokenizer=tokenizer, kv_shape=kv_shape)
         # after the model load: its collective read is where a host that cannot start is noticed
         finished = _agreed_finished(finished, records)
-        budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
         cut = [0] * len(prompts)  # prompt tokens --truncate dropped, per request
         if args.truncate is not None:
             kept = [truncated(p, decoder.max_buffer - budget, args.truncate) for p, budget in zip(prompts, budgets)]

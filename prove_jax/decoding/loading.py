@@ -12,18 +12,21 @@ from prove_jax.checkpoints.checkpoint import (CheckpointError, load_config, load
                                               load_model_stacked, load_tokenizer)
 from prove_jax.decoding.engine import Decoder
 from prove_jax.decoding.options import DecodeError, DecodeOptions
-from prove_jax.models.sharding import MeshError, inference_mesh, make_mesh
+from prove_jax.models.sharding import MeshError, inference_mesh, kv_cache_bytes, make_mesh
 from prove_jax.checkpoints.commit_head_io import load_commit_head
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 
 
-def parse_mesh(spec: str | None, configs: Sequence = (), dtype: str = "float32"):
+def parse_mesh(spec: str | None, configs: Sequence = (), dtype: str = "float32",
+               kv_shape: tuple[int, int] | None = None):
     """'4,1,2' -> a (data, fsdp, tensor) mesh. None -> the inference mesh of the models of
-    `configs` (proposer first: tensor parallel over its kv heads as far as the weights need,
+    `configs` (proposer first: tensor parallel over its kv heads as far as the weights, and
+    with `kv_shape` (rows, slots) the KV cache of that many rows, need to fit,
     `sharding.inference_mesh`), or all devices on data without configs; None for one device."""
     if spec is None:
         if configs:
-            return inference_mesh(configs, dtype)
+            kv = 0 if kv_shape is None else kv_cache_bytes(configs, *kv_shape, dtype)
+            return inference_mesh(configs, dtype, kv_bytes=kv)
         n = len(jax.devices())
         return None if n == 1 else make_mesh((n, 1, 1))
     try:
@@ -85,10 +88,12 @@ def load_models(model_path: str, verifier_path: str | None = None, with_head: bo
 
 
 def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | None = None,
-                  dtype: str = "float32", mesh_shape: str | None = None, mesh=None, tokenizer=None):
+                  dtype: str = "float32", mesh_shape: str | None = None, mesh=None, tokenizer=None,
+                  kv_shape: tuple[int, int] | None = None):
     """(Decoder, tokenizer or None) for a proposer checkpoint and an optional verifier;
     `tokenizer`: the checkpoint's, when the caller has already loaded it. The mesh: `mesh`,
-    else `mesh_shape` ('data,fsdp,tensor'), else the models' inference mesh (`parse_mesh`)."""
+    else `mesh_shape` ('data,fsdp,tensor'), else the models' inference mesh (`parse_mesh`),
+    sized for the KV cache of `kv_shape` (rows, slots) when the caller knows it."""
     if not storage.isdir(model_path):  # a local path or a URL (gs://)
         raise CheckpointError(f"model checkpoint not found: {model_path}")
     if tokenizer is None:
@@ -101,7 +106,7 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
         configs.append(load_config(verifier_path))
     if mesh is None:
         try:
-            mesh = parse_mesh(mesh_shape, configs, dtype)
+            mesh = parse_mesh(mesh_shape, configs, dtype, kv_shape)
         except MeshError as e:
             raise DecodeError(str(e)) from None
     models = load_models(model_path, verifier_path if verify else None,
