@@ -33,8 +33,8 @@ GIB = 1024 ** 3
 
 
 def parse_args(argv=None):
-    from prove_jax.evaluation import benchmark as bench_lib
-    ints = lambda flag: bench_lib.arg_type(lambda t: bench_lib.positive_ints(t, flag))  # noqa: E731
+    from prove_jax.cli.bench_args import arg_type, positive_ints
+    ints = lambda flag: arg_type(lambda t: positive_ints(t, flag))  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--accelerators", default="v5p-8,v6e-8", help="Cloud TPU types (default v5p-8,v6e-8)")
     p.add_argument("--batch-sizes", type=ints("--batch-sizes"), default=[1, 16, 64], help="default 1,16,64")
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     from prove_jax.decoding.options import DecodeOptions
     from prove_jax.models.kernels import KernelOptions
     from prove_jax.decoding.step_report import step_report
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.progress import log
+    from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.models.config import preset
 
     if not aot.libtpu_available():
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
             import dataclasses
             opts = dataclasses.replace(opts, page_size=page)
             label += f", paged ({page})"
-        bench_lib.log(f"{accelerator}: {label}, batch {batch}")
+        log(f"{accelerator}: {label}, batch {batch}")
         programs = ("step", "prefill", "admit") if (accelerator, mode, batch, page) == first else ("step",)
         programs = programs if args.programs is None else tuple(args.programs.split(","))
         try:
@@ -167,14 +168,14 @@ def main(argv=None) -> int:
                                  new_tokens=args.new_tokens, verifier=verifier if mode == "verify" else None,
                                  programs=programs)
         except Exception as e:  # a program that fails to compile is a result too, said in its row
-            bench_lib.log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             rows.append(dict(accelerator=accelerator, label=label, batch=batch, mode=mode,
                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
             continue
-        bench_lib.log("  " + report.table().replace("\n", "\n  "))
+        log("  " + report.table().replace("\n", "\n  "))
         rows.append(dict(accelerator=accelerator, label=f"{label}, {report.setting['attention']}", **report.record()))
     doc = dict(proposer=args.proposer, verifier=args.verifier, dtype="bfloat16", jax=jax.__version__,
-               host=bench_lib.device_description(), context=args.context, new_tokens=args.new_tokens, rows=rows)
+               host=device_description(), context=args.context, new_tokens=args.new_tokens, rows=rows)
     md = ["# One decode step on TPU slices, from the compiled program (`generate --dry-run --report`)", "",
           f"`benchmarks/bench_decode_step_cost.py`: {args.proposer} proposer ({args.verifier} verifier in "
           f"verify), bfloat16, layers scanned, the chunk program `generate` streams compiled with libtpu "
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     for r in rows:
         md.append(table_row(r))
     md += ["", NOTES]
-    bench_lib.write_results(args.out, "decode_step_cost", doc, md)
+    write_results(args.out, "decode_step_cost", doc, md)
     return 0
 
 

@@ -77,7 +77,7 @@ def h200_step_ratios(directory: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from prove_jax.evaluation import benchmark as bench_lib
+    from prove_jax.evaluation.report import write_results
     with open(args.step_cost) as f:
         cost = json.load(f)
     tokens = measured_tokens(args.tokens)
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                   f"{r['waste']:.2f} | {r['tokens_per_second']:.0f} | {r['speedup']:.2f}x | "
                   f"{'' if cal is None else f'{cal:.2f}x'} |")
     md += ["", NOTES]
-    bench_lib.write_results(args.out, "tpu_speed_prediction", doc, md)
+    write_results(args.out, "tpu_speed_prediction", doc, md)
     return 0
 
 
@@ -151,10 +151,9 @@ NOTES = """How far to trust it.
 - At batch 1 to 16 a step of the 32B proposer is weight-bound: every mode reads the same 30+ GiB
   of weights per chip, so the roofline puts a K=6 G=2 lossless step (19 tokens a row) at nearly an
   AR step, and the speedup near the tokens per forward. The H200 says otherwise at the 1.5B
-  shape in float32: a K=8 G=2 step cost 1.72 AR steps at batch 1 and 4.56 at batch 16. A 1.5B
-  model on an H200 is far from its bandwidth limit (AR ran at about twice its roofline step), so
-  that ratio overstates what a wide step costs a 32B model on a TPU; the truth lies between the
-  two columns, and only a TPU run can say where.
+  shape in float32: the K=8 G=2 step costs in AR steps above. A 1.5B model on an H200 is far
+  from its bandwidth limit, so that ratio overstates what a wide step costs a 32B model on a
+  TPU; the truth lies between the two columns, and only a TPU run can say where.
 - Each mode runs on the mesh `generate` picks for it: on v6e-8 the pair (66 GiB) needs tensor=8,
   the proposer alone (61 GiB) tensor=4 with data=2, so AR and lossless there read the weights
   twice per step (once per data shard) where verify reads them once. Verify's v6e-8 speedup
@@ -167,9 +166,8 @@ NOTES = """How far to trust it.
   small trained proposer accepts. A real 32B ProVe proposer accepts more (the paper's 2.54x
   lossless, 2.72x with the verifier), so the tokens per forward, and every speedup here, are
   this project's proposer's, not the paper's.
-- The verify rows use the trajectory-trained demo verifier (76% of tokens AR's), so they are
-  not lossless; their tokens per forward were measured at batch 1 (lossless's are the same at
-  batch 1, 4 and 16)."""
+- The verify rows use the trajectory-trained demo verifier, so they are not lossless; their
+  tokens per forward were measured at batch 1."""
 
 
 if __name__ == "__main__":
