@@ -190,6 +190,7 @@ def _cli(*args):
                           capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
 
 
+@pytest.mark.slow
 def test_cli_calibrate(tmp_path):
     model = create_model(CFG, seed=3)
     ckpt = str(tmp_path / "ckpt")

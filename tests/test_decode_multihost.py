@@ -12,6 +12,7 @@ import os
 import subprocess
 
 import numpy as np
+import pytest
 
 from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import save_model
@@ -20,6 +21,9 @@ from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.models.params import create_model
 from tests.multihost import joining, run_two_processes
+
+pytestmark = pytest.mark.slow
+
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
 

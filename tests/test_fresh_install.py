@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 from uv import find_uv_bin
 
 from tests.test_decoding import ROOT
+
+pytestmark = pytest.mark.slow
 
 DRY_RUNS = """
 import sys

@@ -24,6 +24,8 @@ from prove_jax.training import loop, model_source
 from prove_jax.training.preemption import Preempted
 from tests.train_helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 BUCKET = "prove-test"
 
 # The emulator, with the one header it lacks: Cloud Storage sends an object's generation with

@@ -26,6 +26,8 @@ from prove_jax.decoding import DecodeOptions, SamplingParams
 from prove_jax.decoding.loading import build_decoder
 from tests.xla_flags import xla_flags
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 16
 LONG = 96  # the server's --max-new-tokens: room for a request still running when its client leaves

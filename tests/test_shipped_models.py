@@ -122,6 +122,7 @@ def test_shipped_verifier_top1_with_proposer_as_verifier_is_ar(heldout_ids):
     assert dec.generate(heldout_ids[:3], 32).output_ids == ar.generate(heldout_ids[:3], 32).output_ids
 
 
+@pytest.mark.slow
 def test_reproduction_script_quick(tmp_path):
     r = subprocess.run([sys.executable, "scripts/build_demo_models.py", "--quick", "--work",
                         str(tmp_path / "w"), "--out", str(tmp_path / "demo")], cwd=ROOT,

@@ -20,6 +20,8 @@ from tests.multihost import joining, run_two_processes
 from tests.tokenizers_fixture import stdlib_text
 from tests.train_helpers import write_tokenizer
 
+pytestmark = pytest.mark.slow
+
 CFG = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, eos_token_ids=(0,), pad_token_id=0)
 

@@ -11,11 +11,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from prove_jax.data import pipeline as data_lib
 from prove_jax.training.config import load_config
 from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.train_helpers import write_config, write_text
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 240

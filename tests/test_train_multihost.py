@@ -13,12 +13,15 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from prove_jax.checkpoints import checkpoint
 from prove_jax.training.config import load_config
 from prove_jax.training.loop import train
 from tests.multihost import REPO, joining, run_two_processes
 from tests.train_helpers import write_config
+
+pytestmark = pytest.mark.slow
 
 WORKER = r"""
 import json, sys

@@ -24,6 +24,8 @@ from tests.multihost import REPO, free_port, joining
 from tests.train_helpers import tiny_config, write_config
 from tests.xla_flags import xla_flags
 
+pytestmark = pytest.mark.slow
+
 
 def _losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
