@@ -8,8 +8,8 @@ the state's shardings), with abstract weights on the slice's mesh, and its HLO i
 `prove_jax.hlo_cost`: HBM bytes and dot FLOPs of one execution with every loop at its trip
 count ("step" is one trip of the chunk's step loop: one decode step). Beside the bytes the
 program moves is what a step must move (`min_hbm_bytes`): each weight once, each row's live
-KV once, the new KV, the logits. Their ratio is the waste the compiled program adds (layout
-copies, whole-buffer slices); `roofline_seconds`, the time the chip's bandwidth or peak
+KV once, the new KV, the step's activations, the logits. Their ratio is the waste the compiled
+program adds (layout copies, whole-buffer slices); `roofline_seconds`, the time the chip's bandwidth or peak
 allows, is what a step would take at best.
 """
 
@@ -46,7 +46,7 @@ class ProgramCost:
     hbm_bytes: int
     """Bytes its HLO reads and writes in HBM, loops at their trip counts (`hlo_cost`)."""
     min_hbm_bytes: int
-    """What it must move: each weight once, the live KV once, the KV it writes, its logits."""
+    """What it must move: each weight once, the live KV once, the KV it writes, its activations, its logits."""
     flops: int
     """FLOPs of its dots (elementwise work left out)."""
     roofline_seconds: float
@@ -171,19 +171,40 @@ def _cache_bytes(cache) -> int:
     return 0 if cache is None else sum(_per_chip(x) for x in (jax.tree.leaves(cache.k) + jax.tree.leaves(cache.v)))
 
 
-def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: int, rows: int | None = None) -> int:
+def activation_bytes(cfg: ModelConfig, tokens: int, tensor: int, itemsize: int) -> int:
+    """Per chip, what a copy-free forward of `tokens` tokens (this chip's rows) writes and reads
+    back between its layers' matmuls: each projection's output written once and read once (q, k,
+    v, attention output and gate, up, their product split over `tensor`; o, down and the residual
+    stream between layers whole), at the weights' `itemsize`. Norms, scores and softmax are left
+    out: a fused program keeps them in VMEM, so this stays a lower bound."""
+    split = (cfg.num_heads * 2 + cfg.num_kv_heads * 2) * cfg.head_dim + 3 * cfg.intermediate_size
+    whole = 3 * cfg.hidden_size
+    return int(2 * cfg.num_layers * tokens * (split / tensor + whole) * itemsize)
+
+
+def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: int, rows: int | None = None,
+              verifier_tokens: int | None = None) -> int:
     """Per chip, what a program over `rows` of `state`'s rows (default all) must move: the
     weights once, the KV of `filled` slots of each row read once and `tokens` slots of it
-    written, and the float32 logits of `logits_rows` tokens per row written and read once."""
+    written (`verifier_tokens` of the verifier's, default `tokens`), the activations of those
+    tokens (`activation_bytes`), and the float32 logits of `logits_rows` tokens per row written
+    and read once."""
     rows = settings.num_rows if rows is None else rows
     total = _weights_read(decoder, rows, tokens)
-    for cache, cfg in ((state.cache, decoder.cfg), (state.verifier_cache, decoder.verifier_cfg)):
+    tensor = 1 if decoder.mesh is None else decoder.mesh.shape.get("tensor", 1)
+    chip_rows = max(1, rows // decoder._data_size())
+    verifier_tokens = tokens if verifier_tokens is None else verifier_tokens
+    for cache, cfg, state_, width in ((state.cache, decoder.cfg, decoder.state, tokens),
+                                      (state.verifier_cache, decoder.verifier_cfg, decoder.verifier_state,
+                                       verifier_tokens)):
         if cache is None:
             continue
         per_slot = _cache_bytes(cache) / _slots(cache, settings, cfg.num_layers) * rows / settings.num_rows
-        total += int(per_slot * (filled + tokens))
-        vocab = cfg.vocab_size // (1 if decoder.mesh is None else decoder.mesh.shape.get("tensor", 1))
-        total += 2 * max(1, rows // decoder._data_size()) * logits_rows * vocab * 4
+        total += int(per_slot * (filled + width))
+        itemsize = jnp.dtype(jax.tree.leaves(state_)[0].dtype).itemsize
+        total += activation_bytes(cfg, chip_rows * width, tensor, itemsize)
+        vocab = cfg.vocab_size // tensor
+        total += 2 * chip_rows * logits_rows * vocab * 4
     return total
 
 
@@ -262,7 +283,8 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
         if name == "step":
             trips = {"kv_chunks": kv_trips}
             cost = hlo_cost.step_cost(text, unknown_trips=kv_trips)
-            need = must_move(decoder, settings, state, filled, width, logits_rows)
+            need = must_move(decoder, settings, state, filled, width, logits_rows,
+                             verifier_tokens=o.block_size if o.mode == "verify" else None)
         else:  # prefill chunks, and inside each the KV read so far (half the prompt on average)
             trips = {"prefill_chunks": prefill_chunks, "kv_chunks": max(1, kv_trips // 2)}
             cost = hlo_cost.program_cost(text, unknown_trips=lambda instr, depth: (
