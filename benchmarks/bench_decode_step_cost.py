@@ -6,7 +6,8 @@
 Each row is `prove-jax generate --dry-run SLICE --report FILE` (prove_jax/decoding/step_report.py)
 for one program `generate` streams: the chunk program compiled with libtpu for the slice, its
 HLO walked with every loop at its trip count, one trip of its step loop priced: HBM bytes of one
-decode step per chip, what must move (weights once, the live KV once, the new KV, the logits),
+decode step per chip, what must move (weights once, the live KV once, the new KV, the
+activations, the logits),
 their ratio, dot FLOPs and the roofline time (the larger of bytes over the chip's HBM bandwidth
 and FLOPs over its bf16 peak). Modes: ar, lossless (K=6 G=2) and verify (K=8, top-1, the 3B
 verifier), the settings whose tokens per forward HumanEval measured; rows filled to
@@ -91,8 +92,14 @@ NOTES = """Notes.
   buffer into VMEM) at the slice it takes: they count its whole source per piece (most of the
   v6e-8 prefill row's bytes).
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
-  filled slots once, the step's new KV, float32 logits written and read. A ratio of 1 is a step
-  at the memory-bandwidth limit; the roofline time is what such a step would take.
+  filled slots once, the step's new KV, its activations (each projection's output and the
+  residual stream written and read once, per chip as tensor and data split them:
+  `step_report.activation_bytes`), float32 logits written and read. A ratio of 1 is a step at
+  the memory-bandwidth limit; the roofline time is what such a step would take. Only the
+  pallas_tpu lossless K=6 G=2 and verify K=16 step rows were priced with the activations in
+  must move; the other rows' must move leaves them out (their ratio is high by up to the
+  activations' share of must move: on v5p-8 at 64 rows, 11% for lossless K=6 G=2 and 19% for
+  verify K=16; a few % at 16 rows; less for narrower steps).
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
   once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is
