@@ -143,6 +143,7 @@ def test_a_small_step_compiles_for_a_v5p_slice(tmp_path):
     assert "compiled for v5p:2x2x1" in report.describe()
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_proposer_32b_compiles_for_its_v5p_slice_and_fits():
     """The paper's proposer step compiled for 256 v5p chips (minutes): XLA's peak per chip fits."""
