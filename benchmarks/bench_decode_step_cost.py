@@ -99,7 +99,12 @@ NOTES = """Notes.
   pallas_tpu lossless K=6 G=2 and verify K=16 step rows were priced with the activations in
   must move; the other rows' must move leaves them out (their ratio is high by up to the
   activations' share of must move: on v5p-8 at 64 rows, 11% for lossless K=6 G=2 and 19% for
-  verify K=16; a few % at 16 rows; less for narrower steps).
+  verify K=16; a few % at 16 rows; less for narrower steps); the v5p-8 verify K=16 row's prefill
+  and admit were priced before, without. On v6e-8 (tensor 4 or 8) libtpu keeps a wide step's
+  activations in VMEM (its fusions' outputs, up to 20 MiB each, are `S(1)` in the compiled
+  step), so there the count is not a lower bound: ratios below 1 (0.79 at verify K=16, 64 rows)
+  mean the step moves less than weights + KV + activations, not that it beats the limit. On
+  v5p-8 those outputs are in HBM.
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
   once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is
