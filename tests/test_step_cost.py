@@ -81,6 +81,18 @@ def test_the_step_must_move_its_activations():
     assert step_report.activation_bytes(CFG, 31, 2, 2) == _activation_bytes(31, 2, 2) == 4 * 31 * 2 * 1920 * 2
 
 
+def test_activations_a_layer_can_keep_in_vmem_are_left_out(model):
+    """A chip whose VMEM holds one layer's activations (written once) need not move them: the
+    bound drops them whole there, and counts them whole one byte short of that."""
+    decoder = Decoder(model, [1], DecodeOptions("ar", 1))
+    _, settings, state = step_report.stream_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS)
+    args = (decoder, settings, state, PROMPT + NEW, 1, 1)
+    layer = _activation_bytes(ROWS) // (2 * CFG.num_layers)
+    counted = step_report.must_move(*args)
+    assert counted - step_report.must_move(*args, vmem_bytes=layer) == _activation_bytes(ROWS)
+    assert step_report.must_move(*args, vmem_bytes=layer - 1) == counted
+
+
 def test_a_decode_step_moves_its_weights_and_kv_once(model):
     """One AR step of a small model (layers unrolled, so XLA:CPU reads each weight in place):
     the bytes its HLO moves are the weights, once, and the KV of the buffer (a short buffer is

@@ -37,6 +37,9 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.models.sharding import rows_per_device
 
 TOP_INSTRUCTIONS = 8  # the dearest instructions a report lists per program
+# VMEM per TensorCore (JAX's pallas tpu_info): a layer whose activations fit could keep them
+# there (libtpu does on v6e-8, see benchmarks/decode_step_cost.md), so must-move leaves them out
+CHIP_VMEM_BYTES = {"v5e": 128 * 2 ** 20, "v5p": 64 * 2 ** 20, "v6e": 128 * 2 ** 20}
 
 
 @dataclasses.dataclass
@@ -183,12 +186,12 @@ def activation_bytes(cfg: ModelConfig, tokens: int, tensor: int, itemsize: int) 
 
 
 def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: int, rows: int | None = None,
-              verifier_tokens: int | None = None) -> int:
+              verifier_tokens: int | None = None, vmem_bytes: int = 0) -> int:
     """Per chip, what a program over `rows` of `state`'s rows (default all) must move: the
     weights once, the KV of `filled` slots of each row read once and `tokens` slots of it
     written (`verifier_tokens` of the verifier's, default `tokens`), the activations of those
-    tokens (`activation_bytes`), and the float32 logits of `logits_rows` tokens per row written
-    and read once."""
+    tokens (`activation_bytes`) unless one layer's fit in `vmem_bytes`, and the float32 logits
+    of `logits_rows` tokens per row written and read once."""
     rows = settings.num_rows if rows is None else rows
     total = _weights_read(decoder, rows, tokens)
     tensor = 1 if decoder.mesh is None else decoder.mesh.shape.get("tensor", 1)
@@ -202,7 +205,9 @@ def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: i
         per_slot = _cache_bytes(cache) / _slots(cache, settings, cfg.num_layers) * rows / settings.num_rows
         total += int(per_slot * (filled + width))
         itemsize = jnp.dtype(jax.tree.leaves(state_)[0].dtype).itemsize
-        total += activation_bytes(cfg, chip_rows * width, tensor, itemsize)
+        activations = activation_bytes(cfg, chip_rows * width, tensor, itemsize)
+        if activations // (2 * cfg.num_layers) > vmem_bytes:  # one layer's, written once
+            total += activations
         vocab = cfg.vocab_size // tensor
         total += 2 * chip_rows * logits_rows * vocab * 4
     return total
@@ -284,7 +289,8 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
             trips = {"kv_chunks": kv_trips}
             cost = hlo_cost.step_cost(text, unknown_trips=kv_trips)
             need = must_move(decoder, settings, state, filled, width, logits_rows,
-                             verifier_tokens=o.block_size if o.mode == "verify" else None)
+                             verifier_tokens=o.block_size if o.mode == "verify" else None,
+                             vmem_bytes=CHIP_VMEM_BYTES.get(chip, 0))
         else:  # prefill chunks, and inside each the KV read so far (half the prompt on average)
             trips = {"prefill_chunks": prefill_chunks, "kv_chunks": max(1, kv_trips // 2)}
             cost = hlo_cost.program_cost(text, unknown_trips=lambda instr, depth: (
