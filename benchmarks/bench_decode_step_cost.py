@@ -94,17 +94,16 @@ NOTES = """Notes.
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
-  `step_report.activation_bytes`), float32 logits written and read. A ratio of 1 is a step at
-  the memory-bandwidth limit; the roofline time is what such a step would take. Only the
-  pallas_tpu lossless K=6 G=2 and verify K=16 step rows were priced with the activations in
-  must move; the other rows' must move leaves them out (their ratio is high by up to the
-  activations' share of must move: on v5p-8 at 64 rows, 11% for lossless K=6 G=2 and 19% for
-  verify K=16; a few % at 16 rows; less for narrower steps); the v5p-8 verify K=16 row's prefill
-  and admit were priced before, without. On v6e-8 (tensor 4 or 8) libtpu keeps a wide step's
-  activations in VMEM (its fusions' outputs, up to 20 MiB each, are `S(1)` in the compiled
-  step), so there the count is not a lower bound: ratios below 1 (0.79 at verify K=16, 64 rows)
-  mean the step moves less than weights + KV + activations, not that it beats the limit. On
-  v5p-8 those outputs are in HBM.
+  `step_report.activation_bytes`) unless one layer's fit the chip's VMEM (64 MiB on v5p, 128
+  MiB on v6e: XLA could keep them there, and on v6e-8 libtpu does: a wide step's fusion outputs,
+  up to 20 MiB each, are `S(1)` in the compiled step, while on v5p-8 they are in HBM), float32
+  logits written and read. Of the rows here only the 32B's in verify K=16 at 64 rows on v5p-8
+  passes that (119 MiB a layer: 14.9 GiB a step); lossless K=6 G=2 there (16 tokens a row, 61.5
+  MiB a layer) just fits, though libtpu puts it in HBM (counted, its ratio would be 1.09, paged
+  1.04). A ratio of 1 is a step at the memory-bandwidth limit; the roofline time is what such a
+  step would take. The pallas_tpu lossless K=6 G=2 and verify K=16 step rows were repriced
+  with this rule; the others (and the v5p-8 verify K=16 row's prefill and admit) were priced
+  before, activations left out, which changes only the xla verify K=16 64-row v5p-8 one.
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
   once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is
