@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_argmax.py [--preset qwen2.5-0.5b] [--repeats 9]
 
-Both pick the first index of the largest logit (tests/test_greedy_tokens.py). jnp.argmax is one
+Both pick the first index of the largest logit (tests/models/test_greedy_tokens.py). jnp.argmax is one
 (value, index) reduction; `greedy_tokens` is two plain ones (the maximum, then the smallest
 index holding it). Timed side by side, interleaved, the fastest round counting (a shared
 machine only adds time):

@@ -39,7 +39,7 @@ def scan_note(timed: list[dict], backend: str) -> str:
     return (f"Scanned decoding ran slower than unrolled here ({ran}): XLA:CPU's matmuls take whole "
             "buffers, so each step slices every layer's weights out of the stack into a copy, a "
             "second pass over the weights at a shape bound by reading them. Compiled for a TPU the "
-            "matmuls read the stack at the layer's offset, with no copy (tests/test_decode_scan.py "
+            "matmuls read the stack at the layer's offset, with no copy (tests/decoding/test_decode_scan.py "
             "checks both programs). Hence scan_layers is off by default and meant for large models "
             "on TPU, where the unrolled program's compile time grows with depth.")
 

@@ -66,7 +66,7 @@ def reading_note(rows: list[dict], kv: list[int], timed: list[dict], tpu: list[d
                    "paged Pallas kernel (`--attention pallas_tpu`) reads them in place. Extra all-reduces "
                    "of the paged programs are admission's: a row prefilled into the pool of whichever "
                    "shard it lands on is written and read by explicit shard indices, which GSPMD combines "
-                   "across the data axis; the decode step itself moves no page (tests/test_paged_kv.py, on "
+                   "across the data axis; the decode step itself moves no page (tests/models/test_paged_kv.py, on "
                    "an 8-device CPU mesh).")
     return " ".join(out)
 

@@ -178,7 +178,7 @@ def _gather_through_coordinator(mine: np.ndarray) -> np.ndarray:
     """Every host's row, through the coordination service's key-value store rather than an XLA
     collective: a first collective sets up the CPU backend's gloo context, after which a host
     that fails later leaves the others waiting in a collective with no time limit (before it,
-    they stop when setting it up times out; tests/test_decode_multihost.py)."""
+    they stop when setting it up times out; tests/decoding/test_decode_multihost.py)."""
     client = jax_distributed.global_state.client
     # a fresh key per check (every host checks as often, in the same order): a host that reads
     # while another posts its next check's facts must not get those

@@ -5,7 +5,7 @@ import os
 from prove_jax.cli.main import usage
 from prove_jax.cli import demo
 from prove_jax.decoding.sampling import SamplingParams
-from tests.test_decoding import ROOT
+from tests.decode_helpers import ROOT
 
 
 def test_the_help_names_the_modes_the_demo_runs():

@@ -10,7 +10,7 @@ import sys
 import pytest
 from uv import find_uv_bin
 
-from tests.test_decoding import ROOT
+from tests.decode_helpers import ROOT
 
 pytestmark = pytest.mark.slow
 

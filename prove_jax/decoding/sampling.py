@@ -7,7 +7,7 @@ serves any mix of greedy and sampled requests. Only what changes the program is 
 uses min-p). Temperature 0 is greedy: the row's distribution is one-hot at `greedy_tokens`.
 
 The processed distribution follows transformers' logits warpers in their order (temperature,
-top-k, top-p, min-p; tests/test_sampling.py compares them on the same logits).
+top-k, top-p, min-p; tests/decoding/test_sampling.py compares them on the same logits).
 """
 
 from __future__ import annotations

@@ -327,8 +327,8 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: tuple 
     A one-token step also writes a second, dropped slot (S + start): XLA turns a scatter of a
     single window (one row, one head, one token on a device) into an update-slice that it
     duplicates into the cache's readers, copying the buffer on every step
-    (tests/test_decode_in_place.py, tests/test_inference_mesh.py). `rules`: where the cache lies
-    (`sharding.kv_rules`).
+    (tests/decoding/test_decode_in_place.py, tests/decoding/test_inference_mesh.py).
+    `rules`: where the cache lies (`sharding.kv_rules`).
     """
     b, k, t, _ = new.shape
     new = constrain(new, KV_CACHE_AXES, rules)  # where the cache lies

@@ -27,10 +27,11 @@ def decode_matmul_form(kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[str, i
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS,
           out_dtype=None) -> jax.Array:
     """x [..., *in] times w [*out, *in] -> [..., *out], in the form `decode_matmul_form` picks:
-    weight_major w @ x^T (rows padded, `padded_dot_rows`), input_major x @ t(w) (the transpose is
-    hoisted out of the decode loop, tests/test_decode_in_place.py), or plain. The barriers keep
-    XLA from folding a form back into the plain one. `out_dtype`: the dot's accumulation and
-    result dtype (None: the operands'), e.g. float32 logits from bfloat16 weights."""
+    weight_major w @ x^T (rows padded, `padded_dot_rows`), input_major x @ t(w) (the transpose
+    is hoisted out of the decode loop, tests/decoding/test_decode_in_place.py), or plain. The
+    barriers keep XLA from folding a form back into the plain one. `out_dtype`: the dot's
+    accumulation and result dtype (None: the operands'), e.g. float32 logits from bfloat16
+    weights."""
     dot = functools.partial(jnp.tensordot, preferred_element_type=out_dtype)
     x_in = tuple(range(x.ndim - n_in, x.ndim))
     w_in = tuple(range(w.ndim - n_in, w.ndim))

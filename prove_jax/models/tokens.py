@@ -8,8 +8,8 @@ import jax.numpy as jnp
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
     """logits [..., V] -> int32 [...], exactly `jnp.argmax` (first index of the largest; NaN
-    counts as largest; tests/test_greedy_tokens.py), as two plain reductions because XLA:CPU does
-    not vectorise argmax's (value, index) one (benchmarks/argmax.md)."""
+    counts as largest; tests/models/test_greedy_tokens.py), as two plain reductions because
+    XLA:CPU does not vectorise argmax's (value, index) one (benchmarks/argmax.md)."""
     top = jnp.max(logits, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     holds_top = (logits == top) | jnp.isnan(logits)
