@@ -39,7 +39,7 @@ LAYOUTS = ((6, 2),)  # K=6,G=2: the demo's lossless layout (16 rows a step at ba
 def plain_argmax():
     """Decode steps traced inside pick tokens with jnp.argmax (the reduction before)."""
     import jax.numpy as jnp
-    from prove_jax.decoding import steps
+    from prove_jax.decoding import mode_steps as steps
     old = steps.greedy_tokens
     steps.greedy_tokens = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
     try:

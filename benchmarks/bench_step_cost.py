@@ -45,7 +45,7 @@ from prove_jax.models.config import PRESETS
 from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name, time_step_widths
 from prove_jax.timing import fastest_interleaved, timed
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.decoding.steps import head_in_one_pass
+from prove_jax.decoding.mode_steps import head_in_one_pass
 from prove_jax.models.kernels import CPU_DECODE_MAX_ROWS, KernelOptions, default_cpu_form
 from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
@@ -240,7 +240,7 @@ def markdown(models: list[dict]) -> list[str]:
         names = [k for k in layouts if any(k in r.get("decode_step_head_two_pass_ms", {}) for r in m["rows"])]
         if names:
             lines += ["", "LM head in one pass over the step's slots (the engine's choice where "
-                      "`steps.head_in_one_pass` allows it; - where it does not) / in two passes "
+                      "`mode_steps.head_in_one_pass` allows it; - where it does not) / in two passes "
                       f"over only the slots it needs, {default.title} step time (below 1: one pass "
                       "is faster):", "",
                       "| batch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

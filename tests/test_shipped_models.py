@@ -16,7 +16,7 @@ from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.decoding import DecodeOptions, KernelOptions
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
-from prove_jax.decoding.steps import head_in_one_pass
+from prove_jax.decoding.mode_steps import head_in_one_pass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     queued = dec.generate(heldout_ids, 40, batch_size=2)
     assert queued.output_ids == ref.output_ids
     assert list(queued.forwards) == list(res.forwards)  # a request's steps do not depend on its row
-    # one row at a time, K=6 with 2 groups reads the LM head in one pass (steps.head_in_one_pass):
+    # one row at a time, K=6 with 2 groups reads the LM head in one pass (mode_steps.head_in_one_pass):
     # its drafts are then taken from that pass, and they are accepted as often as before
     assert head_in_one_pass(LosslessLayout.build(6, 2), 1) and not head_in_one_pass(LosslessLayout.build(6, 2), 6)
     one_row = ar.with_options(DecodeOptions("lossless", 6, max_groups=2)).generate(heldout_ids, 40, batch_size=1)

@@ -34,7 +34,7 @@ def expected_tokens_per_forward(accept_probs: np.ndarray, k: int, groups: int | 
 
     `accept_probs[a]` = P(the first a drafts match greedy) measured with a wider block and every
     group served. A step commits its accepted prefix plus one; how many real drafts the next
-    step gets depends on the layout (`steps.lossless_step`): M when a group serves exactly the
+    step gets depends on the layout (`mode_steps.lossless_step`): M when a group serves exactly the
     accepted length a, else M - (a - j) for the largest served j <= a. That makes a Markov
     chain over the number of real drafts v, in which a row accepts min(a, v) drafts (filler
     never matches, and the shifted drafts are taken to match as often as fresh ones: optimistic

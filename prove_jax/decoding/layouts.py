@@ -25,7 +25,7 @@ class LosslessLayout:
     p0 + j + M, so the mask at p0+j+1+r stands for the unknown token after d_j and predicts the
     one after it: exactly what MARS trains (a mask at p predicts p+1, seeing clean tokens before
     the block). Capping at the real drafts (a step after a shifted commit has fewer, see
-    `steps.lossless_step`) keeps the top group on full acceptance, so the row gets a full block
+    `mode_steps.lossless_step`) keeps the top group on full acceptance, so the row gets a full block
     of fresh drafts again as soon as it accepts everything it was offered. The served lengths
     are per row, so positions and the intra-step mask are built per row ([B, T] and [B, T, T]).
     """

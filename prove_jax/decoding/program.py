@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from prove_jax.decoding import queue, steps
+from prove_jax.decoding import mode_steps, queue
 from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.options import DecodeOptions
 from prove_jax.decoding.queue import QueueState, Requests
@@ -68,14 +68,14 @@ def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int
     block_size, kernels = options.block_size, options.kernels
     if options.mode == "lossless":
         layout = LosslessLayout.build(block_size, options.max_groups)
-        return steps.lossless_step(model, state, layout=layout, mask_id=mask_id, kernels=kernels, sampler=sampler,
+        return mode_steps.lossless_step(model, state, layout=layout, mask_id=mask_id, kernels=kernels, sampler=sampler,
                                    relaxed_p=options.relaxed_p)
     if options.mode == "verify":
-        return steps.verify_step(model, verifier, state, block_size=block_size, mask_id=mask_id,
+        return mode_steps.verify_step(model, verifier, state, block_size=block_size, mask_id=mask_id,
                                  rule=options.commit_rule, tau_v=options.tau_v, head=head,
                                  head_threshold=options.head_threshold, kernels=kernels, sampler=sampler,
                                  gate=None if options.gate_tau is None else (options.confidence, options.gate_tau))
-    return steps.threshold_step(model, state, block_size=block_size, mask_id=mask_id, tau=options.tau,
+    return mode_steps.threshold_step(model, state, block_size=block_size, mask_id=mask_id, tau=options.tau,
                                 conf_kind=options.confidence, kernels=kernels, sampler=sampler)
 
 

@@ -112,7 +112,7 @@ def sample_contexts(ids, loss_mask, valid, context_len: int, key):
 class HeadExamples(NamedTuple):
     """One training batch for the head: the verifier's state at D_0..D_{K-2} (`hidden`
     [B, K-1, D], `verifier_logits` [B, K-1, V]) judging the next tokens D_1..D_{K-1}
-    (`next_tokens` [B, K-1]), as decoding feeds it (decoding/steps.py); `labels` [B, K-1] (1
+    (`next_tokens` [B, K-1]), as decoding feeds it (decoding/mode_steps.py); `labels` [B, K-1] (1
     while D_1..D_{i+1} all match the proposer's greedy AR); `used` [B]: the row had a context
     (see `sample_contexts`)."""
     hidden: jax.Array
@@ -128,7 +128,7 @@ def head_examples(proposer, verifier, ids, loss_mask, valid, key, *, context_len
     learns from. Labels are free: they come from the frozen proposer itself."""
     ctx, ctx_valid, used = sample_contexts(ids, loss_mask, valid, context_len, key)
     block, labels = propose_and_label(proposer, ctx, block_size, mask_id, ctx_valid)
-    # as decoding does (steps.verify_step): a token past the verifier's rows is read as 0 and
+    # as decoding does (mode_steps.verify_step): a token past the verifier's rows is read as 0 and
     # never committed, so a prefix through it is no target either
     verifier_block, readable = readable_tokens(block, verifier.cfg.vocab_size)
     labels = labels * jnp.cumprod(readable[:, 1:], axis=-1).astype(labels.dtype)

@@ -95,9 +95,9 @@ def _logits(objective, model, batch):
 @pytest.mark.parametrize("kind", ["text", "pairs"])
 @pytest.mark.parametrize("objective", ["mars", "ar"])
 def test_two_documents_packed_in_one_row_give_each_ones_own_losses(tok, model, objective, kind):
-    """Oracle: each document alone in its row, through the unpacked path. Mutants: a document
-    seeing the other (either stream), positions or blocks not restarting, the first document's
-    last token trained on the second's first, a token-weighted instead of per-document mean."""
+    """Oracle: each document alone in its row, through the unpacked path. Checked: no document
+    sees the other (either stream), positions and blocks restart, the first document's last
+    token is not trained on the second's first, and the mean is per document."""
     block = BLOCK if objective == "mars" else 1  # as the train loop pads (loop.data_block_size)
     packed, alone, stacked = _packed_and_alone(tok, kind, block)
     loss_p, m_p = _loss(objective, model, _as_batch(packed, PACKED_KEYS))
@@ -121,7 +121,7 @@ def test_two_documents_packed_in_one_row_give_each_ones_own_losses(tok, model, o
 
 
 def test_losses_average_per_document_then_over_documents():
-    """Mutant: packed rows averaged per row (token-weighted over its documents)."""
+    """The loss is averaged per document, then over documents (not per row, token-weighted)."""
     values = jnp.asarray([[1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 9.0, 9.0],
                           [5.0, 5.0, 5.0, 7.0, 9.0, 9.0, 9.0, 9.0]])
     weights = jnp.asarray([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]], jnp.float32)

@@ -20,7 +20,7 @@ from prove_jax.models.config import ConfigError
 from prove_jax.checkpoints.convert import hf_to_flax
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, KernelOptions, program, queue
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.decoding.steps import head_in_one_pass
+from prove_jax.decoding.mode_steps import head_in_one_pass
 from prove_jax.models.kernels import DEFAULT_KERNELS
 from prove_jax.models.attention import StepMask, causal_mask
 from prove_jax.models.qwen2 import Qwen2

@@ -19,7 +19,7 @@ HEAD_CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num
 
 def test_verifier_inputs_are_the_verifiers_ar_view_of_each_next_token():
     """docs/method.md 3d: the verifier reads [context, D] causally and its logits at D_i judge D_{i+1}
-    (decoding/steps.py feeds the head hidden[:, :-1], i.e. D_0..D_{K-2}). Oracle: a plain causal
+    (decoding/mode_steps.py feeds the head hidden[:, :-1], i.e. D_0..D_{K-2}). Oracle: a plain causal
     forward over [context, D], whose position of D_i sees exactly context + D_0..D_i."""
     from prove_jax.training.commit_head_training import verifier_inputs
     from prove_jax.models.attention import causal_mask
@@ -50,7 +50,7 @@ def test_predicted_length_is_one_plus_the_accepted_prefix():
 
 def test_commit_head_is_trained_on_the_token_each_state_judges():
     """Decoding feeds the head (verifier state at D_i, next token D_{i+1}) = (hidden[:, :-1],
-    block[:, 1:]) (decoding/steps.py); training must show it the same pairs, and learn from
+    block[:, 1:]) (decoding/mode_steps.py); training must show it the same pairs, and learn from
     those. Oracle: for each row's context (one full-length row, one left-padded), plain causal
     forwards: the proposer's block after [context, MASK x (K-1)], the verifier's hidden state at
     D_0..D_{K-2} of [context, D], and the proposer's greedy AR on [context, D] for the labels."""

@@ -80,8 +80,8 @@ def test_goodput_accounts_for_the_whole_launch(resumed_run):
 
 
 def test_goodput_clock_counts_loop_time_less_what_is_timed_inside_it():
-    """Mutants: time timed inside the loop (data, checkpoints) counted as productive, or loop
-    time before `begin_steps` counted."""
+    """Productive time is the loop's time after `begin_steps`, less what is timed inside it
+    (data, checkpoints)."""
     now = [0.0]
     g = metrics.Goodput(clock=lambda: now[0])
     with g.timing("compile"):
