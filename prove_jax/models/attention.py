@@ -99,16 +99,8 @@ def cache_axes(stacked: bool) -> tuple[str, ...]:
     return KV_CACHE_AXES
 
 
-@struct.dataclass
-class ContiguousKV:
-    """One layer's own buffers k, v [B, K, S, Dh] of a per-layer `KVCache`, as its attention
-    layer sees them (the module docstring lists the interface)."""
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def slots(self) -> int:
-        return self.k.shape[2]
+class _BufferView:
+    """What the two views of a contiguous buffer k, v [B, K, ..., Dh] share."""
 
     @property
     def page_size(self) -> int:
@@ -123,6 +115,18 @@ class ContiguousKV:
     @property
     def kernel_reads(self) -> bool:
         return True
+
+
+@struct.dataclass
+class ContiguousKV(_BufferView):
+    """One layer's own buffers k, v [B, K, S, Dh] of a per-layer `KVCache`, as its attention
+    layer sees them (the module docstring lists the interface)."""
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
 
     def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "ContiguousKV":
         """Row b's step keys and values new[b] [K, T, Dh] written at slots start[b] + [0, T)."""
@@ -145,7 +149,7 @@ class ContiguousKV:
 
 
 @struct.dataclass
-class LayerKV:
+class LayerKV(_BufferView):
     """Layer `layer`'s part of a stacked cache k, v [B, K, L * S, Dh], as a scanned layer sees
     it: it writes its step's slots into the whole buffer (in place in the scan's carry) and
     reads its own layer's (the module docstring lists the interface)."""
@@ -158,18 +162,6 @@ class LayerKV:
     def slots(self) -> int:
         """S: a layer's slots."""
         return self.k.shape[2] // self.num_layers
-
-    @property
-    def page_size(self) -> int:
-        return 1
-
-    @property
-    def rules(self):
-        return kv_rules(self.k.shape[1], self.k.shape[0])
-
-    @property
-    def kernel_reads(self) -> bool:
-        return True
 
     def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "LayerKV":
         """Row b's step keys and values written at this layer's slots start[b] + [0, T), into the

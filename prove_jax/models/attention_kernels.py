@@ -271,15 +271,29 @@ def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, 
                         pltpu.VMEM((qn, dh), jnp.float32)])
     cost = span_cost(b, k, qn, dh, visits, block, keys.dtype.itemsize, q.dtype.itemsize)
 
+    return _run_span_kernel(functools.partial(_span_kernel, scale=dh ** -0.5), grid_spec, cost,
+                            (b, k, qn, dh), nq, interpret,
+                            rows, blocks, starts, counts, lens, q, keys, values)
+
+
+def _run_span_kernel(kernel, grid_spec, cost, shape, nq: int, interpret: bool, *operands):
+    """Run a committed-span kernel over its grid (rows, kv heads, blocks) -> its unnormalised
+    output [B, K, nq, Dh], normaliser and max [B, K, nq], the queries' padding dropped."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, k, qn, dh = shape
+
     def call():  # built where it runs: interpret mode is read when the call is made
         return pl.pallas_call(
-            functools.partial(_span_kernel, scale=dh ** -0.5), grid_spec=grid_spec,
+            kernel, grid_spec=grid_spec,
             out_shape=[jax.ShapeDtypeStruct((b, k, qn, dh), jnp.float32),
                        jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32),
                        jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32)],
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary")),
             cost_estimate=cost,
-        )(rows, blocks, starts, counts, lens, q, keys, values)
+        )(*operands)
     if interpret:
         with pltpu.force_tpu_interpret_mode():
             o, l, m = call()
@@ -402,18 +416,6 @@ def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: 
                         pltpu.VMEM((qn, dh), jnp.float32)])
     cost = span_cost(b, k, qn, dh, row_pages, page, pool_k.dtype.itemsize, q.dtype.itemsize)
 
-    def call():  # built where it runs: interpret mode is read when the call is made
-        return pl.pallas_call(
-            functools.partial(_paged_kernel, scale=dh ** -0.5), grid_spec=grid_spec,
-            out_shape=[jax.ShapeDtypeStruct((b, k, qn, dh), jnp.float32),
-                       jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32),
-                       jax.ShapeDtypeStruct((b, k, qn, LANES), jnp.float32)],
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-            cost_estimate=cost,
-        )(pages, counts, lens, q, flat(pool_k), flat(pool_v))
-    if interpret:
-        with pltpu.force_tpu_interpret_mode():
-            o, l, m = call()
-    else:
-        o, l, m = call()
-    return o[:, :, :nq], l[:, :, :nq, 0], m[:, :, :nq, 0]
+    return _run_span_kernel(functools.partial(_paged_kernel, scale=dh ** -0.5), grid_spec, cost,
+                            (b, k, qn, dh), nq, interpret,
+                            pages, counts, lens, q, flat(pool_k), flat(pool_v))
