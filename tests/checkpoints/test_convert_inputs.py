@@ -11,17 +11,16 @@ import safetensors.torch
 import torch
 import transformers
 
-from tests.hf_models import make_hf_qwen2
+from tests.hf_models import make_hf_qwen2, our_logits, random_tokens, reload_hf, torch_logits
 from prove_jax.checkpoints import convert
 from prove_jax.checkpoints.checkpoint import load_model
 from prove_jax.models.config import ConfigError
-from tests.models.test_parity import _tokens, our_logits, reload_hf, torch_logits
 
 
 def _converted_error(hf_dir, ckpt) -> float:
     """Max |logit| difference between transformers' load of hf_dir and our conversion of it."""
     convert.hf_to_flax(str(hf_dir), str(ckpt))
-    tokens = _tokens(length=32)
+    tokens = random_tokens(length=32)
     return np.abs(our_logits(load_model(str(ckpt)), tokens) - torch_logits(reload_hf(hf_dir), tokens)).max()
 
 

@@ -13,12 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from tests.hf_models import make_hf_qwen2
+from tests.hf_models import make_hf_qwen2, our_logits, random_tokens, reload_hf, torch_logits
 from prove_jax.checkpoints import convert
 from prove_jax.checkpoints.checkpoint import load_model
-from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import flat_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,20 +35,7 @@ CONFIGS = {
 }
 
 
-def _tokens(batch=2, length=24, vocab=256, seed=0):
-    return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype(np.int32)
 
-
-def torch_logits(hf_model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def our_logits(model, tokens) -> np.ndarray:
-    b, t = tokens.shape
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    logits, _ = model(jnp.asarray(tokens), jnp.asarray(positions), causal_mask(b, t))
-    return np.asarray(logits)
 
 
 def run_cli(*args):
@@ -59,11 +44,6 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "prove_jax", "convert", *args], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=120)
 
-
-def reload_hf(hf_dir):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model.eval()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -75,7 +55,7 @@ def test_hf_to_flax_logits_match_torch_and_round_trip(tmp_path, name):
     assert cfg.head_dim == overrides.get("head_dim", 64 // overrides["num_attention_heads"])
     assert cfg.tie_word_embeddings == overrides["tie_word_embeddings"]
 
-    tokens = _tokens()
+    tokens = random_tokens()
     ref = torch_logits(hf, tokens)
     ours = our_logits(load_model(str(tmp_path / "ckpt")), tokens)
     assert ours.shape == ref.shape
@@ -108,7 +88,7 @@ def test_top_level_rope_theta_only(tmp_path):
     cfg = convert.hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     assert cfg.rope_theta == 1e6
     assert cfg.eos_token_ids == (1, 2)
-    tokens = _tokens(length=40)  # long enough that theta 1e4 vs 1e6 differs visibly
+    tokens = random_tokens(length=40)  # long enough that theta 1e4 vs 1e6 differs visibly
     err = np.abs(our_logits(load_model(str(tmp_path / "ckpt")), tokens) - torch_logits(hf, tokens)).max()
     assert err <= 1e-4, err
 
@@ -146,7 +126,7 @@ def test_cli_bfloat16_argmax_agreement_and_cli_round_trip(tmp_path):
     model = load_model(str(tmp_path / "bf16"))
     assert flat_params(model)["embed"].dtype == jnp.bfloat16
 
-    tokens = _tokens(batch=4, length=64, seed=1)
+    tokens = random_tokens(batch=4, length=64, seed=1)
     ref = torch_logits(hf, tokens).argmax(-1)
     agree = (our_logits(model, tokens).argmax(-1) == ref).mean()
     assert agree >= 0.99, agree

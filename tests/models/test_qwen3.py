@@ -46,7 +46,7 @@ from prove_jax.training.commit_head_training import propose_and_label, train_com
 from prove_jax.training.config import TrainConfigError, load_config
 from prove_jax.training.loop import train
 from prove_jax.training.run_tokenizer import resolve_tokenizer
-from tests.hf_models import hf_greedy
+from tests.hf_models import hf_greedy, our_logits, random_tokens, torch_logits, torch_loss
 from tests.tokenizers_fixture import make_tokenizer
 from tests.train_helpers import tiny_config
 
@@ -70,20 +70,7 @@ def make_hf_qwen3(out_dir, seed: int = 0, **overrides) -> transformers.Qwen3ForC
     return model
 
 
-def _tokens(batch=2, length=24, seed=0):
-    return np.random.RandomState(seed).randint(0, 256, (batch, length)).astype(np.int32)
 
-
-def torch_logits(hf_model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def our_logits(model, tokens) -> np.ndarray:
-    b, t = tokens.shape
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    logits, _ = model(jnp.asarray(tokens), jnp.asarray(positions), causal_mask(b, t))
-    return np.asarray(logits)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +86,7 @@ def test_tied_logits_match_transformers_and_greedy_generate_is_ar_and_lossless(p
     hf, _, ours_dir = pair
     ours = load_model(str(ours_dir))
     assert ours.cfg.model_type == "qwen3" and ours.cfg.head_dim == 24 and ours.cfg.tie_word_embeddings
-    tokens = _tokens()
+    tokens = random_tokens()
     err = np.abs(our_logits(ours, tokens) - torch_logits(hf, tokens)).max()
     assert err <= 1e-4, err
 
@@ -136,7 +123,7 @@ def test_untied_gqa4_round_trip_through_transformers(tmp_path):
     cfg = convert.hf_to_flax(str(tmp_path / "hf"), str(tmp_path / "ours"))
     assert (cfg.model_type, cfg.rope_theta, cfg.tie_word_embeddings) == ("qwen3", 1e6, False)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
-    tokens = _tokens(length=40, seed=1)  # long enough that theta 1e4 vs 1e6 differs visibly
+    tokens = random_tokens(length=40, seed=1)  # long enough that theta 1e4 vs 1e6 differs visibly
     ref = torch_logits(hf, tokens)
     ours = load_model(str(tmp_path / "ours"))
     assert not any(k.endswith("_bias") for k in flat_params(ours))
@@ -163,7 +150,7 @@ def test_a_qwen3_model_inflates_keeping_its_head_dim(pair, tmp_path):
     save_model(str(tmp_path / "big"), inflate(small, shape))
     convert.flax_to_hf(str(tmp_path / "big"), str(tmp_path / "big_hf"))
     big = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "big_hf")).eval()
-    tokens = _tokens(seed=5)
+    tokens = random_tokens(seed=5)
     assert np.abs(torch_logits(big, tokens) - torch_logits(hf, tokens)).max() <= 1e-4
     with pytest.raises(ConfigError, match="head_dim 32 != 24"):
         inflated_config(small.cfg, shape.replace(head_dim=32))
@@ -187,17 +174,6 @@ def test_presets_are_transformers_models_of_the_published_sizes():
             assert abs(cfg.num_params - published[name]) / published[name] < 0.02, (name, cfg.num_params)
 
 
-def _torch_loss(hf_model, batch) -> float:
-    """AR loss, averaged per sequence over trained targets, then over sequences (as training's)."""
-    ids = torch.tensor(batch["input_ids"], dtype=torch.long)
-    with torch.no_grad():
-        logits = hf_model(ids, attention_mask=torch.tensor(batch["valid"], dtype=torch.long)).logits
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
-                                            reduction="none").numpy()
-    w = (batch["loss_mask"] & batch["valid"])[:, 1:].astype(np.float64)
-    per_seq = (nll * w).sum(1) / np.maximum(w.sum(1), 1)
-    return float(per_seq[w.sum(1) > 0].mean())
-
 
 def test_mars_finetune_from_an_hf_qwen3_dir(tmp_path):
     """MARS from a Qwen3 directory converted on the fly: the first step's clean-stream loss is
@@ -211,7 +187,7 @@ def test_mars_finetune_from_an_hf_qwen3_dir(tmp_path):
     first_batch = next(data_lib.make_dataset(
         cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
         global_batch_size=cfg.global_batch_size, seed=cfg.seed, process_index=0, process_count=1))
-    np.testing.assert_allclose(result.records[0]["loss_clean"], _torch_loss(hf, first_batch), rtol=2e-5)
+    np.testing.assert_allclose(result.records[0]["loss_clean"], torch_loss(hf, first_batch), rtol=2e-5)
     assert result.records[-1]["loss"] < result.records[0]["loss"]
     trained = load_model(result.model_dir).cfg
     assert trained.model_type == "qwen3" and trained.mask_token_id is not None
@@ -314,7 +290,7 @@ def test_sharded_forward_matches_transformers_and_qk_norms_are_replicated(pair):
     specs = {k: v.sharding.spec for k, v in flat_params(sharded).items()}
     assert specs["layers.0.attn.q_norm.weight"] == P() and specs["layers.1.attn.k_norm.weight"] == P()
     assert specs["layers.0.attn.q_kernel"] == P("tensor", None, "fsdp")
-    tokens = _tokens(batch=4, length=16, seed=2)
+    tokens = random_tokens(batch=4, length=16, seed=2)
     batch = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", "sequence"), tokens.shape, mesh))
     with jax.set_mesh(mesh):
         t = jax.device_put(jnp.asarray(tokens), batch)

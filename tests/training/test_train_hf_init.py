@@ -11,21 +11,9 @@ from prove_jax.checkpoints import checkpoint
 from prove_jax.data import pipeline as data_lib
 from prove_jax.training.loop import train
 from prove_jax.training.run_tokenizer import resolve_tokenizer
-from tests.hf_models import make_hf_qwen2
+from tests.hf_models import make_hf_qwen2, torch_loss
 from tests.train_helpers import tiny_config
 
-
-def _torch_loss(hf_model, batch) -> float:
-    """AR loss, averaged per sequence over trained targets, then over sequences."""
-    ids = torch.tensor(batch["input_ids"], dtype=torch.long)
-    with torch.no_grad():
-        logits = hf_model(ids, attention_mask=torch.tensor(batch["valid"], dtype=torch.long)).logits
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
-                                            reduction="none").numpy()
-    w = (batch["loss_mask"] & batch["valid"])[:, 1:].astype(np.float64)
-    per_seq = (nll * w).sum(1) / np.maximum(w.sum(1), 1)
-    has = w.sum(1) > 0
-    return float(per_seq[has].mean())
 
 
 def test_ar_finetune_from_hf_dir_starts_at_transformers_loss(tmp_path):
@@ -37,7 +25,7 @@ def test_ar_finetune_from_hf_dir_starts_at_transformers_loss(tmp_path):
     first_batch = next(data_lib.make_dataset(
         cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
         global_batch_size=cfg.global_batch_size, seed=cfg.seed, process_index=0, process_count=1))
-    np.testing.assert_allclose(result.records[0]["loss"], _torch_loss(hf, first_batch), rtol=2e-5)
+    np.testing.assert_allclose(result.records[0]["loss"], torch_loss(hf, first_batch), rtol=2e-5)
     assert result.records[-1]["loss"] < result.records[0]["loss"]
     assert checkpoint.load_model(result.model_dir).cfg.mask_token_id is None  # AR: vocab untouched
 
