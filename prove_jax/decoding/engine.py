@@ -147,13 +147,34 @@ class Decoder:
         self.eos_ids = np.asarray(list(eos_ids) or [-1], np.int32)
         self.mesh = mesh
         self.pad_id = pad_id
-        self._compiled: dict = {}  # (ProgramSettings, queue size, prompt width) -> (compiled, seconds)
-        self._stream_compiled: dict = {}  # the programs of `stream` (stream.DecodeStream._compiled)
+        # every program this decoder compiled, generate's and stream's: key -> (compiled, seconds);
+        # a key starts with the program's name ("run": generate's whole decode)
+        self._programs: dict = {}
 
     @property
     def trace_count(self) -> int:
-        """Programs this decoder has compiled (each cache entry was traced once)."""
-        return len(self._compiled)
+        """Programs `generate` has compiled on this decoder (each was traced once)."""
+        return len(self.programs("run"))
+
+    @property
+    def program_count(self) -> int:
+        """Programs this decoder has compiled, `generate`'s and `stream`'s."""
+        return len(self._programs)
+
+    def programs(self, name: str) -> list[tuple[tuple, object]]:
+        """(key, compiled program) of each program named `name` this decoder has compiled:
+        "run" (`generate`), or `stream`'s "start", "chunk" and "admit"."""
+        return [(key, entry[0]) for key, entry in self._programs.items() if key[0] == name]
+
+    def compile_once(self, key: tuple, build) -> tuple[object, float]:
+        """(the program `key` names, seconds spent compiling it now: 0 when it was cached);
+        `build()` lowers and compiles it the first time."""
+        if key in self._programs:
+            return self._programs[key][0], 0.0
+        start = time.perf_counter()
+        compiled = build()
+        self._programs[key] = (compiled, time.perf_counter() - start)
+        return self._programs[key]
 
     def with_options(self, options: DecodeOptions) -> "Decoder":
         """The same models and settings decoding with other options (its own compile cache)."""
@@ -167,7 +188,7 @@ class Decoder:
             if self.verifier_graphdef is not None:
                 other.verifier_graphdef, other.verifier_state = _split(
                     nnx.merge(self.verifier_graphdef, self.verifier_state), options.scan_layers)
-        other._compiled, other._stream_compiled = {}, {}
+        other._programs = {}
         return other
 
     # ---- shapes -----------------------------------------------------------------------------
@@ -183,13 +204,14 @@ class Decoder:
         to whole shards of data x tensor instead where that lowers the KV each device holds:
         that model's cache then splits over rows (`sharding.kv_rules`), so 12 rows of a 2-head
         verifier on v6e-8 become 16 and each chip holds 2 rows' cache, not 12."""
-        rows = _round_up(min(batch_size, num_requests), self._data_size())
+        rows = _round_up(min(batch_size, num_requests), self.data_shards())
         if self.mesh is None or self.options.page_size is not None:
             return rows
         split = _round_up(rows, batch_shards(self.mesh, ROW_SPLIT_RULES))
         return split if self._kv_per_device(split) < self._kv_per_device(rows) else rows
 
-    def _data_size(self) -> int:
+    def data_shards(self) -> int:
+        """Data shards the rows split over (1 without a mesh)."""
         return 1 if self.mesh is None else batch_shards(self.mesh)
 
     def admission_shards(self, rows: int) -> int:
@@ -200,7 +222,7 @@ class Decoder:
         hold its row (`program.admit_rows`, stream.py)."""
         if self.mesh is None:
             return 1
-        shards = self._data_size()
+        shards = self.data_shards()
         if self.options.page_size is None:
             cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
             shards = max([shards] + [batch_shards(self.mesh, kv_rules(c.num_kv_heads, rows, self.mesh)) for c in cfgs])
@@ -235,13 +257,8 @@ class Decoder:
     def _compiled_for(self, settings: ProgramSettings, args):
         """(compiled program, seconds spent compiling it now: 0 when it was cached)."""
         requests = args[3]
-        key = (settings, requests.prompts.shape, requests.stop_ids.shape)
-        if key not in self._compiled:
-            start = time.perf_counter()
-            compiled = self._build(settings).lower(*args).compile()
-            self._compiled[key] = (compiled, time.perf_counter() - start)
-            return self._compiled[key]
-        return self._compiled[key][0], 0.0
+        key = ("run", settings, requests.prompts.shape, requests.stop_ids.shape)
+        return self.compile_once(key, lambda: self._build(settings).lower(*args).compile())
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -311,7 +328,7 @@ class Decoder:
         rows, num_slots = settings.num_rows, settings.num_slots
         args = [self.state, self.verifier_state, self.head_state, requests]
         if self.mesh is not None:
-            args[3] = jax.device_put(args[3], self._batch_sharding())
+            args[3] = jax.device_put(args[3], self.batch_sharding())
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             compiled, compile_seconds = self._compiled_for(settings, args)
             memory.check_fits(compiled, memory.local_devices(self.mesh),
@@ -364,7 +381,7 @@ class Decoder:
         call = self._call(prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, 0)
         requests = call.requests
         if self.mesh is not None:  # placed abstractly: the mesh's devices may not be attached
-            batch = self._batch_sharding()
+            batch = self.batch_sharding()
             requests = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch), requests)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             return self._build(call.settings).lower(self.state, self.verifier_state, self.head_state, requests)
@@ -432,27 +449,27 @@ class Decoder:
             return 0
         if self.options.kv_pages is None:
             return rows * int(self.pages_needed([len(p) for p in prompts], budgets).max())
-        return self._pages_per_shard() * self._data_size()
+        return self.pages_per_shard() * self.data_shards()
 
-    def _pages_per_shard(self) -> int:
+    def pages_per_shard(self) -> int:
         """Pages of each data shard's pool with options.kv_pages (split evenly, rounded up)."""
-        return -(-self.options.kv_pages // self._data_size())
+        return -(-self.options.kv_pages // self.data_shards())
 
     def _pool_problem(self, prompt_len: int, budget: int) -> str | None:
         """Why a request of `prompt_len` tokens and `budget` new ones can never be admitted to
         the paged pool options.kv_pages sizes (a phrase following "request X"), or None."""
         if self.options.page_size is None or self.options.kv_pages is None:
             return None
-        need, per_shard = int(self.pages_needed(prompt_len, budget)), self._pages_per_shard()
+        need, per_shard = int(self.pages_needed(prompt_len, budget)), self.pages_per_shard()
         if need <= per_shard:
             return None
-        shards = self._data_size()
+        shards = self.data_shards()
         pool = (f"the pool's {per_shard}" if shards == 1 else
                 f"each of the {shards} data shards' pools ({per_shard} of --kv-pages {self.options.kv_pages})")
         return (f"needs {need} KV pages of {self.options.page_size} slots ({prompt_len} prompt tokens + "
                 f"{budget} new), more than {pool}: raise --kv-pages or lower --max-new-tokens")
 
-    def _batch_sharding(self):
+    def batch_sharding(self):
         """Requests and rows split over the mesh's batch axes; None without a mesh."""
         if self.mesh is None:
             return None

@@ -216,6 +216,12 @@ def decode_loop(model, verifier, head, requests: Requests, settings: ProgramSett
     return state, queue.finish(state, queue_state)
 
 
+def merge_models(*parts):
+    """The modules of (graph definition, state) pairs (`nnx.split`), None where a graph
+    definition is None (no verifier, no commit head)."""
+    return tuple(None if graphdef is None else nnx.merge(graphdef, state) for graphdef, state in parts)
+
+
 def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings,
                 params, verifier_params, head_params, requests: Requests):
     """The whole decode of a queue: the function `Decoder` jits, with the graph definitions and
@@ -224,9 +230,8 @@ def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSet
     Returns the per-request results (queue.QueueState: tokens, lengths, counters, the optional
     step trace and logprobs) and the loop's step count.
     """
-    model = nnx.merge(graphdef, params)
-    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
-    head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
+    model, verifier, head = merge_models((graphdef, params), (verifier_graphdef, verifier_params),
+                                         (head_graphdef, head_params))
     state, queue_state = decode_loop(model, verifier, head, requests, settings)
     return queue_state, state.step
 
@@ -295,8 +300,7 @@ def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, v
     padding request's row is B), so each is prefilled where its row lies and nothing crosses the
     data axis (`put_admitted`). A paged pool first takes back the pages of every finished row;
     each block's rows take their shard's pages. The host admits only what fits (stream.py)."""
-    model = nnx.merge(graphdef, params)
-    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
+    model, verifier = merge_models((graphdef, params), (verifier_graphdef, verifier_params))
     pool = verifier_pool = None
     if settings.options.page_size is not None:
         state = queue.release_done(state)
@@ -314,9 +318,8 @@ def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSetti
     already done then (idle, waiting for a request or for free pages) do not end the chunk."""
     state = state.replace(done=state.done | finish)
     idle = jnp.sum(state.done)
-    model = nnx.merge(graphdef, params)
-    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
-    head = nnx.merge(head_graphdef, head_params) if head_graphdef is not None else None
+    model, verifier, head = merge_models((graphdef, params), (verifier_graphdef, verifier_params),
+                                         (head_graphdef, head_params))
 
     def more(carry):
         state, n = carry
@@ -335,6 +338,5 @@ def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSetti
 def start_batch(graphdef, verifier_graphdef, settings: ProgramSettings, params, verifier_params,
                 requests: Requests) -> LoopState:
     """The loop state of rows serving `requests` (a row with no budget starts done)."""
-    model = nnx.merge(graphdef, params)
-    verifier = nnx.merge(verifier_graphdef, verifier_params) if verifier_graphdef is not None else None
+    model, verifier = merge_models((graphdef, params), (verifier_graphdef, verifier_params))
     return start_rows(model, verifier, requests, settings)

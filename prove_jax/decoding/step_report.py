@@ -128,8 +128,8 @@ def stream_programs(decoder, prompts, new_tokens: int, batch: int):
     "admit" (`admit_rows` of one request per data shard, the smallest admission)."""
     stream = decoder.stream(prompts, new_tokens, batch_size=batch)
     settings, mesh = stream.settings, decoder.mesh
-    rows, shards = settings.num_rows, decoder._data_size()
-    batch_sharding = decoder._batch_sharding()
+    rows, shards = settings.num_rows, decoder.data_shards()
+    batch_sharding = decoder.batch_sharding()
     replicated = None if mesh is None else NamedSharding(mesh, P())
     bound = (decoder.graphdef, decoder.verifier_graphdef)
     start = functools.partial(program.start_batch, *bound, settings)
@@ -195,7 +195,7 @@ def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: i
     rows = settings.num_rows if rows is None else rows
     total = _weights_read(decoder, rows, tokens)
     tensor = 1 if decoder.mesh is None else decoder.mesh.shape.get("tensor", 1)
-    chip_rows = max(1, rows // decoder._data_size())
+    chip_rows = max(1, rows // decoder.data_shards())
     verifier_tokens = tokens if verifier_tokens is None else verifier_tokens
     for cache, cfg, state_, width in ((state.cache, decoder.cfg, decoder.state, tokens),
                                       (state.verifier_cache, decoder.verifier_cfg, decoder.verifier_state,
@@ -295,7 +295,7 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
             trips = {"prefill_chunks": prefill_chunks, "kv_chunks": max(1, kv_trips // 2)}
             cost = hlo_cost.program_cost(text, unknown_trips=lambda instr, depth: (
                 prefill_chunks if depth == 0 else trips["kv_chunks"]))
-            admitted = settings.num_rows if name == "prefill" else decoder._data_size()
+            admitted = settings.num_rows if name == "prefill" else decoder.data_shards()
             need = must_move(decoder, settings, state, 0, prompt_len, 1, rows=admitted)
         report.programs.append(ProgramCost(
             name=name, hbm_bytes=cost.bytes, min_hbm_bytes=need, flops=cost.flops,

@@ -139,11 +139,11 @@ class DecodeStream:
         """The program `name` for `size` requests at once (its other shapes follow settings)."""
         dec = self.decoder
         key = (name, size, self.settings, self.requests.prompts.shape[1], self.requests.stop_ids.shape[1])
-        if key not in dec._stream_compiled:
+
+        def build():
             what = {"start": "the first rows' prefill", "chunk": "the decode step",
                     "admit": f"the prefill of {size} admitted request(s)"}[name]
             self.log(f"compiling {what} ...")
-            start = time.perf_counter()
             # with a mesh every program returns the state split over the batch axes, as it takes it
             kw = {} if self._state_sharding is None else {"out_shardings": self._state_sharding}
             compiled = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
@@ -153,9 +153,10 @@ class DecodeStream:
                                   f"slots (KV caches and loop state, beyond the weights)", error=DecodeError,
                                   advice="lower --batch-size or --max-new-tokens, or shard the batch over "
                                          "more devices")
-            dec._stream_compiled[key] = compiled
-            self.compile_seconds += time.perf_counter() - start
-        return dec._stream_compiled[key]
+            return compiled
+        compiled, seconds = dec.compile_once(key, build)
+        self.compile_seconds += seconds
+        return compiled
 
     # a --profile trace: each chunk of decode steps is one of its steps (prove_jax/profiling.py)
     profile: StepProfile = StepProfile(None, "decode_chunk")
@@ -179,7 +180,7 @@ class DecodeStream:
         return start, admit, chunk
 
     def _take(self, indices: list[int]) -> Requests:
-        sharding = self.decoder._batch_sharding()
+        sharding = self.decoder.batch_sharding()
         part = jax.tree.map(lambda x: x[np.asarray(indices)], self.requests)
         return part if sharding is None else jax.device_put(part, sharding)
 
@@ -200,7 +201,7 @@ class DecodeStream:
         with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
             first = self._take([i if i >= 0 else dummy for i in serving])
             if dec.mesh is not None:
-                self._state_sharding = state_sharding(dec._batch_sharding(),
+                self._state_sharding = state_sharding(dec.batch_sharding(),
                                                       jax.eval_shape(start_fn, params, vparams, first))
             state = self._run("start", rows, start_fn, params, vparams, first)
             seen = [int(self.requests.prompt_len[i]) if i >= 0 else 0 for i in serving]
@@ -281,7 +282,7 @@ class DecodeStream:
         if self._needs is None:  # each request's pages, once
             self._needs = self.decoder.pages_needed(self.requests.prompt_len, self.requests.max_new).tolist()
         need = self._needs
-        rows, shards = self.settings.num_rows, self.decoder._data_size()  # rows: whole shards (Decoder.rows)
+        rows, shards = self.settings.num_rows, self.decoder.data_shards()  # rows: whole shards (Decoder.rows)
         home = lambda r: r // (rows // shards)  # noqa: E731
         used = [0] * shards
         for r, i in enumerate(serving):
@@ -303,7 +304,7 @@ class DecodeStream:
         nowhere. The requests go in blocks, one per row shard (`Decoder.admission_shards`),
         each padded to the fullest block's bucket: every row is prefilled where it lies."""
         rows, dec = self.settings.num_rows, self.decoder
-        fine, coarse = dec.admission_shards(rows), dec._data_size()
+        fine, coarse = dec.admission_shards(rows), dec.data_shards()
         placed = self._placements(_spread(free, rows // fine), waiting, serving)
         if not placed:
             return state
@@ -375,7 +376,7 @@ class OpenStream(DecodeStream):
                          sampling=None if sampler is None else RowSampling.from_params([GREEDY] * n, [0] * n))
         pages = 0
         if options.page_size is not None:
-            pages = (decoder._pages_per_shard() * decoder._data_size() if options.kv_pages is not None
+            pages = (decoder.pages_per_shard() * decoder.data_shards() if options.kv_pages is not None
                      else rows * int(decoder.pages_needed(max_prompt_tokens, max_new_tokens)))
         settings = dataclasses.replace(decoder.program_settings(options, rows, decoder.buffer_len(width, max_new_tokens)),
                                        sampler=sampler, num_pages=pages)
@@ -477,10 +478,10 @@ class OpenStream(DecodeStream):
         with self._mesh():
             first = self._take([dummy] * rows)
             if dec.mesh is not None:
-                self._state_sharding = state_sharding(dec._batch_sharding(),
+                self._state_sharding = state_sharding(dec.batch_sharding(),
                                                       jax.eval_shape(start_fn, params, vparams, first))
             self._state = self._run("start", rows, start_fn, params, vparams, first)
-            for size in _buckets(rows, dec._data_size()):
+            for size in _buckets(rows, dec.data_shards()):
                 self._compiled("admit", size, admit_fn, (params, vparams, self._state, self._take([dummy] * size),
                                                           np.full((size,), rows, np.int32)), donate=(2,))
             self._state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, self._state, np.int32(1),

@@ -121,7 +121,7 @@ class Engine:
             queue_depth=lambda: (self.stream.waiting if self.stream else 0) + self._pending,
             running=lambda: self.stream.running if self.stream else 0,
             steps=lambda: self.stream.steps if self.stream else 0,
-            compiled=lambda: len(self.decoder._stream_compiled) if self.decoder else 0)
+            compiled=lambda: self.decoder.program_count if self.decoder else 0)
 
     # ---- the HTTP side (any thread) -------------------------------------------------------
 
@@ -180,7 +180,7 @@ class Engine:
                                      chunk_steps=o.chunk_steps, log=self.log)
             start = time.perf_counter()
             self.stream.warm_up()
-            self.log(f"compiled {len(self.decoder._stream_compiled)} programs in "
+            self.log(f"compiled {self.decoder.program_count} programs in "
                      f"{time.perf_counter() - start:.1f}s; serving {self.stream.settings.num_rows} "
                      "rows")
         except Exception as e:  # noqa: BLE001 - reported as the server's error, then it exits

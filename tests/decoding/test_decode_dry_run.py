@@ -30,7 +30,7 @@ def test_lower_gives_the_program_generate_runs(mode):
     decoder = Decoder(create_model(CFG, seed=0), [1], DecodeOptions(mode, 4))
     prompts = [[2, 3, 4], [5, 6, 7, 8, 9]]
     decoder.generate(prompts, 12, batch_size=2)
-    (ran, _), = decoder._compiled.values()
+    ((_, ran),) = decoder.programs("run")
     assert _program(decoder.lower(prompts, 12, batch_size=2).compile().as_text()) == _program(ran.as_text())
 
 

@@ -92,7 +92,7 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
     prompts = [list(range(2, 2 + n)) for n in np.resize([3, 5, 4, 6], queue)]
     result = decoder.generate(prompts, 40, batch_size=rows)
     assert all(len(out) > 0 for out in result.output_ids)
-    (compiled, _), = decoder._compiled.values()
+    ((_, compiled),) = decoder.programs("run")
     hlo = compiled.as_text()
     assert "while" in hlo
     n_slots = decoder.buffer_len(16, 40)  # prompts pad to 16
@@ -117,7 +117,7 @@ def test_chunked_cache_read_never_copies_the_kv_cache(models, options, width):
     prompts = [list(range(2, 2 + n)) for n in (3, 5, 4, 6)]
     result = decoder.generate(prompts, 500, batch_size=2)
     assert all(len(out) > 0 for out in result.output_ids)
-    (compiled, _), = decoder._compiled.values()
+    ((_, compiled),) = decoder.programs("run")
     slots = decoder.buffer_len(16, 500) + width
     assert cache_chunk(slots) < slots  # read in chunks
     moves = moves_of_shape(compiled.as_text(), (2, CFG.num_kv_heads, slots, CFG.head_dim))
@@ -133,7 +133,7 @@ def test_decode_loop_never_moves_a_weight(models, form):
     decoder = Decoder(proposer, [1], options)
     result = decoder.generate([[2, 3, 4]], 40, batch_size=1)
     assert len(result.output_ids[0]) > 0
-    (compiled, _), = decoder._compiled.values()
+    ((_, compiled),) = decoder.programs("run")
     hlo = compiled.as_text()
     weights = {tuple(x.shape) for x in jax.tree.leaves(nnx.state(proposer, nnx.Param)) if x.ndim > 1}
     assert (CFG.intermediate_size, CFG.hidden_size) in weights  # gate/up kernels [F, D]

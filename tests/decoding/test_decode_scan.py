@@ -109,7 +109,7 @@ def test_the_scanned_loop_never_copies_the_stacked_cache(models, mode, new_token
     decoder = Decoder(models[0], [1], options)
     result = decoder.generate(_prompts(4), new_tokens, batch_size=2)
     assert all(len(out) > 0 for out in result.output_ids)
-    (compiled, _), = decoder._compiled.values()
+    ((_, compiled),) = decoder.programs("run")
     hlo = compiled.as_text()
     slots = decoder.buffer_len(16, new_tokens) + {"ar": 1, "lossless": 10}[mode]
     stacked = (2, CFG.num_kv_heads, CFG.num_layers * slots, CFG.head_dim)  # every layer's slots, one axis
@@ -155,7 +155,7 @@ def test_scanned_decode_on_a_tensor_mesh_gathers_nothing_and_equals_one_device()
             streamed[event.index] = event.output.output_ids
     assert [streamed[i] for i in range(len(PROMPTS))] == want
     assert decoder.generate(PROMPTS, NEW, batch_size=2).output_ids == want
-    (compiled,) = [c for key, c in decoder._stream_compiled.items() if key[0] == "chunk"]
+    (compiled,) = [c for key, c in decoder.programs("chunk")]
     found = collectives(compiled.as_text())
     assert {op for op, _, _ in found} == {"all-reduce"}, found
     hidden = [c for c in found if c[1] == "f32" and MESH_CFG.hidden_size in c[2]]

@@ -114,7 +114,7 @@ def test_a_large_batch_reads_a_short_buffer_in_short_chunks(tmp_path):
     chunk = cache_chunk(slots, rows=rows)
     assert chunk < slots == cache_chunk(slots)
     assert dec.generate(prompts, 8).output_ids == hf_greedy(hf, prompts, 8, eos_id=5)
-    (compiled, _), = dec._compiled.values()
+    ((_, compiled),) = dec.programs("run")
     cfg = ours.cfg
     assert re.search(rf"f32\[{rows},{cfg.num_kv_heads},{chunk},{cfg.head_dim}\]", compiled.as_text())
     model = create_model(CFG, seed=3)
@@ -377,10 +377,10 @@ def test_kernel_options_key_the_compiled_program(model, ar_out, monkeypatch, ker
     second = first.with_options(dataclasses.replace(base, kernels=kernels_b))
     results = [dec.generate(random_prompts(), 24, batch_size=1) for dec in (first, second)]
     assert len(traces) == 2 and [dec.trace_count for dec in (first, second)] == [1, 1]
-    (key_a, (compiled_a, _)), = first._compiled.items()
-    (key_b, (compiled_b, _)), = second._compiled.items()
-    assert key_a != key_b and key_a[1:] == key_b[1:]
-    settings_a, settings_b = key_a[0], key_b[0]
+    (key_a, compiled_a), = first.programs("run")
+    (key_b, compiled_b), = second.programs("run")
+    assert key_a != key_b and key_a[2:] == key_b[2:]  # ("run", settings, shapes...)
+    settings_a, settings_b = key_a[1], key_b[1]
     assert (settings_a.options.kernels, settings_b.options.kernels) == (kernels_a, kernels_b)
     assert dataclasses.replace(settings_a, options=dataclasses.replace(settings_a.options, kernels=kernels_b)) == settings_b
     assert compiled_a.as_text() != compiled_b.as_text()

@@ -46,7 +46,7 @@ GATHERS = ("all-gather", "all-to-all", "reduce-scatter")
 
 def admissions(decoder):
     """(settings, HLO text) of every admission program the decoder's stream compiled."""
-    found = [(key[2], c.as_text()) for key, c in decoder._stream_compiled.items() if key[0] == "admit"]
+    found = [(key[2], c.as_text()) for key, c in decoder.programs("admit")]
     assert found, "the stream admitted nothing: the test no longer covers admission"
     return found
 
@@ -75,7 +75,7 @@ def _stream(decoder, rows=4):
 
 def _chunk_program(decoder):
     """The compiled decode step of the stream's last run: up to N steps in a while loop."""
-    (compiled,) = [c for key, c in decoder._stream_compiled.items() if key[0] == "chunk"]
+    (compiled,) = [c for key, c in decoder.programs("chunk")]
     return compiled
 
 
@@ -123,7 +123,7 @@ def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(mode
     state = compiled.output_shardings
     for buffers in (state.cache.k, state.cache.v):
         assert all(s.spec == P("data", "tensor") for s in buffers), [s.spec for s in buffers]
-    (key,) = [key for key in decoder._stream_compiled if key[0] == "chunk"]
+    (key,) = [key for key, _ in decoder.programs("chunk")]
     local = (rows // 2, 1, key[2].num_slots + step_shape(key[2].options)[0], CFG.head_dim)
     assert "f32[{},{},{},{}]".format(*local) in hlo
     assert not moves_of_shape(hlo, local)

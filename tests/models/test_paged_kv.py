@@ -188,7 +188,7 @@ def test_scanned_layers_carry_stacked_pools_in_place(models, prompts):
         if event.output is not None:
             streamed[event.index] = event.output.output_ids
     assert [streamed[i] for i in range(len(prompts))] == want
-    (compiled, _), = decoder._compiled.values()
+    ((_, compiled),) = decoder.programs("run")
     hlo = compiled.as_text()
     pool = (1, CFG.num_kv_heads, 3, 16, 8, CFG.head_dim)
     assert "f32[{},{},{},{},{},{}]".format(*pool) in hlo  # the shape looked for is the pools'
@@ -256,7 +256,7 @@ def test_on_a_mesh_each_data_shard_has_its_pool_split_over_kv_heads_and_nothing_
         if event.output is not None:
             streamed[event.index] = event.output.output_ids
     assert [streamed[i] for i in range(len(PROMPTS))] == want
-    (compiled,) = [c for key, c in decoder._stream_compiled.items() if key[0] == "chunk"]
+    (compiled,) = [c for key, c in decoder.programs("chunk")]
     found = collectives(compiled.as_text())
     assert {op for op, _, _ in found} <= {"all-reduce"}, found
     # float all-reduces are the tensor axis' activations [rows, T, hidden] and the LM head's
