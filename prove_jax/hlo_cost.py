@@ -17,7 +17,7 @@ of every layer); one that states none costs its operands and results.
 
 It is an estimate of the compiled program's traffic, not a simulation: it assumes every
 top-level operand is read from HBM once, which is what a memory-bound step does
-(tests/test_step_cost.py checks it against a hand count).
+(tests/decoding/test_step_cost.py checks it against a hand count).
 """
 
 from __future__ import annotations
