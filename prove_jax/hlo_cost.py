@@ -27,16 +27,46 @@ import math
 import re
 from typing import Callable
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2,
-                "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
-                "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 # one array shape with its optional layout: bf16[4,64]{1,0:T(8,128)(2,1)S(1)}
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*(.*)\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 # opcodes that move nothing: views, bookkeeping, values known at compile time
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
-         "partition-id", "replica-id", "add-dependency", "domain", "iota"}
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "add-dependency",
+    "domain",
+    "iota",
+}
 _ASYNC_DONE = re.compile(r"-done$")
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
@@ -136,7 +166,9 @@ def parse_module(hlo_text: str) -> tuple[dict[str, Computation], str]:
             if depth == 0:
                 end = i
                 break
-        operands = [o.strip().split(" ")[-1].lstrip("%") for o in _split_top(tail[:end]) if o.strip()]
+        operands = [
+            o.strip().split(" ")[-1].lstrip("%") for o in _split_top(tail[:end]) if o.strip()
+        ]
         instr = Instr(m.group(2), shape, opcode, operands, tail[end + 1:], root=bool(m.group(1)))
         current.instrs.append(instr)
         current.shapes[instr.name] = shape
@@ -187,7 +219,12 @@ def trip_count(instr: Instr, comps: dict | None = None) -> int | None:
     if root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
         return None
     counter, bound = (cond.instr(o) for o in root.operands)
-    if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+    if (
+        counter is None
+        or bound is None
+        or counter.opcode != "get-tuple-element"
+        or bound.opcode != "constant"
+    ):
         return None
     value = re.match(r"\s*(-?\d+)", bound.operands[0] if bound.operands else "")
     return int(value.group(1)) if value else None
@@ -195,7 +232,9 @@ def trip_count(instr: Instr, comps: dict | None = None) -> int | None:
 
 # a Pallas TPU kernel's pl.CostEstimate, as libtpu's compiled HLO carries it in the custom
 # call's backend config: "cost_estimate":{"flops":"123",...,"bytes_accessed":"4567",...}
-_KERNEL_ESTIMATE = re.compile(r'"cost_estimate":\{[^}]*?"flops":"?(\d+)"?[^}]*?"bytes_accessed":"?(\d+)"?')
+_KERNEL_ESTIMATE = re.compile(
+    r'"cost_estimate":\{[^}]*?"flops":"?(\d+)"?[^}]*?"bytes_accessed":"?(\d+)"?'
+)
 
 
 def kernel_estimate(attrs: str) -> tuple[int, int] | None:
@@ -226,7 +265,8 @@ class Cost:
     bytes: int = 0
     flops: int = 0
     by_opcode: dict = dataclasses.field(default_factory=dict)
-    top: list = dataclasses.field(default_factory=list)  # (bytes, computation, instruction, opcode, shape)
+    # (bytes, computation, instruction, opcode, shape)
+    top: list = dataclasses.field(default_factory=list)
     unknown_loops: int = 0
     """While loops without a stated trip count, priced at the caller's count."""
 
@@ -249,7 +289,9 @@ class ModuleCost:
         """`unknown_trips`: the trip count of a while loop that states none, or a function of
         (the while instruction, its loop depth: 0 for a loop in the entry computation)."""
         self.comps, self.entry = parse_module(hlo_text)
-        self.unknown_trips = unknown_trips if callable(unknown_trips) else (lambda instr, depth: unknown_trips)
+        self.unknown_trips = (
+            unknown_trips if callable(unknown_trips) else (lambda instr, depth: unknown_trips)
+        )
         self._memo: dict = {}
 
     def cost(self, name: str | None = None, depth: int = 0) -> Cost:
@@ -285,12 +327,22 @@ class ModuleCost:
                 continue
             if op == "conditional":  # the dearest branch: an upper bound
                 branches = _called(instr.attrs, "branch_computations") or [
-                    c for c in (_attr(instr.attrs, "true_computation"), _attr(instr.attrs, "false_computation")) if c]
+                    c
+                    for c in (
+                        _attr(instr.attrs, "true_computation"),
+                        _attr(instr.attrs, "false_computation"),
+                    )
+                    if c
+                ]
                 costs = [self.cost(b, depth) for b in branches]
                 if costs:
                     total.add(max(costs, key=lambda c: c.bytes))
                 continue
-            if op in ("call", "async-start") or op.endswith("-start") and _attr(instr.attrs, "calls"):
+            if (
+                op in ("call", "async-start")
+                or op.endswith("-start")
+                and _attr(instr.attrs, "calls")
+            ):
                 called = _attr(instr.attrs, "to_apply") or _attr(instr.attrs, "calls")
                 if called in self.comps and op == "call":
                     total.add(self.cost(called, depth))
@@ -311,7 +363,8 @@ class ModuleCost:
             return self._fusion_cost(instr, comp, operand_bytes, out)
         if op in ("dot", "convolution"):
             return sum(operand_bytes) + out, _dot_flops(instr, comp.shapes)
-        if op == "slice-start":  # ((source), slice, context): reads the slice, writes it where it lands
+        # ((source), slice, context): reads the slice, writes it where it lands
+        if op == "slice-start":
             parts = _split_top(instr.shape.strip()[1:-1])
             if len(parts) >= 2:
                 return array_bytes(parts[1], hbm_only=False) + array_bytes(parts[1]), 0
@@ -320,7 +373,11 @@ class ModuleCost:
         if op == "custom-call" and (estimate := kernel_estimate(instr.attrs)) is not None:
             return estimate
         if op in _SLICING:  # reads what it takes (and the indices)
-            taken = array_bytes(instr.shape, hbm_only=False) if operand_bytes and operand_bytes[0] else 0
+            taken = (
+                array_bytes(instr.shape, hbm_only=False)
+                if operand_bytes and operand_bytes[0]
+                else 0
+            )
             return taken + out + sum(operand_bytes[1:]), 0
         if op == "dynamic-update-slice":  # in place: the update is read and written
             return 2 * operand_bytes[1] + sum(operand_bytes[2:]), 0
@@ -328,7 +385,9 @@ class ModuleCost:
             return 2 * sum(operand_bytes[2:]) + operand_bytes[1], 0
         return sum(operand_bytes) + out, 0
 
-    def _fusion_cost(self, instr: Instr, comp: Computation, operand_bytes: list[int], out: int) -> tuple[int, int]:
+    def _fusion_cost(
+        self, instr: Instr, comp: Computation, operand_bytes: list[int], out: int
+    ) -> tuple[int, int]:
         fused = self.comps.get(_attr(instr.attrs, "calls") or "")
         if fused is None:
             return sum(operand_bytes) + out, 0
@@ -351,7 +410,9 @@ class ModuleCost:
         for pname, index in params.items():
             if index >= len(operand_bytes) or not operand_bytes[index]:
                 continue
-            if pname in in_place and all(u.opcode in _IN_PLACE and u.operands[0] == pname for u in users.get(pname, [])):
+            if pname in in_place and all(
+                u.opcode in _IN_PLACE and u.operands[0] == pname for u in users.get(pname, [])
+            ):
                 continue
             read += min(operand_bytes[index], self._param_read(fused, pname, operand_bytes[index]))
         return read + written, self._fused_flops(fused)
@@ -363,12 +424,23 @@ class ModuleCost:
         for user in fused.instrs:
             if pname not in user.operands:
                 continue
-            if user.opcode in _SLICING and user.operands[0] == pname and pname not in user.operands[1:]:
-                total += array_bytes(user.shape, hbm_only=False)  # wherever the slice goes (often VMEM)
-            elif user.opcode in ("bitcast", "reshape"):  # a view inside a fusion: what reads it reads
+            if (
+                user.opcode in _SLICING
+                and user.operands[0] == pname
+                and pname not in user.operands[1:]
+            ):
+                # wherever the slice goes (often VMEM)
+                total += array_bytes(user.shape, hbm_only=False)
+            # a view inside a fusion: what reads it reads
+            elif user.opcode in ("bitcast", "reshape"):
                 total += self._param_read(fused, user.name, full)
-            elif user.opcode == "fusion" and (inner := self.comps.get(_attr(user.attrs, "calls") or "")) is not None:
-                inner_params = {int(i.operands[0]): i.name for i in inner.instrs if i.opcode == "parameter"}
+            elif (
+                user.opcode == "fusion"
+                and (inner := self.comps.get(_attr(user.attrs, "calls") or "")) is not None
+            ):
+                inner_params = {
+                    int(i.operands[0]): i.name for i in inner.instrs if i.opcode == "parameter"
+                }
                 for position, operand in enumerate(user.operands):
                     if operand == pname and position in inner_params:
                         total += self._param_read(inner, inner_params[position], full)
@@ -381,7 +453,10 @@ class ModuleCost:
         for i in fused.instrs:
             if i.opcode in ("dot", "convolution"):
                 flops += _dot_flops(i, fused.shapes)
-            elif i.opcode == "fusion" and (inner := self.comps.get(_attr(i.attrs, "calls") or "")) is not None:
+            elif (
+                i.opcode == "fusion"
+                and (inner := self.comps.get(_attr(i.attrs, "calls") or "")) is not None
+            ):
                 flops += self._fused_flops(inner)
         return flops
 
