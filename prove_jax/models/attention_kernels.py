@@ -61,7 +61,9 @@ def split_k(slots: int) -> tuple[int, int]:
         block = next((x for x in (BLOCK_K, 64, 32, 16) if per % x == 0), None)
         if slots % splits == 0 and per >= 16 and block is not None:
             return splits, block
-    raise AttentionKernelError(f"attention kernel 'pallas_gpu' needs a multiple of 16 slots, got {slots}")
+    raise AttentionKernelError(
+        f"attention kernel 'pallas_gpu' needs a multiple of 16 slots, got {slots}"
+    )
 
 
 def _committed_gpu(q, cache_k, cache_v, cache_len, interpret: bool):
@@ -88,7 +90,12 @@ def _per_shard(call, q, cache_k, cache_v, cache_len, layer, rules=DEFAULT_RULES,
     is [B or D, K, ...]: rows (or a paged pool's data shards), heads, the rest whole."""
     paged = () if table is None else (table,)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or not mesh.shape or any(t != AxisType.Auto for t in mesh.axis_types):
+    if (
+        mesh is None
+        or mesh.empty
+        or not mesh.shape
+        or any(t != AxisType.Auto for t in mesh.axis_types)
+    ):
         return call(q, cache_k, cache_v, *paged, cache_len, layer)
     rows_heads = logical_to_spec(("batch", "kv_heads"), q.shape[:2], mesh, rules)
     rows = P(*rows_heads[:1])
@@ -114,40 +121,68 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
                                    "(KernelOptions.resolve_attention)")
     check_backend(kind, interpret, platform)
     if kind not in KERNEL_BACKENDS:
-        raise AttentionKernelError(f"unknown attention kernel {kind!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+        raise AttentionKernelError(
+            f"unknown attention kernel {kind!r}; choose one of {', '.join(ATTENTION_KERNELS)}"
+        )
     if isinstance(cache, PagedKV):
         if kind != "pallas_tpu":
-            raise AttentionKernelError(f"the paged KV pool is read by 'pallas_tpu' or 'xla', not {kind!r}")
-        layer = jnp.zeros((), jnp.int32) if cache.layer is None else jnp.asarray(cache.layer, jnp.int32)
+            raise AttentionKernelError(
+                f"the paged KV pool is read by 'pallas_tpu' or 'xla', not {kind!r}"
+            )
+        layer = (
+            jnp.zeros((), jnp.int32) if cache.layer is None else jnp.asarray(cache.layer, jnp.int32)
+        )
         call = functools.partial(_committed_paged_tpu, interpret=interpret)
-        return _merge(_per_shard(call, q.astype(cache.k.dtype), cache.k, cache.v, cache_len, layer, table=cache.table),
-                      own_scores, own_values)
+        return _merge(
+            _per_shard(
+                call, q.astype(cache.k.dtype), cache.k, cache.v, cache_len, layer, table=cache.table
+            ),
+            own_scores,
+            own_values,
+        )
     stacked = getattr(cache, "num_layers", 0)
-    if kind == "pallas_tpu":  # the buffer as it lies: a stacked cache is read at its layer, in place
+    # the buffer as it lies: a stacked cache is read at its layer, in place
+    if kind == "pallas_tpu":
         keys, values = (cache.k, cache.v) if stacked else cache
         layer = jnp.asarray(cache.layer, jnp.int32) if stacked else jnp.zeros((), jnp.int32)
-        call = functools.partial(_committed_contiguous_tpu, num_layers=max(1, stacked), interpret=interpret)
+        call = functools.partial(
+            _committed_contiguous_tpu, num_layers=max(1, stacked), interpret=interpret
+        )
         return _merge(_per_shard(call, q.astype(keys.dtype), keys, values, cache_len, layer, rules),
                       own_scores, own_values)
     cache_k, cache_v = cache.read() if stacked else cache  # the GPU kernel takes the layer's slots
     slots = cache_k.shape[2]
     aligned = slots - slots % ALIGN
-    if aligned < slots:  # the last slots (less than one kernel block) are read here, with the step's own
+    # the last slots (less than one kernel block) are read here, with the step's own
+    if aligned < slots:
         dh = q.shape[-1]
         tail_s = jnp.einsum("bkqd,bksd->bkqs", q, cache_k[:, :, aligned:].astype(q.dtype),
                             preferred_element_type=jnp.float32) * dh ** -0.5
         seen = (aligned + jnp.arange(slots - aligned))[None, :] < cache_len[:, None]  # [B, tail]
         tail_s = jnp.where(seen[:, None, None, :], tail_s, jnp.finfo(jnp.float32).min)
         own_scores = jnp.concatenate([tail_s, own_scores], axis=-1)
-        own_values = jnp.concatenate([cache_v[:, :, aligned:].astype(own_values.dtype), own_values], axis=2)
+        own_values = jnp.concatenate(
+            [cache_v[:, :, aligned:].astype(own_values.dtype), own_values], axis=2
+        )
     if aligned == 0:
         shape = q.shape[:3]
-        acc_c, l_c, m_c = jnp.zeros(q.shape, jnp.float32), jnp.zeros(shape), jnp.full(shape, jnp.finfo(jnp.float32).min)
+        acc_c, l_c, m_c = (
+            jnp.zeros(q.shape, jnp.float32),
+            jnp.zeros(shape),
+            jnp.full(shape, jnp.finfo(jnp.float32).min),
+        )
     else:  # a buffer sized to whole blocks is passed as it lies (a prefix slice may be copied)
         part = (lambda c: c) if aligned == slots else (lambda c: c[:, :, :aligned])
         call = lambda q, k, v, lens, layer: _committed_gpu(q, k, v, lens, interpret)  # noqa: E731
-        acc_c, l_c, m_c = _per_shard(call, q.astype(cache_k.dtype), part(cache_k), part(cache_v),
-                                     jnp.minimum(cache_len, aligned), jnp.zeros((), jnp.int32), rules)
+        acc_c, l_c, m_c = _per_shard(
+            call,
+            q.astype(cache_k.dtype),
+            part(cache_k),
+            part(cache_v),
+            jnp.minimum(cache_len, aligned),
+            jnp.zeros((), jnp.int32),
+            rules,
+        )
     return _merge((acc_c, l_c, m_c), own_scores, own_values)
 
 
@@ -158,7 +193,9 @@ def _merge(committed, own_scores, own_values):
     m_o = jnp.max(own_scores, axis=-1)
     p = jnp.exp(own_scores - m_o[..., None])
     l_o = jnp.sum(p, axis=-1)
-    acc_o = jnp.einsum("bkqt,bktd->bkqd", p.astype(own_values.dtype), own_values).astype(jnp.float32)
+    acc_o = jnp.einsum("bkqt,bktd->bkqd", p.astype(own_values.dtype), own_values).astype(
+        jnp.float32
+    )
     top = jnp.maximum(m_c, m_o)  # every query sees at least itself: m_o is finite
     w_c, w_o = jnp.exp(m_c - top), jnp.exp(m_o - top)  # w_c = 0 for an empty committed span
     norm = l_c * w_c + l_o * w_o
@@ -196,7 +233,17 @@ def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, 
 
     @pl.when(j < counts_ref[b])  # a visited block holds at least one of the row's slots
     def _visit():
-        _accumulate(q_ref[...], k_ref[...], v_ref[...], starts_ref[b, j], lens_ref[b], m_sc, l_sc, acc_sc, scale)
+        _accumulate(
+            q_ref[...],
+            k_ref[...],
+            v_ref[...],
+            starts_ref[b, j],
+            lens_ref[b],
+            m_sc,
+            l_sc,
+            acc_sc,
+            scale,
+        )
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _done():
@@ -215,20 +262,30 @@ def _accumulate(q, k, v, first, length, m_sc, l_sc, acc_sc, scale: float):
                             precision=precision) * scale  # [Q, block]
     slot = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     s = jnp.where((slot >= 0) & (slot < length), s, jnp.finfo(jnp.float32).min)
-    # values outside the row's span (another layer's, past the buffer's end, a stale buffer) may be anything
+    # values outside the row's span (another layer's, past the buffer's end, a stale buffer) may be
+    # anything
     v_slot = first + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
     v = jnp.where((v_slot >= 0) & (v_slot < length), v, jnp.zeros_like(v))
     m_prev = m_sc[...][:, :1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - m_new)
     rescale = jnp.exp(m_prev - m_new)
-    l_sc[...] = jnp.broadcast_to(l_sc[...][:, :1] * rescale + jnp.sum(p, axis=1, keepdims=True), l_sc.shape)
+    l_sc[...] = jnp.broadcast_to(
+        l_sc[...][:, :1] * rescale + jnp.sum(p, axis=1, keepdims=True), l_sc.shape
+    )
     m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
     acc_sc[...] = acc_sc[...] * rescale + jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=precision,
+    )
 
 
-def span_cost(b: int, k: int, queries: int, dh: int, visits: int, block: int, itemsize: int, q_itemsize: int):
+def span_cost(
+    b: int, k: int, queries: int, dh: int, visits: int, block: int, itemsize: int, q_itemsize: int
+):
     """pl.CostEstimate of `_span_kernel` over b rows, k kv heads, `visits` blocks of `block` slots
     each (a row filled to its whole span): the K and V blocks it fetches, its queries, its
     float32 outputs; two dots per block; an exp per score. What hlo_cost prices the call at."""
@@ -237,8 +294,11 @@ def span_cost(b: int, k: int, queries: int, dh: int, visits: int, block: int, it
     slots = visits * block
     fetched = 2 * b * k * slots * dh * itemsize
     moved = fetched + b * k * queries * dh * q_itemsize + b * k * queries * (dh + 2 * LANES) * 4
-    return pl.CostEstimate(flops=4 * b * k * queries * slots * dh, transcendentals=b * k * queries * slots,
-                           bytes_accessed=int(moved))
+    return pl.CostEstimate(
+        flops=4 * b * k * queries * slots * dh,
+        transcendentals=b * k * queries * slots,
+        bytes_accessed=int(moved),
+    )
 
 
 def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, interpret: bool):
@@ -256,7 +316,12 @@ def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, 
     qn = nq + pad
 
     def kv_block(bi, h, j, rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref):
-        return rows_ref[bi], h, blocks_ref[bi, jnp.minimum(j, jnp.maximum(counts_ref[bi] - 1, 0))], 0
+        return (
+            rows_ref[bi],
+            h,
+            blocks_ref[bi, jnp.minimum(j, jnp.maximum(counts_ref[bi] - 1, 0))],
+            0,
+        )
 
     row_block = lambda bi, h, j, *refs: (bi, h, 0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -314,18 +379,34 @@ def contiguous_blocks(slots: int, num_layers: int, layer, lens, block: int):
     blocks = jnp.broadcast_to(jnp.minimum(first + j, total - 1), (lens.shape[0], visits))
     starts = (first + j) * block - origin
     counts = jnp.where(lens > 0, (origin + lens - 1) // block - first + 1, 0)
-    return blocks.astype(jnp.int32), jnp.broadcast_to(starts, blocks.shape).astype(jnp.int32), counts.astype(jnp.int32)
+    return (
+        blocks.astype(jnp.int32),
+        jnp.broadcast_to(starts, blocks.shape).astype(jnp.int32),
+        counts.astype(jnp.int32),
+    )
 
 
-def _committed_contiguous_tpu(q, cache_k, cache_v, cache_len, layer, num_layers: int, interpret: bool):
+def _committed_contiguous_tpu(
+    q, cache_k, cache_v, cache_len, layer, num_layers: int, interpret: bool
+):
     """q [B, K, Q, Dh] against layer `layer` (int32 scalar) of one shard's buffers [B, K, L * S,
     Dh] (L = num_layers; a per-layer buffer: 1), up to cache_len [B]: `_span_call`'s result."""
     b, _, total, _ = cache_k.shape
     block = min(BLOCK, total)
     lens = cache_len.astype(jnp.int32)
     blocks, starts, counts = contiguous_blocks(total // num_layers, num_layers, layer, lens, block)
-    return _span_call(q, cache_k, cache_v, jnp.arange(b, dtype=jnp.int32), blocks, starts, counts, lens,
-                      block, interpret)
+    return _span_call(
+        q,
+        cache_k,
+        cache_v,
+        jnp.arange(b, dtype=jnp.int32),
+        blocks,
+        starts,
+        counts,
+        lens,
+        block,
+        interpret,
+    )
 
 
 def _paged_kernel(table_ref, counts_ref, lens_ref, q_ref, k_hbm, v_hbm, o_ref, l_ref, m_ref,
@@ -404,16 +485,27 @@ def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: 
     counts = (lens + page - 1) // page
     row_block = lambda bi, h, j, *refs: (bi, h, 0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, k, -(-row_pages // per_step)),
-        in_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
-                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
-                   pl.BlockSpec((None, None, qn, LANES), row_block),
-                   pl.BlockSpec((None, None, qn, LANES), row_block)],
-        scratch_shapes=[pltpu.VMEM((2, per_step, page, dh), pool_k.dtype),
-                        pltpu.VMEM((2, per_step, page, dh), pool_v.dtype), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.VMEM((qn, LANES), jnp.float32), pltpu.VMEM((qn, LANES), jnp.float32),
-                        pltpu.VMEM((qn, dh), jnp.float32)])
+        num_scalar_prefetch=3,
+        grid=(b, k, -(-row_pages // per_step)),
+        in_specs=[
+            pl.BlockSpec((None, None, qn, dh), row_block),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, qn, dh), row_block),
+            pl.BlockSpec((None, None, qn, LANES), row_block),
+            pl.BlockSpec((None, None, qn, LANES), row_block),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((2, per_step, page, dh), pool_k.dtype),
+            pltpu.VMEM((2, per_step, page, dh), pool_v.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((qn, LANES), jnp.float32),
+            pltpu.VMEM((qn, LANES), jnp.float32),
+            pltpu.VMEM((qn, dh), jnp.float32),
+        ],
+    )
     cost = span_cost(b, k, qn, dh, row_pages, page, pool_k.dtype.itemsize, q.dtype.itemsize)
 
     return _run_span_kernel(functools.partial(_paged_kernel, scale=dh ** -0.5), grid_spec, cost,
