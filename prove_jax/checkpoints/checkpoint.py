@@ -59,7 +59,11 @@ def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
 
 
 def params_pure_dict(model_or_state) -> dict:
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    state = (
+        model_or_state
+        if isinstance(model_or_state, nnx.State)
+        else nnx.state(model_or_state, nnx.Param)
+    )
     return nnx.to_pure_dict(state)
 
 
@@ -104,7 +108,9 @@ def save_params(path: str, params: dict, cfg: ModelConfig, tokenizer_dir: str | 
         for name, content in (extra_json or {}).items():
             storage.write_text(storage.join(tmp, name), json.dumps(content, indent=2))
         copy_tokenizer_files(tokenizer_dir, tmp)
-        storage.write_text(storage.join(tmp, "config.json"), json.dumps(cfg.to_json_dict(), indent=2))
+        storage.write_text(
+            storage.join(tmp, "config.json"), json.dumps(cfg.to_json_dict(), indent=2)
+        )
     return path
 
 
@@ -193,9 +199,10 @@ def load_model(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_RULES,
     params_dir = storage.join(storage.absolute(path), "params")
     if not storage.isdir(params_dir):
         if any(name.endswith(".safetensors") for name in storage.listdir(path)):
-            raise CheckpointError(f"{path} is a Hugging Face model directory, not a prove-jax checkpoint; "
-                                  f"convert it first: prove-jax convert hf-to-flax "
-                                  f"--hf-dir {path} --out CKPT")
+            raise CheckpointError(
+                f"{path} is a Hugging Face model directory, not a prove-jax checkpoint; convert it "
+                f"first: prove-jax convert hf-to-flax --hf-dir {path} --out CKPT"
+            )
         raise CheckpointError(f"checkpoint {path} has no params/ directory (incomplete or not a "
                               f"prove-jax checkpoint)")
     graphdef, target = abstract_sharded(abstract_model(cfg, remat), mesh, rules)
@@ -229,17 +236,27 @@ def load_model_stacked(path: str, mesh=None, rules: Mapping = sharding.DEFAULT_R
         load_model(path, mesh, rules, dtype, param_dtype)  # raises its error about the directory
     _, target = abstract_sharded(abstract_model(cfg), mesh, rules)
     _check_stored_shapes(params_dir, target)
-    graphdef, stacked = abstract_sharded(nnx.eval_shape(lambda: stack_layers(Qwen2(cfg, nnx.Rngs(0)))), mesh, rules)
+    graphdef, stacked = abstract_sharded(
+        nnx.eval_shape(lambda: stack_layers(Qwen2(cfg, nnx.Rngs(0)))), mesh, rules
+    )
     per_layer = target.pop("layers")
 
     def restore(ckptr, item):
-        return ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        return ckptr.restore(
+            params_dir,
+            args=ocp.args.PyTreeRestore(
+                item=item,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True,
+            ),
+        )
 
     try:
         with ocp.PyTreeCheckpointer() as ckptr, restore_attempt(params_dir):
             params = restore(ckptr, target)  # all but the layers
-            layers = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), stacked["layers"]["layer"])
+            layers = jax.tree.map(
+                lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), stacked["layers"]["layer"]
+            )
             for i in range(cfg.num_layers):
                 one = restore(ckptr, {"layers": {i: per_layer[i]}})["layers"][i]
                 layers = jax.tree.map(lambda buf, x: _put_layer(buf, x, np.int32(i)), layers, one)
@@ -282,9 +299,11 @@ def _check_stored_shapes(params_dir: str, target) -> None:
         if have != tuple(want.shape):
             hint = ""
             if sorted(have) == sorted(want.shape) and name.endswith(("kernel", "lm_head")):
-                hint = ("; it holds the [in, out] kernels of prove-jax before kernels followed HF's "
-                        "[out, in] order: convert it again (flax-to-hf with the old version, then "
-                        "hf-to-flax)")
+                hint = (
+                    "; it holds the [in, out] kernels of prove-jax before kernels followed HF's "
+                    "[out, in] order: convert it again (flax-to-hf with the old version, then "
+                    "hf-to-flax)"
+                )
             raise CheckpointError(f"checkpoint {params_dir}: parameter {name} has shape {have}, "
                                   f"the config implies {tuple(want.shape)}{hint}")
 

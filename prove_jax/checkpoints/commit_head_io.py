@@ -23,7 +23,9 @@ def save_commit_head(model_dir: str, head: CommitHead) -> str:
     looks for first, so a save cut short reads as no head."""
     path = os.path.join(model_dir, HEAD_DIR)
     params = nnx.to_pure_dict(nnx.state(head, nnx.Param))
-    meta = json.dumps({"hidden_size": head.hidden_size, "width": head.width, "threshold": head.threshold})
+    meta = json.dumps(
+        {"hidden_size": head.hidden_size, "width": head.width, "threshold": head.threshold}
+    )
     if jax.process_count() == 1:
         with atomic_dir(path) as tmp:
             with ocp.StandardCheckpointer() as ckptr:  # closing waits for the write to finish
@@ -47,15 +49,21 @@ def load_commit_head(model_dir: str, mesh=None) -> CommitHead:
     (which may be other hosts': the restore must be told, or orbax refuses the topology)."""
     path = os.path.join(model_dir, HEAD_DIR)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{model_dir} has no trained commit head ({HEAD_DIR}/); train one with "
-                              f"objective=commit_head")
+        raise CheckpointError(
+            f"{model_dir} has no trained commit head ({HEAD_DIR}/); train one with "
+            f"objective=commit_head"
+        )
     try:
         with open(os.path.join(path, "config.json")) as f:
             meta = json.load(f)
         head = CommitHead(int(meta["hidden_size"]), int(meta["width"]), float(meta["threshold"]),
                           rngs=nnx.Rngs(0))
     except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
-        what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) else str(e).splitlines()[0][:200]
+        what = (
+            f"missing key {e.args[0]!r}"
+            if isinstance(e, KeyError)
+            else str(e).splitlines()[0][:200]
+        )
         raise CheckpointError(f"bad commit head config {path}/config.json: {what}") from None
     state = nnx.state(head, nnx.Param)
     where = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
@@ -66,7 +74,9 @@ def load_commit_head(model_dir: str, mesh=None) -> CommitHead:
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
     except Exception as e:  # orbax raises many types
-        raise CheckpointError(restore_failure(f"commit head {path}", e, what="damaged or incomplete")) from None
+        raise CheckpointError(
+            restore_failure(f"commit head {path}", e, what="damaged or incomplete")
+        ) from None
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(head, state)
     return head
