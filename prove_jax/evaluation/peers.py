@@ -142,7 +142,9 @@ def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab_
             raise PeerError(f"prompt {i} is empty")
         bad = [t for t in p if not 0 <= int(t) < vocab_size]
         if bad:
-            raise PeerError(f"prompt {i} has token ids outside the vocabulary ({vocab_size}): {bad[:3]}")
+            raise PeerError(
+                f"prompt {i} has token ids outside the vocabulary ({vocab_size}): {bad[:3]}"
+            )
 
 
 def _run(mode: str, model, prompts, max_new_tokens, eos_token_id, pad_token_id, batch_size,
@@ -228,7 +230,9 @@ def hf_assisted(model, draft, prompts: Sequence[Sequence[int]], max_new_tokens: 
         draft.generation_config.num_assistant_tokens = int(num_assistant_tokens)
         draft.generation_config.num_assistant_tokens_schedule = "constant"
     if assistant_confidence_threshold is not None:
-        draft.generation_config.assistant_confidence_threshold = float(assistant_confidence_threshold)
+        draft.generation_config.assistant_confidence_threshold = float(
+            assistant_confidence_threshold
+        )
     return _run("hf_assisted", model, prompts, max_new_tokens, eos_token_id, pad_token_id, 1,
                 warmup, {}, {"assistant_model": draft}, draft=draft)
 

@@ -13,9 +13,16 @@ from typing import Sequence
 
 from prove_jax.files import replacing
 
-MODE_COLOURS = {"ar": "black", "lossless": "tab:green", "relaxed": "tab:olive", "threshold": "tab:orange",
-                "verify": "tab:blue", "hf_greedy": "tab:gray", "hf_assisted": "tab:purple",
-                "hf_prompt_lookup": "tab:brown"}
+MODE_COLOURS = {
+    "ar": "black",
+    "lossless": "tab:green",
+    "relaxed": "tab:olive",
+    "threshold": "tab:orange",
+    "verify": "tab:blue",
+    "hf_greedy": "tab:gray",
+    "hf_assisted": "tab:purple",
+    "hf_prompt_lookup": "tab:brown",
+}
 BATCH_MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
@@ -33,9 +40,11 @@ def flat_accuracy_line(records: Sequence[dict]) -> str:
         return ""
     r = graded[0]
     lo, hi = r["accuracy_ci95"]
-    return (f"Accuracy ({', '.join(graders_of(records))}): every mode got {r['correct']} of {r['graded']} "
-            f"graded prompts right ({r['accuracy']:.3f}, 95% interval {lo:.3f}-{hi:.3f}); the plot "
-            "has no accuracy panel.")
+    return (
+        f"Accuracy ({', '.join(graders_of(records))}): every mode got {r['correct']} of "
+        f"{r['graded']} graded prompts right ({r['accuracy']:.3f}, 95% interval "
+        f"{lo:.3f}-{hi:.3f}); the plot has no accuracy panel."
+    )
 
 
 def figure_panels(records: Sequence[dict]) -> list[tuple[str, str]]:
@@ -43,7 +52,9 @@ def figure_panels(records: Sequence[dict]) -> list[tuple[str, str]]:
     prompts were graded and the records differ in it (`flat_accuracy_line`)."""
     panels = [("agreement_with_ar", "token agreement with AR")]
     if any(r.get("accuracy") is not None for r in records) and not flat_accuracy_line(records):
-        panels.append(("accuracy", f"accuracy ({', '.join(graders_of(records))}), Wilson 95% interval"))
+        panels.append(
+            ("accuracy", f"accuracy ({', '.join(graders_of(records))}), Wilson 95% interval")
+        )
     return panels
 
 
@@ -65,10 +76,21 @@ def trade_off_figure(records: Sequence[dict], path: str, title: str = "") -> Non
             colour = MODE_COLOURS.get(r["mode"], "tab:red")
             if key == "accuracy":
                 lo, hi = r["accuracy_ci95"]
-                ax.errorbar(r[key], r["speedup_vs_ar"], xerr=[[r[key] - lo], [hi - r[key]]], color=colour,
-                            marker=marker, ms=6, alpha=0.85, elinewidth=0.8, capsize=2)
+                ax.errorbar(
+                    r[key],
+                    r["speedup_vs_ar"],
+                    xerr=[[r[key] - lo], [hi - r[key]]],
+                    color=colour,
+                    marker=marker,
+                    ms=6,
+                    alpha=0.85,
+                    elinewidth=0.8,
+                    capsize=2,
+                )
             else:
-                ax.scatter(r[key], r["speedup_vs_ar"], color=colour, marker=marker, s=40, alpha=0.85)
+                ax.scatter(
+                    r[key], r["speedup_vs_ar"], color=colour, marker=marker, s=40, alpha=0.85
+                )
             if r["batch_size"] == batches[0] and r["setting"] != "-":
                 ax.annotate(r["setting"], (r[key], r["speedup_vs_ar"]), fontsize=6,
                             xytext=(3, 3), textcoords="offset points")
@@ -79,8 +101,17 @@ def trade_off_figure(records: Sequence[dict], path: str, title: str = "") -> Non
         ax.grid(alpha=0.3)
     modes = [m for m in MODE_COLOURS if any(r["mode"] == m for r in records)]
     handles = [plt.Line2D([], [], color=MODE_COLOURS[m], marker="o", ls="", label=m) for m in modes]
-    handles += [plt.Line2D([], [], color="black", marker=BATCH_MARKERS[i % len(BATCH_MARKERS)], ls="",
-                           label=f"batch {b}") for i, b in enumerate(batches)]
+    handles += [
+        plt.Line2D(
+            [],
+            [],
+            color="black",
+            marker=BATCH_MARKERS[i % len(BATCH_MARKERS)],
+            ls="",
+            label=f"batch {b}",
+        )
+        for i, b in enumerate(batches)
+    ]
     axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
     if title:
         fig.suptitle(title, fontsize=10)
