@@ -2,11 +2,33 @@
 
 from prove_jax.decoding.adaptive import ADAPTIVE_TABLES, adapt_for_batch, check_adaptive_table
 from prove_jax.decoding.engine import BatchResult, Decoder
-from prove_jax.decoding.options import (COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MAX_STEP_WIDTH, MODES,
-                                        DecodeError, DecodeOptions, default_prefill_chunk)
+from prove_jax.decoding.options import (
+    COMMIT_RULES,
+    CONFIDENCE_KINDS,
+    DEFAULT_TAU,
+    MAX_STEP_WIDTH,
+    MODES,
+    DecodeError,
+    DecodeOptions,
+    default_prefill_chunk,
+)
 from prove_jax.decoding.sampling import SamplingParams
 from prove_jax.models.kernels import KernelOptions
 
-__all__ = ["ADAPTIVE_TABLES", "COMMIT_RULES", "CONFIDENCE_KINDS", "DEFAULT_TAU", "MAX_STEP_WIDTH", "MODES",
-           "BatchResult", "DecodeError", "DecodeOptions", "Decoder", "KernelOptions", "SamplingParams", "adapt_for_batch",
-           "check_adaptive_table", "default_prefill_chunk"]
+__all__ = [
+    "ADAPTIVE_TABLES",
+    "COMMIT_RULES",
+    "CONFIDENCE_KINDS",
+    "DEFAULT_TAU",
+    "MAX_STEP_WIDTH",
+    "MODES",
+    "BatchResult",
+    "DecodeError",
+    "DecodeOptions",
+    "Decoder",
+    "KernelOptions",
+    "SamplingParams",
+    "adapt_for_batch",
+    "check_adaptive_table",
+    "default_prefill_chunk",
+]

@@ -47,7 +47,9 @@ def check_adaptive_table(table) -> tuple[tuple[int, int, int], ...]:
     rows = tuple(tuple(int(x) for x in row) for row in table)
     for i, row in enumerate(rows):
         if len(row) != 3 or row[0] < 1 or row[1] < 1 or row[2] < 1:
-            raise DecodeError(f"adaptive table row {i} must be (max_batch >= 1, K >= 1, groups >= 1), got {row}")
+            raise DecodeError(
+                f"adaptive table row {i} must be (max_batch >= 1, K >= 1, groups >= 1), got {row}"
+            )
         if i and row[0] <= rows[i - 1][0]:
             raise DecodeError(f"adaptive table rows must have increasing max_batch, got {rows}")
     return rows

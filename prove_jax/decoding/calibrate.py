@@ -129,16 +129,25 @@ def rank_layouts(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float],
     many requests the rows serve at once (default: a static batch).
     """
     ranked = []
-    for (k, g), (speedup, tpf) in _expected(row_probs, step_cost, batch_size, candidates, num_requests).items():
+    for (k, g), (speedup, tpf) in _expected(
+        row_probs, step_cost, batch_size, candidates, num_requests
+    ).items():
         ranked.append(Choice(batch_size, k, LosslessLayout.build(k, g).num_groups, speedup, tpf))
     return sorted(ranked, key=lambda c: -c.expected_speedup)
 
 
-def expected_speedups(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float], batch_size: int,
-                      candidates: Sequence[tuple[int, int]] = DEFAULT_CANDIDATES,
-                      num_requests: int | None = None) -> dict[tuple[int, int], float]:
+def expected_speedups(
+    row_probs: np.ndarray,
+    step_cost: dict[tuple[int, int], float],
+    batch_size: int,
+    candidates: Sequence[tuple[int, int]] = DEFAULT_CANDIDATES,
+    num_requests: int | None = None,
+) -> dict[tuple[int, int], float]:
     """{candidate (K, G): expected speedup over AR}, as `rank_layouts` ranks them."""
-    return {key: v[0] for key, v in _expected(row_probs, step_cost, batch_size, candidates, num_requests).items()}
+    return {
+        key: v[0]
+        for key, v in _expected(row_probs, step_cost, batch_size, candidates, num_requests).items()
+    }
 
 
 def _expected(row_probs, step_cost, batch_size, candidates, num_requests):
@@ -165,14 +174,22 @@ class PromisingLayouts:
     """The `keep` rule of `time_decode_steps` in `calibrate`: given {layout: seconds per step}
     from one timed round, the layouts worth timing again (AR always); `dropped` lists the rest."""
 
-    def __init__(self, row_probs: np.ndarray, batch_size: int, candidates: Sequence[tuple[int, int]],
-                 num_requests: int | None = None, floor: float = PRUNE_BELOW):
+    def __init__(
+        self,
+        row_probs: np.ndarray,
+        batch_size: int,
+        candidates: Sequence[tuple[int, int]],
+        num_requests: int | None = None,
+        floor: float = PRUNE_BELOW,
+    ):
         self.row_probs, self.batch_size, self.candidates = row_probs, batch_size, candidates
         self.num_requests, self.floor = num_requests, floor
         self.dropped: list[tuple[int, int]] = []
 
     def __call__(self, cost: dict) -> set:
-        speedups = expected_speedups(self.row_probs, cost, self.batch_size, self.candidates, self.num_requests)
+        speedups = expected_speedups(
+            self.row_probs, cost, self.batch_size, self.candidates, self.num_requests
+        )
         self.dropped = [key for key, s in speedups.items() if s < self.floor]
         return set(cost) - set(self.dropped)
 
@@ -188,8 +205,14 @@ def choose_layout(row_probs: np.ndarray, step_cost: dict[tuple[int, int], float]
     return Choice(batch_size, 1, 1, 1.0, 1.0)
 
 
-def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[tuple[int, int]],
-                   batch_size: int, max_new_tokens: int, repeats: int = 2) -> dict[tuple[int, int], float]:
+def trial_speedups(
+    decoder,
+    prompts: Sequence[Sequence[int]],
+    layouts: Sequence[tuple[int, int]],
+    batch_size: int,
+    max_new_tokens: int,
+    repeats: int = 2,
+) -> dict[tuple[int, int], float]:
     """Measured throughput of each lossless layout relative to AR: real decodes of `prompts`.
 
     The engine's own program at this batch size (prefill, queue, loop and all), each compiled
@@ -201,8 +224,10 @@ def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[
     settings = {AR: DecodeOptions("ar", kernels=kernels)} | {
         (k, g): DecodeOptions("lossless", k, max_groups=g, kernels=kernels) for k, g in layouts}
     decoders = {key: decoder.with_options(opts) for key, opts in settings.items()}
-    runs = {key: (lambda d=d: d.generate(list(prompts), max_new_tokens, batch_size=batch_size).seconds)
-            for key, d in decoders.items()}
+    runs = {
+        key: (lambda d=d: d.generate(list(prompts), max_new_tokens, batch_size=batch_size).seconds)
+        for key, d in decoders.items()
+    }
     best = fastest_interleaved(runs, repeats)
     return {key: best[AR] / best[key] for key in layouts}
 
@@ -210,12 +235,18 @@ def trial_speedups(decoder, prompts: Sequence[Sequence[int]], layouts: Sequence[
 def acceptance_profile(decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        block_size: int) -> np.ndarray:
     """P(a) per prompt [R, K] from one lossless decode with K=block_size and every group served."""
-    probe = decoder.with_options(DecodeOptions("lossless", block_size, kernels=decoder.options.kernels))
+    probe = decoder.with_options(
+        DecodeOptions("lossless", block_size, kernels=decoder.options.kernels)
+    )
     # accept_hist has K+1 bins (verify commits up to K); lossless accepts a <= K-1 drafts
-    hist = probe.generate(list(prompts), max_new_tokens).accept_hist[:, :block_size].astype(np.float64)
+    hist = (
+        probe.generate(list(prompts), max_new_tokens).accept_hist[:, :block_size].astype(np.float64)
+    )
     hist = hist[hist.sum(axis=1) > 0]
     if not len(hist):
-        raise ValueError("calibration decoded no step: give non-empty prompts and max_new_tokens >= 1")
+        raise ValueError(
+            "calibration decoded no step: give non-empty prompts and max_new_tokens >= 1"
+        )
     return hist / hist.sum(axis=1, keepdims=True)
 
 
@@ -244,10 +275,18 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
     for b in sorted(set(batch_sizes)):
         keep = PromisingLayouts(rows, b, candidates, num_requests)
         with jax.set_mesh(decoder.mesh) if decoder.mesh is not None else contextlib.nullcontext():
-            cost = time_decode_steps(model, b, candidates, keep=keep, kernels=decoder.options.kernels)
+            cost = time_decode_steps(
+                model, b, candidates, keep=keep, kernels=decoder.options.kernels
+            )
         if log:
-            log(f"calibrate: batch {b}: AR step {cost[AR] * 1e3:.1f} ms; layout steps in AR steps: "
-                + ", ".join(f"{layout_name((k, g))} {cost[(k, g)] / cost[AR]:.2f}" for k, g in candidates if (k, g) in cost))
+            log(
+                f"calibrate: batch {b}: AR step {cost[AR] * 1e3:.1f} ms; layout steps in AR steps: "
+                + ", ".join(
+                    f"{layout_name((k, g))} {cost[(k, g)] / cost[AR]:.2f}"
+                    for k, g in candidates
+                    if (k, g) in cost
+                )
+            )
             if keep.dropped:
                 log(f"calibrate: batch {b}: timed once, expected below {PRUNE_BELOW:.2f}x AR: "
                     + ", ".join(map(layout_name, keep.dropped)))
@@ -257,19 +296,35 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
         if trials and narrowest is not None and narrowest not in shortlist:
             shortlist.append(narrowest)
         if shortlist and trials:
-            measured = trial_speedups(decoder, prompts, [c.layout for c in shortlist], b, max_new_tokens)
-            shortlist = [dataclasses.replace(c, measured_speedup=measured[c.layout]) for c in shortlist]
+            measured = trial_speedups(
+                decoder, prompts, [c.layout for c in shortlist], b, max_new_tokens
+            )
+            shortlist = [
+                dataclasses.replace(c, measured_speedup=measured[c.layout]) for c in shortlist
+            ]
             if log:
-                log(f"calibrate: batch {b} trials (measured / expected speedup): " + ", ".join(
-                    f"{c.describe()} {c.measured_speedup:.2f}x / {c.expected_speedup:.2f}x" for c in shortlist))
+                log(
+                    f"calibrate: batch {b} trials (measured / expected speedup): "
+                    + ", ".join(
+                        f"{c.describe()} {c.measured_speedup:.2f}x / {c.expected_speedup:.2f}x"
+                        for c in shortlist
+                    )
+                )
             best = max(shortlist, key=lambda c: c.measured_speedup)
             choice = best if best.measured_speedup >= margin else Choice(b, 1, 1, 1.0, 1.0, 1.0)
         else:
             choice = choose_layout(rows, cost, b, candidates, margin, num_requests)
         if log:
-            seen = "" if choice.measured_speedup is None else f"measured {choice.measured_speedup:.2f}x, "
-            log(f"calibrate: batch {b}: {choice.describe()} ({seen}expected {choice.expected_speedup:.2f}x AR, "
-                f"{choice.tokens_per_forward:.2f} tokens per step per row)")
+            seen = (
+                ""
+                if choice.measured_speedup is None
+                else f"measured {choice.measured_speedup:.2f}x, "
+            )
+            log(
+                f"calibrate: batch {b}: {choice.describe()} ({seen}expected "
+                f"{choice.expected_speedup:.2f}x AR, "
+                f"{choice.tokens_per_forward:.2f} tokens per step per row)"
+            )
         table.append((b, choice.block_size, choice.groups))
     return tuple(table)
 
@@ -291,10 +346,14 @@ def calibrate_decoder(decoder, prompts: Sequence[Sequence[int]], batch_size: int
     # the table is looked up, and must be measured, at that size
     rows = decoder.rows(batch_size, num_requests)
     k_max, g_max = decoder.options.block_size, decoder.options.max_groups
-    candidates = [(k, g) for k, g in DEFAULT_CANDIDATES if k <= k_max and (g_max is None or g <= g_max)]
+    candidates = [
+        (k, g) for k, g in DEFAULT_CANDIDATES if k <= k_max and (g_max is None or g <= g_max)
+    ]
     if not candidates:
-        raise DecodeError(f"no lossless layout to calibrate with K <= {k_max} and groups <= {g_max}; "
-                          f"the narrowest is K=2 with 2 groups")
+        raise DecodeError(
+            f"no lossless layout to calibrate with K <= {k_max} and groups <= {g_max}; "
+            f"the narrowest is K=2 with 2 groups"
+        )
     table = calibrate(decoder, list(prompts)[:max(8, rows)], [rows], min(64, max_new_tokens),
                       candidates, log=log, num_requests=num_requests)
     decoder.adaptive_table = check_adaptive_table(table)

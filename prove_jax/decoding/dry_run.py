@@ -65,36 +65,66 @@ class DecodeDryRun:
     def describe(self) -> str:
         o = self.options
         gib = aot.GIB
-        layout = f"K={o.block_size}" + (f", {o.max_groups} groups" if o.mode == "lossless" and o.max_groups else "")
-        rows = [f"decode dry run: {o.mode} ({layout}), proposer {self.proposer_params / 1e9:.1f}B"
-                + (f" + verifier {self.verifier_params / 1e9:.1f}B" if self.verifier_params else "")
-                + f", batch {self.batch}" + (f" ({self.rows} rows)" if self.rows not in (0, self.batch) else "")
-                + f", {self.prompt_tokens} prompt + {self.new_tokens} new tokens, "
-                f"layers {'scanned' if o.scan_layers else 'unrolled'}, attention {o.kernels.attention}",
-                f"on {self.topology} ({self.chips} x {self.chip}, {self.hbm_bytes / gib:g} GiB each), "
-                f"mesh {self.mesh}; weights {self.weight_bytes / gib:.2f} GiB per chip"]
+        layout = f"K={o.block_size}" + (
+            f", {o.max_groups} groups" if o.mode == "lossless" and o.max_groups else ""
+        )
+        rows = [
+            f"decode dry run: {o.mode} ({layout}), proposer {self.proposer_params / 1e9:.1f}B"
+            + (f" + verifier {self.verifier_params / 1e9:.1f}B" if self.verifier_params else "")
+            + f", batch {self.batch}"
+            + (f" ({self.rows} rows)" if self.rows not in (0, self.batch) else "")
+            + f", {self.prompt_tokens} prompt + {self.new_tokens} new tokens, "
+            f"layers {'scanned' if o.scan_layers else 'unrolled'}, attention {o.kernels.attention}",
+            f"on {self.topology} ({self.chips} x {self.chip}, {self.hbm_bytes / gib:g} GiB each), "
+            f"mesh {self.mesh}; weights {self.weight_bytes / gib:.2f} GiB per chip",
+        ]
         if self.stats is None:
             rows.append(f"DOES NOT FIT: {self.does_not_fit}")
             return "\n".join(rows)
         s = self.stats
-        rows += [f"compiled in {s.compile_seconds:.1f} s; XLA's per-chip memory: arguments "
-                 f"{s.argument_bytes / gib:.2f} GiB, temporaries {s.temp_bytes / gib:.2f} GiB, peak "
-                 f"{s.peak_bytes / gib:.2f} GiB of {self.hbm_bytes / gib:g} "
-                 f"({100 * s.peak_bytes / self.hbm_bytes:.0f}%): {'FITS' if self.fits else 'DOES NOT FIT'}",
-                 "collectives (count, result bytes): " + (", ".join(
-                     f"{kind} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
-                     for kind, v in s.collectives.items() if v["count"]) or "none")]
+        rows += [
+            f"compiled in {s.compile_seconds:.1f} s; XLA's per-chip memory: arguments "
+            f"{s.argument_bytes / gib:.2f} GiB, temporaries {s.temp_bytes / gib:.2f} GiB, peak "
+            f"{s.peak_bytes / gib:.2f} GiB of {self.hbm_bytes / gib:g} "
+            f"({100 * s.peak_bytes / self.hbm_bytes:.0f}%): "
+            f"{'FITS' if self.fits else 'DOES NOT FIT'}",
+            "collectives (count, result bytes): "
+            + (
+                ", ".join(
+                    f"{kind} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
+                    for kind, v in s.collectives.items()
+                    if v["count"]
+                )
+                or "none"
+            ),
+        ]
         return "\n".join(rows)
 
     def record(self) -> dict:
         """A JSON-ready row."""
         o = self.options
-        out = dict(chip=self.chip, chips=self.chips, topology=self.topology, mesh=self.mesh, mode=o.mode,
-                   block_size=o.block_size, groups=o.max_groups, scan_layers=o.scan_layers,
-                   attention=o.kernels.attention, batch=self.batch, rows=self.rows, prompt_tokens=self.prompt_tokens,
-                   new_tokens=self.new_tokens, context=self.context, proposer_params=self.proposer_params,
-                   verifier_params=self.verifier_params, weight_bytes=self.weight_bytes,
-                   hbm_bytes=self.hbm_bytes, fits=self.fits, does_not_fit=self.does_not_fit)
+        out = dict(
+            chip=self.chip,
+            chips=self.chips,
+            topology=self.topology,
+            mesh=self.mesh,
+            mode=o.mode,
+            block_size=o.block_size,
+            groups=o.max_groups,
+            scan_layers=o.scan_layers,
+            attention=o.kernels.attention,
+            batch=self.batch,
+            rows=self.rows,
+            prompt_tokens=self.prompt_tokens,
+            new_tokens=self.new_tokens,
+            context=self.context,
+            proposer_params=self.proposer_params,
+            verifier_params=self.verifier_params,
+            weight_bytes=self.weight_bytes,
+            hbm_bytes=self.hbm_bytes,
+            fits=self.fits,
+            does_not_fit=self.does_not_fit,
+        )
         if self.stats is not None:
             out.update(dataclasses.asdict(self.stats), peak_bytes=self.stats.peak_bytes)
         return out
@@ -103,8 +133,11 @@ class DecodeDryRun:
 def slice_options(options: DecodeOptions) -> DecodeOptions:
     """`options` as a TPU runs them: compiled for the platform, accelerator matmuls and prefill
     chunks (the defaults would be this CPU's)."""
-    return dataclasses.replace(options, kernels=options.kernels.resolve("tpu"),
-                               prefill_chunk=options.prefill_chunk or PREFILL_CHUNK_ACCELERATOR).validate()
+    return dataclasses.replace(
+        options,
+        kernels=options.kernels.resolve("tpu"),
+        prefill_chunk=options.prefill_chunk or PREFILL_CHUNK_ACCELERATOR,
+    ).validate()
 
 
 def mesh_shape(configs: list[ModelConfig], dtype: str, chips: int, hbm_bytes: int,
@@ -113,8 +146,9 @@ def mesh_shape(configs: list[ModelConfig], dtype: str, chips: int, hbm_bytes: in
     (with `kv_bytes`: for a KV cache that large, `sharding.kv_cache_bytes`)."""
     weight_bytes = sum(c.num_params for c in configs) * jnp.dtype(dtype).itemsize
     try:
-        tensor = sharding.inference_tensor_size(configs[0].num_kv_heads, chips, weight_bytes, hbm_bytes,
-                                                kv_bytes=kv_bytes)
+        tensor = sharding.inference_tensor_size(
+            configs[0].num_kv_heads, chips, weight_bytes, hbm_bytes, kv_bytes=kv_bytes
+        )
     except sharding.MeshError as e:
         raise DecodeError(str(e)) from None
     return chips // tensor, 1, tensor
@@ -128,8 +162,13 @@ def abstract_on_mesh(cfg: ModelConfig, mesh, scan_layers: bool):
     graphdef, state = nnx.split(model)
     placed = sharding.state_shardings(state, mesh)
     state = jax.tree.map(
-        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s)),
-        state, placed, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        lambda v, s: v.replace(
+            jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s)
+        ),
+        state,
+        placed,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     return nnx.merge(graphdef, state)
 
 
@@ -142,17 +181,38 @@ def _bytes_per_chip(model, mesh) -> int:
     return total
 
 
-def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips: int, batch: int,
-                   context: int, new_tokens: int = DEFAULT_NEW_TOKENS, verifier: ModelConfig | None = None,
-                   dtype: str = "bfloat16", prompt_lengths: list[int] | None = None) -> DecodeDryRun:
+def dry_run_decode(
+    proposer: ModelConfig,
+    options: DecodeOptions,
+    *,
+    chip: str,
+    chips: int,
+    batch: int,
+    context: int,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
+    verifier: ModelConfig | None = None,
+    dtype: str = "bfloat16",
+    prompt_lengths: list[int] | None = None,
+) -> DecodeDryRun:
     """Compile the decode program of `batch` rows, each a prompt of `context - new_tokens`
     tokens and `new_tokens` to generate, for a slice of `chips` `chip`s (needs libtpu). With
     `prompt_lengths`, `batch` rows serve a queue of prompts of those lengths instead (each
     below `context`). A program XLA refuses for lack of memory comes back as a report with
     `does_not_fit` set."""
-    report, decoder, prompt = _on_slice(proposer, options, chip=chip, chips=chips, batch=batch, context=context,
-                                        new_tokens=new_tokens, verifier=verifier, dtype=dtype)
-    prompts = [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
+    report, decoder, prompt = _on_slice(
+        proposer,
+        options,
+        chip=chip,
+        chips=chips,
+        batch=batch,
+        context=context,
+        new_tokens=new_tokens,
+        verifier=verifier,
+        dtype=dtype,
+    )
+    prompts = (
+        [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
+    )
     lowered = decoder.lower(prompts, new_tokens, batch_size=batch)
     report.rows = decoder.rows(batch, batch)
     report.options = adapt_for_batch(report.options, report.rows, table=ADAPTIVE_TABLES["tpu"])
@@ -164,25 +224,41 @@ def dry_run_decode(proposer: ModelConfig, options: DecodeOptions, *, chip: str, 
     return report
 
 
-def _on_slice(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips: int, batch: int, context: int,
-              new_tokens: int, verifier: ModelConfig | None, dtype: str):
+def _on_slice(
+    proposer: ModelConfig,
+    options: DecodeOptions,
+    *,
+    chip: str,
+    chips: int,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    verifier: ModelConfig | None,
+    dtype: str,
+):
     """(a report without compile stats, the Decoder `generate` would build on the slice with
     abstract weights, one prompt of `context - new_tokens` tokens), after checking the request."""
     if not aot.libtpu_available():
         raise DecodeError('the decode dry run compiles for a TPU slice and needs libtpu: '
                           'pip install "libtpu==0.0.42.*" (docs/environment.md)')
     if not 0 < new_tokens < context:
-        raise DecodeError(f"new tokens ({new_tokens}) must be between 0 and the context ({context})")
+        raise DecodeError(
+            f"new tokens ({new_tokens}) must be between 0 and the context ({context})"
+        )
     if batch < 1:
         raise DecodeError(f"batch must be >= 1, got {batch}")
     options = slice_options(options)
     if options.mode == "verify" and verifier is None:
         raise DecodeError("mode 'verify' needs a verifier config")
     proposer = proposer.replace(dtype=dtype, param_dtype=dtype)
-    configs = [proposer] + ([verifier.replace(dtype=dtype, param_dtype=dtype)] if options.mode == "verify" else [])
+    configs = [proposer] + (
+        [verifier.replace(dtype=dtype, param_dtype=dtype)] if options.mode == "verify" else []
+    )
     hbm = aot.chip_hbm_bytes(chip)
     try:
-        axis_sizes = mesh_shape(configs, dtype, chips, hbm, sharding.kv_cache_bytes(configs, batch, context, dtype))
+        axis_sizes = mesh_shape(
+            configs, dtype, chips, hbm, sharding.kv_cache_bytes(configs, batch, context, dtype)
+        )
         mesh, topology = aot.topology_mesh(chip, axis_sizes, AXES)
     except ValueError as e:  # a chip count the generation does not come in, an unknown chip
         raise DecodeError(str(e)) from None
@@ -191,9 +267,18 @@ def _on_slice(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips
                       verifier=models[1] if len(models) > 1 else None, mesh=mesh,
                       pad_id=proposer.pad_token_id or 0, adaptive_table=ADAPTIVE_TABLES["tpu"])
     prompt = [min(3, proposer.vocab_size - 1)] * (context - new_tokens)
-    report = DecodeDryRun(chip=chip, chips=chips, topology=topology, mesh=dict(zip(AXES, axis_sizes)),
-                          options=options, batch=batch, prompt_tokens=len(prompt), new_tokens=new_tokens,
-                          proposer_params=proposer.num_params,
-                          verifier_params=configs[1].num_params if len(configs) > 1 else 0,
-                          weight_bytes=sum(_bytes_per_chip(m, mesh) for m in models), hbm_bytes=hbm)
+    report = DecodeDryRun(
+        chip=chip,
+        chips=chips,
+        topology=topology,
+        mesh=dict(zip(AXES, axis_sizes)),
+        options=options,
+        batch=batch,
+        prompt_tokens=len(prompt),
+        new_tokens=new_tokens,
+        proposer_params=proposer.num_params,
+        verifier_params=configs[1].num_params if len(configs) > 1 else 0,
+        weight_bytes=sum(_bytes_per_chip(m, mesh) for m in models),
+        hbm_bytes=hbm,
+    )
     return report, decoder, prompt

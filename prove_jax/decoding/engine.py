@@ -20,7 +20,12 @@ from prove_jax import memory
 from prove_jax.decoding import program
 from prove_jax.decoding.adaptive import adapt_for_batch, check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.decoding.options import MAX_STEP_WIDTH, DecodeError, DecodeOptions, default_prefill_chunk
+from prove_jax.decoding.options import (
+    MAX_STEP_WIDTH,
+    DecodeError,
+    DecodeOptions,
+    default_prefill_chunk,
+)
 from prove_jax.decoding.program import ProgramSettings, step_shape
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
@@ -42,7 +47,10 @@ def check_step_width(options: DecodeOptions, max_buffer: int) -> None:
     k = options.block_size
     if options.mode == "lossless":
         groups = LosslessLayout.build(k, options.max_groups).num_groups
-        what = f"lossless K={k} with {groups} mask groups feeds {width} tokens per step (1 + {k - 1} x {groups + 1})"
+        what = (
+            f"lossless K={k} with {groups} mask groups feeds {width} tokens per step "
+            f"(1 + {k - 1} x {groups + 1})"
+        )
         advice = "lower --block-size or cap the groups with --groups"
     else:
         what = f"--block-size {k} feeds {width} tokens per step ({k} pending + {k - 1} masks)"
@@ -65,9 +73,11 @@ def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, head_hidden_size: 
             raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
                               "checkpoint (train it with objective=commit_head)")
         if options.commit_rule == "head" and head_hidden_size != verifier_cfg.hidden_size:
-            raise DecodeError(f"the commit head reads hidden states of width {head_hidden_size} but "
-                              f"the verifier's hidden size is {verifier_cfg.hidden_size}: the head "
-                              f"was trained for another verifier")
+            raise DecodeError(
+                f"the commit head reads hidden states of width {head_hidden_size} but "
+                f"the verifier's hidden size is {verifier_cfg.hidden_size}: the head "
+                f"was trained for another verifier"
+            )
 
 
 @dataclasses.dataclass
@@ -128,7 +138,9 @@ class Decoder:
                  max_buffer: int | None = None, adaptive_table=None):
         self.options = options.validate()
         # per-batch lossless layouts for options.adaptive (None: the platform's ADAPTIVE_TABLES)
-        self.adaptive_table = None if adaptive_table is None else check_adaptive_table(adaptive_table)
+        self.adaptive_table = (
+            None if adaptive_table is None else check_adaptive_table(adaptive_table)
+        )
         cfg = model.cfg
         self.verifier_cfg = verifier.cfg if verifier is not None else None
         self.head_hidden_size = commit_head.hidden_size if commit_head is not None else None
@@ -139,7 +151,9 @@ class Decoder:
         self.graphdef, self.state = _split(model, self.options.scan_layers)
         self.verifier_graphdef, self.verifier_state = (_split(verifier, self.options.scan_layers)
                                                        if verifier is not None else (None, None))
-        self.head_graphdef, self.head_state = nnx.split(commit_head) if commit_head is not None else (None, None)
+        self.head_graphdef, self.head_state = (
+            nnx.split(commit_head) if commit_head is not None else (None, None)
+        )
         if mesh is not None and self.head_state is not None:
             # the head is a few KB: replicated, so the program sees every input on the mesh
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -184,7 +198,9 @@ class Decoder:
         other = copy.copy(self)
         other.options = options
         if options.scan_layers != self.options.scan_layers:  # the weights in the other layout
-            other.graphdef, other.state = _split(nnx.merge(self.graphdef, self.state), options.scan_layers)
+            other.graphdef, other.state = _split(
+                nnx.merge(self.graphdef, self.state), options.scan_layers
+            )
             if self.verifier_graphdef is not None:
                 other.verifier_graphdef, other.verifier_state = _split(
                     nnx.merge(self.verifier_graphdef, self.verifier_state), options.scan_layers)
@@ -225,17 +241,24 @@ class Decoder:
         shards = self.data_shards()
         if self.options.page_size is None:
             cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
-            shards = max([shards] + [batch_shards(self.mesh, kv_rules(c.num_kv_heads, rows, self.mesh)) for c in cfgs])
+            shards = max(
+                [shards]
+                + [batch_shards(self.mesh, kv_rules(c.num_kv_heads, rows, self.mesh)) for c in cfgs]
+            )
         return shards
 
     def _kv_per_device(self, rows: int) -> int:
         """KV elements per cache slot one device holds at `rows` rows, both models' caches."""
         cfgs = (self.cfg, self.verifier_cfg) if self.options.mode == "verify" else (self.cfg,)
-        return sum(c.num_layers * c.head_dim * kv_per_device(c.num_kv_heads, rows, self.mesh) for c in cfgs)
+        return sum(
+            c.num_layers * c.head_dim * kv_per_device(c.num_kv_heads, rows, self.mesh) for c in cfgs
+        )
 
     # ---- the compiled program ---------------------------------------------------------------
 
-    def program_settings(self, options: DecodeOptions, num_rows: int, num_slots: int) -> ProgramSettings:
+    def program_settings(
+        self, options: DecodeOptions, num_rows: int, num_slots: int
+    ) -> ProgramSettings:
         """The static settings of the program that decodes `num_rows` rows of `num_slots` slots."""
         return ProgramSettings(
             options=options, num_rows=num_rows, num_slots=num_slots,
@@ -244,7 +267,8 @@ class Decoder:
             prefill_chunk=options.prefill_chunk or default_prefill_chunk())
 
     def _build(self, settings: ProgramSettings):
-        """`program.run_program` jitted with this decoder's graph definitions and `settings` bound."""
+        """`program.run_program` jitted with this decoder's graph definitions and `settings`
+        bound."""
         run = functools.partial(program.run_program, self.graphdef, self.verifier_graphdef,
                                 self.head_graphdef, settings)
         if self.mesh is None:
@@ -252,7 +276,9 @@ class Decoder:
         # Outputs (token ids and counters, a few KB) replicated, so that every process of a
         # multi-host mesh can read all of them (np.asarray fails on an array with shards on
         # another host).
-        return jax.jit(run, out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        return jax.jit(
+            run, out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
 
     def _compiled_for(self, settings: ProgramSettings, args):
         """(compiled program, seconds spent compiling it now: 0 when it was cached)."""
@@ -268,7 +294,9 @@ class Decoder:
         name a prompt by `names[i]` (request ids) if given."""
         if not prompts:
             raise DecodeError("no prompts given")
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+        budgets = (
+            [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+        )
         for i, (p, budget) in enumerate(zip(prompts, budgets)):
             problem = self.prompt_problem(p, budget)
             if problem is not None:
@@ -277,8 +305,9 @@ class Decoder:
 
     def prompt_problem(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
         """Why this decoder cannot decode `prompt` (a phrase following "request X"), or None."""
-        if isinstance(prompt, str) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                              for t in prompt):
+        if isinstance(prompt, str) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+        ):
             return ("is not a list of token ids: the Decoder takes ids (for text in and out, with "
                     "stop strings, use prove_jax.decoding.text.TextGenerator)")
         if len(prompt) == 0:
@@ -323,7 +352,9 @@ class Decoder:
         seed gets `request_seed(seed, i)`. Stop strings need text: they are refused here
         (`text.TextGenerator` finds them).
         """
-        call = self._call(prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed)
+        call = self._call(
+            prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed
+        )
         settings, requests, seeds, n = call.settings, call.requests, call.seeds, len(prompts)
         rows, num_slots = settings.num_rows, settings.num_slots
         args = [self.state, self.verifier_state, self.head_state, requests]
@@ -331,11 +362,15 @@ class Decoder:
             args[3] = jax.device_put(args[3], self.batch_sharding())
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             compiled, compile_seconds = self._compiled_for(settings, args)
-            memory.check_fits(compiled, memory.local_devices(self.mesh),
-                              f"decoding {rows} rows x {num_slots} cache slots (KV caches and loop state, "
-                              f"beyond the weights)", error=DecodeError,
-                              advice="lower --batch-size or --max-new-tokens, or shard the batch "
-                                     "over more devices")
+            memory.check_fits(
+                compiled,
+                memory.local_devices(self.mesh),
+                f"decoding {rows} rows x {num_slots} cache slots (KV caches and loop state, "
+                f"beyond the weights)",
+                error=DecodeError,
+                advice="lower --batch-size or --max-new-tokens, or shard the batch "
+                "over more devices",
+            )
             start = time.perf_counter()
             out, loop_steps = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - start
@@ -350,14 +385,34 @@ class Decoder:
         logprobs = None
         if out.logprobs is not None:
             lp = out.logprobs
-            logprobs = [[(float(lp.chosen[i, s]), list(zip(lp.top_ids[i, s].tolist(), lp.top_logprobs[i, s].tolist())))
-                         for s in range(prompt_len[i], length[i])] for i in range(n)]
-        return BatchResult(output_ids=outputs, forwards=forwards[:n], verifier_forwards=out.verifier_forwards[:n],
-                           accept_hist=out.accept_hist[:n], seconds=seconds, compile_seconds=compile_seconds,
-                           options=settings.options, step_commits=step_commits, loop_steps=int(loop_steps),
-                           finish_reasons=finish, logprobs=logprobs, seeds=seeds)
+            logprobs = [
+                [
+                    (
+                        float(lp.chosen[i, s]),
+                        list(zip(lp.top_ids[i, s].tolist(), lp.top_logprobs[i, s].tolist())),
+                    )
+                    for s in range(prompt_len[i], length[i])
+                ]
+                for i in range(n)
+            ]
+        return BatchResult(
+            output_ids=outputs,
+            forwards=forwards[:n],
+            verifier_forwards=out.verifier_forwards[:n],
+            accept_hist=out.accept_hist[:n],
+            seconds=seconds,
+            compile_seconds=compile_seconds,
+            options=settings.options,
+            step_commits=step_commits,
+            loop_steps=int(loop_steps),
+            finish_reasons=finish,
+            logprobs=logprobs,
+            seeds=seeds,
+        )
 
-    def _call(self, prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed) -> "_Call":
+    def _call(
+        self, prompts, max_new_tokens, batch_size, prompt_width, queue_size, params, seed
+    ) -> "_Call":
         """The program settings and request arrays of a `generate` call (checked)."""
         params, budgets, seeds = self._prepare(prompts, max_new_tokens, batch_size, params, seed)
         n = len(prompts)
@@ -372,9 +427,15 @@ class Decoder:
                                        num_pages=self._pool_pages(prompts, budgets, rows))
         return _Call(settings, requests, seeds)
 
-    def lower(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None,
-              prompt_width: int | None = None, queue_size: int | None = None,
-              params: SamplingParams | Sequence[SamplingParams] | None = None):
+    def lower(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        batch_size: int | None = None,
+        prompt_width: int | None = None,
+        queue_size: int | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ):
         """The program `generate` would run for these arguments, lowered (`jax.stages.Lowered`)
         but not compiled or run: for an ahead-of-time compile, where the weights may be
         abstract (`jax.ShapeDtypeStruct`s with shardings) and the mesh a TPU topology's."""
@@ -382,13 +443,24 @@ class Decoder:
         requests = call.requests
         if self.mesh is not None:  # placed abstractly: the mesh's devices may not be attached
             batch = self.batch_sharding()
-            requests = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch), requests)
+            requests = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch), requests
+            )
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            return self._build(call.settings).lower(self.state, self.verifier_state, self.head_state, requests)
+            return self._build(call.settings).lower(
+                self.state, self.verifier_state, self.head_state, requests
+            )
 
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None,
-               params: SamplingParams | Sequence[SamplingParams] | None = None, seed: int = 0,
-               chunk_steps: int = 16, log=None) -> "DecodeStream":
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        batch_size: int | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        seed: int = 0,
+        chunk_steps: int = 16,
+        log=None,
+    ) -> "DecodeStream":
         """Decode `prompts` with `batch_size` rows (default 1), yielding as it goes.
 
         `for event in decoder.stream(...)`: each `StreamEvent` holds a request's newly committed
@@ -408,9 +480,11 @@ class Decoder:
         # one request more, with no budget: what a row with no request holds
         requests = self._request_arrays(list(prompts) + [[self.pad_id]], budgets + [0],
                                         params + [GREEDY], seeds + [0], n + 1, width)
-        settings = dataclasses.replace(self.program_settings(options, rows, self.buffer_len(width, max(budgets))),
-                                       sampler=Sampler.for_requests(params),
-                                       num_pages=self._pool_pages(prompts, budgets, rows))
+        settings = dataclasses.replace(
+            self.program_settings(options, rows, self.buffer_len(width, max(budgets))),
+            sampler=Sampler.for_requests(params),
+            num_pages=self._pool_pages(prompts, budgets, rows),
+        )
         return DecodeStream(self, requests, seeds, settings, chunk_steps, log)
 
     def _prepare(self, prompts, max_new_tokens: int, batch_size: int | None, params, seed: int):
@@ -422,11 +496,15 @@ class Decoder:
             raise DecodeError(f"batch size must be >= 1, got {batch_size}")
         params = _per_request(params, len(prompts))
         if any(p.stop for p in params):
-            raise DecodeError("stop strings are found on text, which the Decoder does not see (it would "
-                              "ignore them): use prove_jax.decoding.text.TextGenerator, or stop_token_ids")
+            raise DecodeError(
+                "stop strings are found on text, which the Decoder does not see (it would "
+                "ignore them): use prove_jax.decoding.text.TextGenerator, or stop_token_ids"
+            )
         budgets = [p.max_new_tokens or max_new_tokens for p in params]
         self.check_prompts(prompts, budgets)
-        seeds = [p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)]
+        seeds = [
+            p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)
+        ]
         if self.options.relaxed_p is not None and Sampler.for_requests(params) is not None:
             raise DecodeError("relaxed acceptance (--relaxed-p) is for greedy decoding; sampled "
                               "lossless is exact speculative sampling: drop one or the other")
@@ -464,19 +542,31 @@ class Decoder:
         if need <= per_shard:
             return None
         shards = self.data_shards()
-        pool = (f"the pool's {per_shard}" if shards == 1 else
-                f"each of the {shards} data shards' pools ({per_shard} of --kv-pages {self.options.kv_pages})")
-        return (f"needs {need} KV pages of {self.options.page_size} slots ({prompt_len} prompt tokens + "
-                f"{budget} new), more than {pool}: raise --kv-pages or lower --max-new-tokens")
+        pool = (
+            f"the pool's {per_shard}"
+            if shards == 1
+            else (
+                f"each of the {shards} data shards' pools "
+                f"({per_shard} of --kv-pages {self.options.kv_pages})"
+            )
+        )
+        return (
+            f"needs {need} KV pages of {self.options.page_size} slots ({prompt_len} prompt tokens "
+            f"+ {budget} new), more than {pool}: raise --kv-pages or lower --max-new-tokens"
+        )
 
     def batch_sharding(self):
         """Requests and rows split over the mesh's batch axes; None without a mesh."""
         if self.mesh is None:
             return None
         return jax.sharding.NamedSharding(
-            self.mesh, jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)))
+            self.mesh,
+            jax.sharding.PartitionSpec(tuple(a for a in ("data", "fsdp") if a in self.mesh.shape)),
+        )
 
-    def _request_arrays(self, prompts, budgets, params, seeds, num_requests: int, width: int) -> Requests:
+    def _request_arrays(
+        self, prompts, budgets, params, seeds, num_requests: int, width: int
+    ) -> Requests:
         """The queue as host arrays; padding requests get no budget, so they are never decoded."""
         n = len(prompts)
         queued = np.full((num_requests, width), self.pad_id, np.int32)
@@ -506,5 +596,7 @@ def _per_request(params, n: int) -> list[SamplingParams]:
         return [params.validate()] * n
     params = list(params)
     if len(params) != n:
-        raise DecodeError(f"{len(params)} sampling params for {n} prompts; give one, or one per prompt")
+        raise DecodeError(
+            f"{len(params)} sampling params for {n} prompts; give one, or one per prompt"
+        )
     return [p.validate() for p in params]

@@ -60,7 +60,9 @@ class LosslessLayout:
         """Acceptance length each group serves per row, [B, G]: its static length, capped at the
         row's number of real drafts (a row can accept at most those, so the top group always
         serves full acceptance)."""
-        return jnp.minimum(jnp.asarray(self.accept_of_group, jnp.int32)[None, :], num_valid[:, None])
+        return jnp.minimum(
+            jnp.asarray(self.accept_of_group, jnp.int32)[None, :], num_valid[:, None]
+        )
 
     def offsets(self, served: jax.Array) -> jax.Array:
         """Position of each slot relative to t0's position, [B, T], for served lengths [B, G]."""
@@ -83,7 +85,10 @@ class LosslessLayout:
         idx = np.arange(t)
         verify = group_of < 0
         static = (verify[:, None] & verify[None, :] & (idx[None, :] <= idx[:, None])) | (
-            (group_of[:, None] == group_of[None, :]) & ~verify[:, None] & (rank[None, :] <= rank[:, None]))
+            (group_of[:, None] == group_of[None, :])
+            & ~verify[:, None]
+            & (rank[None, :] <= rank[:, None])
+        )
         j_of_slot = jnp.take(served, np.maximum(group_of, 0), axis=1)  # [B, T]
         sees_context = (~verify)[None, :, None] & verify[None, None, :] & (
             jnp.asarray(idx)[None, None, :] <= j_of_slot[:, :, None])

@@ -53,8 +53,15 @@ class LoadedModels:
     pad_id: int
 
 
-def load_models(model_path: str, verifier_path: str | None = None, with_head: bool = False,
-                dtype: str = "float32", mesh=None, tokenizer=None, stacked: bool = False) -> LoadedModels:
+def load_models(
+    model_path: str,
+    verifier_path: str | None = None,
+    with_head: bool = False,
+    dtype: str = "float32",
+    mesh=None,
+    tokenizer=None,
+    stacked: bool = False,
+) -> LoadedModels:
     """Read a proposer checkpoint and, with `verifier_path`, its verifier (and the verifier's
     commit head with `with_head`), each restored as `dtype` onto `mesh` (None: one device),
     with `stacked` straight into the stacked layers a scanned decoder runs (`load_model_stacked`:

@@ -43,13 +43,16 @@ def propose_block(model, state: LoopState, block_size: int, mask_id: int,
     slots = state.cache_len[:, None] + idx
     pending = jnp.take_along_axis(state.tokens, jnp.clip(slots, 0, n_slots - 1), axis=1)
     tokens = jnp.where(idx < n_pending[:, None], pending, mask_id).astype(jnp.int32)
-    hidden, cache = model.hidden_states(tokens, slots, StepMask(state.cache_len, intra_fn(n_pending)),
-                                        state.cache, kernels=kernels)
+    hidden, cache = model.hidden_states(
+        tokens, slots, StepMask(state.cache_len, intra_fn(n_pending)), state.cache, kernels=kernels
+    )
     block_slots = n_pending[:, None] - 1 + jnp.arange(block_size)[None, :]
     logits = _logits_at(model, hidden, block_slots, kernels)
     if state.sampling is None:
         return greedy_tokens(logits), logits, cache
-    block, _ = sampling.sample_tokens(logits, state.sampling, sampler, state.forwards, sampling.PROPOSE)
+    block, _ = sampling.sample_tokens(
+        logits, state.sampling, sampler, state.forwards, sampling.PROPOSE
+    )
     return block, logits, cache
 
 
@@ -104,9 +107,21 @@ def _commit_proposal(state, cache, block, n, logits, verifier_cache=None, verifi
     return state
 
 
-def verify_step(model, verifier, state, *, block_size, mask_id, rule, tau_v, head=None,
-                head_threshold=None, kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None,
-                gate: tuple[str, float] | None = None):
+def verify_step(
+    model,
+    verifier,
+    state,
+    *,
+    block_size,
+    mask_id,
+    rule,
+    tau_v,
+    head=None,
+    head_threshold=None,
+    kernels: KernelOptions = DEFAULT_KERNELS,
+    sampler: Sampler | None = None,
+    gate: tuple[str, float] | None = None,
+):
     """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K].
     `gate` (confidence kind, tau): a draft is committed only if the proposer's own confidence
     in it passes tau too (the verifier's rule and the proposer's signal together)."""
@@ -121,21 +136,28 @@ def verify_step(model, verifier, state, *, block_size, mask_id, rule, tau_v, hea
     if k == 1:
         n = jnp.ones(block.shape[0], jnp.int32)
     else:
-        verifier_logits = verifier.logits(hidden[:, :-1], kernels=kernels)  # logits at D_i judge D_{i+1}
+        # logits at D_i judge D_{i+1}
+        verifier_logits = verifier.logits(hidden[:, :-1], kernels=kernels)
         following = verifier_block[:, 1:]
         if rule == "top1":
             accept = greedy_tokens(verifier_logits) == following
         elif rule == "prob":
             logp = jax.nn.log_softmax(verifier_logits, axis=-1)
-            accept = jnp.take_along_axis(logp, following[..., None], axis=-1)[..., 0] >= jnp.log(tau_v)
+            accept = jnp.take_along_axis(logp, following[..., None], axis=-1)[..., 0] >= jnp.log(
+                tau_v
+            )
         elif rule == "head":
-            accept = head.accept(hidden[:, :-1], verifier_logits, following, threshold=head_threshold)
+            accept = head.accept(
+                hidden[:, :-1], verifier_logits, following, threshold=head_threshold
+            )
         else:
             raise ValueError(f"unknown commit rule {rule!r}")
         if gate is not None:  # logits at D_2..D_K: the proposer's distribution each was drawn from
             accept &= confident(logits[:, 1:], *gate)
         n = 1 + leading_true(accept & readable[:, 1:])
-    return _commit_proposal(state, cache, block, n, logits, verifier_cache=verifier_cache, verified=True)
+    return _commit_proposal(
+        state, cache, block, n, logits, verifier_cache=verifier_cache, verified=True
+    )
 
 
 # A lossless step needs the LM head at 2M+1 of its T slots, known only after the first argmax:
@@ -144,7 +166,9 @@ def verify_step(model, verifier, state, *, block_size, mask_id, rule, tau_v, hea
 HEAD_ONE_PASS_MAX_EXTRA_ROWS = 8
 
 
-def head_in_one_pass(layout: LosslessLayout, batch: int, kernels: KernelOptions = DEFAULT_KERNELS) -> bool:
+def head_in_one_pass(
+    layout: LosslessLayout, batch: int, kernels: KernelOptions = DEFAULT_KERNELS
+) -> bool:
     """Whether `lossless_step` at this batch size runs the LM head once over all slots (above);
     `kernels.lm_head_one_pass=False` forces two passes."""
     extra_rows = batch * (layout.width - (2 * layout.num_drafts + 1))
@@ -183,10 +207,17 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
     served = layout.served(state.draft_len)  # [B, G]
     t0 = jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)
     n_mask = width - 1 - m
-    tokens = jnp.concatenate([t0, state.drafts, jnp.full((batch, n_mask), mask_id, jnp.int32)], axis=1)
+    tokens = jnp.concatenate(
+        [t0, state.drafts, jnp.full((batch, n_mask), mask_id, jnp.int32)], axis=1
+    )
     positions = (state.length - 1)[:, None] + layout.offsets(served)
-    hidden, cache = model.hidden_states(tokens, positions, StepMask(state.cache_len, layout.intra_mask(served)),
-                                        state.cache, kernels=kernels)
+    hidden, cache = model.hidden_states(
+        tokens,
+        positions,
+        StepMask(state.cache_len, layout.intra_mask(served)),
+        state.cache,
+        kernels=kernels,
+    )
 
     rows = state.sampling
     # sampling needs whole distributions at the draft slots: the head runs twice
@@ -206,7 +237,8 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
         accepted, block = _accept_relaxed(state, verify_logits, greedy, relaxed_p)
     else:
         accepted, block = _accept_sampled(state, verify_logits, greedy, sampler)
-    group = jnp.sum(served <= accepted[:, None], axis=1) - 1  # largest served length <= a (group 0 serves 0)
+    # largest served length <= a (group 0 serves 0)
+    group = jnp.sum(served <= accepted[:, None], axis=1) - 1
     shift = accepted - jnp.take_along_axis(served, group[:, None], axis=1)[:, 0]
     prediction = jnp.minimum(shift[:, None] + jnp.arange(m)[None, :], m - 1)
     draft_slots = layout.group_start(group)[:, None] + prediction  # [B, M]
@@ -216,19 +248,30 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
     elif rows is None:
         drafts = greedy_tokens(_logits_at(model, hidden, draft_slots, kernels))
     else:
-        drafts, probs = sampling.sample_tokens(_logits_at(model, hidden, draft_slots, kernels), rows, sampler,
-                                               state.forwards, sampling.DRAFT)
+        drafts, probs = sampling.sample_tokens(
+            _logits_at(model, hidden, draft_slots, kernels),
+            rows,
+            sampler,
+            state.forwards,
+            sampling.DRAFT,
+        )
         draft_probs = jnp.where(~state.done[:, None, None], probs, draft_probs)
 
     active = ~state.done
-    state = state.replace(cache=cache, drafts=jnp.where(active[:, None], drafts, state.drafts),
-                          draft_len=jnp.where(active, m - shift, state.draft_len), draft_probs=draft_probs)
+    state = state.replace(
+        cache=cache,
+        drafts=jnp.where(active[:, None], drafts, state.drafts),
+        draft_len=jnp.where(active, m - shift, state.draft_len),
+        draft_probs=draft_probs,
+    )
     state, _ = commit(state, block, accepted + 1, hist_value=accepted, logits=verify_logits)
     # t0 and d_1..d_{n-1} now have valid KV; the last committed token is the new pending t0.
     return state.replace(cache_len=state.length - 1)
 
 
-def _accept_relaxed(state: LoopState, verify_logits: jax.Array, greedy: jax.Array, relaxed_p: float):
+def _accept_relaxed(
+    state: LoopState, verify_logits: jax.Array, greedy: jax.Array, relaxed_p: float
+):
     """(accepted drafts a [B], block [B, M+1] = d_1..d_a then g_{a+1}): a draft is accepted where
     it is AR's token or AR gives it probability >= relaxed_p; a row's first step has no drafts."""
     m = state.drafts.shape[1]
@@ -247,15 +290,21 @@ def _drafts_then(drafts: jax.Array, accepted: jax.Array, after: jax.Array) -> ja
     return jnp.where(jnp.arange(m + 1)[None, :] < accepted[:, None], padded, after)
 
 
-def _accept_sampled(state: LoopState, verify_logits: jax.Array, greedy: jax.Array, sampler: Sampler):
+def _accept_sampled(
+    state: LoopState, verify_logits: jax.Array, greedy: jax.Array, sampler: Sampler
+):
     """(accepted drafts a [B], block [B, M+1] = d_1..d_a then the drawn token) by speculative
     sampling; a row's first step has no drafts to judge. Greedy rows get exactly greedy's."""
     rows = state.sampling
     m = state.drafts.shape[1]
     p = sampling.token_probs(verify_logits, rows, sampler)
     u = sampling.uniforms(sampling.step_keys(rows.seed, state.forwards, sampling.ACCEPT, m))
-    accepted, after = sampling.speculative_accept(p, state.draft_probs, state.drafts, u, valid=state.forwards > 0)
+    accepted, after = sampling.speculative_accept(
+        p, state.draft_probs, state.drafts, u, valid=state.forwards > 0
+    )
     keys = sampling.step_keys(rows.seed, state.forwards, sampling.CORRECT, 1)
     drawn = sampling.draw(keys, after[:, None])[:, 0]
-    drawn = jnp.where(rows.temperature > 0, drawn, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0])
+    drawn = jnp.where(
+        rows.temperature > 0, drawn, jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0]
+    )
     return accepted, _drafts_then(state.drafts, accepted, drawn[:, None])

@@ -105,7 +105,9 @@ class DecodeOptions:
         if self.mode == "lossless" and self.block_size < 2:
             raise DecodeError("lossless mode needs --block-size >= 2")
         if self.confidence not in CONFIDENCE_KINDS:
-            raise DecodeError(f"unknown confidence {self.confidence!r}; choose from {CONFIDENCE_KINDS}")
+            raise DecodeError(
+                f"unknown confidence {self.confidence!r}; choose from {CONFIDENCE_KINDS}"
+            )
         if self.tau is None:
             return dataclasses.replace(self, tau=DEFAULT_TAU[self.confidence]).validate()
         if not math.isfinite(self.tau):
@@ -113,17 +115,24 @@ class DecodeOptions:
         if not (math.isfinite(self.tau_v) and self.tau_v >= 0):
             raise DecodeError(f"tau_v is a verifier probability: it must be >= 0, got {self.tau_v}")
         if self.commit_rule not in COMMIT_RULES:
-            raise DecodeError(f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}")
+            raise DecodeError(
+                f"unknown commit rule {self.commit_rule!r}; choose from {COMMIT_RULES}"
+            )
         if self.head_threshold is not None and not math.isfinite(self.head_threshold):
             raise DecodeError(f"head threshold must be a finite number, got {self.head_threshold}")
         if self.gate_tau is not None:
             if self.mode != "verify":
-                raise DecodeError(f"gate_tau gates verify's commits by the proposer's confidence; mode {self.mode!r} has none")
+                raise DecodeError(
+                    "gate_tau gates verify's commits by the proposer's confidence; mode "
+                    f"{self.mode!r} has none"
+                )
             if not math.isfinite(self.gate_tau):
                 raise DecodeError(f"gate_tau must be a finite number, got {self.gate_tau}")
         if self.relaxed_p is not None:
             if self.mode != "lossless":
-                raise DecodeError(f"relaxed_p relaxes lossless acceptance; mode {self.mode!r} has none")
+                raise DecodeError(
+                    f"relaxed_p relaxes lossless acceptance; mode {self.mode!r} has none"
+                )
             if not (math.isfinite(self.relaxed_p) and 0 < self.relaxed_p <= 1):
                 raise DecodeError(f"relaxed_p is a probability in (0, 1], got {self.relaxed_p}")
         if self.max_groups is not None and self.max_groups < 1:
@@ -144,9 +153,15 @@ class DecodeOptions:
         if self.page_size is None:
             raise DecodeError("kv_pages sizes a paged KV pool: give a page size too (--page-size)")
         if not (isinstance(self.page_size, int) and self.page_size >= 1):
-            raise DecodeError(f"page size must be a whole number of slots >= 1, got {self.page_size!r}")
-        if self.kv_pages is not None and not (isinstance(self.kv_pages, int) and self.kv_pages >= 1):
-            raise DecodeError(f"kv_pages must be a whole number of pages >= 1, got {self.kv_pages!r}")
+            raise DecodeError(
+                f"page size must be a whole number of slots >= 1, got {self.page_size!r}"
+            )
+        if self.kv_pages is not None and not (
+            isinstance(self.kv_pages, int) and self.kv_pages >= 1
+        ):
+            raise DecodeError(
+                f"kv_pages must be a whole number of pages >= 1, got {self.kv_pages!r}"
+            )
         if self.kernels.attention not in ("xla", "pallas_tpu", "auto"):
             raise DecodeError(f"the paged KV pool is read by --attention xla or pallas_tpu, not "
                               f"{self.kernels.attention}")

@@ -27,7 +27,13 @@ from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models import paged
 from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed
-from prove_jax.models.sharding import DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules, rows_per_device
+from prove_jax.models.sharding import (
+    DEFAULT_RULES,
+    KV_CACHE_AXES,
+    constrain,
+    kv_rules,
+    rows_per_device,
+)
 from prove_jax.models.tokens import readable_tokens
 
 
@@ -68,19 +74,53 @@ def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int
     block_size, kernels = options.block_size, options.kernels
     if options.mode == "lossless":
         layout = LosslessLayout.build(block_size, options.max_groups)
-        return mode_steps.lossless_step(model, state, layout=layout, mask_id=mask_id, kernels=kernels, sampler=sampler,
-                                   relaxed_p=options.relaxed_p)
+        return mode_steps.lossless_step(
+            model,
+            state,
+            layout=layout,
+            mask_id=mask_id,
+            kernels=kernels,
+            sampler=sampler,
+            relaxed_p=options.relaxed_p,
+        )
     if options.mode == "verify":
-        return mode_steps.verify_step(model, verifier, state, block_size=block_size, mask_id=mask_id,
-                                 rule=options.commit_rule, tau_v=options.tau_v, head=head,
-                                 head_threshold=options.head_threshold, kernels=kernels, sampler=sampler,
-                                 gate=None if options.gate_tau is None else (options.confidence, options.gate_tau))
-    return mode_steps.threshold_step(model, state, block_size=block_size, mask_id=mask_id, tau=options.tau,
-                                conf_kind=options.confidence, kernels=kernels, sampler=sampler)
+        return mode_steps.verify_step(
+            model,
+            verifier,
+            state,
+            block_size=block_size,
+            mask_id=mask_id,
+            rule=options.commit_rule,
+            tau_v=options.tau_v,
+            head=head,
+            head_threshold=options.head_threshold,
+            kernels=kernels,
+            sampler=sampler,
+            gate=None if options.gate_tau is None else (options.confidence, options.gate_tau),
+        )
+    return mode_steps.threshold_step(
+        model,
+        state,
+        block_size=block_size,
+        mask_id=mask_id,
+        tau=options.tau,
+        conf_kind=options.confidence,
+        kernels=kernels,
+        sampler=sampler,
+    )
 
 
-def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chunk_size: int, pad_id: int,
-            kernels: KernelOptions = DEFAULT_KERNELS, cache: PagedKVCache | None = None) -> KVCache | PagedKVCache:
+def prefill(
+    model,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    size: int,
+    *,
+    chunk_size: int,
+    pad_id: int,
+    kernels: KernelOptions = DEFAULT_KERNELS,
+    cache: PagedKVCache | None = None,
+) -> KVCache | PagedKVCache:
     """A cache of `size` slots holding the KV of `prompts` [R, P] (row r's first prompt_len[r]);
     with `cache`, a paged pool with these rows' pages allocated, written there instead.
 
@@ -95,7 +135,9 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
     def write_chunk(i, cache):
         start = i * chunk
         tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
-        positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32)[None], (rows, chunk))
+        positions = start + jnp.broadcast_to(
+            jnp.arange(chunk, dtype=jnp.int32)[None], (rows, chunk)
+        )
         # Real tokens see the earlier chunks and the causal part of this one; keys past a
         # prompt's end are padding, hidden. (Padding queries see garbage: their KV lies past the
         # prompt and decoding overwrites it.)
@@ -106,7 +148,9 @@ def prefill(model, prompts: jax.Array, prompt_len: jax.Array, size: int, *, chun
         return model.hidden_states(tokens, positions, mask, cache, kernels=kernels)[1]
 
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, n_chunks, write_chunk, model.new_cache(rows, size) if cache is None else cache)
+    return jax.lax.fori_loop(
+        0, n_chunks, write_chunk, model.new_cache(rows, size) if cache is None else cache
+    )
 
 
 def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
@@ -121,8 +165,14 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
     width, num_drafts = step_shape(options)
     prompts, prompt_len = requests.prompts, requests.prompt_len
     rows, prompt_width = prompts.shape
-    tokens = jnp.full((rows, settings.num_slots), settings.pad_id, jnp.int32).at[:, :prompt_width].set(prompts)
-    static = dict(chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels)
+    tokens = (
+        jnp.full((rows, settings.num_slots), settings.pad_id, jnp.int32)
+        .at[:, :prompt_width]
+        .set(prompts)
+    )
+    static = dict(
+        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels
+    )
     # room for one step past the buffer: the proposer's step width, the verifier's K
     size = settings.num_slots + width
     page = options.page_size
@@ -138,17 +188,39 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
     if verifier is not None:
         if page is not None:  # the proposer's pages, in the verifier's own pools
             if verifier_pool is None:
-                verifier_pool = PagedKVCache.zeros(verifier.cfg, rows, pool.table.shape[1], settings.num_pages,
-                                                   page, stacked=verifier.layers_stacked)
+                verifier_pool = PagedKVCache.zeros(
+                    verifier.cfg,
+                    rows,
+                    pool.table.shape[1],
+                    settings.num_pages,
+                    page,
+                    stacked=verifier.layers_stacked,
+                )
             verifier_pool = verifier_pool.with_pages_of(pool)
-        verifier_cache = prefill(verifier, prompts, prompt_len, settings.num_slots + options.block_size,
-                                 cache=verifier_pool, **static)
+        verifier_cache = prefill(
+            verifier,
+            prompts,
+            prompt_len,
+            settings.num_slots + options.block_size,
+            cache=verifier_pool,
+            **static,
+        )
     lossless_sampling = options.mode == "lossless" and settings.sampler is not None
-    return initial_state(tokens, prompt_len, requests.max_new, requests.stop_ids, cache, verifier_cache,
-                         num_drafts=num_drafts, block_size=options.block_size, pad_id=settings.pad_id,
-                         record_steps=options.record_steps, sampling=requests.sampling,
-                         draft_vocab=model.cfg.vocab_size if lossless_sampling else 0,
-                         logprobs=options.logprobs)
+    return initial_state(
+        tokens,
+        prompt_len,
+        requests.max_new,
+        requests.stop_ids,
+        cache,
+        verifier_cache,
+        num_drafts=num_drafts,
+        block_size=options.block_size,
+        pad_id=settings.pad_id,
+        record_steps=options.record_steps,
+        sampling=requests.sampling,
+        draft_vocab=model.cfg.vocab_size if lossless_sampling else 0,
+        logprobs=options.logprobs,
+    )
 
 
 def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopState, row: jax.Array,
@@ -186,13 +258,17 @@ def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, req
     return state.replace(step=state.step + 1), queue_state
 
 
-def loop_continues(carry: tuple[LoopState, QueueState], *, num_live: jax.Array, bound: jax.Array) -> jax.Array:
+def loop_continues(
+    carry: tuple[LoopState, QueueState], *, num_live: jax.Array, bound: jax.Array
+) -> jax.Array:
     """A row is still decoding or a live request waits, and the safety bound is not reached."""
     state, queue_state = carry
     return (state.step < bound) & (~jnp.all(state.done) | (queue_state.next_request < num_live))
 
 
-def decode_loop(model, verifier, head, requests: Requests, settings: ProgramSettings) -> tuple[LoopState, QueueState]:
+def decode_loop(
+    model, verifier, head, requests: Requests, settings: ProgramSettings
+) -> tuple[LoopState, QueueState]:
     """Serve the queue of `requests` with settings.num_rows rows.
 
     Q == num_rows is a plain static batch. Requests after the last one with a budget are
@@ -209,8 +285,15 @@ def decode_loop(model, verifier, head, requests: Requests, settings: ProgramSett
     num_live = jnp.max(jnp.where(max_new > 0, jnp.arange(num_requests, dtype=jnp.int32) + 1, 0))
     # every active step commits >= 1 token: a safety bound, never the reason to stop
     bound = jnp.sum(max_new) + num_requests
-    body = functools.partial(loop_body, model=model, verifier=verifier, head=head, requests=requests,
-                             num_live=num_live, settings=settings)
+    body = functools.partial(
+        loop_body,
+        model=model,
+        verifier=verifier,
+        head=head,
+        requests=requests,
+        num_live=num_live,
+        settings=settings,
+    )
     more = functools.partial(loop_continues, num_live=num_live, bound=bound)
     state, queue_state = jax.lax.while_loop(more, body, (state, queue_state))
     return state, queue.finish(state, queue_state)
@@ -219,7 +302,9 @@ def decode_loop(model, verifier, head, requests: Requests, settings: ProgramSett
 def merge_models(*parts):
     """The modules of (graph definition, state) pairs (`nnx.split`), None where a graph
     definition is None (no verifier, no commit head)."""
-    return tuple(None if graphdef is None else nnx.merge(graphdef, state) for graphdef, state in parts)
+    return tuple(
+        None if graphdef is None else nnx.merge(graphdef, state) for graphdef, state in parts
+    )
 
 
 def run_program(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSettings,
@@ -279,7 +364,9 @@ def put_admitted(state: LoopState, part: LoopState, rows: jax.Array) -> LoopStat
             return full
         first = jax.tree.leaves(full)[0]
         rules = kv_rules(first.shape[1], first.shape[0])
-        return jax.tree.map(lambda f, n: put_shard_rows(f, n, rows, rules, KV_CACHE_AXES), full, new)
+        return jax.tree.map(
+            lambda f, n: put_shard_rows(f, n, rows, rules, KV_CACHE_AXES), full, new
+        )
 
     merged = jax.tree.map(put, state.replace(cache=None, verifier_cache=None),
                           part.replace(cache=None, verifier_cache=None))
@@ -328,8 +415,15 @@ def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSetti
 
     def body(carry):
         state, n = carry
-        state = decode_step(settings.options, model, state, mask_id=settings.mask_id, verifier=verifier,
-                            head=head, sampler=settings.sampler)
+        state = decode_step(
+            settings.options,
+            model,
+            state,
+            mask_id=settings.mask_id,
+            verifier=verifier,
+            head=head,
+            sampler=settings.sampler,
+        )
         return state.replace(step=state.step + 1), n + 1
 
     return jax.lax.while_loop(more, body, (state, jnp.int32(0)))[0]

@@ -62,13 +62,22 @@ def start(num_requests: int, state: LoopState, admitted: jax.Array | None = None
         request = jnp.where(admitted, request, num_requests)
         next_request = jnp.sum(admitted.astype(jnp.int32))
     return QueueState(
-        request=request, next_request=next_request,
-        tokens=jnp.zeros((num_requests, n_slots), jnp.int32), length=zeros, forwards=zeros,
+        request=request,
+        next_request=next_request,
+        tokens=jnp.zeros((num_requests, n_slots), jnp.int32),
+        length=zeros,
+        forwards=zeros,
         verifier_forwards=zeros,
         accept_hist=jnp.zeros((num_requests,) + state.accept_hist.shape[1:], jnp.int32),
-        step_commits=None if state.step_commits is None else jnp.zeros((num_requests, n_slots), jnp.int32),
-        logprobs=None if state.logprobs is None else Logprobs.zeros(num_requests, n_slots,
-                                                                    state.logprobs.top_ids.shape[-1]))
+        step_commits=(
+            None if state.step_commits is None else jnp.zeros((num_requests, n_slots), jnp.int32)
+        ),
+        logprobs=(
+            None
+            if state.logprobs is None
+            else Logprobs.zeros(num_requests, n_slots, state.logprobs.top_ids.shape[-1])
+        ),
+    )
 
 
 def harvest(queue_state: QueueState, state: LoopState, rows: jax.Array) -> QueueState:
@@ -80,13 +89,20 @@ def harvest(queue_state: QueueState, state: LoopState, rows: jax.Array) -> Queue
         commits = commits.at[dest].set(state.step_commits[rows], mode="drop")
     logprobs = queue_state.logprobs
     if logprobs is not None:
-        logprobs = jax.tree.map(lambda out, row: out.at[dest].set(row[rows], mode="drop"), logprobs, state.logprobs)
-    return queue_state.replace(logprobs=logprobs,
+        logprobs = jax.tree.map(
+            lambda out, row: out.at[dest].set(row[rows], mode="drop"), logprobs, state.logprobs
+        )
+    return queue_state.replace(
+        logprobs=logprobs,
         tokens=queue_state.tokens.at[dest].set(state.tokens[rows], mode="drop"),
         length=queue_state.length.at[dest].set(state.length[rows], mode="drop"),
         forwards=queue_state.forwards.at[dest].set(state.forwards[rows], mode="drop"),
-        verifier_forwards=queue_state.verifier_forwards.at[dest].set(state.verifier_forwards[rows], mode="drop"),
-        accept_hist=queue_state.accept_hist.at[dest].set(state.accept_hist[rows], mode="drop"), step_commits=commits)
+        verifier_forwards=queue_state.verifier_forwards.at[dest].set(
+            state.verifier_forwards[rows], mode="drop"
+        ),
+        accept_hist=queue_state.accept_hist.at[dest].set(state.accept_hist[rows], mode="drop"),
+        step_commits=commits,
+    )
 
 
 def put_state(state: LoopState, part: LoopState, rows: jax.Array, put) -> LoopState:
@@ -152,8 +168,10 @@ def refill(state: LoopState, queue_state: QueueState, num_requests: jax.Array,
         row = jnp.argmax(free_rows(state, queue_state)).astype(jnp.int32)
         queue_state = harvest(queue_state, state, row[None])
         state = put_row(state, admit(queue_state.next_request, state, row), row)
-        return state, queue_state.replace(request=queue_state.request.at[row].set(queue_state.next_request),
-                                          next_request=queue_state.next_request + 1)
+        return state, queue_state.replace(
+            request=queue_state.request.at[row].set(queue_state.next_request),
+            next_request=queue_state.next_request + 1,
+        )
 
     return jax.lax.while_loop(waiting, admit_one, (state, queue_state))
 

@@ -19,8 +19,12 @@ from prove_jax.decoding.stream import RequestOutput
 
 
 def request_stats(result: BatchResult, i: int) -> dict:
-    return decode_stats(len(result.output_ids[i]), int(result.forwards[i]), int(result.verifier_forwards[i]),
-                        result.accept_hist[i].tolist())
+    return decode_stats(
+        len(result.output_ids[i]),
+        int(result.forwards[i]),
+        int(result.verifier_forwards[i]),
+        result.accept_hist[i].tolist(),
+    )
 
 
 def decode_stats(n_out: int, forwards: int, verifier_forwards: int, accept_hist: list[int]) -> dict:
@@ -94,22 +98,39 @@ def _result(batch: BatchResult, i: int, params: SamplingParams, tokenizer) -> Re
     """Request i of a decode call, cut at its first stop string (found on the decoded text as
     the committed blocks arrive; needs a tokenizer)."""
     ids = batch.output_ids[i]
-    result = RequestResult(output_ids=ids, finish_reason=batch.finish_reasons[i], stats=request_stats(batch, i),
-                           logprobs=None if batch.logprobs is None else batch.logprobs[i])
+    result = RequestResult(
+        output_ids=ids,
+        finish_reason=batch.finish_reasons[i],
+        stats=request_stats(batch, i),
+        logprobs=None if batch.logprobs is None else batch.logprobs[i],
+    )
     if not params.stop:
         return result
     stops = _stop_strings(params, tokenizer)
     commits = batch.step_commits[i] if batch.step_commits is not None else None
-    return cut_at_stop(result, stops, commits) if feed_blocks(stops, ids, commits or [len(ids)]) else result
+    return (
+        cut_at_stop(result, stops, commits)
+        if feed_blocks(stops, ids, commits or [len(ids)])
+        else result
+    )
 
 
 def stream_result(out: RequestOutput, stops: StopStrings | None) -> RequestResult:
     """A streamed request's result, cut where `stops` (fed its blocks as they came) found a
     stop string."""
-    result = RequestResult(output_ids=out.output_ids, finish_reason=out.finish_reason, logprobs=out.logprobs,
-                           stats=decode_stats(len(out.output_ids), out.forwards, out.verifier_forwards,
-                                              out.accept_hist))
-    return result if stops is None or not stops.stopped else cut_at_stop(result, stops, out.step_commits)
+    result = RequestResult(
+        output_ids=out.output_ids,
+        finish_reason=out.finish_reason,
+        logprobs=out.logprobs,
+        stats=decode_stats(
+            len(out.output_ids), out.forwards, out.verifier_forwards, out.accept_hist
+        ),
+    )
+    return (
+        result
+        if stops is None or not stops.stopped
+        else cut_at_stop(result, stops, out.step_commits)
+    )
 
 
 def summarize(results: Sequence[RequestResult], mode: str, setting: str, seconds: float,
@@ -179,7 +200,8 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
     params = list(params) if params is not None else [GREEDY] * len(prompts)
     budgets = [p.max_new_tokens or max_new_tokens for p in params]
     decoder.check_prompts(prompts, budgets, names=ids)
-    if any(p.stop for p in params) and not decoder.options.record_steps:  # the forwards a cut output took
+    # the forwards a cut output took
+    if any(p.stop for p in params) and not decoder.options.record_steps:
         decoder = decoder.with_options(dataclasses.replace(decoder.options, record_steps=True))
     ran = set()
     results = []
@@ -189,8 +211,14 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
     for start in range(0, len(prompts), chunk_size):
         chunk = list(prompts[start: start + chunk_size])
         chunk_params = params[start: start + chunk_size]
-        result = decoder.generate(chunk, max_new_tokens, batch_size=batch_size, prompt_width=width,
-                                  queue_size=chunk_size, params=[device_params(p) for p in chunk_params])
+        result = decoder.generate(
+            chunk,
+            max_new_tokens,
+            batch_size=batch_size,
+            prompt_width=width,
+            queue_size=chunk_size,
+            params=[device_params(p) for p in chunk_params],
+        )
         ran.add(describe_options(result.options))
         seconds += result.seconds
         compile_s += result.compile_seconds
@@ -199,7 +227,9 @@ def run_requests(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tok
             done = sum(len(r.output_ids) for r in results)
             print(f"[{len(results)}/{len(prompts)} requests] {done} tokens, {seconds:.2f}s decode, "
                   f"{compile_s:.1f}s compile", file=sys.stderr, flush=True)
-    return results, summarize(results, decoder.options.mode, ", ".join(sorted(ran)), seconds, compile_s)
+    return results, summarize(
+        results, decoder.options.mode, ", ".join(sorted(ran)), seconds, compile_s
+    )
 
 
 def describe_options(options: DecodeOptions) -> str:
@@ -211,5 +241,8 @@ def describe_options(options: DecodeOptions) -> str:
         return f"lossless K={k},G={LosslessLayout.build(k, options.max_groups).num_groups}"
     if options.mode == "verify":
         return f"verify K={k},{options.commit_rule}"
-    return f"threshold K={k},{options.confidence}>={options.tau:g}" if options.confidence != "entropy" \
+    return (
+        f"threshold K={k},{options.confidence}>={options.tau:g}"
+        if options.confidence != "entropy"
         else f"threshold K={k},entropy<={options.tau:g}"
+    )

@@ -65,11 +65,15 @@ def read_requests(path: str, strict: bool = True, defaults: SamplingParams | Non
         if rid in line_of_id:
             first = line_of_id[rid]
             if not has_id:
-                raise DecodeError(f"{where}: this record has no 'id', and its default id {rid!r} "
-                                  f"(its index) is already used on line {first}: give every record an id")
+                raise DecodeError(
+                    f"{where}: this record has no 'id', and its default id {rid!r} "
+                    f"(its index) is already used on line {first}: give every record an id"
+                )
             if rid in defaulted:
-                raise DecodeError(f"{where}: duplicate id {rid!r} (the record on line {first} has no "
-                                  f"'id' and got {rid!r}, its index, by default): give every record an id")
+                raise DecodeError(
+                    f"{where}: duplicate id {rid!r} (the record on line {first} has no "
+                    f"'id' and got {rid!r}, its index, by default): give every record an id"
+                )
             raise DecodeError(f"{where}: duplicate id {rid!r} (first on line {first})")
         line_of_id[rid] = lineno
         if not has_id:
@@ -100,7 +104,9 @@ FIELD_ALIASES = {"max_tokens": "max_new_tokens"}
 # Carried in the record, not read by decoding: free-form `metadata`, and the reference answer
 # and grader that `prove-jax benchmark` scores a completion with (evaluation/graders.py).
 DATA_FIELDS = ("metadata", "answer", "grader")
-RECORD_FIELDS = ("id", "prompt", "prompt_ids", "logprobs") + PARAM_FIELDS + tuple(FIELD_ALIASES) + DATA_FIELDS
+RECORD_FIELDS = (
+    ("id", "prompt", "prompt_ids", "logprobs") + PARAM_FIELDS + tuple(FIELD_ALIASES) + DATA_FIELDS
+)
 
 
 def record_problem(rec: dict, defaults: SamplingParams | None = None, index: int = 0,
@@ -126,7 +132,9 @@ def record_problem(rec: dict, defaults: SamplingParams | None = None, index: int
     return problem
 
 
-def request_params(rec: dict, defaults: SamplingParams, index: int, base_seed: int) -> SamplingParams:
+def request_params(
+    rec: dict, defaults: SamplingParams, index: int, base_seed: int
+) -> SamplingParams:
     """The record's own SamplingParams: `defaults` (the command line's) overridden by the
     record's fields of those names (or their aliases, `max_tokens`); a request with no seed gets
     request_seed(base_seed, index), its position in the file. Raises DecodeError naming the
@@ -136,7 +144,8 @@ def request_params(rec: dict, defaults: SamplingParams, index: int, base_seed: i
     for key in ("stop", "stop_token_ids"):
         if isinstance(given.get(key), list):
             given[key] = tuple(given[key])
-        elif isinstance(given.get(key), str if key == "stop" else int):  # one of them, as OpenAI allows
+        # one of them, as OpenAI allows
+        elif isinstance(given.get(key), str if key == "stop" else int):
             given[key] = (given[key],)
     params = dataclasses.replace(defaults, **given).validate()
     if params.seed is None:
@@ -158,22 +167,27 @@ def request_logprobs(rec: dict, default: int | None) -> int | None:
     return n
 
 
-def request_controls(records: Sequence[dict], defaults: SamplingParams, default_logprobs: int | None,
-                     base_seed: int) -> tuple[list[SamplingParams | None], list[int | None]]:
+def request_controls(
+    records: Sequence[dict], defaults: SamplingParams, default_logprobs: int | None, base_seed: int
+) -> tuple[list[SamplingParams | None], list[int | None]]:
     """Each record's SamplingParams and logprobs count (None for a record that failed already),
     from records `read_requests` checked with the same `defaults`: their values were validated
     there, so this only reads them."""
     ok = [ERROR_KEY not in rec for rec in records]
     params = [request_params(rec, defaults, i, base_seed) if good else None
               for i, (rec, good) in enumerate(zip(records, ok))]
-    logprobs = [request_logprobs(rec, default_logprobs) if good else None for rec, good in zip(records, ok)]
+    logprobs = [
+        request_logprobs(rec, default_logprobs) if good else None for rec, good in zip(records, ok)
+    ]
     return params, logprobs
 
 
 def prompt_ids_problem(ids) -> str | None:
     """What is wrong with a record's `prompt_ids`, or None: a non-empty list of integers >= 0."""
     # bool is an int subclass: `true` would decode as token 1
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
         return f"'prompt_ids' must be a list of integers (token ids), got {json.dumps(ids)[:80]}"
     if not ids:
         return "'prompt_ids' is empty"
@@ -182,8 +196,13 @@ def prompt_ids_problem(ids) -> str | None:
     return None
 
 
-def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
-                   strict: bool = True, enable_thinking: bool | None = None) -> list[list[int] | None]:
+def encode_prompts(
+    records: Sequence[dict],
+    tokenizer,
+    chat: bool = False,
+    strict: bool = True,
+    enable_thinking: bool | None = None,
+) -> list[list[int] | None]:
     """Token ids of each record's prompt. With `strict` off, a record that cannot be encoded
     gets its problem under ERROR_KEY and None here (records already failed stay None).
     `enable_thinking`: with `chat`, the template's thinking switch (Qwen3's; data/chat.py)."""
@@ -193,7 +212,9 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
             prompts.append(None)
             continue
         if "prompt" in rec and tokenizer is None:
-            problem = "has a text prompt but the checkpoint has no tokenizer; give prompt_ids instead"
+            problem = (
+                "has a text prompt but the checkpoint has no tokenizer; give prompt_ids instead"
+            )
             if strict:
                 raise DecodeError(f"request {rec['id']!r} {problem}")
             rec[ERROR_KEY] = f"the request {problem}"
@@ -207,8 +228,10 @@ def encode_prompts(records: Sequence[dict], tokenizer, chat: bool = False,
             continue
         text = rec["prompt"]
         if chat and not getattr(tokenizer, "chat_template", None):
-            raise DecodeError("--chat: the checkpoint's tokenizer has no chat template; drop --chat "
-                              "or give prompts already in the model's chat format")
+            raise DecodeError(
+                "--chat: the checkpoint's tokenizer has no chat template; drop --chat "
+                "or give prompts already in the model's chat format"
+            )
         if chat:
             ids = chat_prompt_ids(tokenizer, text, enable_thinking)
         else:

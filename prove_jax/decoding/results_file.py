@@ -47,10 +47,14 @@ def check_output_path(path: str, input_path: str | None, flag: str = "--output",
         os.close(os.open(trial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         os.unlink(trial)
     except OSError as e:
-        raise DecodeError(f"{flag} {path} cannot be written: {e.strerror or e} in {parent}") from None
+        raise DecodeError(
+            f"{flag} {path} cannot be written: {e.strerror or e} in {parent}"
+        ) from None
 
 
-def output_record(rid, result: RequestResult, tokenizer, logprobs: int | None = -1, **extra) -> dict:
+def output_record(
+    rid, result: RequestResult, tokenizer, logprobs: int | None = -1, **extra
+) -> dict:
     """{"id", "output_ids", "text" (with a tokenizer), "finish_reason", "stop" (the stop string,
     when one ended it), "logprobs" (when asked for: `logprobs` alternatives per token, -1: as
     decoded), `extra` (e.g. truncated, request_hash), "stats"}."""
@@ -129,12 +133,18 @@ class ResultsFile:
         done = self.done()
         if done:
             self._check_settings(settings, len(done))
-            changed = [rid for rid, rec in done.items() if rid in hashes and rec.get("request_hash") != hashes[rid]]
+            changed = [
+                rid
+                for rid, rec in done.items()
+                if rid in hashes and rec.get("request_hash") != hashes[rid]
+            ]
             if changed:
                 more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-                raise DecodeError(f"--output {self.path}: request {changed[0]!r}{more} is not the request its "
-                                  f"record there was decoded from (its prompt or fields changed); "
-                                  f"--overwrite starts over")
+                raise DecodeError(
+                    f"--output {self.path}: request {changed[0]!r}{more} is not the request its "
+                    f"record there was decoded from (its prompt or fields changed); "
+                    f"--overwrite starts over"
+                )
         atomic_write_text(self.settings_path, json.dumps(settings, indent=1, sort_keys=True) + "\n")
         return done
 
@@ -142,15 +152,19 @@ class ResultsFile:
         try:
             saved = read_json(self.settings_path)
         except (OSError, ValueError):
-            raise DecodeError(f"--output {self.path} holds {count} records but not the settings they were "
-                              f"decoded with ({self.settings_path} is missing or unreadable): --overwrite "
-                              f"starts over, or write elsewhere") from None
+            raise DecodeError(
+                f"--output {self.path} holds {count} records but not the settings they were "
+                f"decoded with ({self.settings_path} is missing or unreadable): --overwrite "
+                f"starts over, or write elsewhere"
+            ) from None
         differ = [k for k in sorted(set(saved) | set(settings)) if saved.get(k) != settings.get(k)]
         if differ:
             was = ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
             now = ", ".join(f"{k}={settings.get(k)!r}" for k in differ)
-            raise DecodeError(f"--output {self.path} holds records decoded with {was}; this run has {now}: "
-                              f"rerun with those settings to resume, or --overwrite to start over")
+            raise DecodeError(
+                f"--output {self.path} holds records decoded with {was}; this run has {now}: "
+                f"rerun with those settings to resume, or --overwrite to start over"
+            )
 
     def done(self) -> dict:
         """{id: record} of the requests already decoded in the file; cuts off a torn last line
@@ -179,8 +193,10 @@ class ResultsFile:
                     raise ValueError("not a record")
             except ValueError:
                 if good + len(line) < len(data):
-                    raise DecodeError(f"--output {self.path} holds a line that is not an output record "
-                                      f"(byte {good}); give a new output file, or delete this one") from None
+                    raise DecodeError(
+                        f"--output {self.path} holds a line that is not an output record "
+                        f"(byte {good}); give a new output file, or delete this one"
+                    ) from None
                 break
             records[rec["id"]] = rec
             good += len(line)

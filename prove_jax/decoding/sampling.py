@@ -57,7 +57,9 @@ class SamplingParams:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise DecodeError(f"temperature must be a number >= 0 (0 is greedy), got {t!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise DecodeError(f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}")
+            raise DecodeError(
+                f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}"
+            )
         if not _number_in(self.top_p, 0, 1) or self.top_p == 0:
             raise DecodeError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p!r}")
         if not _number_in(self.min_p, 0, 1):
@@ -70,17 +72,32 @@ class SamplingParams:
             raise DecodeError(f"max_new_tokens must be an integer >= 1, got {m!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise DecodeError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise DecodeError(
+                f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
+            )
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise DecodeError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
-        return dataclasses.replace(self, temperature=float(t), top_p=float(self.top_p),
-                                   min_p=float(self.min_p), stop=tuple(stop), stop_token_ids=tuple(ids))
+            raise DecodeError(
+                f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}"
+            )
+        return dataclasses.replace(
+            self,
+            temperature=float(t),
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            stop=tuple(stop),
+            stop_token_ids=tuple(ids),
+        )
 
 
 def _number_in(x, low: float, high: float) -> bool:
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and low <= x <= high
+    return (
+        not isinstance(x, bool)
+        and isinstance(x, (int, float))
+        and math.isfinite(x)
+        and low <= x <= high
+    )
 
 
 GREEDY = SamplingParams()
@@ -163,7 +180,9 @@ def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     vocab = x.shape[-1]
     descending = -jnp.sort(-x, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(descending, jnp.broadcast_to(_per_row(k - 1, x), x.shape[:-1] + (1,)), axis=-1)
+    kth = jnp.take_along_axis(
+        descending, jnp.broadcast_to(_per_row(k - 1, x), x.shape[:-1] + (1,)), axis=-1
+    )
     x = jnp.where(x < kth, -jnp.inf, x)
     ascending = jnp.where(descending < kth, -jnp.inf, descending)[..., ::-1]
     cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)

@@ -16,7 +16,9 @@ def write_rows(buffer: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Ar
     with values[b] [W, ...]); a slot past N is dropped. Written per row (vmapped), so the rows
     are the scatter's batching dimension and each device of a mesh writes its own rows (with
     explicit row indices GSPMD all-gathered every step's tokens and slots over the batch)."""
-    return jax.vmap(lambda row, s, v: row.at[s].set(v.astype(row.dtype), mode="drop"))(buffer, slots, values)
+    return jax.vmap(lambda row, s, v: row.at[s].set(v.astype(row.dtype), mode="drop"))(
+        buffer, slots, values
+    )
 
 
 @struct.dataclass
@@ -29,11 +31,15 @@ class Logprobs:
 
     @classmethod
     def zeros(cls, rows: int, slots: int, n: int) -> "Logprobs":
-        return cls(chosen=jnp.zeros((rows, slots), jnp.float32), top_ids=jnp.zeros((rows, slots, n), jnp.int32),
-                   top_logprobs=jnp.zeros((rows, slots, n), jnp.float32))
+        return cls(
+            chosen=jnp.zeros((rows, slots), jnp.float32),
+            top_ids=jnp.zeros((rows, slots, n), jnp.int32),
+            top_logprobs=jnp.zeros((rows, slots, n), jnp.float32),
+        )
 
     def write(self, slots: jax.Array, block: jax.Array, logits: jax.Array) -> "Logprobs":
-        """Record block [B, W] drawn from `logits` [B, W, V] at `slots` [B, W] (out of range: dropped)."""
+        """Record block [B, W] drawn from `logits` [B, W, V] at `slots` [B, W] (out of range:
+        dropped)."""
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(logp, block[..., None], axis=-1)[..., 0]
         n = self.top_ids.shape[-1]
@@ -73,14 +79,27 @@ class LoopState:
     # [B, S] int32 with column = the row's forward index; None keeps the loop free of it.
     step_commits: jax.Array | None = None
     sampling: RowSampling | None = None  # per-row parameters; None: a greedy program
-    draft_probs: jax.Array | None = None  # [B, M, V] lossless sampling: what each draft was drawn from
+    # [B, M, V] lossless sampling: what each draft was drawn from
+    draft_probs: jax.Array | None = None
     logprobs: Logprobs | None = None  # with DecodeOptions.logprobs
 
 
-def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, stop_ids: jax.Array,
-                  cache: KVCache, verifier_cache: KVCache | None, *, num_drafts: int, block_size: int,
-                  pad_id: int, record_steps: bool = False, sampling: RowSampling | None = None,
-                  draft_vocab: int = 0, logprobs: int | None = None) -> LoopState:
+def initial_state(
+    tokens: jax.Array,
+    prompt_len: jax.Array,
+    max_new: jax.Array,
+    stop_ids: jax.Array,
+    cache: KVCache,
+    verifier_cache: KVCache | None,
+    *,
+    num_drafts: int,
+    block_size: int,
+    pad_id: int,
+    record_steps: bool = False,
+    sampling: RowSampling | None = None,
+    draft_vocab: int = 0,
+    logprobs: int | None = None,
+) -> LoopState:
     """The loop state right after prefill: tokens [B, N] hold the prompts, whose last token is
     pending (its KV is written by the first step, which also predicts the first new token).
     `draft_vocab` > 0 carries lossless drafts' distributions (sampling); `logprobs` (not None)
@@ -100,8 +119,13 @@ def initial_state(tokens: jax.Array, prompt_len: jax.Array, max_new: jax.Array, 
         logprobs=None if logprobs is None else Logprobs.zeros(b, n_slots, logprobs))
 
 
-def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, hist_value: jax.Array | None = None,
-           logits: jax.Array | None = None) -> tuple[LoopState, jax.Array]:
+def commit(
+    state: LoopState,
+    block: jax.Array,
+    n_commit: jax.Array,
+    hist_value: jax.Array | None = None,
+    logits: jax.Array | None = None,
+) -> tuple[LoopState, jax.Array]:
     """Append the first n_commit[b] tokens of block[b] to each active row.
 
     Truncates at the first stop token (EOS or the row's stop_token_ids; kept), at the row's
@@ -114,7 +138,9 @@ def commit(state: LoopState, block: jax.Array, n_commit: jax.Array, hist_value: 
     n_slots = state.tokens.shape[1]
     active = ~state.done
     idx = jnp.arange(width)[None, :]
-    is_eos = jnp.any(block[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (idx < n_commit[:, None])
+    is_eos = jnp.any(block[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (
+        idx < n_commit[:, None]
+    )
     has_eos = jnp.any(is_eos, axis=1)
     n = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, n_commit)
     budget = state.max_new - (state.length - state.prompt_len)

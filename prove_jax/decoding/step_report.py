@@ -9,8 +9,8 @@ the state's shardings), with abstract weights on the slice's mesh, and its HLO i
 count ("step" is one trip of the chunk's step loop: one decode step). Beside the bytes the
 program moves is what a step must move (`min_hbm_bytes`): each weight once, each row's live
 KV once, the new KV, the step's activations, the logits. Their ratio is the waste the compiled
-program adds (layout copies, whole-buffer slices); `roofline_seconds`, the time the chip's bandwidth or peak
-allows, is what a step would take at best.
+program adds (layout copies, whole-buffer slices); `roofline_seconds`, the time the chip's
+bandwidth or peak allows, is what a step would take at best.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class ProgramCost:
     hbm_bytes: int
     """Bytes its HLO reads and writes in HBM, loops at their trip counts (`hlo_cost`)."""
     min_hbm_bytes: int
-    """What it must move: each weight once, the live KV once, the KV it writes, its activations, its logits."""
+    """What it must move: each weight once, the live KV once, the KV it writes, its activations,
+    its logits."""
     flops: int
     """FLOPs of its dots (elementwise work left out)."""
     roofline_seconds: float
@@ -60,7 +61,8 @@ class ProgramCost:
     """Trip counts priced for loops bounded by traced values (the compiler states none)."""
     bytes_by_opcode: dict = dataclasses.field(default_factory=dict)
     largest: list = dataclasses.field(default_factory=list)
-    """The dearest instructions: [bytes (trips included), computation, instruction, opcode, shape]."""
+    """The dearest instructions: [bytes (trips included), computation, instruction, opcode,
+    shape]."""
 
     @property
     def waste(self) -> float:
@@ -79,7 +81,11 @@ class StepReport:
     does_not_fit: str = ""
 
     def record(self) -> dict:
-        return dict(self.setting, programs=[p.record() for p in self.programs], does_not_fit=self.does_not_fit)
+        return dict(
+            self.setting,
+            programs=[p.record() for p in self.programs],
+            does_not_fit=self.does_not_fit,
+        )
 
     def write(self, path: str) -> None:
         """The record as JSON at `path` (via a temporary file: never half written)."""
@@ -88,27 +94,46 @@ class StepReport:
     def table(self) -> str:
         s = self.setting
         gib, mib = aot.GIB, 2 ** 20
-        head = (f"step cost on {s['topology']} ({s['chips']} x {s['chip']}), mesh {s['mesh']}: {s['mode']} "
-                f"K={s['block_size']}, {s['rows']} rows, KV filled to {s['filled']} of {s['slots']} slots, "
-                f"{'paged' if s['page_size'] else 'contiguous'} KV, attention {s['attention']}; per chip, one execution")
-        rows = [head, "| program | HBM bytes | must move | ratio | GFLOP | roofline | peak | collectives |",
-                "|---|---|---|---|---|---|---|---|"]
+        head = (
+            f"step cost on {s['topology']} ({s['chips']} x {s['chip']}), mesh {s['mesh']}: "
+            f"{s['mode']} K={s['block_size']}, {s['rows']} rows, KV filled to {s['filled']} of "
+            f"{s['slots']} slots, {'paged' if s['page_size'] else 'contiguous'} KV, attention "
+            f"{s['attention']}; per chip, one execution"
+        )
+        rows = [
+            head,
+            "| program | HBM bytes | must move | ratio | GFLOP | roofline | peak | collectives |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for p in self.programs:
-            coll = ", ".join(f"{k} {v['count']}" for k, v in p.collectives.items() if v["count"]) or "none"
-            rows.append(f"| {p.name} | {p.hbm_bytes / gib:.3f} GiB | {p.min_hbm_bytes / gib:.3f} GiB | {p.waste:.2f} | "
-                        f"{p.flops / 1e9:.1f} | {p.roofline_seconds * 1e3:.3f} ms | {p.peak_bytes / gib:.2f} GiB | {coll} |")
+            coll = (
+                ", ".join(f"{k} {v['count']}" for k, v in p.collectives.items() if v["count"])
+                or "none"
+            )
+            rows.append(
+                f"| {p.name} | {p.hbm_bytes / gib:.3f} GiB | {p.min_hbm_bytes / gib:.3f} GiB | "
+                f"{p.waste:.2f} | {p.flops / 1e9:.1f} | {p.roofline_seconds * 1e3:.3f} ms | "
+                f"{p.peak_bytes / gib:.2f} GiB | {coll} |"
+            )
         if self.does_not_fit:
             rows.append(f"DOES NOT FIT: {self.does_not_fit}")
         for p in self.programs:
-            rows.append(f"{p.name}: dearest instructions (MiB per execution): " + "; ".join(
-                f"{b / mib:.1f} {op} {shape.split('{')[0]}" for b, _, _, op, shape in p.largest[:4]))
+            rows.append(
+                f"{p.name}: dearest instructions (MiB per execution): "
+                + "; ".join(
+                    f"{b / mib:.1f} {op} {shape.split('{')[0]}"
+                    for b, _, _, op, shape in p.largest[:4]
+                )
+            )
         return "\n".join(rows)
 
 
 def _abstract(tree, sharding):
     """ShapeDtypeStructs of `tree` placed by `sharding` (one, a matching tree, or None)."""
     if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding
+        )
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
@@ -135,29 +160,50 @@ def stream_programs(decoder, prompts, new_tokens: int, batch: int):
     start = functools.partial(program.start_batch, *bound, settings)
     admit = functools.partial(program.admit_rows, *bound, settings)
     chunk = functools.partial(program.run_chunk, *bound, decoder.head_graphdef, settings)
-    requests = lambda n: _abstract(jax.tree.map(lambda x: x[:n], stream.requests), batch_sharding)  # noqa: E731
+    # noqa: E731
+    requests = lambda n: _abstract(jax.tree.map(lambda x: x[:n], stream.requests), batch_sharding)
     params, vparams, hparams = (_abstract(s, None) if mesh is None else s for s in
                                 (decoder.state, decoder.verifier_state, decoder.head_state))
     with _on_mesh(mesh):
         state = jax.eval_shape(start, params, vparams, requests(rows))
     placed = None if mesh is None else state_sharding(batch_sharding, state)
     state = _abstract(state, placed)
-    array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)  # noqa: E731
+    # noqa: E731
+    array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     jit = functools.partial(jax.jit, out_shardings=placed) if mesh is not None else jax.jit
-    return {
-        "step": (jit(chunk, donate_argnums=(3,)), (params, vparams, hparams, state, array((), jnp.int32),
-                                                   array((), jnp.bool_), array((rows,), jnp.bool_))),
-        "prefill": (jit(start), (params, vparams, requests(rows))),
-        "admit": (jit(admit, donate_argnums=(2,)), (params, vparams, state, requests(shards),
-                                                    array((shards,), jnp.int32))),
-    }, settings, state
+    return (
+        {
+            "step": (
+                jit(chunk, donate_argnums=(3,)),
+                (
+                    params,
+                    vparams,
+                    hparams,
+                    state,
+                    array((), jnp.int32),
+                    array((), jnp.bool_),
+                    array((rows,), jnp.bool_),
+                ),
+            ),
+            "prefill": (jit(start), (params, vparams, requests(rows))),
+            "admit": (
+                jit(admit, donate_argnums=(2,)),
+                (params, vparams, state, requests(shards), array((shards,), jnp.int32)),
+            ),
+        },
+        settings,
+        state,
+    )
 
 
 def _weights_read(decoder, rows: int, width: int) -> int:
     """Per chip: every weight once, except an untied embedding table, of which a step reads
     the rows its tokens look up."""
     total = 0
-    for graphdef_state in ((decoder.state, decoder.cfg), (decoder.verifier_state, decoder.verifier_cfg)):
+    for graphdef_state in (
+        (decoder.state, decoder.cfg),
+        (decoder.verifier_state, decoder.verifier_cfg),
+    ):
         state, cfg = graphdef_state
         if state is None:
             continue
@@ -171,7 +217,11 @@ def _weights_read(decoder, rows: int, width: int) -> int:
 
 
 def _cache_bytes(cache) -> int:
-    return 0 if cache is None else sum(_per_chip(x) for x in (jax.tree.leaves(cache.k) + jax.tree.leaves(cache.v)))
+    return (
+        0
+        if cache is None
+        else sum(_per_chip(x) for x in (jax.tree.leaves(cache.k) + jax.tree.leaves(cache.v)))
+    )
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, tensor: int, itemsize: int) -> int:
@@ -185,8 +235,17 @@ def activation_bytes(cfg: ModelConfig, tokens: int, tensor: int, itemsize: int) 
     return int(2 * cfg.num_layers * tokens * (split / tensor + whole) * itemsize)
 
 
-def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: int, rows: int | None = None,
-              verifier_tokens: int | None = None, vmem_bytes: int = 0) -> int:
+def must_move(
+    decoder,
+    settings,
+    state,
+    filled: int,
+    tokens: int,
+    logits_rows: int,
+    rows: int | None = None,
+    verifier_tokens: int | None = None,
+    vmem_bytes: int = 0,
+) -> int:
     """Per chip, what a program over `rows` of `state`'s rows (default all) must move: the
     weights once, the KV of `filled` slots of each row read once and `tokens` slots of it
     written (`verifier_tokens` of the verifier's, default `tokens`), the activations of those
@@ -197,12 +256,15 @@ def must_move(decoder, settings, state, filled: int, tokens: int, logits_rows: i
     tensor = 1 if decoder.mesh is None else decoder.mesh.shape.get("tensor", 1)
     chip_rows = max(1, rows // decoder.data_shards())
     verifier_tokens = tokens if verifier_tokens is None else verifier_tokens
-    for cache, cfg, state_, width in ((state.cache, decoder.cfg, decoder.state, tokens),
-                                      (state.verifier_cache, decoder.verifier_cfg, decoder.verifier_state,
-                                       verifier_tokens)):
+    for cache, cfg, state_, width in (
+        (state.cache, decoder.cfg, decoder.state, tokens),
+        (state.verifier_cache, decoder.verifier_cfg, decoder.verifier_state, verifier_tokens),
+    ):
         if cache is None:
             continue
-        per_slot = _cache_bytes(cache) / _slots(cache, settings, cfg.num_layers) * rows / settings.num_rows
+        per_slot = (
+            _cache_bytes(cache) / _slots(cache, settings, cfg.num_layers) * rows / settings.num_rows
+        )
         total += int(per_slot * (filled + width))
         itemsize = jnp.dtype(jax.tree.leaves(state_)[0].dtype).itemsize
         activations = activation_bytes(cfg, chip_rows * width, tensor, itemsize)
@@ -234,24 +296,60 @@ def _kv_chunk_trips(decoder, settings, filled: int, platform: str) -> int:
     return 1 if size >= slots else -(-filled // size)
 
 
-def step_report(proposer: ModelConfig, options: DecodeOptions, *, chip: str, chips: int, batch: int,
-                context: int, new_tokens: int = DEFAULT_NEW_TOKENS, verifier: ModelConfig | None = None,
-                dtype: str = "bfloat16", programs: tuple[str, ...] = ("step", "prefill", "admit")) -> StepReport:
+def step_report(
+    proposer: ModelConfig,
+    options: DecodeOptions,
+    *,
+    chip: str,
+    chips: int,
+    batch: int,
+    context: int,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
+    verifier: ModelConfig | None = None,
+    dtype: str = "bfloat16",
+    programs: tuple[str, ...] = ("step", "prefill", "admit"),
+) -> StepReport:
     """Compile the programs a stream of `batch` rows runs on a TPU slice of `chips` `chip`s
     (prompts of `context - new_tokens` tokens, `new_tokens` each; needs libtpu) and price each
     from its HLO. The step is priced at rows filled to `context` slots (a request's dearest)."""
-    dry, decoder, prompt = _on_slice(proposer, options, chip=chip, chips=chips, batch=batch, context=context,
-                                     new_tokens=new_tokens, verifier=verifier, dtype=dtype)
+    dry, decoder, prompt = _on_slice(
+        proposer,
+        options,
+        chip=chip,
+        chips=chips,
+        batch=batch,
+        context=context,
+        new_tokens=new_tokens,
+        verifier=verifier,
+        dtype=dtype,
+    )
     setting = dict(chip=chip, chips=chips, topology=dry.topology, mesh=dry.mesh,
                    proposer_params=dry.proposer_params, verifier_params=dry.verifier_params,
                    weight_bytes=dry.weight_bytes, hbm_capacity=dry.hbm_bytes)
-    return price_programs(decoder, [prompt] * batch, new_tokens, batch, chip=chip, topology=dry.topology,
-                          programs=programs, setting=setting)
+    return price_programs(
+        decoder,
+        [prompt] * batch,
+        new_tokens,
+        batch,
+        chip=chip,
+        topology=dry.topology,
+        programs=programs,
+        setting=setting,
+    )
 
 
-def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, topology: str | None = None,
-                   programs: tuple[str, ...] = ("step", "prefill", "admit"), filled: int | None = None,
-                   setting: dict | None = None) -> StepReport:
+def price_programs(
+    decoder,
+    prompts,
+    new_tokens: int,
+    batch: int,
+    *,
+    chip: str,
+    topology: str | None = None,
+    programs: tuple[str, ...] = ("step", "prefill", "admit"),
+    filled: int | None = None,
+    setting: dict | None = None,
+) -> StepReport:
     """Compile the stream programs of `decoder` for these requests (for `topology` on a TPU
     slice; None: this host's backend) and price them for `chip`'s bandwidth and peak. The step
     is priced with every row filled to `filled` slots (default: the longest prompt plus
@@ -264,11 +362,25 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
     platform = "tpu" if topology is not None else jax.default_backend()
     kv_trips = _kv_chunk_trips(decoder, settings, filled, platform)
     prefill_chunks = -(-prompt_len // settings.prefill_chunk)
-    setting = dict(setting or {}, chip=chip, mode=o.mode, block_size=o.block_size, groups=o.max_groups,
-                   step_width=width, scan_layers=o.scan_layers, attention=o.kernels.attention,
-                   page_size=o.page_size, batch=batch, rows=settings.num_rows, prompt_tokens=prompt_len,
-                   new_tokens=new_tokens, filled=filled, slots=settings.num_slots + width,
-                   hbm_bandwidth=aot.CHIP_HBM_BANDWIDTH[chip], peak_flops=aot.CHIP_PEAK_FLOPS[chip])
+    setting = dict(
+        setting or {},
+        chip=chip,
+        mode=o.mode,
+        block_size=o.block_size,
+        groups=o.max_groups,
+        step_width=width,
+        scan_layers=o.scan_layers,
+        attention=o.kernels.attention,
+        page_size=o.page_size,
+        batch=batch,
+        rows=settings.num_rows,
+        prompt_tokens=prompt_len,
+        new_tokens=new_tokens,
+        filled=filled,
+        slots=settings.num_slots + width,
+        hbm_bandwidth=aot.CHIP_HBM_BANDWIDTH[chip],
+        peak_flops=aot.CHIP_PEAK_FLOPS[chip],
+    )
     setting.setdefault("topology", topology or jax.default_backend())
     setting.setdefault("chips", 1)
     setting.setdefault("mesh", None if decoder.mesh is None else dict(decoder.mesh.shape))
@@ -279,8 +391,9 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
         with _on_mesh(decoder.mesh):
             lowered = fn.lower(*args)
         try:
-            compiled, stats = aot.compile_with_stats(lowered, setting["topology"], what=f"the {name} program",
-                                                     advice=DOES_NOT_FIT_ADVICE)
+            compiled, stats = aot.compile_with_stats(
+                lowered, setting["topology"], what=f"the {name} program", advice=DOES_NOT_FIT_ADVICE
+            )
         except aot.DoesNotFit as e:
             report.does_not_fit = str(e)
             break
@@ -297,11 +410,19 @@ def price_programs(decoder, prompts, new_tokens: int, batch: int, *, chip: str, 
                 prefill_chunks if depth == 0 else trips["kv_chunks"]))
             admitted = settings.num_rows if name == "prefill" else decoder.data_shards()
             need = must_move(decoder, settings, state, 0, prompt_len, 1, rows=admitted)
-        report.programs.append(ProgramCost(
-            name=name, hbm_bytes=cost.bytes, min_hbm_bytes=need, flops=cost.flops,
-            roofline_seconds=aot.roofline_seconds(chip, cost.bytes, cost.flops), peak_bytes=stats.peak_bytes,
-            collectives={k: v for k, v in stats.collectives.items() if v["count"]},
-            compile_seconds=round(stats.compile_seconds, 1), assumed_trips=trips if cost.unknown_loops else {},
-            bytes_by_opcode=dict(sorted(cost.by_opcode.items(), key=lambda kv: -kv[1])[:8]),
-            largest=[list(t) for t in cost.largest(TOP_INSTRUCTIONS)]))
+        report.programs.append(
+            ProgramCost(
+                name=name,
+                hbm_bytes=cost.bytes,
+                min_hbm_bytes=need,
+                flops=cost.flops,
+                roofline_seconds=aot.roofline_seconds(chip, cost.bytes, cost.flops),
+                peak_bytes=stats.peak_bytes,
+                collectives={k: v for k, v in stats.collectives.items() if v["count"]},
+                compile_seconds=round(stats.compile_seconds, 1),
+                assumed_trips=trips if cost.unknown_loops else {},
+                bytes_by_opcode=dict(sorted(cost.by_opcode.items(), key=lambda kv: -kv[1])[:8]),
+                largest=[list(t) for t in cost.largest(TOP_INSTRUCTIONS)],
+            )
+        )
     return report

@@ -67,9 +67,18 @@ def layout_name(key: tuple[int, int]) -> str:
     return "AR" if key[0] == 1 else f"K={key[0]},G={key[1]}"
 
 
-def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
-                      filled: int = 200, repeats: int = 5, steps: int = 20, seconds_per_timing: float = 0.5,
-                      keep=None, kernels: KernelOptions = DEFAULT_KERNELS) -> dict[tuple[int, int], float]:
+def time_decode_steps(
+    model,
+    batch: int,
+    layouts: Sequence[tuple[int, int]],
+    slots: int = 384,
+    filled: int = 200,
+    repeats: int = 5,
+    steps: int = 20,
+    seconds_per_timing: float = 0.5,
+    keep=None,
+    kernels: KernelOptions = DEFAULT_KERNELS,
+) -> dict[tuple[int, int], float]:
     """Seconds per decode-loop step of each lossless layout (K, groups), and of AR under key AR.
 
     Times the engine's own step (`program.decode_step`: forward, LM head on the rows it needs,
@@ -95,8 +104,15 @@ def time_decode_steps(model, batch: int, layouts: Sequence[tuple[int, int]], slo
     return {key: v / n_steps[key] for key, v in best.items()}
 
 
-def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slots: int = 384,
-                     filled: int = 200, steps: int = 20, kernels: KernelOptions = DEFAULT_KERNELS) -> dict:
+def decode_step_runs(
+    model,
+    batch: int,
+    layouts: Sequence[tuple[int, int]],
+    slots: int = 384,
+    filled: int = 200,
+    steps: int = 20,
+    kernels: KernelOptions = DEFAULT_KERNELS,
+) -> dict:
     """{(K, groups) or AR: callable running decode steps (`steps` unless it is given a count)
     and returning their seconds}, for `time_decode_steps` or for timing alongside other runs
     (benchmarks). The step count is an argument of one compiled loop per layout; every step
@@ -107,10 +123,15 @@ def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slot
     keys = [AR] + [tuple(x) for x in layouts if tuple(x) != AR]
     runs = {}
     for key in keys:
-        options = (DecodeOptions("ar", kernels=kernels) if key == AR
-                   else DecodeOptions("lossless", key[0], max_groups=key[1], kernels=kernels)).validate()
+        options = (
+            DecodeOptions("ar", kernels=kernels)
+            if key == AR
+            else DecodeOptions("lossless", key[0], max_groups=key[1], kernels=kernels)
+        ).validate()
         width, n_drafts = program.step_shape(options)
-        tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, slots), 0, cfg.vocab_size, jnp.int32)
+        tokens = jax.random.randint(
+            jax.random.PRNGKey(0), (batch, slots), 0, cfg.vocab_size, jnp.int32
+        )
         length = jnp.full((batch,), filled, jnp.int32)
         no_stop = jnp.full((batch, 1), -1, jnp.int32)  # no EOS: rows never finish
         state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32), no_stop,
@@ -125,7 +146,8 @@ def decode_step_runs(model, batch: int, layouts: Sequence[tuple[int, int]], slot
 
 
 def _run_steps(graphdef, options, mask_id: int, params, start, steps):
-    """`steps` (traced) decode steps from state `start`, each reset to its row lengths (for timing)."""
+    """`steps` (traced) decode steps from state `start`, each reset to its row lengths (for
+    timing)."""
     model = nnx.merge(graphdef, params)
 
     def body(_, state):

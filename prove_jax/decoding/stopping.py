@@ -34,7 +34,8 @@ class StopStrings:
         return (min(hits)[0], min(hits)[2]) if hits else None
 
     def feed(self, block: Sequence[int]) -> bool:
-        """Append committed tokens; True once a stop string has appeared (later feeds are ignored)."""
+        """Append committed tokens; True once a stop string has appeared (later feeds are
+        ignored)."""
         if self.stopped or not block:
             return self.stopped
         longest = max((len(s) for s in self.stops), default=0)

@@ -5,9 +5,9 @@ Three compiled programs serve a stream (program.py): `start_batch` fills the row
 runs up to `chunk_steps` decode steps inside `jax.lax.while_loop` (the state is donated, so the
 caches are updated in place between calls), and `admit_rows` prefills the waiting requests
 admitted together into the free rows, in one batched forward (compiled for a power-of-two
-number of rows per data shard). Between chunks the host reads the rows' lengths, yields the new tokens, and
-refills the rows that finished. A chunk ends early when a row finishes while requests wait, so
-a row is never left idle for long.
+number of rows per data shard). Between chunks the host reads the rows' lengths, yields the new
+tokens, and refills the rows that finished. A chunk ends early when a row finishes while
+requests wait, so a row is never left idle for long.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def _to_host(tree):
     several hosts every process gets all of them."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
-        return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+        return jax.tree.map(
+            lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree
+        )
     return jax.device_get(tree)
 
 
@@ -81,8 +83,11 @@ def state_sharding(batch: NamedSharding, state: LoopState) -> LoopState:
 
     def cache(c: KVCache | PagedKVCache | None):
         if isinstance(c, PagedKVCache):  # the pools split over kv heads, the table like the rows
-            pool = lambda x: activation_sharding(mesh, pool_axes(x.ndim == 6), x.shape)  # noqa: E731
-            return c.replace(k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=batch)
+            # noqa: E731
+            pool = lambda x: activation_sharding(mesh, pool_axes(x.ndim == 6), x.shape)
+            return c.replace(
+                k=jax.tree.map(pool, c.k), v=jax.tree.map(pool, c.v), table=batch, free=batch
+            )
         return None if c is None else jax.tree.map(lambda x: activation_sharding(
             mesh, cache_axes(x.ndim == 5), x.shape, kv_rules(x.shape[1], x.shape[0], mesh)), c)
 
@@ -138,7 +143,13 @@ class DecodeStream:
     def _compiled(self, name: str, size: int, fn, args, donate: tuple[int, ...] = ()):
         """The program `name` for `size` requests at once (its other shapes follow settings)."""
         dec = self.decoder
-        key = (name, size, self.settings, self.requests.prompts.shape[1], self.requests.stop_ids.shape[1])
+        key = (
+            name,
+            size,
+            self.settings,
+            self.requests.prompts.shape[1],
+            self.requests.stop_ids.shape[1],
+        )
 
         def build():
             what = {"start": "the first rows' prefill", "chunk": "the decode step",
@@ -148,11 +159,15 @@ class DecodeStream:
             kw = {} if self._state_sharding is None else {"out_shardings": self._state_sharding}
             compiled = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
             if name == "chunk":
-                memory.check_fits(compiled, memory.local_devices(dec.mesh),
-                                  f"decoding {self.settings.num_rows} rows x {self.settings.num_slots} cache "
-                                  f"slots (KV caches and loop state, beyond the weights)", error=DecodeError,
-                                  advice="lower --batch-size or --max-new-tokens, or shard the batch over "
-                                         "more devices")
+                memory.check_fits(
+                    compiled,
+                    memory.local_devices(dec.mesh),
+                    f"decoding {self.settings.num_rows} rows x {self.settings.num_slots} cache "
+                    f"slots (KV caches and loop state, beyond the weights)",
+                    error=DecodeError,
+                    advice="lower --batch-size or --max-new-tokens, or shard the batch over "
+                    "more devices",
+                )
             return compiled
         compiled, seconds = dec.compile_once(key, build)
         self.compile_seconds += seconds
@@ -201,17 +216,22 @@ class DecodeStream:
         with jax.set_mesh(dec.mesh) if dec.mesh is not None else contextlib.nullcontext():
             first = self._take([i if i >= 0 else dummy for i in serving])
             if dec.mesh is not None:
-                self._state_sharding = state_sharding(dec.batch_sharding(),
-                                                      jax.eval_shape(start_fn, params, vparams, first))
+                self._state_sharding = state_sharding(
+                    dec.batch_sharding(), jax.eval_shape(start_fn, params, vparams, first)
+                )
             state = self._run("start", rows, start_fn, params, vparams, first)
             seen = [int(self.requests.prompt_len[i]) if i >= 0 else 0 for i in serving]
             seen_fwd = [0] * rows
             while any(i >= 0 for i in serving):
-                state = yield from self._chunk(chunk_fn, state, serving, seen, seen_fwd, bool(waiting))
+                state = yield from self._chunk(
+                    chunk_fn, state, serving, seen, seen_fwd, bool(waiting)
+                )
                 free = [r for r, i in enumerate(serving) if i < 0]
                 if waiting and free:
                     t0, c0 = time.perf_counter(), self.compile_seconds
-                    state = self._admit(admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd)
+                    state = self._admit(
+                        admit_fn, params, vparams, state, free, waiting, serving, seen, seen_fwd
+                    )
                     self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
 
     def _chunk(self, chunk_fn, state, serving: list[int], seen: list[int], seen_fwd: list[int],
@@ -228,11 +248,23 @@ class DecodeStream:
         # decode time excludes what compiling took inside the timed span
         t0, c0 = time.perf_counter(), self.compile_seconds
         finish = np.asarray([i in self._cancelled for i in serving])
-        state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, state,
-                          np.int32(steps or self.chunk_steps), np.bool_(requests_wait), finish, donate=(3,))
+        state = self._run(
+            "chunk",
+            rows,
+            chunk_fn,
+            params,
+            vparams,
+            hparams,
+            state,
+            np.int32(steps or self.chunk_steps),
+            np.bool_(requests_wait),
+            finish,
+            donate=(3,),
+        )
         # one transfer of what every chunk needs
         done, length, tokens, forwards, commits, steps = _to_host(
-            (state.done, state.length, state.tokens, state.forwards, state.step_commits, state.step))
+            (state.done, state.length, state.tokens, state.forwards, state.step_commits, state.step)
+        )
         self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
         self.chunks += 1
         self.steps = int(steps)
@@ -247,8 +279,12 @@ class DecodeStream:
             blocks = commits[r, seen_fwd[r]: forwards[r]].tolist() if record else None
             seen[r], seen_fwd[r] = int(length[r]), int(forwards[r])
             if done[r]:
-                event = StreamEvent(i, new, blocks, self._output(r, i, tokens[r], length[r], forwards[r],
-                                                                 commits, *results))
+                event = StreamEvent(
+                    i,
+                    new,
+                    blocks,
+                    self._output(r, i, tokens[r], length[r], forwards[r], commits, *results),
+                )
                 serving[r] = -1
                 self._finished(i)
                 yield event
@@ -258,11 +294,17 @@ class DecodeStream:
         # far as they got, and their rows free for the admission that follows
         cancelled = [r for r, i in enumerate(serving) if i >= 0 and i in self._cancelled]
         if cancelled:
-            results = results or _to_host((state.verifier_forwards, state.accept_hist, state.logprobs))
+            results = results or _to_host(
+                (state.verifier_forwards, state.accept_hist, state.logprobs)
+            )
             for r in cancelled:
                 i, serving[r] = serving[r], -1
-                event = StreamEvent(i, [], [] if record else None,
-                                    self._output(r, i, tokens[r], length[r], forwards[r], commits, *results))
+                event = StreamEvent(
+                    i,
+                    [],
+                    [] if record else None,
+                    self._output(r, i, tokens[r], length[r], forwards[r], commits, *results),
+                )
                 self._finished(i)
                 yield event
             state = state.replace(done=jax.device_put(done | np.isin(np.arange(rows), cancelled),
@@ -272,7 +314,9 @@ class DecodeStream:
     def _finished(self, index: int) -> None:
         """Request `index` has left its row (its output is being handed out)."""
 
-    def _placements(self, free: list[int], waiting: list[int], serving: list[int]) -> list[tuple[int, int]]:
+    def _placements(
+        self, free: list[int], waiting: list[int], serving: list[int]
+    ) -> list[tuple[int, int]]:
         """(row, request) for the next waiting requests, in order, each in a free row whose data
         shard's paged pool has its pages free once the rows `serving` and those placed before
         hold theirs (any free row without a pool); up to the first that fits nowhere."""
@@ -280,9 +324,12 @@ class DecodeStream:
         if pages == 0:
             return list(zip(free, waiting[::-1]))
         if self._needs is None:  # each request's pages, once
-            self._needs = self.decoder.pages_needed(self.requests.prompt_len, self.requests.max_new).tolist()
+            self._needs = self.decoder.pages_needed(
+                self.requests.prompt_len, self.requests.max_new
+            ).tolist()
         need = self._needs
-        rows, shards = self.settings.num_rows, self.decoder.data_shards()  # rows: whole shards (Decoder.rows)
+        # rows: whole shards (Decoder.rows)
+        rows, shards = self.settings.num_rows, self.decoder.data_shards()
         home = lambda r: r // (rows // shards)  # noqa: E731
         used = [0] * shards
         for r, i in enumerate(serving):
@@ -311,17 +358,32 @@ class DecodeStream:
         del waiting[len(waiting) - len(placed):]
 
         def blocks(shards):
-            return [[(r, i) for r, i in placed if r // (rows // shards) == j] for j in range(shards)]
+            return [
+                [(r, i) for r, i in placed if r // (rows // shards) == j] for j in range(shards)
+            ]
         # the smallest size whose blocks hold the rows: blocks of the finest split where the size
         # is a multiple of it, else of the data shards (a cache split over rows on the tensor
         # axis too then takes its rows from the data shard's block, tensor devices alike)
-        size, shards = next((b, s) for b in _buckets(rows, coarse) for s in [fine if b % fine == 0 else coarse]
-                            if b >= s * max(map(len, blocks(s))))
+        size, shards = next(
+            (b, s)
+            for b in _buckets(rows, coarse)
+            for s in [fine if b % fine == 0 else coarse]
+            if b >= s * max(map(len, blocks(s)))
+        )
         blocks = blocks(shards)
         pad = [(rows, len(self.seeds))] * (size // shards)  # past the batch: dropped; no budget
         order = [p for block in blocks for p in (block + pad)[: size // shards]]
-        state = self._run("admit", size, admit_fn, params, vparams, state, self._take([i for _, i in order]),
-                          np.asarray([r for r, _ in order], np.int32), donate=(2,))
+        state = self._run(
+            "admit",
+            size,
+            admit_fn,
+            params,
+            vparams,
+            state,
+            self._take([i for _, i in order]),
+            np.asarray([r for r, _ in order], np.int32),
+            donate=(2,),
+        )
         for r, i in placed:
             serving[r], seen[r], seen_fwd[r] = i, int(self.requests.prompt_len[i]), 0
         return state
@@ -336,10 +398,16 @@ class DecodeStream:
             lp = [(float(logprobs.chosen[r, j]), list(zip(logprobs.top_ids[r, j].tolist(),
                                                           logprobs.top_logprobs[r, j].tolist())))
                   for j in range(p, length)]
-        return RequestOutput(output_ids=out, finish_reason="stop" if out and out[-1] in self.requests.stop_ids[i]
-                             else "length", forwards=int(forwards), verifier_forwards=int(verifier_forwards[r]),
-                             accept_hist=accept_hist[r].tolist(), seed=self.seeds[i],
-                             step_commits=None if commits is None else commits[r, :forwards].tolist(), logprobs=lp)
+        return RequestOutput(
+            output_ids=out,
+            finish_reason="stop" if out and out[-1] in self.requests.stop_ids[i] else "length",
+            forwards=int(forwards),
+            verifier_forwards=int(verifier_forwards[r]),
+            accept_hist=accept_hist[r].tolist(),
+            seed=self.seeds[i],
+            step_commits=None if commits is None else commits[r, :forwards].tolist(),
+            logprobs=lp,
+        )
 
 
 class OpenStream(DecodeStream):
@@ -353,38 +421,64 @@ class OpenStream(DecodeStream):
     Not thread-safe: one thread adds, cancels and steps (the server's engine thread).
     """
 
-    def __init__(self, decoder, rows: int, max_prompt_tokens: int, max_new_tokens: int,
-                 capacity: int, sampler: Sampler | None, chunk_steps: int = 4, max_stop_ids: int = 8,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        decoder,
+        rows: int,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        capacity: int,
+        sampler: Sampler | None,
+        chunk_steps: int = 4,
+        max_stop_ids: int = 8,
+        log: Callable[[str], None] | None = None,
+    ):
         if min(rows, max_prompt_tokens, max_new_tokens, capacity, chunk_steps) < 1:
-            raise DecodeError(f"rows, prompt tokens, new tokens, capacity and chunk steps must all be "
-                              f">= 1, got {rows}, {max_prompt_tokens}, {max_new_tokens}, {capacity}, "
-                              f"{chunk_steps}")
+            raise DecodeError(
+                "rows, prompt tokens, new tokens, capacity and chunk steps must all be >= 1, got "
+                f"{rows}, {max_prompt_tokens}, {max_new_tokens}, {capacity}, {chunk_steps}"
+            )
         if max_prompt_tokens + max_new_tokens > decoder.max_buffer:
-            raise DecodeError(f"{max_prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
-                              f"{max_prompt_tokens + max_new_tokens} positions, more than the model's "
-                              f"{decoder.max_buffer}: lower the prompt or the new-token limit")
+            raise DecodeError(
+                f"{max_prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
+                f"{max_prompt_tokens + max_new_tokens} positions, more than the model's "
+                f"{decoder.max_buffer}: lower the prompt or the new-token limit"
+            )
         rows = decoder.rows(rows, rows)
         options = adapt_for_batch(decoder.options, rows, table=decoder.adaptive_table)
         width = -(-max_prompt_tokens // 16) * 16
-        self.max_prompt_tokens, self.max_new_tokens, self.max_stop_ids = max_prompt_tokens, max_new_tokens, max_stop_ids
+        self.max_prompt_tokens, self.max_new_tokens, self.max_stop_ids = (
+            max_prompt_tokens,
+            max_new_tokens,
+            max_stop_ids,
+        )
         self._eos = [int(x) for x in decoder.eos_ids if x >= 0]
         n = capacity + 1  # and the dummy request (no budget) an idle row holds
-        store = Requests(prompts=np.full((n, width), decoder.pad_id, np.int32), prompt_len=np.ones((n,), np.int32),
-                         max_new=np.zeros((n,), np.int32),
-                         stop_ids=np.full((n, len(self._eos) + max_stop_ids), -1, np.int32),
-                         sampling=None if sampler is None else RowSampling.from_params([GREEDY] * n, [0] * n))
+        store = Requests(
+            prompts=np.full((n, width), decoder.pad_id, np.int32),
+            prompt_len=np.ones((n,), np.int32),
+            max_new=np.zeros((n,), np.int32),
+            stop_ids=np.full((n, len(self._eos) + max_stop_ids), -1, np.int32),
+            sampling=None if sampler is None else RowSampling.from_params([GREEDY] * n, [0] * n),
+        )
         pages = 0
         if options.page_size is not None:
-            pages = (decoder.pages_per_shard() * decoder.data_shards() if options.kv_pages is not None
-                     else rows * int(decoder.pages_needed(max_prompt_tokens, max_new_tokens)))
-        settings = dataclasses.replace(decoder.program_settings(options, rows, decoder.buffer_len(width, max_new_tokens)),
-                                       sampler=sampler, num_pages=pages)
+            pages = (
+                decoder.pages_per_shard() * decoder.data_shards()
+                if options.kv_pages is not None
+                else rows * int(decoder.pages_needed(max_prompt_tokens, max_new_tokens))
+            )
+        settings = dataclasses.replace(
+            decoder.program_settings(options, rows, decoder.buffer_len(width, max_new_tokens)),
+            sampler=sampler,
+            num_pages=pages,
+        )
         super().__init__(decoder, store, [0] * capacity, settings, chunk_steps, log)
         if options.page_size is not None:
             self._needs = np.zeros((n,), np.int64)
         self._free_slots = list(range(capacity))[::-1]
-        self._waiting: list[int] = []  # indices, the oldest last (popped from the end, as in __iter__)
+        # indices, the oldest last (popped from the end, as in __iter__)
+        self._waiting: list[int] = []
         self._serving = [-1] * rows
         self._seen, self._seen_fwd = [0] * rows, [0] * rows
         self._state = None
@@ -398,7 +492,9 @@ class OpenStream(DecodeStream):
     def running(self) -> int:
         return sum(i >= 0 for i in self._serving)
 
-    def request_problem(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str, str] | None:
+    def request_problem(
+        self, prompt: Sequence[int], params: SamplingParams
+    ) -> tuple[str, str] | None:
         """(the field at fault, why: a phrase following "the request") when the stream cannot
         take this request; None when it can. The fields are SamplingParams' and "prompt"."""
         budget = params.max_new_tokens or self.max_new_tokens
@@ -406,20 +502,36 @@ class OpenStream(DecodeStream):
             return "prompt", (f"has {len(prompt)} prompt tokens, more than this server's limit "
                               f"{self.max_prompt_tokens} (--max-prompt-tokens)")
         if budget > self.max_new_tokens:
-            return "max_new_tokens", (f"asks for {budget} new tokens, more than this server's limit "
-                                      f"{self.max_new_tokens} (--max-new-tokens)")
+            return "max_new_tokens", (
+                f"asks for {budget} new tokens, more than this server's limit "
+                f"{self.max_new_tokens} (--max-new-tokens)"
+            )
         if len(params.stop_token_ids) > self.max_stop_ids:
-            return "stop_token_ids", f"gives {len(params.stop_token_ids)} stop token ids, more than {self.max_stop_ids}"
+            return (
+                "stop_token_ids",
+                f"gives {len(params.stop_token_ids)} stop token ids, more than {self.max_stop_ids}",
+            )
         sampler = self.settings.sampler
         if not params.greedy and sampler is None:
-            return "temperature", "samples (temperature > 0), but this server decodes greedily only (--sampling greedy)"
+            return (
+                "temperature",
+                "samples (temperature > 0), but this server decodes greedily only (--sampling "
+                "greedy)",
+            )
         if sampler is not None and not params.greedy:
-            unsupported = [name for name, used, done in (("top_p", params.top_p < 1, sampler.truncate),
-                                                         ("top_k", params.top_k > 0, sampler.truncate),
-                                                         ("min_p", params.min_p > 0, sampler.min_p)) if used and not done]
+            unsupported = [
+                name
+                for name, used, done in (
+                    ("top_p", params.top_p < 1, sampler.truncate),
+                    ("top_k", params.top_k > 0, sampler.truncate),
+                    ("min_p", params.min_p > 0, sampler.min_p),
+                )
+                if used and not done
+            ]
             if unsupported:
-                return unsupported[0], (f"uses {unsupported[0]}, which this server's step does not do "
-                                        f"(--sampling full)")
+                return unsupported[0], (
+                    f"uses {unsupported[0]}, which this server's step does not do (--sampling full)"
+                )
         problem = self.decoder.prompt_problem(prompt, budget)
         return None if problem is None else ("prompt", f"prompt {problem}")
 
@@ -466,7 +578,11 @@ class OpenStream(DecodeStream):
         self._free_slots.append(index)
 
     def _mesh(self):
-        return jax.set_mesh(self.decoder.mesh) if self.decoder.mesh is not None else contextlib.nullcontext()
+        return (
+            jax.set_mesh(self.decoder.mesh)
+            if self.decoder.mesh is not None
+            else contextlib.nullcontext()
+        )
 
     def warm_up(self) -> None:
         """Compile every program the stream runs (the rows' first prefill, which it runs, each
@@ -478,14 +594,37 @@ class OpenStream(DecodeStream):
         with self._mesh():
             first = self._take([dummy] * rows)
             if dec.mesh is not None:
-                self._state_sharding = state_sharding(dec.batch_sharding(),
-                                                      jax.eval_shape(start_fn, params, vparams, first))
+                self._state_sharding = state_sharding(
+                    dec.batch_sharding(), jax.eval_shape(start_fn, params, vparams, first)
+                )
             self._state = self._run("start", rows, start_fn, params, vparams, first)
             for size in _buckets(rows, dec.data_shards()):
-                self._compiled("admit", size, admit_fn, (params, vparams, self._state, self._take([dummy] * size),
-                                                          np.full((size,), rows, np.int32)), donate=(2,))
-            self._state = self._run("chunk", rows, chunk_fn, params, vparams, hparams, self._state, np.int32(1),
-                                    np.bool_(False), np.zeros((rows,), bool), donate=(3,))
+                self._compiled(
+                    "admit",
+                    size,
+                    admit_fn,
+                    (
+                        params,
+                        vparams,
+                        self._state,
+                        self._take([dummy] * size),
+                        np.full((size,), rows, np.int32),
+                    ),
+                    donate=(2,),
+                )
+            self._state = self._run(
+                "chunk",
+                rows,
+                chunk_fn,
+                params,
+                vparams,
+                hparams,
+                self._state,
+                np.int32(1),
+                np.bool_(False),
+                np.zeros((rows,), bool),
+                donate=(3,),
+            )
             jax.block_until_ready(self._state)
 
     def step(self) -> Iterator[StreamEvent]:
@@ -502,10 +641,26 @@ class OpenStream(DecodeStream):
             admitted = False
             if self._waiting and free:
                 t0, c0, before = time.perf_counter(), self.compile_seconds, len(self._waiting)
-                self._state = self._admit(admit_fn, dec.state, dec.verifier_state, self._state, free, self._waiting,
-                                          self._serving, self._seen, self._seen_fwd)
+                self._state = self._admit(
+                    admit_fn,
+                    dec.state,
+                    dec.verifier_state,
+                    self._state,
+                    free,
+                    self._waiting,
+                    self._serving,
+                    self._seen,
+                    self._seen_fwd,
+                )
                 self.seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
                 admitted = len(self._waiting) < before
             if any(i >= 0 for i in self._serving):
-                self._state = yield from self._chunk(chunk_fn, self._state, self._serving, self._seen,
-                                                     self._seen_fwd, bool(self._waiting), 1 if admitted else None)
+                self._state = yield from self._chunk(
+                    chunk_fn,
+                    self._state,
+                    self._serving,
+                    self._seen,
+                    self._seen_fwd,
+                    bool(self._waiting),
+                    1 if admitted else None,
+                )

@@ -30,12 +30,16 @@ from prove_jax.decoding.sampling import SamplingParams
 class TextGenerator:
     """A Decoder with its tokenizer; `generate` decodes text requests with continuous batching."""
 
-    def __init__(self, decoder: Decoder, tokenizer, chat: bool = False, enable_thinking: bool | None = None):
+    def __init__(
+        self, decoder: Decoder, tokenizer, chat: bool = False, enable_thinking: bool | None = None
+    ):
         """`chat`: text prompts go through the tokenizer's chat template; `enable_thinking`: its
         thinking switch (Qwen3's; None: the template's default; data/chat.py)."""
         if tokenizer is None:
-            raise DecodeError("text in and out needs the checkpoint's tokenizer (this one has none); "
-                              "give token ids to Decoder.generate instead")
+            raise DecodeError(
+                "text in and out needs the checkpoint's tokenizer (this one has none); "
+                "give token ids to Decoder.generate instead"
+            )
         if enable_thinking is not None and not chat:
             raise DecodeError("enable_thinking is the chat template's switch: it needs chat=True")
         problem = chat_problem(tokenizer, enable_thinking) if chat else None
@@ -43,7 +47,8 @@ class TextGenerator:
             raise DecodeError(f"chat: {problem}")
         self.decoder, self.tokenizer = decoder, tokenizer
         self.chat, self.enable_thinking = chat, enable_thinking
-        self._with_logprobs: dict[int, Decoder] = {}  # decoders recording N alternatives (compiled once)
+        # decoders recording N alternatives (compiled once)
+        self._with_logprobs: dict[int, Decoder] = {}
 
     @classmethod
     def load(cls, model: str, options: DecodeOptions = DecodeOptions(), verifier: str | None = None,
@@ -76,9 +81,13 @@ class TextGenerator:
                 raise DecodeError(f"request {rec['id']!r}: {problem}")
         params = [request_params(rec, defaults, i, seed) for i, rec in enumerate(records)]
         counts = [request_logprobs(rec, logprobs) for rec in records]
-        prompts = encode_prompts(records, self.tokenizer, chat=self.chat, enable_thinking=self.enable_thinking)
+        prompts = encode_prompts(
+            records, self.tokenizer, chat=self.chat, enable_thinking=self.enable_thinking
+        )
         decoder = self._decoder(max((n for n in counts if n is not None), default=None))
-        decoder.check_prompts(prompts, [p.max_new_tokens for p in params], names=[r["id"] for r in records])
+        decoder.check_prompts(
+            prompts, [p.max_new_tokens for p in params], names=[r["id"] for r in records]
+        )
         job = RequestStream(decoder, prompts, max_new_tokens, batch_size, params=params,
                             tokenizer=self.tokenizer, chunk_steps=chunk_steps)
         results = {}
@@ -89,7 +98,6 @@ class TextGenerator:
                                                      logprobs=counts[event.index])
         out = [results[i] for i in range(len(records))]
         return out[0] if one else out
-
 
     def _decoder(self, logprobs: int | None) -> Decoder:
         """The decoder that records `logprobs` alternatives per token (at least), or this one."""
