@@ -78,34 +78,55 @@ def parse_args(argv=None):
                     help="verifier checkpoint dir (default: the shipped demo verifier); also the "
                          "draft model of hf_assisted")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--prompts", default=None,
-                     help="JSONL of {id, prompt} or {id, prompt_ids} replacing the default prompts; "
-                          "a record with an \"answer\" (and optionally its own \"grader\" and "
-                          "\"stop\") is graded; a HumanEval task id with that task's prompt is "
-                          "graded by humaneval without one")
+    src.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL of {id, prompt} or {id, prompt_ids} replacing the default prompts; "
+        "a record with an \"answer\" (and optionally its own \"grader\" and \"stop\") is graded; a "
+        "HumanEval task id with that task's prompt is graded by humaneval without one",
+    )
     ap.add_argument("--limit", type=int, default=None, metavar="N",
                     help="--prompts: the file's first N records only (default all)")
     src.add_argument("--heldout", type=int, default=None, metavar="N",
                      help="use N held-out CPython stdlib function prompts instead of HumanEval")
     src.add_argument("--humaneval", type=int, default=None, metavar="N",
                      help="number of HumanEval prompts (the default prompt set; default 16)")
-    ap.add_argument("--grader", default=None, choices=list(graders.GRADERS),
-                    help="how --prompts records with an \"answer\" and no \"grader\" of their own "
-                         "are graded: " + "; ".join(f"{g.name}: {g.summary}" for g in graders.GRADERS.values()))
+    ap.add_argument(
+        "--grader",
+        default=None,
+        choices=list(graders.GRADERS),
+        help="how --prompts records with an \"answer\" and no \"grader\" of their own "
+        "are graded: " + "; ".join(f"{g.name}: {g.summary}" for g in graders.GRADERS.values()),
+    )
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"comma-separated modes to run, from {','.join(ALL_MODES)} "
                          f"(ar always runs; default all)")
-    ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="timed passes per setting, interleaved across settings; median reported (default 3)")
+    ap.add_argument(
+        "--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)"
+    )
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed passes per setting, interleaved across settings; median reported (default 3)",
+    )
     ap.add_argument("--block-size", type=int, default=8,
                     help="K of threshold and verify (default 8, the proposer's MARS block; "
                          "lossless layouts are --layouts)")
-    ap.add_argument("--taus", default=",".join(f"{t:g}" for t in DEFAULT_TAUS),
-                    help="threshold: comma-separated values of --tau to sweep (default 0.95,0.8,0.5)")
-    ap.add_argument("--confidence", default="prob", choices=CONFIDENCE_KINDS,
-                    help="threshold: the statistic --taus bound, as in `prove-jax generate` (default prob)")
+    ap.add_argument(
+        "--taus",
+        default=",".join(f"{t:g}" for t in DEFAULT_TAUS),
+        help="threshold: comma-separated values of --tau to sweep (default 0.95,0.8,0.5)",
+    )
+    ap.add_argument(
+        "--confidence",
+        default="prob",
+        choices=CONFIDENCE_KINDS,
+        help="threshold: the statistic --taus bound, as in `prove-jax generate` (default prob)",
+    )
     ap.add_argument("--layouts", default=None,
                     help="lossless: comma-separated layouts to sweep, each K x G (--block-size K "
                          "--groups G of `prove-jax generate`) or K alone for G=K, e.g. 6x2,4x2 "
@@ -115,30 +136,52 @@ def parse_args(argv=None):
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                     help="lossless: also run adaptive (K<=8, the platform table) and calibrated "
                          "(K<=8, layout measured here per batch size) settings")
-    ap.add_argument("--calibrated", action=argparse.BooleanOptionalAction, default=True,
-                    help="with --adaptive: also the calibrated setting (--no-calibrated skips it: "
-                         "calibrating compiles every candidate layout, minutes at a real model's size)")
-    ap.add_argument("--tau-vs", default=",".join(f"{t:g}" for t in DEFAULT_TAU_VS),
-                    help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
-                         "top1 and (when the verifier has commit_head/) head run unless --rules leaves them out")
-    ap.add_argument("--rules", default=",".join(COMMIT_RULES),
-                    help="verify: comma-separated commit rules to run, from "
-                         f"{','.join(COMMIT_RULES)} (default all; head needs a verifier with commit_head/)")
-    ap.add_argument("--head-thresholds", default="",
-                    help="verify/head: comma-separated head thresholds to sweep beside the head's own "
-                         "(its speed/accuracy curve; default none)")
-    ap.add_argument("--gate-taus", default="",
-                    help="verify: comma-separated proposer-confidence gates; each adds the top1 and "
-                         "--tau-vs prob rules committing a draft only if the proposer's own confidence "
-                         "in it (--confidence) passes the gate too (`generate --gate-tau`; default none)")
-    ap.add_argument("--relaxed-ps", default="",
-                    help="lossless: comma-separated relaxed acceptance probabilities to sweep on each "
-                         "--layouts layout (`relaxed` rows: lossy; see `generate --relaxed-p`; default none)")
+    ap.add_argument(
+        "--calibrated",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --adaptive: also the calibrated setting (--no-calibrated skips it: "
+        "calibrating compiles every candidate layout, minutes at a real model's size)",
+    )
+    ap.add_argument(
+        "--tau-vs",
+        default=",".join(f"{t:g}" for t in DEFAULT_TAU_VS),
+        help="verify/prob: comma-separated values of --tau-v to sweep (default 0.3,0.1); "
+        "top1 and (when the verifier has commit_head/) head run unless --rules leaves them out",
+    )
+    ap.add_argument(
+        "--rules",
+        default=",".join(COMMIT_RULES),
+        help="verify: comma-separated commit rules to run, from "
+        f"{','.join(COMMIT_RULES)} (default all; head needs a verifier with commit_head/)",
+    )
+    ap.add_argument(
+        "--head-thresholds",
+        default="",
+        help="verify/head: comma-separated head thresholds to sweep beside the head's own "
+        "(its speed/accuracy curve; default none)",
+    )
+    ap.add_argument(
+        "--gate-taus",
+        default="",
+        help="verify: comma-separated proposer-confidence gates; each adds the top1 and "
+        "--tau-vs prob rules committing a draft only if the proposer's own confidence "
+        "in it (--confidence) passes the gate too (`generate --gate-tau`; default none)",
+    )
+    ap.add_argument(
+        "--relaxed-ps",
+        default="",
+        help="lossless: comma-separated relaxed acceptance probabilities to sweep on each "
+        "--layouts layout (`relaxed` rows: lossy; see `generate --relaxed-p`; default none)",
+    )
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="run the transformers peers (needs torch; default on)")
-    ap.add_argument("--torch-threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
-                    help="comma-separated torch intra-op thread counts; each peer runs once per count "
-                         "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)")
+    ap.add_argument(
+        "--torch-threads",
+        default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
+        help="comma-separated torch intra-op thread counts; each peer runs once per count "
+        "(default: 1 and all cores; on a shared CPU extra threads can slow torch 10x)",
+    )
     ap.add_argument("--dtype", default="float32", choices=DTYPES,
                     help="compute and parameter dtype of our modes (default float32; with bfloat16 "
                          "the agreement columns show how often rounding flips a near-tie between "
@@ -147,10 +190,15 @@ def parse_args(argv=None):
                     help="run the proposer embedded in a larger preset shape with zero weights "
                          "(same outputs and tokens per forward, that shape's step cost; see "
                          "prove_jax/models/inflate.py): one of " + ", ".join(PRESETS))
-    ap.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
-                    help="long-context run: lead each prompt with the other prompts' tokens until it "
-                         "is N tokens long, the prompt itself last (speed only: not graded); with "
-                         "--inflate the model takes that preset's context length")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="long-context run: lead each prompt with the other prompts' tokens until it "
+        "is N tokens long, the prompt itself last (speed only: not graded); with "
+        "--inflate the model takes that preset's context length",
+    )
     ap.add_argument("--prefill-baseline", action="store_true",
                     help="also time ar with 1 new token per prompt (the prompts' prefill), "
                          "interleaved, and add a column: each mode's speedup without prefill")
@@ -164,13 +212,21 @@ def parse_args(argv=None):
     ap.add_argument("--png", default=None,
                     help="trade-off plot (default OUT.png; 'none' skips it, e.g. where matplotlib "
                          "is not installed)")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="write a jax.profiler trace of the first 3 timed passes (after each setting's "
-                         "warm-up) to DIR, each named benchmark_pass; traced passes run slower, so "
-                         "profile a run whose timings you do not report")
-    ap.add_argument("--tensorboard", default=None, metavar="DIR",
-                    help="also write each setting's tok/s, tokens per forward, speedup and accuracy as "
-                         "TensorBoard scalars in DIR (local or gs://), one step per batch size")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a jax.profiler trace of the first 3 timed passes (after each setting's "
+        "warm-up) to DIR, each named benchmark_pass; traced passes run slower, so "
+        "profile a run whose timings you do not report",
+    )
+    ap.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write each setting's tok/s, tokens per forward, speedup and accuracy as "
+        "TensorBoard scalars in DIR (local or gs://), one step per batch size",
+    )
     args = ap.parse_args(argv)
     for ext in ("json", "md", "png"):
         if getattr(args, ext) is None:
@@ -230,7 +286,10 @@ def load_prompt_records(args) -> tuple[list[dict], str]:
         records = read_requests(args.prompts)
         if args.limit is None:
             return records, f"file {args.prompts}"
-        return records[: args.limit], f"the first {min(args.limit, len(records))} records of {args.prompts}"
+        return (
+            records[: args.limit],
+            f"the first {min(args.limit, len(records))} records of {args.prompts}",
+        )
     if args.heldout is not None:
         if args.heldout < 1:
             raise BenchError(f"--heldout must be >= 1, got {args.heldout}")
@@ -265,7 +324,14 @@ def grading_meta(references) -> dict:
 
 
 def _config_summary(cfg) -> dict:
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+    )
     return {k: getattr(cfg, k) for k in keys} | {"num_params": cfg.num_params}
 
 
@@ -276,11 +342,20 @@ def run_meta(args, pair, prompts_desc, n_prompts, batch_sizes, peers_on, torch_t
         # only when a mode ran it (verify, or hf_assisted's draft)
         "verifier": _shown_path(args.verifier) if pair.verifier is not None else None,
         "proposer_config": _config_summary(pair.proposer.cfg),
-        "verifier_config": _config_summary(pair.verifier.cfg) if pair.verifier is not None else None,
-        "prompts": prompts_desc, "num_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
-        "batch_sizes": batch_sizes, "repeats": args.repeats, "compute_dtype": args.dtype,
-        "jax": jax.__version__, "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-        "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "verifier_config": (
+            _config_summary(pair.verifier.cfg) if pair.verifier is not None else None
+        ),
+        "prompts": prompts_desc,
+        "num_prompts": n_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_sizes": batch_sizes,
+        "repeats": args.repeats,
+        "compute_dtype": args.dtype,
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
         "cpu": cpu_description(),
         "inflated_to": args.inflate,
     }
@@ -297,13 +372,16 @@ def inflation_note(meta: dict) -> str:
     if not meta.get("inflated_to"):
         return ""
     c = meta["proposer_config"]
-    return (f"The proposer ran **inflated to the {meta['inflated_to']} shape** "
-            f"({c['num_params'] / 1e6:.0f}M parameters: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, {c['num_layers']} layers, "
-            f"{c['num_heads']}/{c['num_kv_heads']} heads, its own vocabulary of {c['vocab_size']}): "
-            "the trained weights embedded in that shape with every extra weight zero "
-            "(`prove_jax/models/inflate.py`). It computes the trained proposer's logits up to float "
-            "rounding, so it accepts what that proposer accepts, at the cost per step of that shape "
-            "(bound by weight reads on a CPU, where the demo proposer fits in cache).\n\n")
+    return (
+        f"The proposer ran **inflated to the {meta['inflated_to']} shape** "
+        f"({c['num_params'] / 1e6:.0f}M parameters: hidden {c['hidden_size']}, MLP "
+        f"{c['intermediate_size']}, {c['num_layers']} layers, "
+        f"{c['num_heads']}/{c['num_kv_heads']} heads, its own vocabulary of {c['vocab_size']}): "
+        "the trained weights embedded in that shape with every extra weight zero "
+        "(`prove_jax/models/inflate.py`). It computes the trained proposer's logits up to float "
+        "rounding, so it accepts what that proposer accepts, at the cost per step of that shape "
+        "(bound by weight reads on a CPU, where the demo proposer fits in cache).\n\n"
+    )
 
 
 def prefill_note(records: list[dict]) -> str:
@@ -333,8 +411,11 @@ def grading_note(meta: dict, records: list[dict]) -> str:
         return ""
     graded = meta.get("graded") or {}
     if not graded:
-        return ("Accuracy: no prompt carries a reference answer, so none is graded (a `--prompts` "
-                "record `{\"id\", \"prompt\", \"answer\"}` with `--grader` or its own `\"grader\"` is).\n\n")
+        return (
+            "Accuracy: no prompt carries a reference answer, so none is graded (a `--prompts` "
+            "record `{\"id\", \"prompt\", \"answer\"}` with `--grader` or its own `\"grader\"` "
+            "is).\n\n"
+        )
     kinds = "; ".join(f"{n} by `{g}`: {graders.GRADERS[g].summary}" for g, n in graded.items())
     flat = flat_accuracy_line(records)
     return (f"Accuracy: {sum(graded.values())} of {meta['num_prompts']} prompts graded, {kinds}. "
@@ -349,28 +430,30 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
              f"{', '.join(map(str, meta['torch_threads']))})" if "torch" in meta else "")
     return (
         "# Decoding benchmark (`prove-jax benchmark`)\n\n"
-        + partial_note(meta) +
-        f"Proposer `{meta['proposer']}`"
-        + (f", verifier `{meta['verifier']}`" if meta.get("verifier") else "") + f"; {meta['prompts']}, "
+        + partial_note(meta)
+        + f"Proposer `{meta['proposer']}`"
+        + (f", verifier `{meta['verifier']}`" if meta.get("verifier") else "")
+        + f"; {meta['prompts']}, "
         f"{meta['max_new_tokens']} new tokens each; {meta['platform']} ({meta['device']}, "
-        f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax {meta['jax']}{peers}; "
-        f"{meta['compute_dtype']}; {meta['date']}.\n\n"
-        + inflation_note(meta) + prefill_note(records) + grading_note(meta, records) +
-        "All ratios are side by side in one run: speedup and agreement are against our `ar` "
+        f"{meta['cpu_count']} cores{', ' + meta['cpu'] if meta.get('cpu') else ''}), jax "
+        f"{meta['jax']}{peers}; {meta['compute_dtype']}; {meta['date']}.\n\n"
+        + inflation_note(meta)
+        + prefill_note(records)
+        + grading_note(meta, records)
+        + "All ratios are side by side in one run: speedup and agreement are against our `ar` "
         "measured in the same run at the same batch size. Each setting was warmed up once "
-        f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), interleaved "
-        "with the other settings in rotated order; throughput uses the median pass. *Fastest "
-        "passes*: the speedup from each side's fastest pass instead (a shared machine's load only "
-        "adds time, and it adds most to AR's many short steps, so where the two columns differ the "
-        "median one flatters the other modes). Tokens per "
-        "forward count proposer (target) forwards. Agreement (token) = same token at the same "
-        "position; exact match = whole completion identical. At batch size B our settings serve "
-        "all prompts as one queue with B rows (continuous batching: a finished row takes the "
-        "next prompt in the loop; "
-        "at batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same "
-        "weights converted with our flax-to-hf, in static batches of B; assisted and prompt "
-        "lookup exist at batch 1 only.\n\n"
-        + markdown_table(records) + lossless_note(records))
+        f"(compile excluded, shown separately), then timed in {meta['repeats']} pass(es), "
+        "interleaved with the other settings in rotated order; throughput uses the median pass. "
+        "*Fastest passes*: the speedup from each side's fastest pass instead (a shared machine's "
+        "load only adds time, and it adds most to AR's many short steps, so where the two columns "
+        "differ the median one flatters the other modes). Tokens per forward count proposer "
+        "(target) forwards. Agreement (token) = same token at the same position; exact match = "
+        "whole completion identical. At batch size B our settings serve all prompts as one queue "
+        "with B rows (continuous batching: a finished row takes the next prompt in the loop; at "
+        "batch 16 with 16 prompts that is one static batch). Peers (`hf_*`) run the same weights "
+        "converted with our flax-to-hf, in static batches of B; assisted and prompt "
+        "lookup exist at batch 1 only.\n\n" + markdown_table(records) + lossless_note(records)
+    )
 
 
 PARTIAL = ".partial"
@@ -380,7 +463,9 @@ def write_partial(args, meta: dict, records: list[dict]) -> None:
     """The records so far (`run_settings`' `on_batch_done`), next to (not over) the report."""
     done = sorted({r["batch_size"] for r in records})
     part = meta | {"partial": {"batch_sizes_done": done, "batch_sizes": meta["batch_sizes"]}}
-    atomic_write_text(args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n")
+    atomic_write_text(
+        args.json + PARTIAL, json.dumps({"meta": part, "records": records}, indent=1) + "\n"
+    )
     atomic_write_text(args.md + PARTIAL, markdown_report(part, records))
     log(f"  records so far -> {args.json + PARTIAL}, {args.md + PARTIAL}")
 
@@ -399,7 +484,8 @@ def main(argv=None) -> int:
         outputs = {}
         for flag, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
             if path != "none":
-                if os.path.dirname(path) == os.path.dirname(DEFAULT_OUT):  # runs/ need not exist yet
+                # runs/ need not exist yet
+                if os.path.dirname(path) == os.path.dirname(DEFAULT_OUT):
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                 check_output_path(path, None, flag=flag)
                 same = outputs.setdefault(os.path.realpath(path), flag)
@@ -424,8 +510,11 @@ def main(argv=None) -> int:
             gate_taus=_float_list(args.gate_taus, "--gate-taus") if "verify" in modes else (),
             rules=parse_choices(args.rules, COMMIT_RULES, "--rules"))
         for s in settings:
-            if s.mode == "relaxed" or s.options is not None and (s.options.head_threshold is not None
-                                                                 or s.options.gate_tau is not None):
+            if (
+                s.mode == "relaxed"
+                or s.options is not None
+                and (s.options.head_threshold is not None or s.options.gate_tau is not None)
+            ):
                 # a bad --relaxed-ps or --head-thresholds found before any load
                 try:
                     s.options.validate()
@@ -478,14 +567,18 @@ def main(argv=None) -> int:
         if args.prompt_tokens is not None:
             prompts = long_prompts(prompts, args.prompt_tokens)
             references = [None] * len(prompts)
-            prompts_desc += f", each led by the others' tokens to {args.prompt_tokens} tokens (not graded)"
+            prompts_desc += (
+                f", each led by the others' tokens to {args.prompt_tokens} tokens (not graded)"
+            )
         hf_models = None
         if peers_on:
             hf_tmp = tempfile.mkdtemp(prefix="prove-bench-hf-")
             hf_models = convert_for_peers(pair, hf_tmp, "hf_assisted" in modes)
         log(f"{len(settings)} settings x batch sizes {batch_sizes}, {len(prompts)} prompts, "
             f"{args.repeats} timed passes each")
-        start_meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+        start_meta = run_meta(
+            args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads
+        )
         start_meta["graded"] = grading_meta(references)
 
         def on_batch_done(records_so_far):
@@ -493,7 +586,8 @@ def main(argv=None) -> int:
             write_partial(args, start_meta, records_so_far)
             partial_saved = True
 
-        tracing = StepProfile(args.profile, "benchmark_pass", warmup=0)  # the warm-up passes compiled
+        # the warm-up passes compiled
+        tracing = StepProfile(args.profile, "benchmark_pass", warmup=0)
         records, measurements = run_settings(pair, settings, prompts, args.max_new_tokens,
                                              batch_sizes, args.repeats, hf_models,
                                              prefill_baseline=args.prefill_baseline,
@@ -501,16 +595,24 @@ def main(argv=None) -> int:
         if any(r is not None for r in references):
             grade_records(records, measurements, references, prompt_texts, pair.tokenizer,
                           pair.eos_ids)
-        meta = run_meta(args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads)
+        meta = run_meta(
+            args, pair, prompts_desc, len(prompts), batch_sizes, peers_on, torch_threads
+        )
         meta["graded"] = grading_meta(references)
         if args.png != "none":
             # the figure first: the likeliest to fail
-            trade_off_figure(records, args.png, title=f"{os.path.basename(os.path.abspath(args.model))}: "
-                                                      f"{prompts_desc}, {args.max_new_tokens} new tokens")
+            trade_off_figure(
+                records,
+                args.png,
+                title=f"{os.path.basename(os.path.abspath(args.model))}: "
+                f"{prompts_desc}, {args.max_new_tokens} new tokens",
+            )
         # both rendered before either is written, the JSON (the record the report is rendered
         # from: markdown_report) first
         report = markdown_report(meta, records)
-        atomic_write_text(args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        atomic_write_text(
+            args.json, json.dumps({"meta": meta, "records": records}, indent=1) + "\n"
+        )
         atomic_write_text(args.md, report)
         if args.tensorboard is not None:
             write_tensorboard(records, args.tensorboard)
@@ -521,8 +623,11 @@ def main(argv=None) -> int:
         stopped = isinstance(e, KeyboardInterrupt)
         print("stopped" if stopped else f"error: {e}", file=sys.stderr)
         if partial_saved:
-            print(f"the batch sizes measured before it are in {args.json + PARTIAL}, {args.md + PARTIAL}",
-                  file=sys.stderr)
+            print(
+                f"the batch sizes measured before it are in {args.json + PARTIAL}, "
+                f"{args.md + PARTIAL}",
+                file=sys.stderr,
+            )
         return INTERRUPTED if stopped else 2
     finally:
         if tracing is not None:
@@ -530,7 +635,10 @@ def main(argv=None) -> int:
         if hf_tmp is not None:
             shutil.rmtree(hf_tmp, ignore_errors=True)
     print(markdown_table(records) + lossless_note(records))
-    print(f"wrote {args.json}, {args.md}" + (f", {args.png}" if args.png != "none" else ""), file=sys.stderr)
+    print(
+        f"wrote {args.json}, {args.md}" + (f", {args.png}" if args.png != "none" else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

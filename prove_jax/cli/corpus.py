@@ -19,8 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="prove-jax corpus",
         description="Write the CPython standard library source as a train / held-out JSONL corpus.")
-    parser.add_argument("--out", required=True,
-                        help="output directory: new, empty, or an earlier corpus (replaced atomically)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new, empty, or an earlier corpus (replaced atomically)",
+    )
     parser.add_argument("--root", default=None,
                         help="source tree to read (default: this interpreter's stdlib)")
     parser.add_argument("--max-bytes", type=int, default=None,

@@ -46,7 +46,9 @@ def run_dry_run(args, options: DecodeOptions) -> int:
     verifier = None
     if options.mode == "verify":
         if args.verifier is None:
-            raise DecodeError("--mode verify needs --verifier (a checkpoint or a preset) with --dry-run")
+            raise DecodeError(
+                "--mode verify needs --verifier (a checkpoint or a preset) with --dry-run"
+            )
         verifier = model_config(args.verifier, "--verifier", proposer=False)
     if getattr(args, "report", None):
         return _run_report(args, options, chip, chips, proposer, verifier)
@@ -65,10 +67,23 @@ def _run_report(args, options: DecodeOptions, chip: str, chips: int, proposer, v
     from prove_jax.decoding.step_report import step_report
     if os.path.isdir(args.report):
         raise DecodeError(f"--report {args.report} is a directory; give the JSON file to write")
-    print(f"compiling the {options.mode} stream programs (step, prefill, admission) for {args.dry_run} "
-          f"({chips} x {chip}) ...", file=sys.stderr, flush=True)
-    report = step_report(proposer, options, chip=chip, chips=chips, batch=args.batch_size, context=args.context,
-                         new_tokens=args.max_new_tokens, verifier=verifier, dtype=args.dtype)
+    print(
+        f"compiling the {options.mode} stream programs (step, prefill, admission) for "
+        f"{args.dry_run} ({chips} x {chip}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    report = step_report(
+        proposer,
+        options,
+        chip=chip,
+        chips=chips,
+        batch=args.batch_size,
+        context=args.context,
+        new_tokens=args.max_new_tokens,
+        verifier=verifier,
+        dtype=args.dtype,
+    )
     report.write(args.report)
     print(report.table())
     return 1 if report.does_not_fit else 0

@@ -63,18 +63,32 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=assets.DEMO_PROPOSER,
                     help="MARS proposer checkpoint dir (default: the shipped demo proposer)")
-    ap.add_argument("--verifier", default=assets.DEMO_VERIFIER,
-                    help="verifier checkpoint dir, for --lossy (default: the shipped demo verifier)")
+    ap.add_argument(
+        "--verifier",
+        default=assets.DEMO_VERIFIER,
+        help="verifier checkpoint dir, for --lossy (default: the shipped demo verifier)",
+    )
     ap.add_argument("--num-prompts", type=int, default=3,
                     help="first N HumanEval prompts to complete (default 3)")
-    ap.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="timed passes per mode, interleaved; each mode's fastest is reported (default 2)")
-    ap.add_argument("--inflate", default="qwen2.5-0.5b", choices=list(PRESETS) + ["none"],
-                    metavar="PRESET",
-                    help="run the proposer inflated to this shape (its outputs, that shape's cost per "
-                         "step), or 'none' for its own size; one of " + ", ".join(PRESETS)
-                         + " (default qwen2.5-0.5b)")
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=48, help="new tokens per prompt (default 48)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed passes per mode, interleaved; each mode's fastest is reported (default 2)",
+    )
+    ap.add_argument(
+        "--inflate",
+        default="qwen2.5-0.5b",
+        choices=list(PRESETS) + ["none"],
+        metavar="PRESET",
+        help="run the proposer inflated to this shape (its outputs, that shape's cost per "
+        "step), or 'none' for its own size; one of "
+        + ", ".join(PRESETS)
+        + " (default qwen2.5-0.5b)",
+    )
     ap.add_argument("--block-size", type=int, default=None,
                     help="K, tokens proposed per forward, as in `prove-jax generate` (default: "
                          "lossless 6 on CPU, 8 on GPU/TPU; threshold and verify 8)")
@@ -91,15 +105,21 @@ def parse_args(argv=None):
     ap.add_argument("--commit-rule", default=None, choices=COMMIT_RULES,
                     help="verify (--lossy): how the verifier commits drafts (default head, the "
                          "trained commit head, when the verifier has one; else top1)")
-    ap.add_argument("--show", type=int, default=0, help="index of the prompt whose completion is shown")
+    ap.add_argument(
+        "--show", type=int, default=0, help="index of the prompt whose completion is shown"
+    )
     return ap.parse_args(argv)
 
 
 def check_args(args) -> None:
     """One-line errors naming the flag, before anything loads."""
-    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--repeats", args.repeats, 1), ("--groups", args.groups, 1),
-                             ("--block-size", args.block_size, 2)):  # lossless proposes K-1 drafts
+    for flag, value, low in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--repeats", args.repeats, 1),
+        ("--groups", args.groups, 1),
+        ("--block-size", args.block_size, 2),  # lossless proposes K-1 drafts
+    ):
         if value is not None and value < low:
             raise BenchError(f"{flag} must be >= {low}, got {value}")
     if not 0 <= args.show < args.num_prompts:
@@ -182,13 +202,21 @@ def exactness_line(ms: list[Measurement]) -> str:
 
 
 def holds_everywhere(ms: list[Measurement], records: list[dict]) -> str:
-    rows = [("mode", "setting", "tokens/forward", "same output as greedy AR"),
-            ("ar", "-", "1.00", "(the reference)"),
-            ("lossless", ms[1].setting.label, f"{ms[1].tokens_per_forward:.2f}", exactness_line(ms))]
+    rows = [
+        ("mode", "setting", "tokens/forward", "same output as greedy AR"),
+        ("ar", "-", "1.00", "(the reference)"),
+        ("lossless", ms[1].setting.label, f"{ms[1].tokens_per_forward:.2f}", exactness_line(ms)),
+    ]
     for m, r in zip(ms[2:], records[2:]):
-        rows.append((m.setting.mode, m.setting.label, f"{m.tokens_per_forward:.2f}",
-                     f"{100 * r['agreement_with_ar']:.1f}% of tokens, {100 * r['exact_match_with_ar']:.0f}% "
-                     f"of prompts (lossy)"))
+        rows.append(
+            (
+                m.setting.mode,
+                m.setting.label,
+                f"{m.tokens_per_forward:.2f}",
+                f"{100 * r['agreement_with_ar']:.1f}% of tokens, "
+                f"{100 * r['exact_match_with_ar']:.0f}% of prompts (lossy)",
+            )
+        )
     return table(rows, numbers=(2,))
 
 
@@ -196,8 +224,15 @@ def speed_table(ms: list[Measurement]) -> str:
     ar = ms[0].fastest_tokens_per_second
     rows = [("mode", "setting", "tok/s", "vs AR", "compile s")]
     for m in ms:
-        rows.append((m.setting.mode, m.setting.label, f"{m.fastest_tokens_per_second:.1f}",
-                     f"{m.fastest_tokens_per_second / ar:.2f}x" if ar else "-", f"{m.compile_seconds:.1f}"))
+        rows.append(
+            (
+                m.setting.mode,
+                m.setting.label,
+                f"{m.fastest_tokens_per_second:.1f}",
+                f"{m.fastest_tokens_per_second / ar:.2f}x" if ar else "-",
+                f"{m.compile_seconds:.1f}",
+            )
+        )
     return table(rows, numbers=(2, 3, 4))
 
 
@@ -218,9 +253,15 @@ def verdict(ms: list[Measurement], exact: bool) -> list[str]:
         head = f"no real speedup here ({speedup:.2f}x AR, within a shared machine's noise), {same}."
     else:
         head = f"ProVe-lossless was slower than greedy AR here ({speedup:.2f}x), {same}."
-    why = (f"Why: it ran {tpf:.1f}x fewer forwards, and one {width}-token forward cost about "
-           f"{step_cost:.1f} one-token AR forwards here (prompt prefill included), "
-           + ("so the fewer forwards won." if step_cost < tpf else "so the fewer forwards did not pay."))
+    why = (
+        f"Why: it ran {tpf:.1f}x fewer forwards, and one {width}-token forward cost about "
+        f"{step_cost:.1f} one-token AR forwards here (prompt prefill included), "
+        + (
+            "so the fewer forwards won."
+            if step_cost < tpf
+            else "so the fewer forwards did not pay."
+        )
+    )
     return ["Verdict: " + head, why]
 
 
@@ -230,7 +271,8 @@ def main(argv=None) -> int:
     inflate = None if args.inflate == "none" else args.inflate
     try:
         check_args(args)
-        problems = humaneval.load_problems(limit=args.num_prompts)  # more than HumanEval has: said now
+        # more than HumanEval has: said now
+        problems = humaneval.load_problems(limit=args.num_prompts)
         have_head = args.lossy and has_commit_head(args.verifier)
         settings = demo_settings(args, platform, have_head)
         log(f"loading the proposer {args.model}"
@@ -251,7 +293,10 @@ def main(argv=None) -> int:
     cfg = pair.proposer.cfg
     exact = records[1]["exact_match_with_ar"] == 1.0
     print()
-    print(f"ProVe demo: {len(prompts)} HumanEval prompts x {args.max_new_tokens} new tokens, greedy, batch 1")
+    print(
+        f"ProVe demo: {len(prompts)} HumanEval prompts x {args.max_new_tokens} new tokens, greedy, "
+        "batch 1"
+    )
     print()
     print("1. On any machine: tokens per proposer forward, and exactness")
     print(holds_everywhere(ms, records))
@@ -259,9 +304,14 @@ def main(argv=None) -> int:
     device = f"{platform}, {jax.device_count()} device(s)" if platform != "cpu" else "cpu"
     if inflate:
         print(f"2. Speed on this machine ({device}), the proposer inflated to the {inflate} shape")
-        print(para(f"({cfg.num_params / 1e6:.0f}M parameters: the trained {pair.source_params / 1e6:.1f}M "
-                   f"with every added weight zero, so the same outputs at that shape's cost per "
-                   f"step)", hang=" "))
+        print(
+            para(
+                f"({cfg.num_params / 1e6:.0f}M parameters: the trained "
+                f"{pair.source_params / 1e6:.1f}M with every added weight zero, so the same "
+                "outputs at that shape's cost per step)",
+                hang=" ",
+            )
+        )
     else:
         print(f"2. Speed on this machine ({device}), the proposer at its own size "
               f"({cfg.num_params / 1e6:.1f}M parameters)")
@@ -270,8 +320,13 @@ def main(argv=None) -> int:
                        "steps; the default --inflate qwen2.5-0.5b shows a real model's cost per "
                        "step)", hang=" "))
     print(speed_table(ms))
-    print(para(f"(tok/s of each mode's fastest of {args.repeats} pass(es), run interleaved; compile "
-               f"excluded)", hang=" "))
+    print(
+        para(
+            f"(tok/s of each mode's fastest of {args.repeats} pass(es), run interleaved; compile "
+            f"excluded)",
+            hang=" ",
+        )
+    )
     for line in verdict(ms, exact):
         print(para(line, hang="  "))
 
@@ -280,8 +335,11 @@ def main(argv=None) -> int:
     colour = sys.stdout.isatty()
     prompt_tail = "".join(problems[args.show]["prompt"].splitlines(keepends=True)[-4:])
     print()
-    print(f"3. {problems[args.show]['task_id']}, lossless {shown.setting.label}: {len(ids)} tokens in "
-          f"{len(commits)} forwards; each {'colour' if colour else '[...]'} is one forward's commit:")
+    print(
+        f"3. {problems[args.show]['task_id']}, lossless {shown.setting.label}: {len(ids)} tokens "
+        "in "
+        f"{len(commits)} forwards; each {'colour' if colour else '[...]'} is one forward's commit:"
+    )
     print((DIM + "..." + prompt_tail + RESET) if colour else "..." + prompt_tail, end="")
     print(render_blocks(block_texts(pair.tokenizer, ids, commits), colour))
     return 0

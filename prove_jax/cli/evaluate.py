@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", required=True, help="checkpoint (repeatable)")
     ap.add_argument("--data", required=True, help="held-out text, folder or JSONL")
     ap.add_argument("--max-length", type=int, default=256, help="tokens per row (default 256)")
-    ap.add_argument("--max-rows", type=int, default=256, help="evaluate at most this many rows (default 256)")
+    ap.add_argument(
+        "--max-rows", type=int, default=256, help="evaluate at most this many rows (default 256)"
+    )
     ap.add_argument("--batch-size", type=int, default=16,
                     help="rows per forward (default 16; rounded up to a multiple of data x fsdp)")
     ap.add_argument("--mesh", default=None,
@@ -60,19 +62,30 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{model.cfg.max_position_embeddings} positions")
             key = json.dumps(tokenizer.get_vocab(), sort_keys=True)  # same vocab -> same rows
             if key not in rows_by_tokenizer:
-                rows = tokenize_examples(examples, tokenizer, max_length=args.max_length, block_size=1)
+                rows = tokenize_examples(
+                    examples, tokenizer, max_length=args.max_length, block_size=1
+                )
                 keep = slice(0, args.max_rows)
                 rows_by_tokenizer[key] = type(rows)(rows.input_ids[keep], rows.loss_mask[keep],
                                                     rows.valid[keep], rows.truncated, rows.dropped)
-            result = {"model": path, **heldout_metrics(model, rows_by_tokenizer[key], args.batch_size, mesh)}
+            result = {
+                "model": path,
+                **heldout_metrics(model, rows_by_tokenizer[key], args.batch_size, mesh),
+            }
             if result["tokens"] == 0:  # else nll 0, perplexity 1: a perfect score over nothing
-                raise DataError(f"no tokens to evaluate in {args.data} at --max-length "
-                                f"{args.max_length}: no row has a trained token after its first (text "
-                                f"shorter than two tokens, or prompts that fill --max-length)")
+                raise DataError(
+                    f"no tokens to evaluate in {args.data} at --max-length "
+                    f"{args.max_length}: no row has a trained token after its first (text "
+                    f"shorter than two tokens, or prompts that fill --max-length)"
+                )
             if main_process:
-                print(f"{path}: nll {result['nll']:.4f}, perplexity {result['perplexity']:.2f}, top-1 "
-                      f"{result['top1_accuracy']:.3f} over {result['tokens']} tokens "
-                      f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+                print(
+                    f"{path}: nll {result['nll']:.4f}, perplexity {result['perplexity']:.2f}, "
+                    f"top-1 {result['top1_accuracy']:.3f} over {result['tokens']} tokens "
+                    f"({time.perf_counter() - t0:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             results.append(result)
     except (ProveJaxError, OSError, ValueError) as e:  # ValueError: a library's bad-input error
         return fail(e)

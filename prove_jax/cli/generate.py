@@ -1,4 +1,5 @@
-"""Batch inference: `prove-jax generate --model CKPT --mode lossless --input IN.jsonl --output OUT.jsonl`.
+"""Batch inference:
+`prove-jax generate --model CKPT --mode lossless --input IN.jsonl --output OUT.jsonl`.
 
 Input records: {"id", "prompt"} (text; needs the checkpoint's tokenizer) or {"id", "prompt_ids"},
 optionally with their own temperature, top_k, top_p, min_p, seed, max_new_tokens, stop (strings)
@@ -42,7 +43,14 @@ from prove_jax.profiling import StepProfile
 from prove_jax.checkpoints.checkpoint import load_tokenizer
 from prove_jax.data.chat import chat_problem
 from prove_jax.models.config import DTYPES
-from prove_jax.decoding import COMMIT_RULES, CONFIDENCE_KINDS, DEFAULT_TAU, MODES, DecodeError, DecodeOptions
+from prove_jax.decoding import (
+    COMMIT_RULES,
+    CONFIDENCE_KINDS,
+    DEFAULT_TAU,
+    MODES,
+    DecodeError,
+    DecodeOptions,
+)
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
@@ -61,12 +69,27 @@ RESET = "\x1b[0m"
 def add_sampling_arguments(ap) -> None:
     """The sampling and stopping flags, the defaults a request's own fields override (generate
     and serve)."""
-    sample = ap.add_argument_group("sampling and stopping (a request's own fields of these names override them)")
-    sample.add_argument("--temperature", type=float, default=0.0,
-                        help="0 (default): greedy; above 0: sample from softmax(logits / temperature)")
-    sample.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
-    sample.add_argument("--top-p", type=float, default=1.0,
-                        help="sample among the most likely tokens holding probability p (default 1: all)")
+    sample = ap.add_argument_group(
+        "sampling and stopping (a request's own fields of these names override them)"
+    )
+    sample.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy; above 0: sample from softmax(logits / temperature)",
+    )
+    sample.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample among the k most likely tokens (default 0: all)",
+    )
+    sample.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the most likely tokens holding probability p (default 1: all)",
+    )
     sample.add_argument("--min-p", type=float, default=0.0,
                         help="drop tokens less likely than min-p times the most likely (default 0)")
     sample.add_argument("--seed", type=int, default=0,
@@ -74,8 +97,15 @@ def add_sampling_arguments(ap) -> None:
                              "derived from this and i (default 0)")
     sample.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="cut the output before the first occurrence of TEXT (repeatable)")
-    sample.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID",
-                        dest="stop_token_ids", help="end a request at this token, as at EOS (repeatable)")
+    sample.add_argument(
+        "--stop-token-id",
+        action="append",
+        type=int,
+        default=None,
+        metavar="ID",
+        dest="stop_token_ids",
+        help="end a request at this token, as at EOS (repeatable)",
+    )
     sample.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help=f"record each output token's log-probability and the N most likely "
                              f"alternatives (0-{MAX_LOGPROBS}), under the distribution it was "
@@ -86,62 +116,109 @@ def add_decoding_arguments(ap, calibrate: bool = True) -> None:
     """The mode's options and the layout flags (dtype, mesh, scan, attention kernel, paged KV),
     as generate and serve take them; `calibrate`: also --calibrate (generate only)."""
     dec = ap.add_argument_group("decoding (the mode's options, the model's layout)")
-    dec.add_argument("--block-size", type=int, default=None,
-                     help="K, tokens proposed per proposer forward (default: 8; lossless 4, but 8 with "
-                          "--adaptive or --calibrate, the widest layout their table or measurement "
-                          "may choose); a step feeds "
-                          "2K-1 tokens per row (lossless: 1 + (K-1) x (groups+1)), which must fit "
-                          "the model's positions and 4096")
+    dec.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="K, tokens proposed per proposer forward (default: 8; lossless 4, but 8 with "
+        "--adaptive or --calibrate, the widest layout their table or measurement may choose); a "
+        "step feeds 2K-1 tokens per row (lossless: 1 + (K-1) x (groups+1)), which must fit the "
+        "model's positions and 4096",
+    )
     dec.add_argument("--groups", type=int, default=None,
                      help="lossless: mask groups = acceptance lengths served per step (default K)")
-    dec.add_argument("--adaptive", action="store_true",
-                     help="lossless: shrink K and groups as the batch grows (never slower than AR; K up "
-                          "to --block-size, default 8)")
+    dec.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="lossless: shrink K and groups as the batch grows (never slower than AR; K up "
+        "to --block-size, default 8)",
+    )
     if calibrate:
-        dec.add_argument("--calibrate", action="store_true",
-                         help="lossless: adaptive with a layout measured here: acceptance on the first "
-                              "prompts and step costs at --batch-size on this device rank K and groups "
-                              "(K up to --block-size, default 8), short real decodes of the best few "
-                              "against AR pick one, or AR when no layout wins")
-    dec.add_argument("--tau", type=float, default=None,
-                     help="threshold: accept a proposed token while its confidence is >= tau (prob: "
-                          "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
-                          "is <= tau nats (entropy); default " +
-                          ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()))
-    dec.add_argument("--confidence", default=None, choices=CONFIDENCE_KINDS, help="threshold, and verify with --gate-tau: the confidence statistic (default prob)")
-    dec.add_argument("--commit-rule", default=None, choices=COMMIT_RULES, help="verify: how the verifier accepts drafts (default top1)")
+        dec.add_argument(
+            "--calibrate",
+            action="store_true",
+            help="lossless: adaptive with a layout measured here: acceptance on the first "
+            "prompts and step costs at --batch-size on this device rank K and groups "
+            "(K up to --block-size, default 8), short real decodes of the best few "
+            "against AR pick one, or AR when no layout wins",
+        )
+    dec.add_argument(
+        "--tau",
+        type=float,
+        default=None,
+        help="threshold: accept a proposed token while its confidence is >= tau (prob: "
+        "top-1 probability, margin: top-1 minus top-2 probability) or its entropy "
+        "is <= tau nats (entropy); default "
+        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TAU.items()),
+    )
+    dec.add_argument(
+        "--confidence",
+        default=None,
+        choices=CONFIDENCE_KINDS,
+        help="threshold, and verify with --gate-tau: the confidence statistic (default prob)",
+    )
+    dec.add_argument(
+        "--commit-rule",
+        default=None,
+        choices=COMMIT_RULES,
+        help="verify: how the verifier accepts drafts (default top1)",
+    )
     dec.add_argument("--tau-v", type=float, default=None,
                      help="verify/prob: verifier probability to commit (default 0.5)")
-    dec.add_argument("--relaxed-p", type=float, default=None, metavar="P",
-                     help="lossless, greedy: also commit a draft the proposer itself gives probability "
-                          ">= P (below 0.5 to matter); lossy, never fewer tokens per forward than exact "
-                          "lossless (default off: output identical to AR)")
-    dec.add_argument("--head-threshold", type=float, default=None,
-                     help="verify/head: commit-head probability to commit (default: the head's own, "
-                          "0.5); lower commits more tokens per forward, less often equal to AR")
-    dec.add_argument("--gate-tau", type=float, default=None,
-                     help="verify: also require the proposer's own confidence in each draft (--confidence "
-                          "statistic) to pass this, as threshold's --tau (default: the verifier alone)")
+    dec.add_argument(
+        "--relaxed-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="lossless, greedy: also commit a draft the proposer itself gives probability "
+        ">= P (below 0.5 to matter); lossy, never fewer tokens per forward than exact "
+        "lossless (default off: output identical to AR)",
+    )
+    dec.add_argument(
+        "--head-threshold",
+        type=float,
+        default=None,
+        help="verify/head: commit-head probability to commit (default: the head's own, "
+        "0.5); lower commits more tokens per forward, less often equal to AR",
+    )
+    dec.add_argument(
+        "--gate-tau",
+        type=float,
+        default=None,
+        help="verify: also require the proposer's own confidence in each draft (--confidence "
+        "statistic) to pass this, as threshold's --tau (default: the verifier alone)",
+    )
     dec.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill forward (default: 32 on CPU, 256 on GPU/TPU)")
     dec.add_argument("--dtype", default="float32", choices=DTYPES,
                      help="compute/param dtype (default float32; bfloat16 halves weight reads on "
                           "TPU/GPU, where lossless can then differ from AR at a near-tie)")
-    dec.add_argument("--mesh", default=None,
-                     help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: tensor parallel over the "
-                          "kv heads as far as the weights need to fit, the rest on data; multi-host: "
-                          "every host's devices)")
+    dec.add_argument(
+        "--mesh",
+        default=None,
+        help="data,fsdp,tensor mesh shape, e.g. 4,1,2 (default: tensor parallel over the "
+        "kv heads as far as the weights need to fit, the rest on data; multi-host: "
+        "every host's devices)",
+    )
     dec.add_argument("--scan-layers", action="store_true",
                      help="run the layers as one lax.scan: compile time stops growing with depth "
                           "(for large models on TPU; on CPU a step costs more; docs/decoding.md)")
-    dec.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
-                     help="how cached attention reads the committed KV: auto (default: the Pallas kernel "
-                          "pallas_tpu on TPU, a --dry-run included; xla elsewhere), xla, or a Pallas "
-                          "kernel for that platform (docs/decoding.md)")
-    dec.add_argument("--page-size", type=int, default=None,
-                     help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this "
-                          "many slots: each request owns the pages its own prompt and budget need, not the "
-                          "longest request's (default: one contiguous buffer per row; docs/decoding.md)")
+    dec.add_argument(
+        "--attention",
+        default="auto",
+        choices=ATTENTION_CHOICES,
+        help="how cached attention reads the committed KV: auto (default: the Pallas kernel "
+        "pallas_tpu on TPU, a --dry-run included; xla elsewhere), xla, or a Pallas "
+        "kernel for that platform (docs/decoding.md)",
+    )
+    dec.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="keep the KV (the proposer's and the verifier's) in paged pools of pages of this "
+        "many slots: each request owns the pages its own prompt and budget need, not the "
+        "longest request's (default: one contiguous buffer per row; docs/decoding.md)",
+    )
     dec.add_argument("--kv-pages", type=int, default=None,
                      help="--page-size: pages in the pool; a request waits until enough are free "
                           "(default: enough for every row at the longest request)")
@@ -152,64 +229,111 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=assets.DEMO_PROPOSER,
                     help="proposer checkpoint dir (default: the shipped demo proposer)")
-    ap.add_argument("--verifier", default=None,
-                    help="verifier checkpoint dir for --mode verify (default: the shipped demo verifier)")
-    ap.add_argument("--mode", default="lossless", choices=MODES,
-                    help="lossless (default: output identical to greedy AR, faster where a step is bound "
-                         "by weight reads), ar, threshold or verify")
+    ap.add_argument(
+        "--verifier",
+        default=None,
+        help="verifier checkpoint dir for --mode verify (default: the shipped demo verifier)",
+    )
+    ap.add_argument(
+        "--mode",
+        default="lossless",
+        choices=MODES,
+        help="lossless (default: output identical to greedy AR, faster where a step is bound "
+        "by weight reads), ar, threshold or verify",
+    )
     src = ap.add_mutually_exclusive_group()  # one of them, unless --dry-run
-    src.add_argument("--input", help="JSONL of {id, prompt} or {id, prompt_ids} ('-': standard input)")
-    src.add_argument("--prompt", help="one text prompt: its completion is printed as it is committed")
-    ap.add_argument("--output", default=None,
-                    help="JSONL that gets each request's record as it finishes (output_ids, stats and, "
-                         "with a tokenizer, text); rerunning the same command skips the ids already "
-                         "there (its settings are kept in OUT.settings.json: a rerun with other "
-                         "settings or changed requests is refused). /dev/stdout, a FIFO or a device "
-                         "is written into")
+    src.add_argument(
+        "--input", help="JSONL of {id, prompt} or {id, prompt_ids} ('-': standard input)"
+    )
+    src.add_argument(
+        "--prompt", help="one text prompt: its completion is printed as it is committed"
+    )
+    ap.add_argument(
+        "--output",
+        default=None,
+        help="JSONL that gets each request's record as it finishes (output_ids, stats and, "
+        "with a tokenizer, text); rerunning the same command skips the ids already there (its "
+        "settings are kept in OUT.settings.json: a rerun with other settings or changed requests "
+        "is refused). /dev/stdout, a FIFO or a device is written into",
+    )
     ap.add_argument("--overwrite", action="store_true",
                     help="start --output over instead of resuming it")
-    ap.add_argument("--sort", action="store_true", help="rewrite --output in input order at the end")
-    ap.add_argument("--show-blocks", action="store_true",
-                    help="--prompt: mark each committed block (colours on a terminal, [...] otherwise)")
+    ap.add_argument(
+        "--sort", action="store_true", help="rewrite --output in input order at the end"
+    )
+    ap.add_argument(
+        "--show-blocks",
+        action="store_true",
+        help="--prompt: mark each committed block (colours on a terminal, [...] otherwise)",
+    )
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar or status lines on stderr")
     ap.add_argument("--chunk-steps", type=int, default=16,
                     help="decode steps per device call between which the host writes results and "
                          "admits requests (default 16)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)"
+    )
     add_sampling_arguments(ap)
     ap.add_argument("--batch-size", type=int, default=1,
                     help="rows decoded together; the requests queue for them and a finished row "
                          "takes the next request at once (continuous batching; default 1)")
-    ap.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
-    ap.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
-                    help="with --chat: the chat template's thinking switch (Qwen3's enable_thinking; "
-                         "--no-enable-thinking answers without a thinking section; default: the "
-                         "template's own)")
-    ap.add_argument("--truncate", choices=("left", "right"), default=None,
-                    help="cut a prompt too long for the buffer with --max-new-tokens: left drops its "
-                         "start (keeps the end, what the model continues), right drops its end "
-                         "(default: such a request fails with an error)")
-    ap.add_argument("--strict", action="store_true",
-                    help="stop the job at the first bad request (default: a request whose prompt is "
-                         "missing, malformed, empty, out of vocabulary, too long, or too big for "
-                         "--kv-pages gets an 'error' field in its output record, the rest run, and "
-                         "the exit status is 3)")
+    ap.add_argument(
+        "--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template"
+    )
+    ap.add_argument(
+        "--enable-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --chat: the chat template's thinking switch (Qwen3's enable_thinking; "
+        "--no-enable-thinking answers without a thinking section; default: the template's own)",
+    )
+    ap.add_argument(
+        "--truncate",
+        choices=("left", "right"),
+        default=None,
+        help="cut a prompt too long for the buffer with --max-new-tokens: left drops its "
+        "start (keeps the end, what the model continues), right drops its end "
+        "(default: such a request fails with an error)",
+    )
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop the job at the first bad request (default: a request whose prompt is "
+        "missing, malformed, empty, out of vocabulary, too long, or too big for --kv-pages gets an "
+        "'error' field in its output record, the rest run, and the exit status is 3)",
+    )
     add_decoding_arguments(ap)
     dry = ap.add_argument_group("dry run: compile for a TPU slice from this machine (needs libtpu)")
-    dry.add_argument("--dry-run", default=None, metavar="ACCELERATOR",
-                     help="compile the whole decode program for a Cloud TPU slice, e.g. v5p-8 or v6e-8, "
-                          "and report per-chip memory, compile time and collectives instead of decoding; "
-                          "--model/--verifier may then be preset names (e.g. qwen2.5-32b)")
-    dry.add_argument("--report", default=None, metavar="FILE",
-                     help="--dry-run: compile the programs generate streams instead (one decode step, the "
-                          "prefill, an admission) and write what each moves through HBM against what it must, "
-                          "its FLOPs and roofline time, as JSON; the same is printed as a table (docs/decoding.md)")
-    dry.add_argument("--context", type=int, default=2048,
-                     help="--dry-run: tokens per row, prompt and --max-new-tokens together (default 2048)")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="write a jax.profiler trace of a few chunks of decode steps after warm-up to DIR "
-                         "(xprof or TensorBoard's profile plugin; docs/decoding.md)")
+    dry.add_argument(
+        "--dry-run",
+        default=None,
+        metavar="ACCELERATOR",
+        help="compile the whole decode program for a Cloud TPU slice, e.g. v5p-8 or v6e-8, "
+        "and report per-chip memory, compile time and collectives instead of decoding; "
+        "--model/--verifier may then be preset names (e.g. qwen2.5-32b)",
+    )
+    dry.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="--dry-run: compile the programs generate streams instead (one decode step, the "
+        "prefill, an admission) and write what each moves through HBM against what it must, "
+        "its FLOPs and roofline time, as JSON; the same is printed as a table (docs/decoding.md)",
+    )
+    dry.add_argument(
+        "--context",
+        type=int,
+        default=2048,
+        help="--dry-run: tokens per row, prompt and --max-new-tokens together (default 2048)",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a jax.profiler trace of a few chunks of decode steps after warm-up to DIR "
+        "(xprof or TensorBoard's profile plugin; docs/decoding.md)",
+    )
     distributed.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.report is not None and args.dry_run is None:
@@ -235,10 +359,20 @@ def _thinking_flag(args) -> str:
 
 # Options that only some modes read (and, for verify's, only some commit rules): given to any
 # other, they would be silently ignored, so the run would not be the one asked for.
-MODE_OPTIONS = {"block_size": ("threshold", "lossless", "verify"), "groups": ("lossless",),
-                "adaptive": ("lossless",), "calibrate": ("lossless",), "tau": ("threshold",),
-                "confidence": ("threshold", "verify"), "gate_tau": ("verify",), "verifier": ("verify",), "commit_rule": ("verify",),
-                "tau_v": ("verify",), "head_threshold": ("verify",), "relaxed_p": ("lossless",)}
+MODE_OPTIONS = {
+    "block_size": ("threshold", "lossless", "verify"),
+    "groups": ("lossless",),
+    "adaptive": ("lossless",),
+    "calibrate": ("lossless",),
+    "tau": ("threshold",),
+    "confidence": ("threshold", "verify"),
+    "gate_tau": ("verify",),
+    "verifier": ("verify",),
+    "commit_rule": ("verify",),
+    "tau_v": ("verify",),
+    "head_threshold": ("verify",),
+    "relaxed_p": ("lossless",),
+}
 RULE_OPTIONS = {"tau_v": "prob", "head_threshold": "head"}
 
 
@@ -273,13 +407,23 @@ def decode_options(args) -> DecodeOptions:
     if args.batch_size < 1:
         raise DecodeError(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
-        return DecodeOptions(mode=args.mode, block_size=block if args.mode != "ar" else 1,
-                             max_groups=args.groups, adaptive=args.adaptive or args.calibrate, tau=args.tau,
-                             head_threshold=args.head_threshold, gate_tau=args.gate_tau,
-                             prefill_chunk=args.prefill_chunk,
-                             logprobs=args.logprobs, relaxed_p=args.relaxed_p, scan_layers=args.scan_layers,
-                             page_size=args.page_size, kv_pages=args.kv_pages,
-                             kernels=_kernels(args), **given).validate()
+        return DecodeOptions(
+            mode=args.mode,
+            block_size=block if args.mode != "ar" else 1,
+            max_groups=args.groups,
+            adaptive=args.adaptive or args.calibrate,
+            tau=args.tau,
+            head_threshold=args.head_threshold,
+            gate_tau=args.gate_tau,
+            prefill_chunk=args.prefill_chunk,
+            logprobs=args.logprobs,
+            relaxed_p=args.relaxed_p,
+            scan_layers=args.scan_layers,
+            page_size=args.page_size,
+            kv_pages=args.kv_pages,
+            kernels=_kernels(args),
+            **given,
+        ).validate()
     except DecodeError as e:  # the library's words for a setting -> the flag that set it
         message = str(e)
         for words, flag in OPTION_FLAGS.items():
@@ -295,18 +439,34 @@ def _kernels(args) -> KernelOptions:
     return kernels if getattr(args, "dry_run", None) is not None else kernels.resolve_attention()
 
 
-OPTION_FLAGS = {"block size": "--block-size", "max groups": "--groups", "prefill chunk": "--prefill-chunk",
-                "tau": "--tau", "tau_v": "--tau-v", "head threshold": "--head-threshold", "logprobs": "--logprobs",
-                "relaxed_p": "--relaxed-p", "page size": "--page-size", "gate_tau": "--gate-tau", "kv_pages": "--kv-pages"}
+OPTION_FLAGS = {
+    "block size": "--block-size",
+    "max groups": "--groups",
+    "prefill chunk": "--prefill-chunk",
+    "tau": "--tau",
+    "tau_v": "--tau-v",
+    "head threshold": "--head-threshold",
+    "logprobs": "--logprobs",
+    "relaxed_p": "--relaxed-p",
+    "page size": "--page-size",
+    "gate_tau": "--gate-tau",
+    "kv_pages": "--kv-pages",
+}
 
 
 def default_params(args) -> SamplingParams:
     """The command line's SamplingParams, which request fields override; an error names the
     flag (`--top-p`, not `top_p`)."""
     try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()),
-                              stop_token_ids=tuple(args.stop_token_ids or ())).validate()
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=tuple(args.stop or ()),
+            stop_token_ids=tuple(args.stop_token_ids or ()),
+        ).validate()
     except DecodeError as e:
         field = str(e).split(" ", 1)[0]
         flag = {"stop_token_ids": "--stop-token-id"}.get(field, "--" + field.replace("_", "-"))
@@ -314,10 +474,33 @@ def default_params(args) -> SamplingParams:
 
 
 # What shapes an output file's records: a resumed --output must have been written with the same.
-SETTING_FLAGS = ("mode", "block_size", "groups", "adaptive", "calibrate", "tau", "confidence", "commit_rule",
-                 "tau_v", "relaxed_p", "head_threshold", "gate_tau", "dtype", "max_new_tokens", "temperature",
-                 "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "chat", "truncate",
-                 "enable_thinking")
+SETTING_FLAGS = (
+    "mode",
+    "block_size",
+    "groups",
+    "adaptive",
+    "calibrate",
+    "tau",
+    "confidence",
+    "commit_rule",
+    "tau_v",
+    "relaxed_p",
+    "head_threshold",
+    "gate_tau",
+    "dtype",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "chat",
+    "truncate",
+    "enable_thinking",
+)
 
 
 def job_settings(args) -> dict:
@@ -370,8 +553,11 @@ def _generate(args) -> int:
                               "would choose its own layout and their programs would differ; "
                               "give --block-size/--groups (or --adaptive) instead")
         main_process = distributed.is_main_process()
-        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if main_process and args.progress else \
-            (lambda msg: None)
+        say = (
+            (lambda msg: print(msg, file=sys.stderr, flush=True))
+            if main_process and args.progress
+            else (lambda msg: None)
+        )
         if args.mode == "lossless" and args.dtype != "float32" and main_process:
             print(f"note: lossless equals greedy AR token for token in float32; in {args.dtype} a "
                   f"wide step rounds differently from a one-token step, so a near-tie can flip "
@@ -381,14 +567,23 @@ def _generate(args) -> int:
             check_output_path(args.output, args.input, probe=main_process)
         for flag, path in (("--model", args.model), ("--verifier", args.verifier)):
             if path is not None and not storage.isdir(path):
-                raise DecodeError(f"{flag} {path} is a file; give a checkpoint directory" if storage.exists(path)
-                                  else f"{flag[2:]} checkpoint not found: {path}")
-        records = ([{"id": 0, "prompt": args.prompt}] if args.prompt is not None
-                   else read_requests(args.input, strict=args.strict, defaults=defaults, base_seed=args.seed))
+                raise DecodeError(
+                    f"{flag} {path} is a file; give a checkpoint directory"
+                    if storage.exists(path)
+                    else f"{flag[2:]} checkpoint not found: {path}"
+                )
+        records = (
+            [{"id": 0, "prompt": args.prompt}]
+            if args.prompt is not None
+            else read_requests(
+                args.input, strict=args.strict, defaults=defaults, base_seed=args.seed
+            )
+        )
         params, logprobs = request_controls(records, defaults, args.logprobs, args.seed)
         asked = max((n for n in logprobs if n is not None), default=None)
         if asked is not None and (options.logprobs is None or options.logprobs < asked):
-            options = dataclasses.replace(options, logprobs=asked)  # requests asking more than --logprobs
+            # requests asking more than --logprobs
+            options = dataclasses.replace(options, logprobs=asked)
         hashes = {rec["id"]: request_hash(rec) for rec in records}
         out = ResultsFile(args.output) if args.output is not None else None
         finished = {}
@@ -397,9 +592,12 @@ def _generate(args) -> int:
             finished = out.start(job_settings(args), hashes, overwrite=args.overwrite)
         if finished and main_process:  # said even with --no-progress: it changes what runs
             unknown = len(set(finished) - {r["id"] for r in records})
-            print(f"resuming: {len(finished) - unknown} of {len(records)} requests are already in "
-                  f"{args.output}; decoding the rest, failed ones again (--overwrite starts over)"
-                  + (f"; it also holds {unknown} id(s) not in {args.input}" if unknown else ""), file=sys.stderr)
+            print(
+                f"resuming: {len(finished) - unknown} of {len(records)} requests are already in "
+                f"{args.output}; decoding the rest, failed ones again (--overwrite starts over)"
+                + (f"; it also holds {unknown} id(s) not in {args.input}" if unknown else ""),
+                file=sys.stderr,
+            )
         if args.chat and main_process and not any("prompt" in r for r in records):
             print("note: --chat wraps text prompts only; every record here gives prompt_ids, "
                   "so it changes nothing", file=sys.stderr)
@@ -418,15 +616,20 @@ def _generate(args) -> int:
         say(f"loading {args.model} ...")
         # the default mesh is sized for these rows' KV cache too, not the weights alone
         budgets = [args.max_new_tokens if p is None else p.max_new_tokens for p in params]
-        kv_shape = (min(args.batch_size, max(len(prompts), 1)),
-                    max((len(p) for p in prompts if p is not None), default=0) + max(budgets, default=0))
+        kv_shape = (
+            min(args.batch_size, max(len(prompts), 1)),
+            max((len(p) for p in prompts if p is not None), default=0) + max(budgets, default=0),
+        )
         decoder, _ = build_decoder(args.model, options, verifier_path=verifier, dtype=args.dtype,
                                    mesh_shape=args.mesh, tokenizer=tokenizer, kv_shape=kv_shape)
         # after the model load: its collective read is where a host that cannot start is noticed
         finished = _agreed_finished(finished, records)
         cut = [0] * len(prompts)  # prompt tokens --truncate dropped, per request
         if args.truncate is not None:
-            kept = [truncated(p, decoder.max_buffer - budget, args.truncate) for p, budget in zip(prompts, budgets)]
+            kept = [
+                truncated(p, decoder.max_buffer - budget, args.truncate)
+                for p, budget in zip(prompts, budgets)
+            ]
             cut = [0 if p is None else len(p) - len(k) for p, k in zip(prompts, kept)]
             prompts = kept
         if not args.strict:  # what only the loaded decoder can judge: vocabulary, buffer length
@@ -439,30 +642,62 @@ def _generate(args) -> int:
             for rec in failed:
                 if rec["id"] not in finished:
                     out.write(error_record(rec))
-        live = [i for i, rec in enumerate(records) if ERROR_KEY not in rec and rec["id"] not in finished]
+        live = [
+            i for i, rec in enumerate(records) if ERROR_KEY not in rec and rec["id"] not in finished
+        ]
         summary = {"mode": args.mode, "requests": 0}
         if live:
             live_prompts = [prompts[i] for i in live]
             if args.calibrate:
-                decoder.check_prompts(live_prompts, [budgets[i] for i in live], names=[records[i]["id"] for i in live])
-                calibrate_decoder(decoder, live_prompts, args.batch_size, args.max_new_tokens,
-                                  log=say, num_requests=min(len(live), QUEUE_BATCHES * args.batch_size))
-            decoder.check_prompts(live_prompts, [budgets[i] for i in live], names=[records[i]["id"] for i in live])
+                decoder.check_prompts(
+                    live_prompts, [budgets[i] for i in live], names=[records[i]["id"] for i in live]
+                )
+                calibrate_decoder(
+                    decoder,
+                    live_prompts,
+                    args.batch_size,
+                    args.max_new_tokens,
+                    log=say,
+                    num_requests=min(len(live), QUEUE_BATCHES * args.batch_size),
+                )
+            decoder.check_prompts(
+                live_prompts, [budgets[i] for i in live], names=[records[i]["id"] for i in live]
+            )
             if args.prompt is not None and args.show_blocks:
-                decoder = decoder.with_options(dataclasses.replace(decoder.options, record_steps=True))
-            job = RequestStream(decoder, live_prompts, args.max_new_tokens, args.batch_size,
-                                params=[params[i] for i in live], tokenizer=tokenizer,
-                                chunk_steps=1 if args.prompt is not None else args.chunk_steps, log=say)
+                decoder = decoder.with_options(
+                    dataclasses.replace(decoder.options, record_steps=True)
+                )
+            job = RequestStream(
+                decoder,
+                live_prompts,
+                args.max_new_tokens,
+                args.batch_size,
+                params=[params[i] for i in live],
+                tokenizer=tokenizer,
+                chunk_steps=1 if args.prompt is not None else args.chunk_steps,
+                log=say,
+            )
             job.stream.profile = StepProfile(args.profile, "decode_chunk")
             if args.prompt is not None:
-                summary = _stream_to_terminal(job, tokenizer, args.show_blocks and sys.stdout.isatty(),
-                                              args.show_blocks)
+                summary = _stream_to_terminal(
+                    job, tokenizer, args.show_blocks and sys.stdout.isatty(), args.show_blocks
+                )
             else:
-                extras = [_record_extras(hashes[records[i]["id"]], cut[i], logprobs[i]) for i in live]
-                summary = _run_job(job, [records[i] for i in live], extras, out if main_process else None,
-                                   tokenizer, progress=main_process and args.progress, total=len(records),
-                                   already=len(finished))
-            job.stream.profile.close()  # a run shorter than the warm-up and traced chunks ends the trace here
+                extras = [
+                    _record_extras(hashes[records[i]["id"]], cut[i], logprobs[i]) for i in live
+                ]
+                summary = _run_job(
+                    job,
+                    [records[i] for i in live],
+                    extras,
+                    out if main_process else None,
+                    tokenizer,
+                    progress=main_process and args.progress,
+                    total=len(records),
+                    already=len(finished),
+                )
+            # a run shorter than the warm-up and traced chunks ends the trace here
+            job.stream.profile.close()
         if out is not None and main_process:
             out.close()
             if args.sort:
@@ -471,27 +706,39 @@ def _generate(args) -> int:
         summary.update(requests=len(records), failed=len(failed_ids))
     except KeyboardInterrupt:
         if args.output is not None:
-            print(f"interrupted: the finished requests are in {args.output}; rerun the same command "
-                  f"to continue", file=sys.stderr)
+            print(
+                f"interrupted: the finished requests are in {args.output}; rerun the same command "
+                f"to continue",
+                file=sys.stderr,
+            )
         raise
     except (ProveJaxError, ValueError, OSError) as e:  # ValueError: a library's bad-input error
         return fail(e)
     if main_process:
         if args.prompt is not None and summary.get("proposer_forwards"):
-            print(f"({summary['generated_tokens']} tokens in {summary['proposer_forwards']} forwards: "
-                  f"{summary['tokens_per_forward']:.2f} tokens/forward, {summary['tokens_per_second']:.0f} "
-                  f"tok/s, {summary['setting']})", file=sys.stderr)
+            print(
+                f"({summary['generated_tokens']} tokens in {summary['proposer_forwards']} "
+                f"forwards: {summary['tokens_per_forward']:.2f} tokens/forward, "
+                f"{summary['tokens_per_second']:.0f} tok/s, {summary['setting']})",
+                file=sys.stderr,
+            )
         else:
             print(json.dumps(summary), file=sys.stderr)
         if args.adaptive and not args.calibrate and summary.get("setting") == "ar":
-            print(f"note: --adaptive chose plain AR for batch size {args.batch_size} on this "
-                  f"{jax.default_backend().upper()}: its table expects no lossless layout to beat AR "
-                  f"here (--calibrate measures instead)", file=sys.stderr)
+            print(
+                f"note: --adaptive chose plain AR for batch size {args.batch_size} on this "
+                f"{jax.default_backend().upper()}: its table expects no lossless layout to beat AR "
+                f"here (--calibrate measures instead)",
+                file=sys.stderr,
+            )
         if failed_ids and args.prompt is not None:
             print(f"error: {failed[0][ERROR_KEY]}", file=sys.stderr)
         elif failed_ids:
-            print(f"error: {len(failed_ids)} of {len(records)} requests failed; their records in "
-                  f"{args.output} carry '{ERROR_KEY}' (--strict stops at the first)", file=sys.stderr)
+            print(
+                f"error: {len(failed_ids)} of {len(records)} requests failed; their records in "
+                f"{args.output} carry '{ERROR_KEY}' (--strict stops at the first)",
+                file=sys.stderr,
+            )
         elif args.output is not None:
             print(f"wrote {len(records)} records to {args.output}", file=sys.stderr)
     return SOME_REQUESTS_FAILED if failed_ids else 0
@@ -516,8 +763,16 @@ def _record_extras(digest: str, truncated_tokens: int, logprobs: int | None) -> 
     return extra
 
 
-def _run_job(job: RequestStream, records, extras, out: ResultsFile | None, tokenizer, progress: bool,
-             total: int, already: int) -> dict:
+def _run_job(
+    job: RequestStream,
+    records,
+    extras,
+    out: ResultsFile | None,
+    tokenizer,
+    progress: bool,
+    total: int,
+    already: int,
+) -> dict:
     """Decode a file's requests, writing each record as it finishes; a progress bar on stderr."""
     bar = Progress(total=total, initial=already, enabled=progress)
     results = []
@@ -527,7 +782,9 @@ def _run_job(job: RequestStream, records, extras, out: ResultsFile | None, token
             continue
         results.append(result)
         if out is not None:
-            out.write(output_record(records[event.index]["id"], result, tokenizer, **extras[event.index]))
+            out.write(
+                output_record(records[event.index]["id"], result, tokenizer, **extras[event.index])
+            )
         bar.finished(result.stats["proposer_forwards"])
     bar.close()
     return job.summary(results)
@@ -542,13 +799,19 @@ def _stream_to_terminal(job: RequestStream, tokenizer, colour: bool, marks: bool
             block = event.new_ids[:n]
             event.new_ids = event.new_ids[n:]
             ids += block
-            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
+            text = (
+                tokenizer.decode(ids, skip_special_tokens=True)
+                if tokenizer is not None
+                else " ".join(map(str, ids))
+            )
             stops = job.stops.get(0)
             if stops is not None and stops.stopped:
                 text = stops.text
             piece, shown = text[len(shown):], text
             if marks and piece:
-                piece = (f"{BLOCK_COLOURS[block_index % 2]}{piece}{RESET}" if colour else f"[{piece}]")
+                piece = (
+                    f"{BLOCK_COLOURS[block_index % 2]}{piece}{RESET}" if colour else f"[{piece}]"
+                )
                 block_index += 1
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -570,8 +833,14 @@ class Progress:
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=initial, desc="generate", unit="req", file=sys.stderr,
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc="generate",
+                unit="req",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
     def tokens(self, n: int) -> None:
         self.generated += n
@@ -584,7 +853,9 @@ class Progress:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         per_forward = self.generated / self.forwards if self.forwards else 0.0
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.generated / elapsed:.0f} tok/s, {per_forward:.2f} tok/fwd", refresh=False)
+            self.bar.set_postfix_str(
+                f"{self.generated / elapsed:.0f} tok/s, {per_forward:.2f} tok/fwd", refresh=False
+            )
             self.bar.update(1)
         elif time.perf_counter() - self.last_line >= self.PLAIN_EVERY or self.done == self.total:
             self.last_line = time.perf_counter()

@@ -17,10 +17,16 @@ from prove_jax.cli.runner import run_cli
 COMMANDS = {
     "generate": ("generate", "decode a JSONL of prompts (ar, threshold, lossless, verify)"),
     "serve": ("serve", "an OpenAI-compatible HTTP server on the compiled loop (docs/serving.md)"),
-    "train": ("train", "train a proposer (MARS), a verifier (AR) or a commit head from a YAML config"),
+    "train": (
+        "train",
+        "train a proposer (MARS), a verifier (AR) or a commit head from a YAML config",
+    ),
     "convert": ("convert", "convert checkpoints between HF safetensors and our orbax format"),
     "benchmark": ("benchmark", "measure every decoding mode against AR and the transformers peers"),
-    "demo": ("demo", "complete HumanEval prompts with greedy AR and lossless (--lossy: the lossy modes too)"),
+    "demo": (
+        "demo",
+        "complete HumanEval prompts with greedy AR and lossless (--lossy: the lossy modes too)",
+    ),
     "corpus": ("corpus", "write the CPython standard library as a train / held-out corpus"),
     "distill": ("distill", "write self-distillation data: a proposer's own greedy continuations"),
     "evaluate": ("evaluate", "held-out NLL, perplexity and top-1 accuracy of checkpoints"),

@@ -22,10 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prove-jax task", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=TASKS, help="the task to write")
-    parser.add_argument("--out", required=True, help="output directory (created; its three files replaced)")
-    parser.add_argument("--train", type=int, default=20000, help="training problems (default 20000)")
+    parser.add_argument(
+        "--out", required=True, help="output directory (created; its three files replaced)"
+    )
+    parser.add_argument(
+        "--train", type=int, default=20000, help="training problems (default 20000)"
+    )
     parser.add_argument("--test", type=int, default=300, help="test problems (default 300)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the problem stream (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the problem stream (default 0)"
+    )
     parser.add_argument("--test-percent", type=int, default=arithmetic.DEFAULT_TEST_PERCENT,
                         help="share of problems (by prompt hash) in the test split "
                              f"(default {arithmetic.DEFAULT_TEST_PERCENT})")

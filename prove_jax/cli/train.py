@@ -24,22 +24,33 @@ from prove_jax.training.preemption import PREEMPTED, Preempted
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prove-jax train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="YAML training config (see configs/)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, dotted keys for nested sections (e.g. optimizer.lr=1e-4)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, dotted keys for nested sections (e.g. optimizer.lr=1e-4)",
+    )
     p.add_argument("--dry-run", action="store_true",
                    help="lower the train step on an abstract mesh of the configured size (TPU "
                         "lowering, no weights allocated) and print per-device memory vs the chip")
-    p.add_argument("--no-compile", action="store_true",
-                   help="--dry-run: the estimate only, even where libtpu could compile the step for "
-                        "the chip's TPU slice (minutes for a 32B model)")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="--dry-run: the estimate only, even where libtpu could compile the step for "
+        "the chip's TPU slice (minutes for a 32B model)",
+    )
     p.add_argument("--chip", default=None,
                    help="target chip for --dry-run (v5p, v5e, v4, v6e, H100, H200); "
                         "default: the config's target_chip")
     distributed.add_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="write a jax.profiler trace of a few train steps after warm-up to DIR (xprof "
-                        "or TensorBoard's profile plugin; each traced step is named train_step)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a jax.profiler trace of a few train steps after warm-up to DIR (xprof "
+        "or TensorBoard's profile plugin; each traced step is named train_step)",
+    )
     return p
 
 
