@@ -433,10 +433,11 @@ def decode_options(args) -> DecodeOptions:
 
 
 def _kernels(args) -> KernelOptions:
-    """--attention as KernelOptions, "auto" resolved here on the host for the backend this
-    process runs on; a --dry-run's, for TPU, when the dry run resolves its options."""
-    kernels = KernelOptions(attention=args.attention)
-    return kernels if getattr(args, "dry_run", None) is not None else kernels.resolve_attention()
+    """--attention as KernelOptions; "auto" is resolved on the host for the backend the program
+    runs on when the Decoder is built (a --dry-run's, for TPU, when the dry run resolves its
+    options), not here: a multi-host job has not joined yet, and asking for the backend would
+    start it."""
+    return KernelOptions(attention=args.attention)
 
 
 OPTION_FLAGS = {

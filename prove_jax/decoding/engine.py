@@ -109,6 +109,14 @@ class _Call:
     seeds: list[int]
 
 
+def _attention_resolved(options: DecodeOptions) -> DecodeOptions:
+    """`options` with attention "auto" resolved to this process's fast path, here where the
+    decoder is built: after a multi-host job has joined (asking for the backend first would
+    start it, and `jax.distributed.initialize` must come before that)."""
+    kernels = options.kernels.resolve_attention()
+    return options if kernels is options.kernels else dataclasses.replace(options, kernels=kernels)
+
+
 def _split(model, scan_layers: bool):
     """(graph definition, state) of `model` with its layers stacked (`scan_layers`) or per layer."""
     if model.layers_stacked != scan_layers:
@@ -136,7 +144,7 @@ class Decoder:
     def __init__(self, model, eos_ids: Sequence[int], options: DecodeOptions = DecodeOptions(),
                  verifier=None, commit_head=None, mesh=None, pad_id: int = 0,
                  max_buffer: int | None = None, adaptive_table=None):
-        self.options = options.validate()
+        self.options = _attention_resolved(options.validate())
         # per-batch lossless layouts for options.adaptive (None: the platform's ADAPTIVE_TABLES)
         self.adaptive_table = (
             None if adaptive_table is None else check_adaptive_table(adaptive_table)
@@ -192,7 +200,7 @@ class Decoder:
 
     def with_options(self, options: DecodeOptions) -> "Decoder":
         """The same models and settings decoding with other options (its own compile cache)."""
-        options = options.validate()
+        options = _attention_resolved(options.validate())
         _check_pairing(options, self.cfg, self.verifier_cfg, self.head_hidden_size)
         check_step_width(options, self.max_buffer)
         other = copy.copy(self)

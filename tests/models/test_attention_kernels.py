@@ -188,8 +188,10 @@ def test_attention_auto_is_the_platforms_fast_path_resolved_on_the_host():
     assert Kernels(attention="auto").resolve_attention("gpu").attention == "xla"
     assert Kernels(attention="auto").resolve("tpu").attention == "pallas_tpu"
     assert Kernels(attention="xla").resolve("tpu").attention == "xla"
+    # generate's options keep "auto" until the Decoder is built (after a multi-host job joins)
     here = generate.decode_options(generate.parse_args(["--model", "m", "--prompt", "p"]))
-    assert here.kernels.attention == ("pallas_tpu" if jax.default_backend() == "tpu" else "xla")
+    built = Decoder(create_model(CFG, seed=3), [1], here).options.kernels.attention
+    assert built == ("pallas_tpu" if jax.default_backend() == "tpu" else "xla")
     dry = generate.decode_options(generate.parse_args(["--dry-run", "v5p-8", "--model", "m", "--page-size", "64"]))
     assert slice_options(dry).kernels.attention == "pallas_tpu"
     q, own, cache = _inputs()
