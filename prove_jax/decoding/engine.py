@@ -188,6 +188,18 @@ class Decoder:
         "run" (`generate`), or `stream`'s "start", "chunk" and "admit"."""
         return [(key, entry[0]) for key, entry in self._programs.items() if key[0] == name]
 
+    def check_fits(self, compiled, rows: int, slots: int) -> None:
+        """Refuse a decode program of `rows` rows x `slots` cache slots that cannot fit this
+        decoder's devices beside the weights (a DecodeError saying what to lower)."""
+        memory.check_fits(
+            compiled,
+            memory.local_devices(self.mesh),
+            f"decoding {rows} rows x {slots} cache slots (KV caches and loop state, "
+            f"beyond the weights)",
+            error=DecodeError,
+            advice="lower --batch-size or --max-new-tokens, or shard the batch over more devices",
+        )
+
     def compile_once(self, key: tuple, build) -> tuple[object, float]:
         """(the program `key` names, seconds spent compiling it now: 0 when it was cached);
         `build()` lowers and compiles it the first time."""
@@ -370,15 +382,7 @@ class Decoder:
             args[3] = jax.device_put(args[3], self.batch_sharding())
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             compiled, compile_seconds = self._compiled_for(settings, args)
-            memory.check_fits(
-                compiled,
-                memory.local_devices(self.mesh),
-                f"decoding {rows} rows x {num_slots} cache slots (KV caches and loop state, "
-                f"beyond the weights)",
-                error=DecodeError,
-                advice="lower --batch-size or --max-new-tokens, or shard the batch "
-                "over more devices",
-            )
+            self.check_fits(compiled, rows, num_slots)
             start = time.perf_counter()
             out, loop_steps = jax.block_until_ready(compiled(*args))
             seconds = time.perf_counter() - start

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from prove_jax import memory
 from prove_jax.decoding import program
 from prove_jax.decoding.adaptive import adapt_for_batch
 from prove_jax.decoding.options import DecodeError, DecodeOptions
@@ -159,15 +158,7 @@ class DecodeStream:
             kw = {} if self._state_sharding is None else {"out_shardings": self._state_sharding}
             compiled = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
             if name == "chunk":
-                memory.check_fits(
-                    compiled,
-                    memory.local_devices(dec.mesh),
-                    f"decoding {self.settings.num_rows} rows x {self.settings.num_slots} cache "
-                    f"slots (KV caches and loop state, beyond the weights)",
-                    error=DecodeError,
-                    advice="lower --batch-size or --max-new-tokens, or shard the batch over "
-                    "more devices",
-                )
+                dec.check_fits(compiled, self.settings.num_rows, self.settings.num_slots)
             return compiled
         compiled, seconds = dec.compile_once(key, build)
         self.compile_seconds += seconds
@@ -207,7 +198,7 @@ class DecodeStream:
         num = len(self.seeds)
         dummy = num  # the appended request with no budget: a row with it starts done
         start_fn, admit_fn, chunk_fn = self._programs()
-        params, vparams, hparams = dec.state, dec.verifier_state, dec.head_state
+        params, vparams = dec.state, dec.verifier_state
         waiting = list(range(num))[::-1]  # popped from the end: in order
         serving = [-1] * rows
         for r, i in self._placements(list(range(rows)), waiting, serving):  # all that fit
