@@ -6,7 +6,9 @@ import os
 
 import yaml
 
+from prove_jax.data import pipeline as data_lib
 from prove_jax.training.config import load_config
+from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
 
 TINY_MODEL = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -44,3 +46,11 @@ def write_config(tmp_path, run_name: str = "run", **fields) -> str:
 
 def tiny_config(tmp_path, run_name: str = "run", overrides=(), **fields):
     return load_config(write_config(tmp_path, run_name, **fields), list(overrides))
+
+
+def first_batch(cfg):
+    """The first global batch a one-host run of `cfg` trains on (its tokenizer, data and seed)."""
+    tokenizer, _ = resolve_tokenizer(cfg)
+    return next(data_lib.make_dataset(
+        cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
+        global_batch_size=cfg.global_batch_size, seed=cfg.seed, process_index=0, process_count=1))

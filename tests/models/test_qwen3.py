@@ -45,10 +45,9 @@ from prove_jax.models.params import create_model, flat_params, param_logical_axe
 from prove_jax.training.commit_head_training import propose_and_label, train_commit_head
 from prove_jax.training.config import TrainConfigError, load_config
 from prove_jax.training.loop import train
-from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.hf_models import hf_greedy, our_logits, random_tokens, torch_logits, torch_loss
 from tests.tokenizers_fixture import make_tokenizer
-from tests.train_helpers import tiny_config
+from tests.train_helpers import first_batch, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -183,11 +182,7 @@ def test_mars_finetune_from_an_hf_qwen3_dir(tmp_path):
     cfg = tiny_config(tmp_path, "mars", objective="mars", steps=3, save_every=3,
                       model={"hf_dir": str(tmp_path / "hf")})
     result = train(cfg, show_bar=False)
-    tokenizer, _ = resolve_tokenizer(cfg)
-    first_batch = next(data_lib.make_dataset(
-        cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
-        global_batch_size=cfg.global_batch_size, seed=cfg.seed, process_index=0, process_count=1))
-    np.testing.assert_allclose(result.records[0]["loss_clean"], torch_loss(hf, first_batch), rtol=2e-5)
+    np.testing.assert_allclose(result.records[0]["loss_clean"], torch_loss(hf, first_batch(cfg)), rtol=2e-5)
     assert result.records[-1]["loss"] < result.records[0]["loss"]
     trained = load_model(result.model_dir).cfg
     assert trained.model_type == "qwen3" and trained.mask_token_id is not None

@@ -8,11 +8,9 @@ import numpy as np
 import torch
 
 from prove_jax.checkpoints import checkpoint
-from prove_jax.data import pipeline as data_lib
 from prove_jax.training.loop import train
-from prove_jax.training.run_tokenizer import resolve_tokenizer
 from tests.hf_models import make_hf_qwen2, torch_loss
-from tests.train_helpers import tiny_config
+from tests.train_helpers import first_batch, tiny_config
 
 
 
@@ -21,11 +19,7 @@ def test_ar_finetune_from_hf_dir_starts_at_transformers_loss(tmp_path):
     cfg = tiny_config(tmp_path, "ft", objective="ar", steps=2, save_every=2,
                       model={"hf_dir": str(tmp_path / "hf")})
     result = train(cfg, show_bar=False)
-    tokenizer, _ = resolve_tokenizer(cfg)
-    first_batch = next(data_lib.make_dataset(
-        cfg.data, tokenizer, max_length=cfg.max_length, block_size=cfg.block_size,
-        global_batch_size=cfg.global_batch_size, seed=cfg.seed, process_index=0, process_count=1))
-    np.testing.assert_allclose(result.records[0]["loss"], torch_loss(hf, first_batch), rtol=2e-5)
+    np.testing.assert_allclose(result.records[0]["loss"], torch_loss(hf, first_batch(cfg)), rtol=2e-5)
     assert result.records[-1]["loss"] < result.records[0]["loss"]
     assert checkpoint.load_model(result.model_dir).cfg.mask_token_id is None  # AR: vocab untouched
 
