@@ -29,7 +29,7 @@ from prove_jax.decoding.options import (
 from prove_jax.decoding.program import ProgramSettings, step_shape
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
-from prove_jax.models.paged import pages_needed
+from prove_jax.models.paged import pages_needed, pooled
 from prove_jax.models.qwen2 import stack_layers, unstack_layers
 from prove_jax.models.sharding import ROW_SPLIT_RULES, batch_shards, kv_per_device, kv_rules
 
@@ -239,7 +239,9 @@ class Decoder:
         With contiguous caches on a mesh whose tensor axis cannot split a model's kv heads, up
         to whole shards of data x tensor instead where that lowers the KV each device holds:
         that model's cache then splits over rows (`sharding.kv_rules`), so 12 rows of a 2-head
-        verifier on v6e-8 become 16 and each chip holds 2 rows' cache, not 12."""
+        verifier on v6e-8 become 16 and each chip holds 2 rows' cache, not 12. A paged pool keeps
+        the rows asked for (at whole shards of data x tensor such a verifier keeps a contiguous
+        cache split over rows beside it: `paged.pooled`)."""
         rows = _round_up(min(batch_size, num_requests), self.data_shards())
         if self.mesh is None or self.options.page_size is not None:
             return rows
@@ -259,8 +261,10 @@ class Decoder:
         if self.mesh is None:
             return 1
         shards = self.data_shards()
-        if self.options.page_size is None:
-            cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
+        cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
+        if self.options.page_size is not None:  # a verifier's contiguous cache (paged.pooled)
+            cfgs = tuple(c for c in cfgs[1:] if not pooled(c.num_kv_heads, rows, self.mesh))
+        if cfgs:
             shards = max(
                 [shards]
                 + [batch_shards(self.mesh, kv_rules(c.num_kv_heads, rows, self.mesh)) for c in cfgs]

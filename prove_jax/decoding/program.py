@@ -26,7 +26,7 @@ from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
 from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
 from prove_jax.models import paged
-from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed
+from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed, pooled
 from prove_jax.models.sharding import (
     DEFAULT_RULES,
     KV_CACHE_AXES,
@@ -160,7 +160,8 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
     pool (options.page_size) each row's pages are taken from `pool` (None: a new, empty one
     for the batch), from the pool of data shard `home` [R] (None: the batch's own rows); the
     caller makes sure they fit (`first_fitting`). The verifier's KV goes to `verifier_pool`
-    (None: a new one), on the same pages (`PagedKVCache.with_pages_of`)."""
+    (None: a new one), on the same pages (`PagedKVCache.with_pages_of`), or to a new
+    contiguous cache where the verifier's is one (`paged.pooled`)."""
     options = settings.options
     width, num_drafts = step_shape(options)
     prompts, prompt_len = requests.prompts, requests.prompt_len
@@ -186,7 +187,15 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
-        if page is not None:  # the proposer's pages, in the verifier's own pools
+        # a verifier whose cache splits over rows keeps a contiguous one (paged.pooled); the
+        # batch's start decides, an admission follows the batch's cache
+        if verifier_pool is None and page is not None:
+            contiguous = not pooled(verifier.cfg.num_kv_heads, rows)
+        else:
+            contiguous = not isinstance(verifier_pool, PagedKVCache)
+        if contiguous:
+            verifier_pool = None
+        else:  # the proposer's pages, in the verifier's own pools
             if verifier_pool is None:
                 verifier_pool = PagedKVCache.zeros(
                     verifier.cfg,
@@ -375,8 +384,10 @@ def put_admitted(state: LoopState, part: LoopState, rows: jax.Array) -> LoopStat
                               verifier_cache=caches(state.verifier_cache, part.verifier_cache))
     cache = part.cache.replace(table=put(state.cache.table, part.cache.table), home=None)
     verifier_cache = part.verifier_cache
-    if verifier_cache is not None:
+    if isinstance(verifier_cache, PagedKVCache):
         verifier_cache = verifier_cache.with_pages_of(cache)
+    else:  # contiguous beside the pool (paged.pooled), or None
+        verifier_cache = caches(state.verifier_cache, verifier_cache)
     return merged.replace(cache=cache, verifier_cache=verifier_cache)
 
 

@@ -115,8 +115,10 @@ def put_state(state: LoopState, part: LoopState, rows: jax.Array, put) -> LoopSt
                           part.replace(cache=None, verifier_cache=None))
     cache = state.cache.put_rows(part.cache, rows)
     verifier_cache = part.verifier_cache  # paged on the proposer's pages (start_rows), or None
-    if verifier_cache is not None:
+    if isinstance(verifier_cache, PagedKVCache):
         verifier_cache = verifier_cache.with_pages_of(cache)
+    elif verifier_cache is not None:  # contiguous beside the pool (paged.pooled)
+        verifier_cache = jax.tree.map(put, state.verifier_cache, verifier_cache)
     return merged.replace(cache=cache, verifier_cache=verifier_cache)
 
 
@@ -125,7 +127,7 @@ def release_done(state: LoopState) -> LoopState:
     the proposer's)."""
     cache = state.cache.release(state.done)
     verifier_cache = state.verifier_cache
-    if verifier_cache is not None:
+    if isinstance(verifier_cache, PagedKVCache):
         verifier_cache = verifier_cache.with_pages_of(cache)
     return state.replace(cache=cache, verifier_cache=verifier_cache)
 

@@ -15,7 +15,11 @@ none: a write there is dropped, a read there is masked (it lies past the row's c
 
 A verifier's cache holds the same tokens as the proposer's, so its pool (pools of its own layer
 and head shapes) shares the proposer pool's pages: the same table and free list
-(`PagedKVCache.with_pages_of`), allocated and released together.
+(`PagedKVCache.with_pages_of`), allocated and released together. Except where the tensor axis
+cannot split the verifier's kv heads but can split its rows (`sharding.kv_rules`: a 3B
+verifier's 2 heads over tensor=8): its pool would lie whole on every tensor device, and every
+step gathered it there (benchmarks/decode_step_cost.md); such a verifier keeps a contiguous
+cache split over rows beside the proposer's pool (`pooled`, docs/decoding.md says why).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.sharding import DEFAULT_RULES, constrain, rows_per_device
+from prove_jax.models.sharding import DEFAULT_RULES, constrain, kv_rules, rows_per_device
 
 # a pool: one per data shard, kv heads on tensor (as KV_CACHE_AXES); pages and slots whole
 POOL_AXES = ("batch", "kv_heads", None, None, "head_dim")
@@ -39,6 +43,13 @@ def pool_axes(stacked: bool) -> tuple:
 def data_shards(rows: int) -> int:
     """How many ways the ambient mesh splits a batch of `rows` rows (1 without one)."""
     return rows // rows_per_device(rows)
+
+
+def pooled(num_kv_heads: int, rows: int, mesh=None) -> bool:
+    """Whether a verifier with `num_kv_heads` kv heads decoding `rows` rows keeps its KV in a
+    paged pool on the proposer's pages (on `mesh`, default the ambient one): not where its cache
+    splits over rows (`sharding.kv_rules`); it then keeps a contiguous one, split so."""
+    return kv_rules(num_kv_heads, rows, mesh) is DEFAULT_RULES
 
 
 def pages_needed(prompt_len: jax.Array, max_new: jax.Array, page_size: int) -> jax.Array:

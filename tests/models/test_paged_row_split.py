@@ -1,0 +1,87 @@
+"""A paged pair whose verifier's kv heads the tensor axis cannot split (a 3B verifier's 2 over
+tensor=8 on v6e-8): the verifier keeps a contiguous cache split over rows beside the proposer's
+pool (`paged.pooled`), so no step gathers its KV. Its pool lay whole on every tensor device,
+and the paged v6e-8 verify step all-gathered it (benchmarks/decode_step_cost.md).
+
+On 8 simulated CPU devices as data=2 x tensor=4, with a 4-head proposer and a 2-head verifier:
+paged verify equals contiguous verify on one device token for token (streamed, with admissions
+between chunks, and the one-call program, which admits inside its loop), and the compiled
+decode step gathers neither cache.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.models import paged, sharding
+from prove_jax.models.attention import KVCache
+from prove_jax.models.config import ModelConfig
+from prove_jax.models.paged import PagedKVCache
+from prove_jax.models.params import create_model
+from tests.decoding.test_inference_mesh import GATHERS, admissions, collectives
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
+                  num_kv_heads=4, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
+VERIFIER = CFG.replace(num_heads=4, num_kv_heads=2, mask_token_id=None)
+PROMPTS = [np.random.RandomState(1).randint(2, 90, n).tolist() for n in (3, 9, 1, 14, 5, 7, 2, 11, 4, 6)]
+NEW = 10
+ROWS = 8  # data 2 x tensor 4: one row per device once the verifier's cache splits over rows
+
+
+def _on(mesh, model):
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = sharding.make_mesh((2, 1, 4))
+    model, verifier = create_model(CFG, seed=3), create_model(VERIFIER, seed=4)
+    options = DecodeOptions("verify", 4, kernels=KernelOptions(matmul_form="plain"), scan_layers=True)
+    want = Decoder(model, [1], options, verifier=verifier).generate(PROMPTS, NEW).output_ids
+    decoder = Decoder(_on(mesh, model), [1], dataclasses.replace(options, page_size=8, kv_pages=64),
+                      verifier=_on(mesh, verifier), mesh=mesh)
+    return mesh, decoder, want
+
+
+def test_the_pooled_rule_follows_the_row_split(setup):
+    mesh = setup[0]
+    assert paged.pooled(CFG.num_kv_heads, ROWS, mesh)  # tensor=4 splits 4 heads
+    assert not paged.pooled(VERIFIER.num_kv_heads, ROWS, mesh)  # 2 heads: over rows instead
+    assert paged.pooled(VERIFIER.num_kv_heads, 6, mesh)  # 6 rows do not split 8 ways: a pool
+
+
+def test_a_row_split_verifier_beside_the_pool_decodes_as_one_device_and_gathers_nothing(setup):
+    mesh, decoder, want = setup
+    got = {}
+    for event in decoder.stream(PROMPTS, NEW, batch_size=ROWS):  # 10 requests, 8 rows: admissions
+        if event.output is not None:
+            got[event.index] = event.output.output_ids
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    # the one-call program admits inside its loop (queue.put_state), one row at a time
+    assert decoder.generate(PROMPTS, NEW, batch_size=ROWS).output_ids == want
+
+    (compiled,) = [c for _, c in decoder.programs("chunk")]
+    state = compiled.output_shardings
+    assert isinstance(state.cache, PagedKVCache) and isinstance(state.verifier_cache, KVCache)
+    # the proposer's pool: each data shard's, its kv heads over tensor; the verifier's cache:
+    # rows over data x tensor
+    assert tuple(state.cache.k.spec)[:2] in ((("data",), "tensor"), ("data", "tensor")), state.cache.k.spec
+    assert all(s.spec == P(("data", "tensor")) for s in jax.tree.leaves(state.verifier_cache))
+    found = collectives(compiled.as_text())
+    assert not [c for c in found if c[0] in ("all-gather", "reduce-scatter")], found
+    # what crosses devices besides all-reduces: the verifier's queries and outputs moving to its
+    # rows (two all-to-alls of the scanned layer), each no bigger than the step's activations
+    moved = [c for c in found if c[0] == "all-to-all"]
+    assert len(moved) == 2, found
+    assert all(np.prod(shape) <= ROWS * 8 * VERIFIER.num_heads * CFG.head_dim for _, _, shape in moved), moved
+    # admission: each row prefilled in its own block of rows (8: the verifier's split)
+    assert decoder.admission_shards(ROWS) == 8
+    for settings, hlo in admissions(decoder):
+        gathered = [c for c in collectives(hlo) if c[0] in GATHERS and c[1] not in ("s32", "pred")]
+        assert all(np.prod(shape) < settings.num_slots * CFG.head_dim for _, _, shape in gathered), gathered
