@@ -1,7 +1,9 @@
-"""What one decode step of the paper's pair would cost on TPU slices, from the compiled program.
+"""What one decode step of a proposer (and its verifier) would cost on TPU slices, from the
+compiled program.
 
     nice .venv/bin/python benchmarks/bench_decode_step_cost.py [--accelerators v5p-8,v6e-8]
-        [--batch-sizes 1,16,64] [--context 8192] [--paged-batches 16] [--out benchmarks]
+        [--proposer qwen2.5-32b --verifier qwen2.5-3b] [--batch-sizes 1,16,64] [--context 8192]
+        [--paged-batches 16] [--out benchmarks [--append]]
 
 Each row is `prove-jax generate --dry-run SLICE --report FILE` (prove_jax/decoding/step_report.py)
 for one program `generate` streams: the chunk program compiled with libtpu for the slice, its
@@ -9,11 +11,18 @@ HLO walked with every loop at its trip count, one trip of its step loop priced: 
 decode step per chip, what must move (weights once, the live KV once, the new KV, the
 activations, the logits),
 their ratio, dot FLOPs and the roofline time (the larger of bytes over the chip's HBM bandwidth
-and FLOPs over its bf16 peak). Modes: ar, lossless (K=6 G=2) and verify (K=8, top-1, the 3B
-verifier), the settings whose tokens per forward HumanEval measured; rows filled to
-`--context` slots (a request's dearest step); contiguous KV at every batch size, the paged pool
-(`--page-size 64`) at `--paged-batches` for `--paged-modes`. The first slice's verify row at the first paged batch
-also prices the prefill and an admission. Needs libtpu.
+and FLOPs over its bf16 peak). Modes: ar, lossless (K=6 G=2) and verify (K=8, top-1, with
+`--verifier`), the settings whose tokens per forward HumanEval measured; rows filled to
+`--context` slots (a request's dearest step); contiguous KV at every `--batch-sizes` (none: no
+contiguous rows), the paged pool (`--page-size 64`) at `--paged-batches` for `--paged-modes`.
+The first slice's verify row at the first paged batch also prices the prefill and an admission
+(unless `--programs` says otherwise). Needs libtpu.
+
+Every row names its own proposer, verifier (verify rows) and context, so one file holds
+several pairs and contexts; `--append` adds the rows to those in `--out`, a cell priced again
+(slice, proposer, context, batch, mode, K and G, page size, attention: `cell_key`) replacing
+its row; `--merge A.json,B.json` does the same with rows priced elsewhere, compiling
+nothing. The markdown has a table per proposer and context.
 
 Writes decode_step_cost.json and decode_step_cost.md.
 """
@@ -21,6 +30,8 @@ Writes decode_step_cost.json and decode_step_cost.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -35,10 +46,12 @@ GIB = 1024 ** 3
 
 def parse_args(argv=None):
     from prove_jax.cli.bench_args import arg_type, positive_ints
-    ints = lambda flag: arg_type(lambda t: positive_ints(t, flag))  # noqa: E731
+    # "none": no rows of that kind (e.g. only paged rows)
+    ints = lambda flag: arg_type(lambda t: [] if t == "none" else positive_ints(t, flag))  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--accelerators", default="v5p-8,v6e-8", help="Cloud TPU types (default v5p-8,v6e-8)")
-    p.add_argument("--batch-sizes", type=ints("--batch-sizes"), default=[1, 16, 64], help="default 1,16,64")
+    p.add_argument("--batch-sizes", type=ints("--batch-sizes"), default=[1, 16, 64],
+                   help="batch sizes priced with the contiguous cache (default 1,16,64; none: no such rows)")
     p.add_argument("--paged-batches", type=ints("--paged-batches"), default=[16],
                    help="batch sizes also priced with the paged pool (default 16)")
     p.add_argument("--paged-modes", default="verify", help="modes priced paged too (default verify; none: no paged rows)")
@@ -54,14 +67,99 @@ def parse_args(argv=None):
     p.add_argument("--programs", default=None,
                    help="programs priced in every cell, e.g. step (default: step; the first slice's verify "
                         "row at the first paged batch also prefill,admit)")
-    p.add_argument("--append", action="store_true", help="add the rows to the results already in --out")
+    p.add_argument("--append", action="store_true",
+                   help="add the rows to the results already in --out (a cell priced again replaces its row)")
+    p.add_argument("--merge", default=None,
+                   help="comma-separated step-cost JSONs priced elsewhere: their rows join (or replace, cell by "
+                        "cell) those in --out, and nothing is compiled")
     p.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS}; the committed ones: benchmarks)")
     return p.parse_args(argv)
 
 
+# what makes two rows the same cell: a rerun of one replaces its row
+CELL_KEY = ("accelerator", "proposer", "context", "batch", "mode", "block_size", "groups", "page_size",
+            "attention")
+MODE_ORDER = {"ar": 0, "lossless": 1, "verify": 2}
+
+
+def cell_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in CELL_KEY)
+
+
+def load_rows(path: str) -> list[dict]:
+    """The rows of a step-cost JSON, each with its own proposer, verifier and context (a file
+    written before rows carried them has them at the top: they are copied into each row)."""
+    with open(path) as f:
+        doc = json.load(f)
+    rows = []
+    for r in doc["rows"]:
+        r = dict(r)
+        r.setdefault("proposer", doc.get("proposer"))
+        r.setdefault("verifier", doc.get("verifier") if r.get("mode") == "verify" else None)
+        r.setdefault("context", r.get("filled", doc.get("context")))
+        rows.append(r)
+    return rows
+
+
+def merge_rows(rows: list[dict], new: list[dict]) -> list[dict]:
+    """`rows` with each of `new` replacing the row of its cell (`cell_key`) in place, or added
+    after them."""
+    out = list(rows)
+    where = {cell_key(r): i for i, r in enumerate(out)}
+    for r in new:
+        k = cell_key(r)
+        if k in where:
+            out[where[k]] = r
+        else:
+            where[k] = len(out)
+            out.append(r)
+    return out
+
+
+def groups(rows: list[dict]) -> dict:
+    """{(proposer, context): its rows, by slice, attention path, layout, batch, mode and K}."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["proposer"], r["context"]), []).append(r)
+    order = lambda r: (r["accelerator"], r.get("attention") or "", r.get("page_size") or 0,  # noqa: E731
+                       r["batch"], MODE_ORDER.get(r["mode"], 9), r.get("block_size") or 0)
+    return {k: sorted(v, key=order) for k, v in sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1]))}
+
+
+def vmem_note(rows: list[dict]) -> str:
+    """The priced step rows whose one layer of activations (`step_report.activation_bytes`, per
+    chip) does not fit the chip's VMEM, so that must-move counts them; computed from each row."""
+    from prove_jax.decoding.step_report import CHIP_VMEM_BYTES, activation_bytes
+    from prove_jax.models.config import preset
+    over = []
+    for r in rows:
+        if not r.get("programs") or not r.get("mesh") or r["chip"] not in CHIP_VMEM_BYTES:
+            continue
+        mesh = r["mesh"]
+        chip_rows = max(1, r["rows"] // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
+        models = [(preset(r["proposer"]), r["step_width"])]
+        if r["mode"] == "verify" and r.get("verifier"):
+            models.append((preset(r["verifier"]), r["block_size"]))
+        for cfg, width in models:
+            step = activation_bytes(cfg, chip_rows * width, mesh.get("tensor", 1), 2)
+            layer = step // (2 * cfg.num_layers)
+            if layer > CHIP_VMEM_BYTES[r["chip"]]:
+                over.append(f"{r['accelerator']} {r['proposer']} {label(r)} at {r['batch']} rows, "
+                            f"{r['context']} slots ({layer / 2 ** 20:.0f} MiB a layer, {step / GIB:.1f} GiB a step)")
+    if not over:
+        return "No row here has a layer's activations over its chip's VMEM."
+    return "The rows here whose layer's activations do not fit (must counts them): " + "; ".join(over) + "."
+
+
+def label(r: dict) -> str:
+    """The row's setting, ending with its attention path (rows from before the label named it)."""
+    if r.get("attention") and r["attention"] not in r["label"]:
+        return f"{r['label']}, {r['attention']}"
+    return r["label"]
+
+
 def table_row(r: dict) -> str:
-    if r.get("attention") and r["attention"] not in r["label"]:  # rows from before the label named it
-        r = dict(r, label=f"{r['label']}, {r['attention']}")
+    r = dict(r, label=label(r))
     if r.get("error"):
         return f"| {r['accelerator']} | {r['label']} | {r['batch']} | | | | | | error: {r['error']} |"
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
@@ -97,13 +195,13 @@ NOTES = """Notes.
   `step_report.activation_bytes`) unless one layer's fit the chip's VMEM (64 MiB on v5p, 128
   MiB on v6e: XLA could keep them there, and on v6e-8 libtpu does: a wide step's fusion outputs,
   up to 20 MiB each, are `S(1)` in the compiled step, while on v5p-8 they are in HBM), float32
-  logits written and read. Of the rows here only the 32B's in verify K=16 at 64 rows on v5p-8
-  passes that (119 MiB a layer: 14.9 GiB a step); lossless K=6 G=2 there (16 tokens a row, 61.5
-  MiB a layer) just fits, though libtpu puts it in HBM (counted, its ratio would be 1.09, paged
-  1.04). A ratio of 1 is a step at the memory-bandwidth limit; the roofline time is what such a
-  step would take. The pallas_tpu lossless K=6 G=2 and verify K=16 step rows were repriced
-  with this rule; the others (and the v5p-8 verify K=16 row's prefill and admit) were priced
-  before, activations left out, which changes only the xla verify K=16 64-row v5p-8 one.
+  logits written and read. {vmem} A row just under
+  the limit keeps its activations out of must though libtpu may put them in HBM (it does for
+  the 32B's lossless K=6 G=2 at 64 rows on v5p-8), which raises its ratio. A ratio of 1 is a
+  step at the memory-bandwidth limit; the roofline time is what such a step would take. The pallas_tpu lossless K=6 G=2 and verify K=16 step rows at 8k were
+  repriced with this rule, and every row priced since follows it; the other 8k rows (and the
+  v5p-8 verify K=16 row's prefill and admit) were priced before, activations left out, which
+  changes only the xla verify K=16 64-row v5p-8 one.
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
   once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is
@@ -135,6 +233,14 @@ def main(argv=None) -> int:
     from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.models.config import preset
 
+    out_json = os.path.join(args.out, "decode_step_cost.json")
+    if args.merge:
+        rows = load_rows(out_json) if os.path.exists(out_json) else []
+        for path in args.merge.split(","):
+            rows = merge_rows(rows, load_rows(path))
+        doc = dict(dtype="bfloat16", jax=jax.__version__, host=device_description(), rows=rows)
+        write_results(args.out, "decode_step_cost", doc, markdown(rows, jax.__version__))
+        return 0
     if not aot.libtpu_available():
         print('error: needs libtpu: pip install "libtpu==0.0.42.*" (docs/environment.md)', file=sys.stderr)
         return 2
@@ -158,50 +264,56 @@ def main(argv=None) -> int:
         for batch in args.paged_batches:
             for mode in (m for m in modes if m in args.paged_modes.split(",")):
                 jobs.append((accelerator, mode, batch, 64))
-    rows = []
-    if args.append and os.path.exists(os.path.join(args.out, "decode_step_cost.json")):
-        import json
-        with open(os.path.join(args.out, "decode_step_cost.json")) as f:
-            rows = json.load(f)["rows"]
+    rows = load_rows(out_json) if args.append and os.path.exists(out_json) else []
     first = (args.accelerators.split(",")[0], "verify", args.paged_batches[0] if args.paged_batches else 16, None)
+    new = []
     for accelerator, mode, batch, page in jobs:
         chip, chips = aot.accelerator_chips(accelerator)
         label, opts = options[mode]
         if page is not None:
-            import dataclasses
             opts = dataclasses.replace(opts, page_size=page)
             label += f", paged ({page})"
-        log(f"{accelerator}: {label}, batch {batch}")
+        log(f"{accelerator}: {args.proposer}, {label}, batch {batch}, {args.context} slots")
         programs = ("step", "prefill", "admit") if (accelerator, mode, batch, page) == first else ("step",)
         programs = programs if args.programs is None else tuple(args.programs.split(","))
+        cell = dict(accelerator=accelerator, proposer=args.proposer,
+                    verifier=args.verifier if mode == "verify" else None, context=args.context)
         try:
             report = step_report(proposer, opts, chip=chip, chips=chips, batch=batch, context=args.context,
                                  new_tokens=args.new_tokens, verifier=verifier if mode == "verify" else None,
                                  programs=programs)
         except Exception as e:  # a program that fails to compile is a result too, said in its row
-            log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            rows.append(dict(accelerator=accelerator, label=label, batch=batch, mode=mode,
-                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            log(f"  failed: {error}")
+            new.append(dict(cell, label=label, batch=batch, mode=mode, block_size=opts.block_size,
+                            groups=opts.max_groups, page_size=opts.page_size,
+                            attention=opts.kernels.resolve_attention("tpu").attention, error=error))
             continue
         log("  " + report.table().replace("\n", "\n  "))
-        rows.append(dict(accelerator=accelerator, label=f"{label}, {report.setting['attention']}", **report.record()))
-    doc = dict(proposer=args.proposer, verifier=args.verifier, dtype="bfloat16", jax=jax.__version__,
-               host=device_description(), context=args.context, new_tokens=args.new_tokens, rows=rows)
-    md = ["# One decode step on TPU slices, from the compiled program (`generate --dry-run --report`)", "",
-          f"`benchmarks/bench_decode_step_cost.py`: {args.proposer} proposer ({args.verifier} verifier in "
-          f"verify), bfloat16, layers scanned, the chunk program `generate` streams compiled with libtpu "
-          f"(jax {jax.__version__}) for each slice from a CPU host, abstract weights on the mesh `generate` "
-          f"picks. Per chip and per decode step, every row filled to {args.context} slots. *HBM*: what "
-          f"the compiled program reads and writes in one execution (one decode step for *step*); *must*: "
-          f"what it has to; *ratio*: the two; *TFLOP*: its dots.", "",
-          "| slice | setting | batch | program | HBM GiB | must GiB | ratio | TFLOP | roofline ms | collectives |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(table_row(r))
-    md += ["", NOTES]
-    write_results(args.out, "decode_step_cost", doc, md)
+        new.append(dict(cell, label=f"{label}, {report.setting['attention']}", **report.record()))
+    rows = merge_rows(rows, new)
+    doc = dict(dtype="bfloat16", jax=jax.__version__, host=device_description(), rows=rows)
+    write_results(args.out, "decode_step_cost", doc, markdown(rows, jax.__version__))
     return 0
 
+
+def markdown(rows: list[dict], jax_version: str) -> list[str]:
+    md = ["# One decode step on TPU slices, from the compiled program (`generate --dry-run --report`)", "",
+          f"`benchmarks/bench_decode_step_cost.py`: bfloat16, layers scanned, the chunk program `generate` "
+          f"streams compiled with libtpu (jax {jax_version}) for each slice from a CPU host, abstract weights "
+          f"on the mesh `generate` picks; a table per proposer and context. Per chip and per decode step, "
+          f"every row filled to the table's slots. *HBM*: what the compiled program reads and writes in one "
+          f"execution (one decode step for *step*); *must*: what it has to; *ratio*: the two; *TFLOP*: its "
+          f"dots."]
+    for (proposer, context), group in groups(rows).items():
+        verifiers = sorted({r["verifier"] for r in rows if r.get("verifier") and r["proposer"] == proposer})
+        pair = f" ({', '.join(verifiers)} verifier in verify)" if verifiers else ""
+        md += ["", f"## {proposer}{pair}, rows filled to {context} slots", "",
+               "| slice | setting | batch | program | HBM GiB | must GiB | ratio | TFLOP | roofline ms | collectives |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+        md += [table_row(r) for r in group]
+    md += ["", NOTES.format(vmem=vmem_note(rows))]
+    return md
 
 if __name__ == "__main__":
     sys.exit(main())
