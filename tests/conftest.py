@@ -40,3 +40,13 @@ def demo_tok():
     from prove_jax import assets
     from prove_jax.checkpoints import checkpoint
     return checkpoint.load_tokenizer(assets.DEMO_PROPOSER)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that hold a `slow` test run first, each whole and in its own order (its
+    module-scoped fixtures are set up once). `-n 2 --dist worksteal` hands each worker a
+    contiguous half of this list and lets an idle one take the tail of the other's queue: a
+    minute-long test left at the end of the list keeps one worker busy while the other idles."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    items[:] = ([i for i in items if i.module in slow_modules]
+                + [i for i in items if i.module not in slow_modules])

@@ -129,6 +129,7 @@ def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(mode
     assert not moves_of_shape(hlo, local)
 
 
+@pytest.mark.slow
 def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothing(models):
     """A Qwen2.5-3B verifier has 2 kv heads, a 32B proposer 8: on tensor=4 the verifier's k/v
     weights stay whole on each tensor device (its query heads split 4 ways); its cache was

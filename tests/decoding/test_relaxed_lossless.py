@@ -35,6 +35,7 @@ def _run(decoder, prompts, relaxed_p):
     return d.generate(prompts, NEW, batch_size=len(prompts))
 
 
+@pytest.mark.slow
 def test_relaxed_one_is_exact_and_low_p_commits_more(arith):
     decoder, prompts = arith
     ar = decoder.with_options(DecodeOptions("ar")).generate(prompts, NEW, batch_size=len(prompts))

@@ -129,6 +129,7 @@ def test_each_data_shard_has_its_own_pool():
     assert view.free_pages().tolist() == [2, 1] and len(set(np.asarray(view.table)[0].tolist())) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_decoding_through_a_small_pool_gives_ars_tokens(models, prompts, mode):
     """3 rows, 7 requests of 2 to 70 prompt tokens, a pool of 16 pages of 8 slots: the longest

@@ -113,6 +113,7 @@ def test_head_for_another_verifier_is_refused(proposer, verifier):
             commit_head=right)  # the same call with a matching head is accepted
 
 
+@pytest.mark.slow
 def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
     _save_pair(tmp_path, proposer, verifier)
     r = subprocess.run(
