@@ -24,10 +24,19 @@ def run_two_processes(argv_of: Callable[[int, int], list[str]], check: bool = Tr
                       ) -> list[subprocess.CompletedProcess]:
     """`python ARGV` for process 0 and 1, `argv_of(process_id, coordinator_port)`, run together;
     with `check`, both must exit 0 (the failing one's stderr tail is the assertion message)."""
+    return finish_two_processes(start_two_processes(argv_of), check)
+
+
+def start_two_processes(argv_of: Callable[[int, int], list[str]]) -> list[subprocess.Popen]:
+    """The launch of `run_two_processes`, returning at once (`finish_two_processes` waits)."""
     env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     port = free_port()
-    procs = [subprocess.Popen(["timeout", "300", sys.executable, *argv_of(i, port)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    return [subprocess.Popen(["timeout", "300", sys.executable, *argv_of(i, port)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def finish_two_processes(procs: list[subprocess.Popen], check: bool = True
+                         ) -> list[subprocess.CompletedProcess]:
     done = []
     for i, p in enumerate(procs):
         out, err = p.communicate(timeout=330)

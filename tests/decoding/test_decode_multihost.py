@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.models.params import create_model
-from tests.multihost import joining, run_two_processes
+from tests.multihost import finish_two_processes, joining, run_two_processes, start_two_processes
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +29,31 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
                   num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
 
 
+def _two_hosts(args: list[str], host_args=((), ())) -> Callable[[int, int], list[str]]:
+    """`-m infer.generate ARGS` for processes 0 and 1 of one job (plus `host_args[i]`)."""
+    return lambda i, port: ["-m", "infer.generate", *args, *host_args[i], *joining(i, port)]
+
+
 def _run_two_hosts(args: list[str], host_args=((), ()), check: bool = True) -> list[subprocess.CompletedProcess]:
-    """`python -m infer.generate ARGS` as processes 0 and 1 of one job (plus `host_args[i]`)."""
-    return run_two_processes(lambda i, port: ["-m", "infer.generate", *args, *host_args[i], *joining(i, port)],
-                             check=check)
+    return run_two_processes(_two_hosts(args, host_args), check=check)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def failing_job(tmp_path_factory):
+    """The launch of `test_a_host_that_fails_stops_the_job_and_the_other_says_so`, started with
+    the module: its host 0 waits out the collectives' 30 s key-value timeout while the tests
+    before it run, not after them. Host 1 lacks the checkpoint (a local disk that was not synced)."""
+    tmp = tmp_path_factory.mktemp("failing_job")
+    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
+    procs = start_two_processes(_two_hosts(
+        ["--max-new-tokens", "4", "--input", str(inp), "--output", str(out)],
+        host_args=(("--model", assets.DEMO_PROPOSER), ("--model", str(tmp / "gone")))))
+    yield tmp, procs
+    for p in procs:  # not waited for on a worker that did not run that test
+        if p.poll() is None:
+            p.terminate()
+            p.communicate()
 
 
 def _summary_lines(stderr: str) -> list[dict]:
@@ -99,15 +121,13 @@ def test_calibrate_is_refused_on_several_hosts(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_a_host_that_fails_stops_the_job_and_the_other_says_so(tmp_path):
+def test_a_host_that_fails_stops_the_job_and_the_other_says_so(failing_job):
     """Host 1 lacks the checkpoint (a local disk that was not synced): it names the missing
     checkpoint; host 0, left waiting in the collective read, gives up and says another host
     failed rather than calling its own checkpoint damaged. Neither writes the output."""
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
-    hosts = _run_two_hosts(["--max-new-tokens", "4", "--input", str(inp), "--output", str(out)],
-                           host_args=(("--model", assets.DEMO_PROPOSER), ("--model", str(tmp_path / "gone"))),
-                           check=False)
+    tmp_path, procs = failing_job
+    out = tmp_path / "out.jsonl"
+    hosts = finish_two_processes(procs, check=False)
     assert [h.returncode for h in hosts] == [2, 2], [h.stderr[-2000:] for h in hosts]
     assert f"error: model checkpoint not found: {tmp_path / 'gone'}" in hosts[1].stderr
     assert "the other hosts did not join the read in time" in hosts[0].stderr
