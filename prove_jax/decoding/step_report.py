@@ -160,8 +160,10 @@ def stream_programs(decoder, prompts, new_tokens: int, batch: int):
     start = functools.partial(program.start_batch, *bound, settings)
     admit = functools.partial(program.admit_rows, *bound, settings)
     chunk = functools.partial(program.run_chunk, *bound, decoder.head_graphdef, settings)
-    # noqa: E731
-    requests = lambda n: _abstract(jax.tree.map(lambda x: x[:n], stream.requests), batch_sharding)
+    # n requests; rows past the prompts hold the appended dummy (no budget), as the stream
+    # starts them (more rows than requests where the rows round up to the data shards)
+    requests = lambda n: _abstract(  # noqa: E731
+        jax.tree.map(lambda x: x[[min(i, len(x) - 1) for i in range(n)]], stream.requests), batch_sharding)
     params, vparams, hparams = (_abstract(s, None) if mesh is None else s for s in
                                 (decoder.state, decoder.verifier_state, decoder.head_state))
     with _on_mesh(mesh):

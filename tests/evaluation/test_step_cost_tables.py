@@ -28,8 +28,9 @@ SETTINGS = {"ar": (1, None, 1), "lossless": (6, 2, 19), "verify": (8, None, 15)}
 
 
 def row(accelerator="v5e-4", proposer="qwen2.5-7b", context=8192, batch=16, mode="ar", page=None,
-        ms=10.0, fits=True):
-    """A priced step row as bench_decode_step_cost writes it, its step `ms` at the roofline."""
+        ms=10.0, fits=True, waste=1.0):
+    """A priced step row as bench_decode_step_cost writes it, its step `ms` at the roofline (1 GB
+    per ms), moving `waste` times what it must."""
     k, g, width = SETTINGS[mode]
     label = {"ar": "ar", "lossless": "lossless K=6 G=2", "verify": "verify K=8"}[mode]
     label += f", paged ({page})" if page else ""
@@ -38,9 +39,10 @@ def row(accelerator="v5e-4", proposer="qwen2.5-7b", context=8192, batch=16, mode
              groups=g, step_width=width, page_size=page, attention="pallas_tpu",
              label=f"{label}, pallas_tpu", mesh={"data": 1, "fsdp": 1, "tensor": 4},
              weight_bytes=4 << 30, proposer_params=7_600_000_000,
-             verifier_params=500_000_000 if mode == "verify" else 0, does_not_fit="", programs=[])
+             verifier_params=500_000_000 if mode == "verify" else 0, does_not_fit="", programs=[],
+             hbm_bandwidth=1e12, peak_flops=1e15)
     if fits:
-        r["programs"] = [dict(name="step", hbm_bytes=int(ms * 1e9), min_hbm_bytes=int(ms * 1e9), waste=1.0,
+        r["programs"] = [dict(name="step", hbm_bytes=int(ms * 1e9), min_hbm_bytes=int(ms * 1e9 / waste), waste=waste,
                               flops=10 ** 12, roofline_seconds=ms / 1e3, collectives={})]
     else:
         r["does_not_fit"] = "the step program does not fit a chip"
@@ -99,7 +101,7 @@ def _predict(tmp_path, rows):
 def test_the_prediction_takes_each_cells_best_layout_and_lists_what_is_missing(tmp_path):
     rows = [row(mode="ar", ms=10.0), row(mode="lossless", ms=12.0), row(mode="lossless", page=64, ms=11.0),
             row(mode="verify", ms=15.0), row(mode="verify", page=64, ms=20.0),
-            row(mode="ar", batch=64, ms=20.0), row(mode="lossless", batch=64, fits=False),
+            row(mode="ar", batch=64, ms=20.0, waste=2.0), row(mode="lossless", batch=64, fits=False),
             row(mode="verify", batch=64, ms=25.0)]
     doc, md = _predict(tmp_path, rows)
     best = {(r["batch"], r["mode"]): r for r in doc["rows"] if r["best_layout"]}
@@ -115,6 +117,10 @@ def test_the_prediction_takes_each_cells_best_layout_and_lists_what_is_missing(t
     assert "v5e-4 qwen2.5-7b 8192 slots batch 1 (not run)" in missing
     assert not any(m.startswith("v5e-4 qwen2.5-7b 8192 slots batch 16") for m in missing)
     assert "v5e-4 qwen2.5-7b 8192 slots batch 1 (not run)" in md
+    # an AR step at twice its must-move bytes: the speedup against AR at those bytes is said too
+    assert best[(64, "verify")]["speedup_vs_copy_free_ar"] == pytest.approx(5.0 * 10 / 25)
+    assert "v5e-4 qwen2.5-7b 8k batch 64 verify 2.00x (AR's ratio 2.00)" in md
+    assert best[(16, "verify")]["speedup_vs_copy_free_ar"] == pytest.approx(best[(16, "verify")]["speedup"])
 
     # the list is computed from the rows: price the 64-row lossless cell and it leaves the list
     doc, md = _predict(tmp_path, rows[:6] + [row(mode="lossless", batch=64, ms=21.0)] + rows[7:])
