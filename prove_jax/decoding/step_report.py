@@ -163,7 +163,9 @@ def stream_programs(decoder, prompts, new_tokens: int, batch: int):
     # n requests; rows past the prompts hold the appended dummy (no budget), as the stream
     # starts them (more rows than requests where the rows round up to the data shards)
     requests = lambda n: _abstract(  # noqa: E731
-        jax.tree.map(lambda x: x[[min(i, len(x) - 1) for i in range(n)]], stream.requests), batch_sharding)
+        jax.tree.map(lambda x: x[[min(i, len(x) - 1) for i in range(n)]], stream.requests),
+        batch_sharding,
+    )
     params, vparams, hparams = (_abstract(s, None) if mesh is None else s for s in
                                 (decoder.state, decoder.verifier_state, decoder.head_state))
     with _on_mesh(mesh):
