@@ -38,11 +38,17 @@ def _run_two_hosts(args: list[str], host_args=((), ()), check: bool = True) -> l
     return run_two_processes(_two_hosts(args, host_args), check=check)
 
 
+FAILING_TEST = "test_a_host_that_fails_stops_the_job_and_the_other_says_so"
+
+
 @pytest.fixture(scope="module", autouse=True)
-def failing_job(tmp_path_factory):
-    """The launch of `test_a_host_that_fails_stops_the_job_and_the_other_says_so`, started with
+def failing_job(request, tmp_path_factory):
+    """The launch of FAILING_TEST, started with
     the module: its host 0 waits out the collectives' 30 s key-value timeout while the tests
     before it run, not after them. Host 1 lacks the checkpoint (a local disk that was not synced)."""
+    if not any(item.originalname == FAILING_TEST for item in request.session.items):
+        yield None  # that test was deselected
+        return
     tmp = tmp_path_factory.mktemp("failing_job")
     inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
     inp.write_text(json.dumps({"id": 0, "prompt_ids": [3, 4, 5]}) + "\n")
