@@ -193,15 +193,15 @@ NOTES = """Notes.
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
   `step_report.activation_bytes`) unless one layer's fit the chip's VMEM (64 MiB on v5p, 128
-  MiB on v6e: XLA could keep them there, and on v6e-8 libtpu does: a wide step's fusion outputs,
-  up to 20 MiB each, are `S(1)` in the compiled step, while on v5p-8 they are in HBM), float32
-  logits written and read. {vmem} A row just under
-  the limit keeps its activations out of must though libtpu may put them in HBM (it does for
-  the 32B's lossless K=6 G=2 at 64 rows on v5p-8), which raises its ratio. A ratio of 1 is a
-  step at the memory-bandwidth limit; the roofline time is what such a step would take. The pallas_tpu lossless K=6 G=2 and verify K=16 step rows at 8k were
-  repriced with this rule, and every row priced since follows it; the other 8k rows (and the
-  v5p-8 verify K=16 row's prefill and admit) were priced before, activations left out, which
-  changes only the xla verify K=16 64-row v5p-8 one.
+  MiB on v5e and v6e: XLA could keep them there, and on v6e-8 libtpu does: a wide step's fusion
+  outputs, up to 20 MiB each, are `S(1)` in the compiled step, while on v5p-8 they are in HBM),
+  float32 logits written and read. {vmem} A row just under the limit keeps its activations out
+  of must though libtpu may put them in HBM (it does for the 32B's lossless K=6 G=2 at 64 rows on
+  v5p-8), which raises its ratio. A ratio of 1 is a step at the memory-bandwidth limit; the
+  roofline time is what such a step would take. The pallas_tpu lossless K=6 G=2 and verify K=16
+  step rows at 8k were repriced with this rule, and every row priced since follows it; the other
+  8k rows of the 32B (and the v5p-8 verify K=16 row's prefill and admit) were priced before,
+  activations left out, which changes only the xla verify K=16 64-row v5p-8 one.
 - The prefill and admission rows price whole programs: a chunked prefill reads the weights
   once per chunk of 256 prompt tokens and writes each chunk's attention
   scores, so its bytes stand against one pass over the weights and KV only for scale; it is

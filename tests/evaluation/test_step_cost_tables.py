@@ -119,9 +119,17 @@ def test_the_prediction_takes_each_cells_best_layout_and_lists_what_is_missing(t
     assert "v5e-4 qwen2.5-7b 8192 slots batch 1 (not run)" in md
     # an AR step at twice its must-move bytes: the speedup against AR at those bytes is said too
     assert best[(64, "verify")]["speedup_vs_copy_free_ar"] == pytest.approx(5.0 * 10 / 25)
-    assert "v5e-4 qwen2.5-7b 8k batch 64 verify 2.00x (AR's ratio 2.00)" in md
+    assert "| v5e-4 | 64 | - | - / 2.00x† |" in md and "| 2.00x† (4.00x against AR's program) |" in md
+    assert "v5e-4 qwen2.5-7b 8k batch 64: ratio 2.00" in md
     assert best[(16, "verify")]["speedup_vs_copy_free_ar"] == pytest.approx(best[(16, "verify")]["speedup"])
 
     # the list is computed from the rows: price the 64-row lossless cell and it leaves the list
     doc, md = _predict(tmp_path, rows[:6] + [row(mode="lossless", batch=64, ms=21.0)] + rows[7:])
     assert not any("batch 64" in m and "v5e-4" in m and "8192" in m for m in doc["not_priced"])
+
+    # where AR's step does not fit, the modes keep their tokens/s and have no speedup
+    doc, md = _predict(tmp_path, rows[:5] + [row(mode="ar", batch=64, fits=False)] + rows[6:])
+    (verify,) = [r for r in doc["rows"] if r["batch"] == 64]
+    assert verify["speedup"] is None and verify["tokens_per_second"] == pytest.approx(64 * 5.0 / 0.025)
+    assert "| v5e-4 | 64 | - | - / no AR |" in md
+    assert "v5e-4 qwen2.5-7b 8192 slots batch 64 ar/lossless (does not fit)" in doc["not_priced"]
