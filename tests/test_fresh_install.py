@@ -14,12 +14,18 @@ from tests.decode_helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
-DRY_RUNS = """
-import sys
+# One process (one interpreter and JAX start-up): nothing of the test stack is importable, then
+# the dry runs, then the chat completion through the `prove-jax` entry point's dispatch.
+FRESH_VENV = """
+import importlib.util as u, sys
+print(u.find_spec("torch"), u.find_spec("pytest"), flush=True)
 from prove_jax.cli.main import dispatch
 for config in sys.argv[1:]:
     if dispatch(["train", "--config", config, "--dry-run", "--no-compile"]) != 0:
         sys.exit(f"train --dry-run failed for {config}")
+print("dry runs done", file=sys.stderr, flush=True)
+sys.exit(dispatch(["generate", "--prompt", "Write a function that adds two numbers.", "--chat",
+                   "--max-new-tokens", "4", "--no-progress"]))
 """
 
 
@@ -33,12 +39,10 @@ def test_requirements_alone_run_the_paper_configs_and_chat(tmp_path):
            "JAX_PLATFORMS": "cpu"}
     run = lambda *args: subprocess.run([python, *args], env=env, cwd=ROOT, capture_output=True,  # noqa: E731
                                        text=True, timeout=600)
-    isolated = run("-c", "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('pytest'))")
-    assert isolated.stdout.split() == ["None", "None"], isolated  # nothing of the test stack
     configs = sorted(glob.glob(os.path.join(ROOT, "configs", "*qwen*.yaml")))
     assert len(configs) >= 4
-    dry = run("-c", DRY_RUNS, *configs)
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    chat = run("-m", "prove_jax", "generate", "--prompt", "Write a function that adds two numbers.", "--chat",
-               "--max-new-tokens", "4", "--no-progress")
-    assert chat.returncode == 0 and "tokens/forward" in chat.stderr, chat.stderr[-3000:]
+    r = run("-c", FRESH_VENV, *configs)
+    assert r.stdout.splitlines()[0].split() == ["None", "None"], r  # nothing of the test stack
+    assert "dry runs done" in r.stderr, r.stderr[-3000:]
+    chat = r.stderr.split("dry runs done")[-1]
+    assert r.returncode == 0 and "tokens/forward" in chat, r.stderr[-3000:]
