@@ -1,15 +1,13 @@
 """Calibrated adaptive lossless: the acceptance model, the choice, and the decoder using it."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from prove_jax import assets, timing
 from prove_jax.checkpoints.checkpoint import save_model
+from prove_jax.cli import generate
 from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.checkpoints.checkpoint import load_tokenizer
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
@@ -21,7 +19,6 @@ from prove_jax.decoding.loading import build_decoder
 from prove_jax.models.params import create_model
 from tests.decode_helpers import CFG, random_prompts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBS = np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])  # P(a), a = 0..7, measured with K=8
 
 
@@ -185,29 +182,27 @@ def test_promising_layouts_drops_layouts_that_cannot_pay():
     assert speedups[(2, 2)] > cal.PRUNE_BELOW > speedups[(4, 2)]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "infer.generate", *args], cwd=ROOT,
-                          capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
-
-
 @pytest.mark.slow
-def test_cli_calibrate(tmp_path):
+def test_cli_calibrate(tmp_path, capsys):
+    """`infer.generate --calibrate`, the command's main in this process."""
     model = create_model(CFG, seed=3)
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, model)
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt_ids": p}) + "\n" for i, p in enumerate(random_prompts())))
     out = tmp_path / "out.jsonl"
-    r = _cli("--model", ckpt, "--mode", "lossless", "--calibrate", "--block-size", "3", "--input", str(inp),
-             "--output", str(out), "--max-new-tokens", "12", "--batch-size", "2")
-    assert r.returncode == 0, r.stderr
-    # the subprocess sees the suite's 8 simulated devices, all on the data axis: the 2 rows asked
-    # for decode as 8, and calibration measures the size that runs
-    assert "calibrate: acceptance with K=3" in r.stderr and "calibrate: batch 8:" in r.stderr
+    code = generate.main(["--model", ckpt, "--mode", "lossless", "--calibrate", "--block-size", "3", "--input",
+                          str(inp), "--output", str(out), "--max-new-tokens", "12", "--batch-size", "2"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    # the suite's 8 simulated devices, all on the data axis: the 2 rows asked for decode as 8,
+    # and calibration measures the size that runs
+    assert "calibrate: acceptance with K=3" in err and "calibrate: batch 8:" in err
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(random_prompts(), 12)
     assert [json.loads(x)["output_ids"] for x in out.read_text().splitlines()] == ar.output_ids
-    r = _cli("--model", ckpt, "--mode", "ar", "--calibrate", "--input", str(inp), "--output", str(tmp_path / "x.jsonl"))
-    assert r.returncode == 2 and "--calibrate chooses lossless layouts" in r.stderr
+    code = generate.main(["--model", ckpt, "--mode", "ar", "--calibrate", "--input", str(inp),
+                          "--output", str(tmp_path / "x.jsonl")])
+    assert code == 2 and "--calibrate chooses lossless layouts" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()
 
 

@@ -3,8 +3,6 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ import pytest
 from flax import nnx
 
 from prove_jax.cli import generate
+from prove_jax.cli import train as train_cli
 from prove_jax.checkpoints.checkpoint import CheckpointError, save_model
 from prove_jax.models.commit_head import CommitHead
 from prove_jax.training.commit_head_training import (head_examples, head_loss, propose_and_label,
@@ -116,13 +115,14 @@ def test_head_for_another_verifier_is_refused(proposer, verifier):
 @pytest.mark.slow
 def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
     _save_pair(tmp_path, proposer, verifier)
-    r = subprocess.run(
-        [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
+    # the train CLI in this process (no interpreter and JAX start-up of its own)
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    assert train_cli.main(
+        ["--config", tiny, "objective=commit_head",
          f"proposer={tmp_path / 'p'}", f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}",
          "steps=4", "log_every=2", "max_length=32", "block_size=4", "global_batch_size=8",
-         f"run_dir={tmp_path / 'run'}", f"tokenizer.path={tmp_path / 'tok'}", "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stderr[-2000:]
+         f"run_dir={tmp_path / 'run'}", f"tokenizer.path={tmp_path / 'tok'}", "--no-progress"]) == 0, \
+        capsys.readouterr().err[-2000:]
     head = load_commit_head(str(tmp_path / "run" / "model"))
     assert head.hidden_size == verifier.cfg.hidden_size
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"loss"') == 2
@@ -138,11 +138,9 @@ def test_train_cli_commit_head_objective(tmp_path, capsys, proposer, verifier):
     assert generate.main(common + ["--head-threshold", "nan", "--output", str(tmp_path / "bad.jsonl")]) == 2
     assert "--head-threshold must be a finite number" in capsys.readouterr().err
     assert not (tmp_path / "bad.jsonl").exists()
-    r = subprocess.run(
-        [sys.executable, "-m", "train.train", "--config", "configs/tiny.yaml", "objective=commit_head",
-         f"model.checkpoint={tmp_path / 'v'}", f"data={tmp_path / 'data.txt'}", "steps=2"],
-        cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": ROOT})
-    assert r.returncode == 2 and "needs proposer=PATH" in r.stderr
+    assert train_cli.main(["--config", tiny, "objective=commit_head", f"model.checkpoint={tmp_path / 'v'}",
+                           f"data={tmp_path / 'data.txt'}", "steps=2"]) == 2
+    assert "needs proposer=PATH" in capsys.readouterr().err
 
 
 def test_left_padded_contexts_propose_and_judge_like_unpadded_ones(proposer, verifier):
