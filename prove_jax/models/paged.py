@@ -24,6 +24,8 @@ cache split over rows beside the proposer's pool (`pooled`, docs/decoding.md say
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -157,6 +159,12 @@ class PagedKVCache:
         (`home` [R]; None: R is the batch, in its own order), the lowest free pages first, in row
         order: a cache of those R rows. The caller makes sure they fit."""
         d, p, row_pages = self.shards, self.pages_per_shard, self.table.shape[1]
+        if home is None and need.shape[0] % d == 0:
+            # R rows in D blocks, one per shard: each shard's pool gives its block pages where both
+            # lie (indexed by shard, the free lists' int32 entries were all-gathered)
+            table, free = jax.vmap(functools.partial(_take_pages, row_pages=row_pages))(
+                self.free, need.reshape(d, -1))
+            return self.replace(table=table.reshape(-1, row_pages), free=free, home=None)
         homes = _homes(need.shape[0], d, home)
         first = shard_cumsum(need, homes, d) - need  # the row's first page in its shard's free list
         free_lists = jax.vmap(lambda f: jnp.nonzero(f, size=p, fill_value=p)[0])(self.free)
@@ -175,15 +183,30 @@ class PagedKVCache:
     def release(self, rows: jax.Array) -> "PagedKVCache":
         """The pools with the pages of the batch rows marked in `rows` [B] (bool) free again;
         those rows own none."""
-        p = self.pages_per_shard
+        p, d = self.pages_per_shard, self.shards
         owned = jnp.where(rows[:, None], self.table, p)
-        free = self.free.at[self.row_homes()[:, None], owned].set(True, mode="drop")
+        if self.home is None and owned.shape[0] % d == 0:  # each shard's rows, where they lie
+            owned = owned.reshape(d, -1)
+            free = jax.vmap(lambda f, o: f.at[o].set(True, mode="drop"))(self.free, owned)
+        else:
+            free = self.free.at[self.row_homes()[:, None], owned].set(True, mode="drop")
         return self.replace(free=free, table=jnp.where(rows[:, None], p, self.table))
 
     def put_rows(self, part: "PagedKVCache", rows: jax.Array) -> "PagedKVCache":
         """This cache with `part`'s pools (written by the admitted rows' prefill) and its rows'
         tables at batch rows `rows` [R] (an index past the batch: dropped)."""
         return part.replace(table=self.table.at[rows].set(part.table, mode="drop"), home=self.home)
+
+
+def _take_pages(free: jax.Array, need: jax.Array, row_pages: int):
+    """One shard's pool: (table [r, row_pages], free [P]) with `need` [r] pages taken for each of
+    its r rows from `free` [P] (bool), the lowest free pages first, in row order."""
+    p = free.shape[0]
+    first = jnp.cumsum(need) - need
+    free_list = jnp.nonzero(free, size=p, fill_value=p)[0].astype(jnp.int32)
+    j = jnp.arange(row_pages, dtype=jnp.int32)[None, :]
+    table = jnp.where(j < need[:, None], free_list[jnp.minimum(first[:, None] + j, p - 1)], p)
+    return table, free.at[table].set(False, mode="drop")
 
 
 def _step_slots(pool, start, t: int, table):
