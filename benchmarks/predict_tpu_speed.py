@@ -10,7 +10,7 @@ the shipped proposer, inflated to a real shape, measured on HumanEval prompts
 (benchmarks/humaneval_traj_verifier_0.5b_shape.json: lossless K=6 G=2, verify K=8 top-1 with
 the trajectory-trained verifier; AR commits 1). So
 
-    predicted tokens/s = rows x tokens/forward / roofline step time, per slice
+    predicted tokens/s = requests x tokens/forward / roofline step time, per slice
     predicted speedup  = tokens/forward x (AR's roofline step) / (the mode's roofline step)
 
 against AR on the contiguous cache. Lossless and verify take the KV layout (contiguous or the
@@ -138,7 +138,7 @@ def predict(steps: dict, tokens: dict, ratios: dict) -> list[dict]:
         row = dict(accelerator=accelerator, proposer=proposer, verifier=r.get("verifier"), context=context,
                    batch=batch, rows=r["rows"], mode=mode, label=label(r), paged=paged, mesh=r.get("mesh"),
                    weight_bytes=r.get("weight_bytes"), tokens_per_forward=tau, step_ms=t * 1e3,
-                   waste=r["step"]["waste"], tokens_per_second=r["rows"] * tau / t, ar_step_ms=None,
+                   waste=r["step"]["waste"], tokens_per_second=min(batch, r["rows"]) * tau / t, ar_step_ms=None,
                    speedup=None, ar_waste=None, speedup_vs_copy_free_ar=None)
         rows.append(row)
         if ar is None:
@@ -260,7 +260,8 @@ def markdown(rows: list[dict], cost_rows: list[dict], tokens: dict, tokens_meta:
           "H200 measured a K=8 G=2 step to cost in AR steps at that batch size (verify: plus how much longer its "
           "roofline step is than lossless's) "
           f"({', '.join(f'{v:.2f} at batch {k}' for k, v in sorted(ratios.items())) or 'none measured'}). "
-          "Lossless and verify are in their best layout: the KV layout whose step is the faster (the other's "
+          "*Batch b (n rows)*: the mesh rounds the rows up to its data shards; the step is priced with all n "
+          "rows filled and tokens/s counts the b requests. Lossless and verify are in their best layout: the KV layout whose step is the faster (the other's "
           "speedup in brackets where both were priced). † marks a speedup against AR at the bytes it must "
           f"move, where AR's own compiled step moves over {WASTE_BOUND}x that (the notes say which and why).", "",
           "## Speedup over AR (roofline), lossless (best layout) / verify", "",
@@ -283,7 +284,7 @@ def markdown(rows: list[dict], cost_rows: list[dict], tokens: dict, tokens_meta:
     for (proposer, context), group in sorted(groups.items()):
         md += ["", f"## {pair(proposer)}, rows filled to {context} slots", "",
                "| slice | batch | mode | KV (best layout) | tokens/forward | step ms (roofline) | ratio to must | "
-               "slice tokens/s (roofline) | speedup vs AR (roofline) | speedup (H200-calibrated) |",
+               "slice tokens/s (roofline, the batch's requests) | speedup vs AR (roofline) | speedup (H200-calibrated) |",
                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in group:
             if not r["best_layout"]:

@@ -28,14 +28,14 @@ SETTINGS = {"ar": (1, None, 1), "lossless": (6, 2, 19), "verify": (8, None, 15)}
 
 
 def row(accelerator="v5e-4", proposer="qwen2.5-7b", context=8192, batch=16, mode="ar", page=None,
-        ms=10.0, fits=True, waste=1.0):
+        ms=10.0, fits=True, waste=1.0, rows=None):
     """A priced step row as bench_decode_step_cost writes it, its step `ms` at the roofline (1 GB
     per ms), moving `waste` times what it must."""
     k, g, width = SETTINGS[mode]
     label = {"ar": "ar", "lossless": "lossless K=6 G=2", "verify": "verify K=8"}[mode]
     label += f", paged ({page})" if page else ""
     r = dict(accelerator=accelerator, proposer=proposer, verifier="qwen2.5-0.5b" if mode == "verify" else None,
-             context=context, chip=accelerator.split("-")[0], batch=batch, rows=batch, mode=mode, block_size=k,
+             context=context, chip=accelerator.split("-")[0], batch=batch, rows=rows or batch, mode=mode, block_size=k,
              groups=g, step_width=width, page_size=page, attention="pallas_tpu",
              label=f"{label}, pallas_tpu", mesh={"data": 1, "fsdp": 1, "tensor": 4},
              weight_bytes=4 << 30, proposer_params=7_600_000_000,
@@ -102,7 +102,8 @@ def test_the_prediction_takes_each_cells_best_layout_and_lists_what_is_missing(t
     rows = [row(mode="ar", ms=10.0), row(mode="lossless", ms=12.0), row(mode="lossless", page=64, ms=11.0),
             row(mode="verify", ms=15.0), row(mode="verify", page=64, ms=20.0),
             row(mode="ar", batch=64, ms=20.0, waste=2.0), row(mode="lossless", batch=64, fits=False),
-            row(mode="verify", batch=64, ms=25.0)]
+            row(mode="verify", batch=64, ms=25.0),
+            row(mode="ar", batch=1, rows=2), row(mode="lossless", batch=1, rows=2)]
     doc, md = _predict(tmp_path, rows)
     best = {(r["batch"], r["mode"]): r for r in doc["rows"] if r["best_layout"]}
     assert best[(16, "lossless")]["paged"] and not best[(16, "verify")]["paged"]
@@ -110,13 +111,16 @@ def test_the_prediction_takes_each_cells_best_layout_and_lists_what_is_missing(t
     assert best[(16, "verify")]["speedup"] == pytest.approx(5.0 * 10 / 15)
     assert best[(64, "verify")]["tokens_per_second"] == pytest.approx(64 * 5.0 / 0.025)
     assert (64, "lossless") not in best
+    # one request on two rows (the rows rounded up to the data shards): its tokens/s is one row's
+    assert best[(1, "lossless")]["tokens_per_second"] == pytest.approx(1 * 4.0 / 0.010)
     assert "| qwen2.5-7b (qwen2.5-0.5b verifier) | v5e-4 | 16 | - | 3.64x / 3.33x |" in md
     assert "| lossless K=6 G=2, paged (64), pallas_tpu | paged (contiguous 3.33x) |" in md
     missing = doc["not_priced"]
     assert "v5e-4 qwen2.5-7b 8192 slots batch 64 lossless (does not fit)" in missing
-    assert "v5e-4 qwen2.5-7b 8192 slots batch 1 (not run)" in missing
+    assert "v5e-4 qwen2.5-7b 8192 slots batch 1 verify (not run)" in missing
     assert not any(m.startswith("v5e-4 qwen2.5-7b 8192 slots batch 16") for m in missing)
-    assert "v5e-4 qwen2.5-7b 8192 slots batch 1 (not run)" in md
+    assert "v5e-4 qwen2.5-7b 8192 slots batch 1 verify (not run)" in md
+    assert "v5e-4 qwen2.5-7b 2048 slots batch 1 (not run)" in missing
     # an AR step at twice its must-move bytes: the speedup against AR at those bytes is said too
     assert best[(64, "verify")]["speedup_vs_copy_free_ar"] == pytest.approx(5.0 * 10 / 25)
     assert "| v5e-4 | 64 | - | - / 2.00x† |" in md and "| 2.00x† (4.00x against AR's program) |" in md
