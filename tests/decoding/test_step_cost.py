@@ -14,11 +14,12 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from prove_jax import aot, hlo_cost
 from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
 from prove_jax.decoding import step_report
-from prove_jax.models import attention
+from prove_jax.models import attention, sharding
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.params import create_model
 
@@ -116,6 +117,18 @@ def test_an_extra_pass_over_the_cache_raises_the_bytes(model, monkeypatch):
     monkeypatch.setattr(attention, "write_step", lambda *a, **k: written(*a, **k) * 2)
     report, after = _step(model)
     assert after.hbm_bytes - before.hbm_bytes >= 0.9 * _kv_bytes(report.setting["slots"])
+
+
+def test_rows_the_mesh_rounds_up_past_the_requests_are_priced(model):
+    """One request on four data shards: the stream runs four rows (the rest hold its dummy
+    request), and the report's state has all four (it had the requests' two, and run_chunk
+    failed to lower: batch 1 on v6e-4)."""
+    mesh = sharding.make_mesh((4, 1, 2))
+    graphdef, state = nnx.split(model)
+    sharded = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+    decoder = Decoder(sharded, [1], DecodeOptions("ar", 1), mesh=mesh)
+    report = step_report.price_programs(decoder, [[3] * PROMPT], NEW, 1, chip="H100", programs=("step",))
+    assert report.setting["rows"] == 4 and report.programs[0].hbm_bytes > _weight_bytes() // 2
 
 
 def test_the_report_writes_json_and_a_table(tmp_path, model):
