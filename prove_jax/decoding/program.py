@@ -346,15 +346,24 @@ def put_shard_rows(full: jax.Array, part: jax.Array, rows: jax.Array, rules=DEFA
     admitted rows' caches over the data axis (benchmarks/decode_step_cost.md, `admit`)."""
     b, r = full.shape[0], part.shape[0]
     shards = b // rows_per_device(b, rules)
-    if r % shards:  # fewer admitted rows than a split over rows has blocks: the data shards' blocks
-        rules, shards = DEFAULT_RULES, b // rows_per_device(b)
-    per, width = b // shards, r // shards
-    local = jnp.where(rows // per == jnp.arange(r) // width, rows % per, per)  # per: dropped
+    # fewer admitted rows than a split over rows has blocks: they come in the data shards' blocks,
+    # each handed to every shard of full's within its data shard (full stays split as it lies:
+    # laid out by the data shards, the whole batch's row-split verifier cache was all-gathered
+    # over tensor on every admission, benchmarks/decode_step_cost.md)
+    blocks = shards if r % shards == 0 else b // rows_per_device(b)
+    per, width = b // shards, r // blocks
     axes = ("batch", None) + (tuple(axes[1:]) if axes is not None else (None,) * (full.ndim - 1))
-    split = lambda x: x.reshape((shards, -1) + x.shape[1:])  # noqa: E731
+
+    def spread(x):  # [R, ...] -> [shards, width, ...]: block j's rows for full's shards of it
+        x = x.reshape((blocks, width) + x.shape[1:])
+        return x if blocks == shards else jnp.repeat(x, shards // blocks, axis=0)
+
+    rows = spread(rows)
+    local = jnp.where(rows // per == jnp.arange(shards)[:, None], rows % per, per)  # per: dropped
     write = jax.vmap(lambda f, p, i: f.at[i].set(p.astype(f.dtype), mode="drop"))
-    local = constrain(local.reshape(shards, width), axes[:2], rules)
-    return write(split(full), constrain(split(part), axes, rules), local).reshape(full.shape)
+    local = constrain(local, axes[:2], rules)
+    split = full.reshape((shards, per) + full.shape[1:])
+    return write(split, constrain(spread(part), axes, rules), local).reshape(full.shape)
 
 
 def put_admitted(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
