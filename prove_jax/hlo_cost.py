@@ -417,9 +417,19 @@ class ModuleCost:
             read += min(operand_bytes[index], self._param_read(fused, pname, operand_bytes[index]))
         return read + written, self._fused_flops(fused)
 
-    def _param_read(self, fused: Computation, pname: str, full: int) -> int:
+    def _param_read(self, fused: Computation, pname: str, full: int, outer: tuple = ()) -> int:
         """Bytes a fused computation reads of its parameter `pname` (an HBM operand of `full`
-        bytes): what its slices take, through nested fusions; all of it for any other use."""
+        bytes): what its slices take, through nested fusions; all of it for any other use.
+        `outer`: the (computation, nested fusion instruction name) pairs it is nested in, whose
+        users read what this computation hands out as its root."""
+        root = fused.root
+        if pname == root.name or root.opcode == "tuple" and pname in root.operands:
+            # handed out whole (libtpu wraps a dot's weight in a bitcast fusion): read by the
+            # nested fusion's users, or by the fusion's own output (all of it)
+            if root.opcode == "tuple" or not outer:
+                return full
+            (caller, name), rest = outer[-1], outer[:-1]
+            return self._param_read(caller, name, full, rest)
         total = 0
         for user in fused.instrs:
             if pname not in user.operands:
@@ -433,7 +443,7 @@ class ModuleCost:
                 total += array_bytes(user.shape, hbm_only=False)
             # a view inside a fusion: what reads it reads
             elif user.opcode in ("bitcast", "reshape"):
-                total += self._param_read(fused, user.name, full)
+                total += self._param_read(fused, user.name, full, outer)
             elif (
                 user.opcode == "fusion"
                 and (inner := self.comps.get(_attr(user.attrs, "calls") or "")) is not None
@@ -443,7 +453,9 @@ class ModuleCost:
                 }
                 for position, operand in enumerate(user.operands):
                     if operand == pname and position in inner_params:
-                        total += self._param_read(inner, inner_params[position], full)
+                        total += self._param_read(
+                            inner, inner_params[position], full, outer + ((fused, user.name),)
+                        )
             else:
                 return full
         return total

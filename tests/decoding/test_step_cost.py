@@ -220,6 +220,49 @@ def test_an_async_slice_costs_its_slice():
     assert hlo_cost.program_cost(text).bytes == 4 * 4194304
 
 
+def test_a_weight_a_nested_fusion_hands_on_is_read_where_it_is_used():
+    """libtpu wraps a dot's weight in a nested fusion that only bitcasts it (the LM head of a
+    decode step, as the 7B's compiled step has it): the outer fusion's dot reads the whole
+    weight, a dynamic-slice of it what it takes. Priced at the nested fusion's own uses (none:
+    it is the root), the head went uncounted and the 7B's steps came out ~0.5-1 GiB a chip
+    under their weights."""
+    text = """HloModule m
+
+%view (w0: bf16[512,256]) -> bf16[512,256] {
+  %w0 = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %b = bf16[512,256]{1,0:T(8,128)(2,1)} bitcast(%w0)
+}
+
+%head (x: bf16[8,256], w: bf16[512,256]) -> f32[8,512] {
+  %x = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %w = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %f = bf16[512,256]{1,0:T(8,128)(2,1)} fusion(%w), kind=kLoop, calls=%view
+  ROOT %c = f32[8,512]{1,0:T(8,128)S(1)} convolution(%x, %f), dim_labels=bf_oi->bf
+}
+
+%rows (w1: bf16[512,256], i: s32[]) -> bf16[16,256] {
+  %w1 = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %g = bf16[512,256]{1,0:T(8,128)(2,1)} fusion(%w1), kind=kLoop, calls=%view
+  ROOT %d = bf16[16,256]{1,0:T(8,128)(2,1)} dynamic-slice(%g, %i, %z), dynamic_slice_sizes={16,256}
+}
+
+ENTRY %main (a: bf16[8,256], b: bf16[512,256], j: s32[]) -> (f32[8,512], bf16[16,256]) {
+  %a = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %b = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %j = s32[] parameter(2)
+  %h = f32[8,512]{1,0:T(8,128)S(1)} fusion(%a, %b), kind=kOutput, calls=%head
+  %r = bf16[16,256]{1,0:T(8,128)(2,1)} fusion(%b, %j), kind=kLoop, calls=%rows
+  ROOT %t = (f32[8,512], bf16[16,256]) tuple(%h, %r)
+}
+"""
+    cost = hlo_cost.program_cost(text)
+    weight, taken = 512 * 256 * 2, 16 * 256 * 2  # x and the logits lie in VMEM (S(1))
+    assert cost.by_opcode["fusion"] == weight + (taken + taken + 4)  # rows: read, written, index
+    assert cost.flops == 2 * 8 * 512 * 256
+
+
 def _stacked_buffers(state) -> list[str]:
     """'dims' text of each stacked cache or pool buffer of a loop state, as HLO prints shapes."""
     leaves = jax.tree.leaves(state.cache.k) + jax.tree.leaves(state.cache.v)
