@@ -28,7 +28,7 @@ from prove_jax.models.paged import PagedKVCache
 from prove_jax.models.params import create_model
 from tests.decoding.test_inference_mesh import GATHERS, admissions, collectives
 
-CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=8,
                   num_kv_heads=4, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
 VERIFIER = CFG.replace(num_heads=4, num_kv_heads=2, mask_token_id=None)
 ROWS = 8  # data 2 x tensor 4: one row per device once the verifier's cache splits over rows
@@ -120,7 +120,7 @@ def test_an_admission_inside_the_loop_puts_the_row_into_the_contiguous_verifier_
     cache, batch, put = admit()
     assert int(batch.cache.free_pages()[0]) == 16 - 3
     assert all((a == b).all() for a, b in zip(jax.tree.leaves(batch.verifier_cache), jax.tree.leaves(cache)))
-    for got, old, new in ((put.verifier_cache.k[0], cache.k[0], 5), (put.verifier_cache.v[1], cache.v[1], 6)):
+    for got, old, new in ((put.verifier_cache.k[0], cache.k[0], 5), (put.verifier_cache.v[0], cache.v[0], 6)):
         assert got.shape == old.shape
         np.testing.assert_array_equal(got[2], jnp.full(got.shape[1:], new, got.dtype))
         np.testing.assert_array_equal(np.delete(np.asarray(got), 2, 0), np.delete(np.asarray(old), 2, 0))
