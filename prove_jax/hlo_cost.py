@@ -372,6 +372,8 @@ class ModuleCost:
             return out, 0
         if op == "custom-call" and (estimate := kernel_estimate(instr.attrs)) is not None:
             return estimate
+        if op == "custom-call" and 'custom_call_target="AllocateBuffer"' in instr.attrs:
+            return 0, 0  # reserves a buffer (libtpu, for a copy to fill), moves nothing
         if op in _SLICING:  # reads what it takes (and the indices)
             taken = (
                 array_bytes(instr.shape, hbm_only=False)
