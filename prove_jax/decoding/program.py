@@ -68,6 +68,19 @@ def step_shape(options: DecodeOptions) -> tuple[int, int]:
     return propose_layout(options.block_size)[0], 1
 
 
+# bf16 rows in one (16, 128) TPU tile: a contiguous cache whose slots (a stacked one's L * S)
+# were not a whole number of them was laid out another way and copied whole in every layer of
+# every step (the 7B's 28 layers at AR and verify widths: benchmarks/decode_step_cost.md)
+CACHE_SLOT_TILE = 16
+
+
+def cache_slots(slots: int) -> int:
+    """Slots a contiguous cache that must hold `slots` (a row's buffer and one step past it) is
+    allocated with: `slots` rounded up to whole tiles (CACHE_SLOT_TILE). A paged pool's pages
+    are whole tiles already."""
+    return -(-slots // CACHE_SLOT_TILE) * CACHE_SLOT_TILE
+
+
 def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int, verifier=None,
                 head=None, sampler: Sampler | None = None) -> LoopState:
     """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
@@ -175,7 +188,7 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels
     )
     # room for one step past the buffer: the proposer's step width, the verifier's K
-    size = settings.num_slots + width
+    size = cache_slots(settings.num_slots + width)
     page = options.page_size
     if page is None:
         cache = prefill(model, prompts, prompt_len, size, **static)
@@ -210,7 +223,7 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
             verifier,
             prompts,
             prompt_len,
-            settings.num_slots + options.block_size,
+            cache_slots(settings.num_slots + options.block_size),
             cache=verifier_pool,
             **static,
         )

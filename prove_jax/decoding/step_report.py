@@ -292,7 +292,7 @@ def _slots(cache, settings, num_layers: int) -> int:
 def _kv_chunk_trips(decoder, settings, filled: int, platform: str) -> int:
     """Trips of the chunked KV read (`attention._attend_cached`) at `filled` slots."""
     width, _ = step_shape(settings.options)
-    slots = settings.num_slots + width
+    slots = program.cache_slots(settings.num_slots + width)
     with _on_mesh(decoder.mesh):
         size = cache_chunk(slots, rows=rows_per_device(settings.num_rows), platform=platform)
     page = settings.options.page_size or 1
@@ -381,7 +381,7 @@ def price_programs(
         prompt_tokens=prompt_len,
         new_tokens=new_tokens,
         filled=filled,
-        slots=settings.num_slots + width,
+        slots=program.cache_slots(settings.num_slots + width),
         hbm_bandwidth=aot.CHIP_HBM_BANDWIDTH[chip],
         peak_flops=aot.CHIP_PEAK_FLOPS[chip],
     )

@@ -134,8 +134,9 @@ def decode_step_runs(
         )
         length = jnp.full((batch,), filled, jnp.int32)
         no_stop = jnp.full((batch, 1), -1, jnp.int32)  # no EOS: rows never finish
+        cache = KVCache.zeros(cfg, batch, program.cache_slots(slots + width))
         state = initial_state(tokens, length, jnp.full((batch,), slots, jnp.int32), no_stop,
-                              KVCache.zeros(cfg, batch, slots + width), None, num_drafts=n_drafts,
+                              cache, None, num_drafts=n_drafts,
                               block_size=options.block_size, pad_id=0)
         fn = jax.jit(functools.partial(_run_steps, graphdef, options, mask_id))
 

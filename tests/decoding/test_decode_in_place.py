@@ -21,6 +21,7 @@ from flax import nnx
 
 from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding.program import cache_slots
 from prove_jax.models.attention import cache_chunk
 from prove_jax.models.kernels import MATMUL_FORMS, KernelOptions
 from prove_jax.models.params import create_model
@@ -97,9 +98,9 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
     assert "while" in hlo
     n_slots = decoder.buffer_len(16, 40)  # prompts pad to 16
     width = {"ar": 1, "lossless": 10, "threshold": 5, "verify": 5}[options.mode]
-    shapes = [(rows, CFG.num_kv_heads, n_slots + width, CFG.head_dim)]
+    shapes = [(rows, CFG.num_kv_heads, cache_slots(n_slots + width), CFG.head_dim)]
     if options.mode == "verify":
-        shapes.append((rows, CFG.num_kv_heads, n_slots + options.block_size, CFG.head_dim))
+        shapes.append((rows, CFG.num_kv_heads, cache_slots(n_slots + options.block_size), CFG.head_dim))
     # (a queue admits a request by prefilling one row inside the loop, once per request: those
     # buffers have one row, so with rows > 1 they do not match the batch's and are allowed)
     for shape in shapes:
@@ -118,7 +119,7 @@ def test_chunked_cache_read_never_copies_the_kv_cache(models, options, width):
     result = decoder.generate(prompts, 500, batch_size=2)
     assert all(len(out) > 0 for out in result.output_ids)
     ((_, compiled),) = decoder.programs("run")
-    slots = decoder.buffer_len(16, 500) + width
+    slots = cache_slots(decoder.buffer_len(16, 500) + width)
     assert cache_chunk(slots) < slots  # read in chunks
     moves = moves_of_shape(compiled.as_text(), (2, CFG.num_kv_heads, slots, CFG.head_dim))
     assert not moves, f"{len(moves)} whole-cache copies per step, e.g. {moves[0]}"

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.decoding.program import cache_slots
 from prove_jax.models import sharding
 from prove_jax.models.params import create_model, flat_params
 from prove_jax.models.qwen2 import LayerStack, stack_layers, unstack_layers
@@ -111,7 +112,7 @@ def test_the_scanned_loop_never_copies_the_stacked_cache(models, mode, new_token
     assert all(len(out) > 0 for out in result.output_ids)
     ((_, compiled),) = decoder.programs("run")
     hlo = compiled.as_text()
-    slots = decoder.buffer_len(16, new_tokens) + {"ar": 1, "lossless": 10}[mode]
+    slots = cache_slots(decoder.buffer_len(16, new_tokens) + {"ar": 1, "lossless": 10}[mode])
     stacked = (2, CFG.num_kv_heads, CFG.num_layers * slots, CFG.head_dim)  # every layer's slots, one axis
     assert "f32[{},{},{},{}]".format(*stacked) in hlo  # the shape looked for is the cache's
     assert not moves_of_shape(hlo, stacked)

@@ -88,7 +88,7 @@ def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
     ours = load_model(str(tmp_path / "ours"))
     prompts = random_prompts(4, (480, 40, 450))
     dec = Decoder(ours, [5], DecodeOptions("ar"))
-    slots = dec.buffer_len(480, 12) + 1  # the AR cache: the buffer and one step's width
+    slots = program.cache_slots(dec.buffer_len(480, 12) + 1)  # the AR cache: buffer + one step
     assert cache_chunk(slots) < slots
     assert dec.generate(prompts, 12).output_ids == hf_greedy(hf, prompts, 12, eos_id=5)
     model = create_model(CFG, seed=3)
@@ -110,7 +110,7 @@ def test_a_large_batch_reads_a_short_buffer_in_short_chunks(tmp_path):
     rows = CPU_SHORT_CHUNK_ROWS
     prompts = random_prompts(6, np.linspace(20, 250, rows).astype(int))
     dec = Decoder(ours, [5], DecodeOptions("ar"))
-    slots = dec.buffer_len(256, 8) + 1  # prompts pad to 256; the AR cache: buffer + one step
+    slots = program.cache_slots(dec.buffer_len(256, 8) + 1)  # prompts pad to 256; AR: + one step
     chunk = cache_chunk(slots, rows=rows)
     assert chunk < slots == cache_chunk(slots)
     assert dec.generate(prompts, 8).output_ids == hf_greedy(hf, prompts, 8, eos_id=5)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, KernelOptions
 from prove_jax.decoding.loading import build_decoder, parse_mesh
-from prove_jax.decoding.program import step_shape
+from prove_jax.decoding.program import cache_slots, step_shape
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.models import sharding
 from prove_jax.models.config import ModelConfig, preset
@@ -124,7 +124,7 @@ def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(mode
     for buffers in (state.cache.k, state.cache.v):
         assert all(s.spec == P("data", "tensor") for s in buffers), [s.spec for s in buffers]
     (key,) = [key for key, _ in decoder.programs("chunk")]
-    local = (rows // 2, 1, key[2].num_slots + step_shape(key[2].options)[0], CFG.head_dim)
+    local = (rows // 2, 1, cache_slots(key[2].num_slots + step_shape(key[2].options)[0]), CFG.head_dim)
     assert "f32[{},{},{},{}]".format(*local) in hlo
     assert not moves_of_shape(hlo, local)
 
