@@ -189,6 +189,22 @@ NOTES = """Notes.
 - The xla rows were priced before `hlo_cost` priced an async slice (libtpu's `slice-start` of a
   buffer into VMEM) at the slice it takes: they count its whole source per piece (most of the
   v6e-8 prefill row's bytes).
+- A weight that libtpu hands a dot through a nested fusion that only bitcasts it (each LM head)
+  is priced at the dot's read of it. Rows priced before left the heads out (the 7B's lossless
+  and verify steps came out at 0.91-0.99 of must): the 7B rows and the 32B's lossless K=6 G=2
+  and verify K=16 rows at 8k (batch 16 and 64, pallas_tpu) are priced with it; the 32B's other
+  rows are short by their heads' share per chip (on v5p-8 0.73 GiB for the 32B's, read twice by
+  a lossless step, and 0.29 GiB for the 3B's). Past `mode_steps.HEAD_ONE_PASS_MAX_EXTRA_ROWS`
+  extra rows (2 rows of K=6 G=2 are past it) a lossless step runs its LM head in two passes,
+  each reading the head: most of the 7B lossless rows' ratio over 1.
+- A contiguous cache holds a row's buffer and one step past it rounded up to whole 16-slot bf16
+  tiles (`program.cache_slots`). The 7B's 28 stacked layers at AR and verify widths had made it
+  no whole number of tiles, and libtpu copied it whole in every layer of every step (AR ratios
+  1.46-12.7; AR at 64 rows of 8k on v5e-4 did not fit). The 7B's verify rows still over 1.3
+  copy the 0.5B verifier's KV instead, whose head dim is 64: libtpu carries that cache (or
+  pool) with the slots or pages minor, so that the 64-wide head dim is not padded to 128 lanes,
+  while the step's write and the kernel's read want the head dim minor, and copies it whole
+  per layer per step (their dearest instruction names it); the slot count is not the cause.
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
