@@ -1,6 +1,6 @@
 """One layer's cached attention for a decode step, compiled for a TPU chip from this CPU (libtpu):
 the XLA path (models/attention.py, chunked) beside the Pallas TPU kernel path
-(models/attention_kernels.py, KernelOptions(attention="pallas_tpu")), at Qwen2.5-32B's attention
+(models/attention_kernels.py, ComputeOptions(attention="pallas_tpu")), at Qwen2.5-32B's attention
 shape (40 query heads, 8 kv heads, head dim 128), 16 rows, an 8192-slot buffer, bf16.
 
 Reports for each: compile OK and seconds, XLA's per-chip memory analysis, and its cost analysis
@@ -33,7 +33,7 @@ def compile_one(kind: str, chip: str, step: int, chips: int = 1) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from prove_jax.models import attention
-    from prove_jax.models.kernels import KernelOptions
+    from prove_jax.models.compute import ComputeOptions
     from prove_jax.aot import topology_mesh
 
     # rows on the data axis: `chips` chips, ROWS rows each
@@ -49,12 +49,12 @@ def compile_one(kind: str, chip: str, step: int, chips: int = 1) -> dict:
               jax.ShapeDtypeStruct((rows, KV_HEADS, SLOTS, HEAD_DIM), bf, sharding=rep),  # cache k
               jax.ShapeDtypeStruct((rows, KV_HEADS, SLOTS, HEAD_DIM), bf, sharding=rep),  # cache v
               jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep))  # cache_len
-    kernels = KernelOptions(attention=kind, platform="tpu")
+    compute = ComputeOptions(attention=kind, platform="tpu")
 
     def step_attention(q, k, v, intra, ck, cv, cache_len):
         if kind == "xla":
             return attention._attend_cached(q, (k, v), intra, (ck, cv), cache_len)
-        return attention._attend_cached_kernel(q, (k, v), intra, (ck, cv), cache_len, kernels)
+        return attention._attend_cached_kernel(q, (k, v), intra, (ck, cv), cache_len, compute)
 
     start = time.perf_counter()
     with jax.set_mesh(mesh):  # the kernel path runs per shard under it (attention_kernels._per_shard)

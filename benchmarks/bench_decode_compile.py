@@ -77,7 +77,7 @@ def abstract_model(cfg, scan_layers: bool):
 
 def compile_once(cfg, options) -> dict:
     from prove_jax.decoding.engine import Decoder
-    decoder = Decoder(abstract_model(cfg, options.scan_layers), list(cfg.eos_token_ids), options,
+    decoder = Decoder(abstract_model(cfg, options.memory.scan_layers), list(cfg.eos_token_ids), options,
                       pad_id=cfg.pad_token_id)
     prompts = [[3] * 128] * 4
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def time_decoding(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]
     """Seconds per generated token, scanned vs unrolled, for ar and lossless K=8 G=2 at batch 1."""
     from prove_jax import assets
     from prove_jax.timing import fastest_interleaved
-    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
     from prove_jax.evaluation.benchmark import humaneval_prompts
     from prove_jax.evaluation.model_pair import load_pair
     from prove_jax.evaluation.progress import log
@@ -105,8 +105,8 @@ def time_decoding(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]
     runs, outputs, tokens = {}, {}, {}
     for mode in ("ar", "lossless"):
         for scan in (False, True):
-            options = (DecodeOptions("ar", scan_layers=scan) if mode == "ar"
-                       else DecodeOptions("lossless", 8, max_groups=2, scan_layers=scan))
+            options = (DecodeOptions("ar", memory=MemoryLayout(scan_layers=scan)) if mode == "ar"
+                       else DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(scan_layers=scan)))
             decoder = pair.decoder(options)
             key = (mode, scan)
 
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
     from prove_jax.evaluation.progress import log
     from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.models.config import preset
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
         cfg = base.replace(num_layers=layers)
         for mode in args.modes:
             for scan in (False, True):
-                options = (DecodeOptions("ar", scan_layers=scan) if mode == "ar"
-                           else DecodeOptions("lossless", 8, max_groups=2, scan_layers=scan))
+                options = (DecodeOptions("ar", memory=MemoryLayout(scan_layers=scan)) if mode == "ar"
+                           else DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(scan_layers=scan)))
                 log(f"compiling {mode} at {layers} layers, {'scanned' if scan else 'unrolled'}")
                 row = dict(layers=layers, mode=mode, layout="scan" if scan else "unrolled", **compile_once(cfg, options))
                 log(f"  {row}")

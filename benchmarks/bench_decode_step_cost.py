@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=8, help="verify's K (default 8, as HumanEval measured it)")
     p.add_argument("--lossless", default="6,2", help="lossless K,G (default 6,2, as HumanEval measured it)")
     p.add_argument("--attention", default="auto",
-                   help="KernelOptions.attention (default auto: what generate runs on TPU, the Pallas kernel)")
+                   help="ComputeOptions.attention (default auto: what generate runs on TPU, the Pallas kernel)")
     p.add_argument("--programs", default=None,
                    help="programs priced in every cell, e.g. step (default: step; the first slice's verify "
                         "row at the first paged batch also prefill,admit)")
@@ -242,8 +242,8 @@ def main(argv=None) -> int:
     import jax
 
     from prove_jax import aot
-    from prove_jax.decoding.options import DecodeOptions
-    from prove_jax.models.kernels import KernelOptions
+    from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
+    from prove_jax.models.compute import ComputeOptions
     from prove_jax.decoding.step_report import step_report
     from prove_jax.evaluation.progress import log
     from prove_jax.evaluation.report import device_description, write_results
@@ -264,13 +264,13 @@ def main(argv=None) -> int:
     proposer = proposer.replace(mask_token_id=proposer.vocab_size - 1)
     verifier = preset(args.verifier)
     lossless_k, lossless_g = (int(x) for x in args.lossless.split(","))
-    kernels = KernelOptions(attention=args.attention)
-    options = {"ar": ("ar", DecodeOptions("ar", 1, scan_layers=True, kernels=kernels)),
+    compute = ComputeOptions(attention=args.attention)
+    options = {"ar": ("ar", DecodeOptions("ar", 1, memory=MemoryLayout(scan_layers=True), compute=compute)),
                "lossless": (f"lossless K={lossless_k} G={lossless_g}",
-                            DecodeOptions("lossless", lossless_k, max_groups=lossless_g, scan_layers=True,
-                                          kernels=kernels)),
-               "verify": (f"verify K={args.block_size}", DecodeOptions("verify", args.block_size, scan_layers=True,
-                                                                        kernels=kernels))}
+                            DecodeOptions("lossless", lossless_k, lossless=LosslessRule(max_groups=lossless_g), memory=MemoryLayout(scan_layers=True),
+                                          compute=compute)),
+               "verify": (f"verify K={args.block_size}", DecodeOptions("verify", args.block_size, memory=MemoryLayout(scan_layers=True),
+                                                                        compute=compute))}
     modes = args.modes.split(",")
     jobs = []
     for accelerator in args.accelerators.split(","):
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
         chip, chips = aot.accelerator_chips(accelerator)
         label, opts = options[mode]
         if page is not None:
-            opts = dataclasses.replace(opts, page_size=page)
+            opts = dataclasses.replace(opts, memory=dataclasses.replace(opts.memory, page_size=page))
             label += f", paged ({page})"
         log(f"{accelerator}: {args.proposer}, {label}, batch {batch}, {args.context} slots")
         programs = ("step", "prefill", "admit") if (accelerator, mode, batch, page) == first else ("step",)
@@ -302,8 +302,8 @@ def main(argv=None) -> int:
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             log(f"  failed: {error}")
             new.append(dict(cell, label=label, batch=batch, mode=mode, block_size=opts.block_size,
-                            groups=opts.max_groups, page_size=opts.page_size,
-                            attention=opts.kernels.resolve_attention("tpu").attention, error=error))
+                            groups=opts.lossless.max_groups, page_size=opts.memory.page_size,
+                            attention=opts.compute.resolve_attention("tpu").attention, error=error))
             continue
         log("  " + report.table().replace("\n", "\n  "))
         new.append(dict(cell, label=f"{label}, {report.setting['attention']}", **report.record()))

@@ -128,11 +128,11 @@ def main(argv=None) -> int:
 
     from prove_jax import aot
     from prove_jax.decoding.dry_run import dry_run_decode
-    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
     from prove_jax.evaluation.progress import log
     from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.models.config import preset
-    from prove_jax.models.kernels import KernelOptions
+    from prove_jax.models.compute import ComputeOptions
 
     if not aot.libtpu_available():
         print('error: needs libtpu: pip install "libtpu==0.0.42.*" (docs/environment.md)', file=sys.stderr)
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     proposer = preset(args.proposer)
     proposer = proposer.replace(mask_token_id=proposer.vocab_size - 1)
     verifier = preset(args.verifier)
-    verify = DecodeOptions("verify", args.block_size, scan_layers=True)
-    lossless = DecodeOptions("lossless", args.block_size, adaptive=True, scan_layers=True)
+    verify = DecodeOptions("verify", args.block_size, memory=MemoryLayout(scan_layers=True))
+    lossless = DecodeOptions("lossless", args.block_size, lossless=LosslessRule(adaptive=True), memory=MemoryLayout(scan_layers=True))
     jobs = []
     for accelerator in args.accelerators.split(","):
         for context in args.contexts:
@@ -152,8 +152,8 @@ def main(argv=None) -> int:
                 jobs.append((accelerator, lossless, batch, args.contexts[0], "lossless adaptive"))
     if args.extras:
         first = args.accelerators.split(",")[0]
-        jobs.append((first, dataclasses.replace(verify, scan_layers=False), 16, args.contexts[0], "verify, unrolled"))
-        pallas = dataclasses.replace(verify, kernels=KernelOptions(attention="pallas_tpu"))
+        jobs.append((first, dataclasses.replace(verify, memory=dataclasses.replace(verify.memory, scan_layers=False)), 16, args.contexts[0], "verify, unrolled"))
+        pallas = dataclasses.replace(verify, compute=ComputeOptions(attention="pallas_tpu"))
         jobs.append((first, pallas, 16, args.contexts[0], "verify, Pallas attention"))
         last = args.accelerators.split(",")[-1]
         if last != first:  # the largest program, where a verifier's cache splits over rows

@@ -101,12 +101,12 @@ def pool_variants(lengths: list[int]):
     options)] for contiguous rows and the pool), lossless K=8 with 2 mask groups."""
     import numpy as np
 
-    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.options import DecodeOptions, LosslessRule
     need = [-(-(n + NEW) // PAGE) for n in lengths]
     pool = ROWS * int(np.ceil(np.mean(need)))
-    lossless = DecodeOptions("lossless", block_size=8, max_groups=2)
+    lossless = DecodeOptions("lossless", block_size=8, lossless=LosslessRule(max_groups=2))
     return need, pool, [("contiguous", lossless),
-                        (f"paged, {pool} pages of {PAGE}", dataclasses.replace(lossless, page_size=PAGE, kv_pages=pool))]
+                        (f"paged, {pool} pages of {PAGE}", dataclasses.replace(lossless, memory=dataclasses.replace(lossless.memory, page_size=PAGE, kv_pages=pool)))]
 
 
 def compiled_bytes(cfg, options, lengths) -> dict:
@@ -149,10 +149,10 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
     widths, or with `verifier` (a preset) verify K=16 with scanned layers."""
     from prove_jax import aot
     from prove_jax.decoding.dry_run import dry_run_decode
-    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.options import DecodeOptions, MemoryLayout
     from prove_jax.evaluation.progress import log
     from prove_jax.models.config import preset
-    from prove_jax.models.kernels import KernelOptions
+    from prove_jax.models.compute import ComputeOptions
     cfg = preset(preset_name).replace(mask_token_id=151665)
     chip, chips = aot.accelerator_chips(accelerator)
     lengths = queue_lengths()
@@ -160,10 +160,10 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
     verifier_cfg = None
     if verifier is not None:
         verifier_cfg = preset(verifier)
-        verify = DecodeOptions("verify", block_size=16, scan_layers=True)
-        base, paged = verify, dataclasses.replace(verify, page_size=paged.page_size, kv_pages=paged.kv_pages)
+        verify = DecodeOptions("verify", block_size=16, memory=MemoryLayout(scan_layers=True))
+        base, paged = verify, dataclasses.replace(verify, memory=dataclasses.replace(verify.memory, page_size=paged.memory.page_size, kv_pages=paged.memory.kv_pages))
     variants = [(contiguous, base), (f"{paged_name}, XLA read", paged),
-                (f"{paged_name}, Pallas kernel", dataclasses.replace(paged, kernels=KernelOptions(attention="pallas_tpu")))]
+                (f"{paged_name}, Pallas kernel", dataclasses.replace(paged, compute=ComputeOptions(attention="pallas_tpu")))]
     rows = []
     for name, options in variants:
         log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")
@@ -182,7 +182,7 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
 def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
     from prove_jax import assets
     from prove_jax.timing import fastest_interleaved
-    from prove_jax.decoding.options import DecodeOptions
+    from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
     from prove_jax.evaluation.benchmark import humaneval_prompts
     from prove_jax.evaluation.model_pair import load_pair
     from prove_jax.evaluation.progress import log
@@ -190,10 +190,9 @@ def time_rows(inflate_to: str, num_prompts: int, repeats: int) -> list[dict]:
     pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate_to)
     prompts = humaneval_prompts(pair.tokenizer, num_prompts)
     need = max(-(-(len(p) + 128) // 16) for p in prompts)
-    variants = {"contiguous": DecodeOptions("lossless", 8, max_groups=2),
-                "paged, default pool": DecodeOptions("lossless", 8, max_groups=2, page_size=16),
-                "paged, half the pool": DecodeOptions("lossless", 8, max_groups=2, page_size=16,
-                                                      kv_pages=max(need, 4 * need // 2))}
+    variants = {"contiguous": DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=2)),
+                "paged, default pool": DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(page_size=16)),
+                "paged, half the pool": DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(page_size=16, kv_pages=max(need, 4 * need // 2)))}
     outputs, steps, tokens, runs = {}, {}, {}, {}
     for name, options in variants.items():
         decoder = pair.decoder(options)

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from prove_jax.evaluation.progress import log
     from prove_jax.evaluation.report import device_description, write_results
     from prove_jax.timing import fastest_interleaved
-    from prove_jax.decoding.options import DecodeOptions, default_prefill_chunk
+    from prove_jax.decoding.options import DecodeOptions, default_prefill_chunk, MemoryLayout
 
     inflate = None if args.inflate == "none" else args.inflate
     pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     for b in args.batch_sizes:
         runs = {}
         for c in args.chunks:
-            decoder = pair.decoder(DecodeOptions("ar", prefill_chunk=c))
+            decoder = pair.decoder(DecodeOptions("ar", memory=MemoryLayout(prefill_chunk=c)))
             runs[c] = lambda d=decoder: d.generate(prompts, 1, batch_size=b).seconds
         log(f"batch {b}: compiling and timing chunks {args.chunks} ...")
         best = fastest_interleaved(runs, args.repeats)

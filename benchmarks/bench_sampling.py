@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     import jax
 
     from prove_jax import assets
-    from prove_jax.decoding import DecodeOptions, SamplingParams
+    from prove_jax.decoding import DecodeOptions, SamplingParams, LosslessRule
     from prove_jax.timing import fastest_interleaved
     from prove_jax.evaluation.benchmark import humaneval_prompts
     from prove_jax.evaluation.model_pair import load_pair
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     pair = load_pair(assets.DEMO_PROPOSER, inflate_to=inflate)
     prompts = humaneval_prompts(pair.tokenizer, args.humaneval)
     settings = {"ar": DecodeOptions("ar"),
-                "lossless": DecodeOptions("lossless", args.block_size, max_groups=args.groups)}
+                "lossless": DecodeOptions("lossless", args.block_size, lossless=LosslessRule(max_groups=args.groups))}
     results, runs = {}, {}
     for mode, options in settings.items():
         decoder = pair.decoder(options)

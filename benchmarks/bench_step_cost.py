@@ -6,7 +6,7 @@ each width (where the cost of a few extra tokens comes from on this device); and
 whole decode step of each lossless layout, relative to an AR step. The matmuls and the steps
 are timed side by side in the forms `matmul.dense` can take for decode steps (weight-major, its
 rows padded to whole kernel tiles; the same unpadded; input-major; plain); ratios are against
-this CPU's default form (`kernels.default_cpu_form`). For the demo proposer's shapes at batch
+this CPU's default form (`compute.default_cpu_form`). For the demo proposer's shapes at batch
 1/4/16 and, with `--preset`, for real Qwen2.5 shapes (random weights: cost does not depend on
 the values) at batch 1. From the step ratios it derives, per lossless layout, the tokens per
 step needed to break even and the speedup a *perfect* proposer (every draft accepted, K tokens per
@@ -46,7 +46,7 @@ from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name, ti
 from prove_jax.timing import fastest_interleaved, timed
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.mode_steps import head_in_one_pass
-from prove_jax.models.kernels import CPU_DECODE_MAX_ROWS, KernelOptions, default_cpu_form
+from prove_jax.models.compute import CPU_DECODE_MAX_ROWS, ComputeOptions, default_cpu_form
 from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
@@ -86,9 +86,9 @@ class Form(NamedTuple):
     title: str
 
     @property
-    def kernels(self) -> KernelOptions:
-        """The kernel options that trace `matmul.dense` in this form, on any platform."""
-        return KernelOptions(matmul_form=self.matmul, matmul_max_rows=CPU_DECODE_MAX_ROWS, pad_dot_rows=self.pad)
+    def compute(self) -> ComputeOptions:
+        """The compute options that trace `matmul.dense` in this form, on any platform."""
+        return ComputeOptions(matmul_form=self.matmul, matmul_max_rows=CPU_DECODE_MAX_ROWS, pad_dot_rows=self.pad)
 
 
 FORMS = {"weight_major": Form("weight_major", True, "_weight_major", "weight-major"),
@@ -104,18 +104,18 @@ def dense_matmul_runs(model, batch: int, widths, steps: int, kernels=None, forms
     of each product times the same as reducing all of it: XLA drops no part of the dots.)"""
     weights = layer_kernels(model) if kernels is None else kernels
 
-    def make(kernel_options: KernelOptions):
+    def make(kernel_options: ComputeOptions):
         @jax.jit
         def run(weights, x):
             def body(_, acc):
                 xs = {d: v + acc for d, v in x.items()}  # inputs depend on the carry: nothing hoisted
-                return acc + sum(dense(xs[w.shape[1]], w, kernels=kernel_options)[0, 0] for w in weights) * 1e-9
+                return acc + sum(dense(xs[w.shape[1]], w, compute=kernel_options)[0, 0] for w in weights) * 1e-9
             return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
         return run
 
     runs = {}
     for form in forms:
-        run = make(FORMS[form].kernels)
+        run = make(FORMS[form].compute)
         for t in widths:
             x = {d: jnp.ones((batch * t, d), jnp.float32) for d in {w.shape[1] for w in weights}}
             runs[(form, t)] = functools.partial(timed, run, weights, x)
@@ -131,12 +131,12 @@ def measure(name: str, cfg, batches, repeats: int, steps: int, widths=WIDTHS, la
             dense_matmul_runs(model, batch, widths, steps), repeats).items()}
         step_runs = {}
         for form in FORMS:  # all forms interleaved: ratios side by side
-            for key, run in decode_step_runs(model, batch, layouts, steps=steps, kernels=FORMS[form].kernels).items():
+            for key, run in decode_step_runs(model, batch, layouts, steps=steps, compute=FORMS[form].compute).items():
                 step_runs[(form, layout_name(key))] = run
-        default = FORMS[default_cpu_form()].kernels
+        default = FORMS[default_cpu_form()].compute
         one_pass = [key for key in layouts if head_in_one_pass(LosslessLayout.build(*key), batch, default)]
         two_passes = dataclasses.replace(default, lm_head_one_pass=False)
-        for key, run in decode_step_runs(model, batch, one_pass, steps=steps, kernels=two_passes).items():
+        for key, run in decode_step_runs(model, batch, one_pass, steps=steps, compute=two_passes).items():
             if key != AR:  # the default form with the LM head forced to two passes
                 step_runs[("head_two_pass", layout_name(key))] = run
         step_s = {k: v / steps for k, v in fastest_interleaved(step_runs, repeats).items()}
@@ -204,7 +204,7 @@ def markdown(models: list[dict]) -> list[str]:
              "past 4 rows (`matmul.padded_dot_rows`; *unpadded*: without that); *input-major*, "
              "x @ t(W) with the weight transposed to [in, out] once, outside the loop; *plain*, "
              "x @ W^T as written (what runs for more rows, and on accelerators). This CPU's "
-             f"default (`kernels.default_cpu_form`) is **{FORMS[models[0]['default_form']].title}**. "
+             f"default (`compute.default_cpu_form`) is **{FORMS[models[0]['default_form']].title}**. "
              "All forms are timed in the same run, interleaved, on the same weights.", ""]
     for m in models:
         widths = m["widths"]

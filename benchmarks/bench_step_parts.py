@@ -48,16 +48,16 @@ from prove_jax.files import atomic_write_text
 from prove_jax.checkpoints.checkpoint import load_config
 from prove_jax.decoding.step_timing import AR, decode_step_runs, layout_name
 from prove_jax.timing import fastest_interleaved
-from prove_jax.decoding.options import DecodeOptions
+from prove_jax.decoding.options import DecodeOptions, LosslessRule
 from prove_jax.decoding.program import step_shape
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions, default_cpu_form
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions, default_cpu_form
 from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
 LAYOUTS = ((4, 2), (6, 2))  # lossless K, G; with AR
 
 
-def _free_dense(x: jax.Array, w: jax.Array, n_in: int = 1, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
+def _free_dense(x: jax.Array, w: jax.Array, n_in: int = 1, compute: ComputeOptions = DEFAULT_COMPUTE) -> jax.Array:
     """`matmul.dense`'s output shape, no arithmetic: x's first feature broadcast over the output
     features (so the step still depends on every layer) plus one weight element."""
     lead = x.shape[:x.ndim - n_in]
@@ -80,7 +80,7 @@ def matmuls_free():
 
 
 def _width(key) -> int:
-    options = DecodeOptions("ar") if key == AR else DecodeOptions("lossless", key[0], max_groups=key[1])
+    options = DecodeOptions("ar") if key == AR else DecodeOptions("lossless", key[0], lossless=LosslessRule(max_groups=key[1]))
     return step_shape(options.validate())[0]
 
 

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from prove_jax import assets
-    from prove_jax.decoding import DecodeOptions, SamplingParams
+    from prove_jax.decoding import DecodeOptions, SamplingParams, LosslessRule
     from prove_jax.timing import fastest_interleaved
     from prove_jax.decoding.request_run import RequestStream, run_requests
     from prove_jax.decoding.requests import encode_prompts
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     prompts = [p[: rs.randint(8, len(p) + 1)] for p in (base[i % len(base)] for i in range(args.requests))]
     budgets = rs.randint(8, 129, args.requests).tolist()
     params = [SamplingParams(max_new_tokens=b) for b in budgets]
-    options = {"ar": DecodeOptions("ar"), "lossless": DecodeOptions("lossless", 4, max_groups=2)}
+    options = {"ar": DecodeOptions("ar"), "lossless": DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))}
     modes = [m for m in args.modes.split(",") if m]
     outputs, runs = {}, {}
     for mode in modes:

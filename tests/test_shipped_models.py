@@ -13,7 +13,7 @@ from prove_jax import assets
 from prove_jax.evaluation import humaneval
 from prove_jax.checkpoints.checkpoint import load_config, load_tokenizer
 from prove_jax.data.corpus import build_corpus, heldout_prompts
-from prove_jax.decoding import DecodeOptions, KernelOptions
+from prove_jax.decoding import DecodeOptions, ComputeOptions, LosslessRule
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.mode_steps import head_in_one_pass
@@ -43,7 +43,7 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     ref = ar.generate(heldout_ids, 40)
     results = {}
     for k, groups in ((4, None), (6, 2), (8, 3)):
-        dec = ar.with_options(DecodeOptions("lossless", k, max_groups=groups))
+        dec = ar.with_options(DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=groups)))
         res = results[(k, groups)] = dec.generate(heldout_ids, 40)
         assert res.output_ids == ref.output_ids
         # the self-distilled proposer's drafts are mostly accepted: more than 2 tokens per forward
@@ -58,7 +58,7 @@ def test_shipped_lossless_equals_ar_on_heldout_prompts(heldout_ids):
     # one row at a time, K=6 with 2 groups reads the LM head in one pass (mode_steps.head_in_one_pass):
     # its drafts are then taken from that pass, and they are accepted as often as before
     assert head_in_one_pass(LosslessLayout.build(6, 2), 1) and not head_in_one_pass(LosslessLayout.build(6, 2), 6)
-    one_row = ar.with_options(DecodeOptions("lossless", 6, max_groups=2)).generate(heldout_ids, 40, batch_size=1)
+    one_row = ar.with_options(DecodeOptions("lossless", 6, lossless=LosslessRule(max_groups=2))).generate(heldout_ids, 40, batch_size=1)
     all_rows = results[(6, 2)]
     assert one_row.output_ids == ref.output_ids
     assert list(one_row.forwards) == list(all_rows.forwards) and (one_row.accept_hist == all_rows.accept_hist).all()
@@ -73,19 +73,19 @@ def test_shipped_lossless_equals_ar_as_an_accelerator_runs_it(monkeypatch):
     from prove_jax.decoding import options as decode_options
     monkeypatch.setattr(decode_options, "PREFILL_CHUNK", {})  # every backend: PREFILL_CHUNK_ACCELERATOR
     table = adaptive.ADAPTIVE_TABLES["gpu"]
-    plain = KernelOptions(matmul_form="plain")
+    plain = ComputeOptions(matmul_form="plain")
     # one device: the suite's simulated ones would all go on the data axis (8 rows at least)
-    ar, tok = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar", kernels=plain), mesh_shape="1,1,1")
+    ar, tok = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("ar", compute=plain), mesh_shape="1,1,1")
     # HumanEval prompts, on which the proposer often accepts part of a block
     prompts = [tok.encode(p["prompt"])[-96:] for p in humaneval.load_problems(limit=6)]
     assert decode_options.default_prefill_chunk() == decode_options.PREFILL_CHUNK_ACCELERATOR > max(map(len, prompts))
     ref = ar.generate(prompts, 48)
-    dec = ar.with_options(DecodeOptions("lossless", 8, adaptive=True, kernels=plain))
+    dec = ar.with_options(DecodeOptions("lossless", 8, lossless=LosslessRule(adaptive=True), compute=plain))
     dec.adaptive_table = table  # what an accelerator looks up for its platform
     for rows, layout in ((1, (8, 8)), (4, table[1][1:]), (6, table[2][1:])):
         res = dec.generate(prompts, 48, batch_size=rows)
-        assert (res.options.block_size, res.options.max_groups) == layout
-        assert res.options.kernels == plain  # the adapted options keep the kernels
+        assert (res.options.block_size, res.options.lossless.max_groups) == layout
+        assert res.options.compute == plain  # the adapted options keep the kernels
         assert res.output_ids == ref.output_ids, (rows, layout)
         if rows == 1:  # the middle groups (a partial acceptance) served some steps too
             assert LosslessLayout.build(8, 8).width == 64
@@ -101,7 +101,7 @@ def test_capped_layout_commits_every_verified_token():
     # stdlib prompts it mostly accepts all or nothing)
     prompts = [tok.encode(p["prompt"])[-96:] for p in humaneval.load_problems(limit=6)]
     ref = ar.generate(prompts, 48)
-    dec = ar.with_options(DecodeOptions("lossless", 4, max_groups=2, record_steps=True))
+    dec = ar.with_options(DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), record_steps=True))
     res = dec.generate(prompts, 48)
     assert res.output_ids == ref.output_ids
     partial = 0

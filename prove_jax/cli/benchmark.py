@@ -513,7 +513,8 @@ def main(argv=None) -> int:
             if (
                 s.mode == "relaxed"
                 or s.options is not None
-                and (s.options.head_threshold is not None or s.options.gate_tau is not None)
+                and (s.options.verify.head_threshold is not None
+                     or s.options.verify.gate_tau is not None)
             ):
                 # a bad --relaxed-ps or --head-thresholds found before any load
                 try:
@@ -529,7 +530,7 @@ def main(argv=None) -> int:
             raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
         if args.block_size < 1 and {"threshold", "verify"} & set(modes):
             raise BenchError(f"--block-size must be >= 1, got {args.block_size}")
-        if any(s.mode == "verify" and s.options.tau_v < 0 for s in settings):
+        if any(s.mode == "verify" and s.options.verify.tau_v < 0 for s in settings):
             raise BenchError(f"--tau-vs are verifier probabilities: each must be >= 0, "
                              f"got {args.tau_vs!r}")
         if "threshold" in modes and not taus:

@@ -244,7 +244,7 @@ def verdict(ms: list[Measurement], exact: bool) -> list[str]:
     # time of one lossless forward in AR forwards (each side's fastest pass; prefill included)
     step_cost = (min(ll.seconds) / ll.proposer_forwards) / (min(ar.seconds) / ar.proposer_forwards)
     opts = ll.setting.options
-    width = LosslessLayout.build(opts.block_size, opts.max_groups).width
+    width = LosslessLayout.build(opts.block_size, opts.lossless.max_groups).width
     same = ("with the same output token for token" if exact
             else "but its output was not AR's (see above)")
     if speedup >= NOISE:

@@ -50,11 +50,15 @@ from prove_jax.decoding import (
     MODES,
     DecodeError,
     DecodeOptions,
+    LosslessRule,
+    MemoryLayout,
+    ThresholdRule,
+    VerifyRule,
 )
 from prove_jax.decoding.calibrate import calibrate_decoder
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.options import MAX_LOGPROBS
-from prove_jax.models.kernels import ATTENTION_CHOICES, KernelOptions
+from prove_jax.models.compute import ATTENTION_CHOICES, ComputeOptions
 from prove_jax.decoding.request_run import QUEUE_BATCHES, RequestStream
 from prove_jax.decoding.requests import (ERROR_KEY, encode_prompts, error_record, read_requests,
                                          request_controls, request_hash)
@@ -384,7 +388,7 @@ def check_mode_options(args) -> None:
             what = "--calibrate chooses lossless layouts: use it" if name == "calibrate" else \
                 f"--{name.replace('_', '-')} applies"
             raise DecodeError(f"{what} with --mode {' or '.join(modes)}, not --mode {args.mode}")
-    chosen_rule = args.commit_rule or DecodeOptions.commit_rule  # the dataclass default
+    chosen_rule = args.commit_rule or DecodeOptions.verify.commit_rule  # the dataclass default
     for name, rule in RULE_OPTIONS.items():
         if getattr(args, name) is not None and args.mode == "verify" and chosen_rule != rule:
             raise DecodeError(f"--{name.replace('_', '-')} applies with --commit-rule {rule}, "
@@ -402,27 +406,26 @@ def decode_options(args) -> DecodeOptions:
         block = args.block_size
     else:
         block = 4 if args.mode == "lossless" and not (args.adaptive or args.calibrate) else 8
-    given = {k: v for k, v in (("confidence", args.confidence), ("commit_rule", args.commit_rule),
-                               ("tau_v", args.tau_v)) if v is not None}  # else DecodeOptions'
+    # the flags left unset take the rules' defaults
+    threshold = {k: v for k, v in (("tau", args.tau), ("confidence", args.confidence))
+                 if v is not None}
+    verify = {k: v for k, v in (("commit_rule", args.commit_rule), ("tau_v", args.tau_v))
+              if v is not None}
     if args.batch_size < 1:
         raise DecodeError(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
         return DecodeOptions(
             mode=args.mode,
             block_size=block if args.mode != "ar" else 1,
-            max_groups=args.groups,
-            adaptive=args.adaptive or args.calibrate,
-            tau=args.tau,
-            head_threshold=args.head_threshold,
-            gate_tau=args.gate_tau,
-            prefill_chunk=args.prefill_chunk,
+            lossless=LosslessRule(max_groups=args.groups, adaptive=args.adaptive or args.calibrate,
+                                  relaxed_p=args.relaxed_p),
+            threshold=ThresholdRule(**threshold),
+            verify=VerifyRule(head_threshold=args.head_threshold, gate_tau=args.gate_tau,
+                              **verify),
+            memory=MemoryLayout(scan_layers=args.scan_layers, page_size=args.page_size,
+                                kv_pages=args.kv_pages, prefill_chunk=args.prefill_chunk),
             logprobs=args.logprobs,
-            relaxed_p=args.relaxed_p,
-            scan_layers=args.scan_layers,
-            page_size=args.page_size,
-            kv_pages=args.kv_pages,
-            kernels=_kernels(args),
-            **given,
+            compute=_compute(args),
         ).validate()
     except DecodeError as e:  # the library's words for a setting -> the flag that set it
         message = str(e)
@@ -432,12 +435,12 @@ def decode_options(args) -> DecodeOptions:
         raise DecodeError(message) from None
 
 
-def _kernels(args) -> KernelOptions:
-    """--attention as KernelOptions; "auto" is resolved on the host for the backend the program
+def _compute(args) -> ComputeOptions:
+    """--attention as ComputeOptions; "auto" is resolved on the host for the backend the program
     runs on when the Decoder is built (a --dry-run's, for TPU, when the dry run resolves its
     options), not here: a multi-host job has not joined yet, and asking for the backend would
     start it."""
-    return KernelOptions(attention=args.attention)
+    return ComputeOptions(attention=args.attention)
 
 
 OPTION_FLAGS = {

@@ -10,10 +10,14 @@ from prove_jax.decoding.options import (
     MODES,
     DecodeError,
     DecodeOptions,
+    LosslessRule,
+    MemoryLayout,
+    ThresholdRule,
+    VerifyRule,
     default_prefill_chunk,
 )
 from prove_jax.decoding.sampling import SamplingParams
-from prove_jax.models.kernels import KernelOptions
+from prove_jax.models.compute import ComputeOptions
 
 __all__ = [
     "ADAPTIVE_TABLES",
@@ -25,8 +29,12 @@ __all__ = [
     "BatchResult",
     "DecodeError",
     "DecodeOptions",
+    "ComputeOptions",
     "Decoder",
-    "KernelOptions",
+    "LosslessRule",
+    "MemoryLayout",
+    "ThresholdRule",
+    "VerifyRule",
     "SamplingParams",
     "adapt_for_batch",
     "check_adaptive_table",

@@ -28,7 +28,7 @@ def adapt_for_batch(options: DecodeOptions, batch: int, platform: str | None = N
                     table: Sequence[tuple[int, int, int]] | None = None) -> DecodeOptions:
     """The lossless (K, groups) to run at this batch size: from `table` (e.g. measured by
     `calibrate.calibrate`) or this platform's ADAPTIVE_TABLES row; a row with K=1 is plain AR."""
-    if options.mode != "lossless" or not options.adaptive:
+    if options.mode != "lossless" or not options.lossless.adaptive:
         return options
     if table is None:
         table = ADAPTIVE_TABLES.get(platform or jax.devices()[0].platform, ADAPTIVE_TABLES["gpu"])
@@ -37,8 +37,9 @@ def adapt_for_batch(options: DecodeOptions, batch: int, platform: str | None = N
             block_size = min(block_size, options.block_size)
             if block_size < 2:
                 break
-            return dataclasses.replace(options, block_size=block_size,
-                                       max_groups=min(groups, options.max_groups or groups))
+            groups = min(groups, options.lossless.max_groups or groups)
+            lossless = dataclasses.replace(options.lossless, max_groups=groups)
+            return dataclasses.replace(options, block_size=block_size, lossless=lossless)
     return dataclasses.replace(options, mode="ar", block_size=1)
 
 

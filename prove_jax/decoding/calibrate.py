@@ -20,7 +20,7 @@ from flax import nnx
 
 from prove_jax.decoding.adaptive import check_adaptive_table
 from prove_jax.decoding.layouts import LosslessLayout
-from prove_jax.decoding.options import DecodeError, DecodeOptions
+from prove_jax.decoding.options import DecodeError, DecodeOptions, LosslessRule
 from prove_jax.decoding.step_timing import AR, layout_name, time_decode_steps
 from prove_jax.timing import fastest_interleaved
 
@@ -220,9 +220,10 @@ def trial_speedups(
     a shared machine only ever adds time. Lossless output equals AR, so the time ratio is the
     throughput ratio.
     """
-    kernels = decoder.options.kernels
-    settings = {AR: DecodeOptions("ar", kernels=kernels)} | {
-        (k, g): DecodeOptions("lossless", k, max_groups=g, kernels=kernels) for k, g in layouts}
+    compute = decoder.options.compute
+    settings = {AR: DecodeOptions("ar", compute=compute)} | {
+        (k, g): DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=g), compute=compute)
+        for k, g in layouts}
     decoders = {key: decoder.with_options(opts) for key, opts in settings.items()}
     runs = {
         key: (lambda d=d: d.generate(list(prompts), max_new_tokens, batch_size=batch_size).seconds)
@@ -236,7 +237,7 @@ def acceptance_profile(decoder, prompts: Sequence[Sequence[int]], max_new_tokens
                        block_size: int) -> np.ndarray:
     """P(a) per prompt [R, K] from one lossless decode with K=block_size and every group served."""
     probe = decoder.with_options(
-        DecodeOptions("lossless", block_size, kernels=decoder.options.kernels)
+        DecodeOptions("lossless", block_size, compute=decoder.options.compute)
     )
     # accept_hist has K+1 bins (verify commits up to K); lossless accepts a <= K-1 drafts
     hist = (
@@ -276,7 +277,7 @@ def calibrate(decoder, prompts: Sequence[Sequence[int]], batch_sizes: Sequence[i
         keep = PromisingLayouts(rows, b, candidates, num_requests)
         with jax.set_mesh(decoder.mesh) if decoder.mesh is not None else contextlib.nullcontext():
             cost = time_decode_steps(
-                model, b, candidates, keep=keep, kernels=decoder.options.kernels
+                model, b, candidates, keep=keep, compute=decoder.options.compute
             )
         if log:
             log(
@@ -345,7 +346,7 @@ def calibrate_decoder(decoder, prompts: Sequence[Sequence[int]], batch_size: int
     # the rows `generate` will decode with (capped at the requests, whole data-axis shards):
     # the table is looked up, and must be measured, at that size
     rows = decoder.rows(batch_size, num_requests)
-    k_max, g_max = decoder.options.block_size, decoder.options.max_groups
+    k_max, g_max = decoder.options.block_size, decoder.options.lossless.max_groups
     candidates = [
         (k, g) for k, g in DEFAULT_CANDIDATES if k <= k_max and (g_max is None or g <= g_max)
     ]

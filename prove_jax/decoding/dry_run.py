@@ -66,7 +66,8 @@ class DecodeDryRun:
         o = self.options
         gib = aot.GIB
         layout = f"K={o.block_size}" + (
-            f", {o.max_groups} groups" if o.mode == "lossless" and o.max_groups else ""
+            f", {o.lossless.max_groups} groups"
+            if o.mode == "lossless" and o.lossless.max_groups else ""
         )
         rows = [
             f"decode dry run: {o.mode} ({layout}), proposer {self.proposer_params / 1e9:.1f}B"
@@ -74,7 +75,8 @@ class DecodeDryRun:
             + f", batch {self.batch}"
             + (f" ({self.rows} rows)" if self.rows not in (0, self.batch) else "")
             + f", {self.prompt_tokens} prompt + {self.new_tokens} new tokens, "
-            f"layers {'scanned' if o.scan_layers else 'unrolled'}, attention {o.kernels.attention}",
+            f"layers {'scanned' if o.memory.scan_layers else 'unrolled'}, "
+            f"attention {o.compute.attention}",
             f"on {self.topology} ({self.chips} x {self.chip}, {self.hbm_bytes / gib:g} GiB each), "
             f"mesh {self.mesh}; weights {self.weight_bytes / gib:.2f} GiB per chip",
         ]
@@ -110,9 +112,9 @@ class DecodeDryRun:
             mesh=self.mesh,
             mode=o.mode,
             block_size=o.block_size,
-            groups=o.max_groups,
-            scan_layers=o.scan_layers,
-            attention=o.kernels.attention,
+            groups=o.lossless.max_groups,
+            scan_layers=o.memory.scan_layers,
+            attention=o.compute.attention,
             batch=self.batch,
             rows=self.rows,
             prompt_tokens=self.prompt_tokens,
@@ -135,8 +137,10 @@ def slice_options(options: DecodeOptions) -> DecodeOptions:
     chunks (the defaults would be this CPU's)."""
     return dataclasses.replace(
         options,
-        kernels=options.kernels.resolve("tpu"),
-        prefill_chunk=options.prefill_chunk or PREFILL_CHUNK_ACCELERATOR,
+        compute=options.compute.resolve("tpu"),
+        memory=dataclasses.replace(
+            options.memory,
+            prefill_chunk=options.memory.prefill_chunk or PREFILL_CHUNK_ACCELERATOR),
     ).validate()
 
 
@@ -262,7 +266,7 @@ def _on_slice(
         mesh, topology = aot.topology_mesh(chip, axis_sizes, AXES)
     except ValueError as e:  # a chip count the generation does not come in, an unknown chip
         raise DecodeError(str(e)) from None
-    models = [abstract_on_mesh(c, mesh, options.scan_layers) for c in configs]
+    models = [abstract_on_mesh(c, mesh, options.memory.scan_layers) for c in configs]
     decoder = Decoder(models[0], list(proposer.eos_token_ids) or [0], options,
                       verifier=models[1] if len(models) > 1 else None, mesh=mesh,
                       pad_id=proposer.pad_token_id or 0, adaptive_table=ADAPTIVE_TABLES["tpu"])

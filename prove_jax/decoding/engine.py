@@ -46,7 +46,7 @@ def check_step_width(options: DecodeOptions, max_buffer: int) -> None:
         return
     k = options.block_size
     if options.mode == "lossless":
-        groups = LosslessLayout.build(k, options.max_groups).num_groups
+        groups = LosslessLayout.build(k, options.lossless.max_groups).num_groups
         what = (
             f"lossless K={k} with {groups} mask groups feeds {width} tokens per step "
             f"(1 + {k - 1} x {groups + 1})"
@@ -69,10 +69,10 @@ def _check_pairing(options: DecodeOptions, cfg, verifier_cfg, head_hidden_size: 
     if options.mode == "verify":
         if verifier_cfg is None:
             raise DecodeError("mode 'verify' needs a verifier model (--verifier)")
-        if options.commit_rule == "head" and head_hidden_size is None:
+        if options.verify.commit_rule == "head" and head_hidden_size is None:
             raise DecodeError("commit rule 'head' needs a trained commit head in the verifier "
                               "checkpoint (train it with objective=commit_head)")
-        if options.commit_rule == "head" and head_hidden_size != verifier_cfg.hidden_size:
+        if options.verify.commit_rule == "head" and head_hidden_size != verifier_cfg.hidden_size:
             raise DecodeError(
                 f"the commit head reads hidden states of width {head_hidden_size} but "
                 f"the verifier's hidden size is {verifier_cfg.hidden_size}: the head "
@@ -113,8 +113,8 @@ def _attention_resolved(options: DecodeOptions) -> DecodeOptions:
     """`options` with attention "auto" resolved to this process's fast path, here where the
     decoder is built: after a multi-host job has joined (asking for the backend first would
     start it, and `jax.distributed.initialize` must come before that)."""
-    kernels = options.kernels.resolve_attention()
-    return options if kernels is options.kernels else dataclasses.replace(options, kernels=kernels)
+    compute = options.compute.resolve_attention()
+    return options if compute is options.compute else dataclasses.replace(options, compute=compute)
 
 
 def _split(model, scan_layers: bool):
@@ -145,7 +145,8 @@ class Decoder:
                  verifier=None, commit_head=None, mesh=None, pad_id: int = 0,
                  max_buffer: int | None = None, adaptive_table=None):
         self.options = _attention_resolved(options.validate())
-        # per-batch lossless layouts for options.adaptive (None: the platform's ADAPTIVE_TABLES)
+        # per-batch lossless layouts for options.lossless.adaptive (None: the platform's
+        # ADAPTIVE_TABLES)
         self.adaptive_table = (
             None if adaptive_table is None else check_adaptive_table(adaptive_table)
         )
@@ -156,9 +157,10 @@ class Decoder:
         self.max_buffer = max_buffer or cfg.max_position_embeddings
         check_step_width(self.options, self.max_buffer)
         self.cfg = cfg
-        self.graphdef, self.state = _split(model, self.options.scan_layers)
-        self.verifier_graphdef, self.verifier_state = (_split(verifier, self.options.scan_layers)
-                                                       if verifier is not None else (None, None))
+        self.graphdef, self.state = _split(model, self.options.memory.scan_layers)
+        self.verifier_graphdef, self.verifier_state = (
+            _split(verifier, self.options.memory.scan_layers)
+            if verifier is not None else (None, None))
         self.head_graphdef, self.head_state = (
             nnx.split(commit_head) if commit_head is not None else (None, None)
         )
@@ -217,13 +219,15 @@ class Decoder:
         check_step_width(options, self.max_buffer)
         other = copy.copy(self)
         other.options = options
-        if options.scan_layers != self.options.scan_layers:  # the weights in the other layout
+        # the weights in the other layout
+        if options.memory.scan_layers != self.options.memory.scan_layers:
             other.graphdef, other.state = _split(
-                nnx.merge(self.graphdef, self.state), options.scan_layers
+                nnx.merge(self.graphdef, self.state), options.memory.scan_layers
             )
             if self.verifier_graphdef is not None:
                 other.verifier_graphdef, other.verifier_state = _split(
-                    nnx.merge(self.verifier_graphdef, self.verifier_state), options.scan_layers)
+                    nnx.merge(self.verifier_graphdef, self.verifier_state),
+                    options.memory.scan_layers)
         other._programs = {}
         return other
 
@@ -243,7 +247,7 @@ class Decoder:
         the rows asked for (at whole shards of data x tensor such a verifier keeps a contiguous
         cache split over rows beside it: `paged.pooled`)."""
         rows = _round_up(min(batch_size, num_requests), self.data_shards())
-        if self.mesh is None or self.options.page_size is not None:
+        if self.mesh is None or self.options.memory.page_size is not None:
             return rows
         split = _round_up(rows, batch_shards(self.mesh, ROW_SPLIT_RULES))
         return split if self._kv_per_device(split) < self._kv_per_device(rows) else rows
@@ -262,7 +266,8 @@ class Decoder:
             return 1
         shards = self.data_shards()
         cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
-        if self.options.page_size is not None:  # a verifier's contiguous cache (paged.pooled)
+        # a verifier's contiguous cache (paged.pooled)
+        if self.options.memory.page_size is not None:
             cfgs = tuple(c for c in cfgs[1:] if not pooled(c.num_kv_heads, rows, self.mesh))
         if cfgs:
             shards = max(
@@ -288,7 +293,7 @@ class Decoder:
             options=options, num_rows=num_rows, num_slots=num_slots,
             pad_id=self.pad_id,
             mask_id=-1 if self.cfg.mask_token_id is None else int(self.cfg.mask_token_id),
-            prefill_chunk=options.prefill_chunk or default_prefill_chunk())
+            prefill_chunk=options.memory.prefill_chunk or default_prefill_chunk())
 
     def _build(self, settings: ProgramSettings):
         """`program.run_program` jitted with this decoder's graph definitions and `settings`
@@ -521,7 +526,7 @@ class Decoder:
         seeds = [
             p.seed if p.seed is not None else request_seed(seed, i) for i, p in enumerate(params)
         ]
-        if self.options.relaxed_p is not None and Sampler.for_requests(params) is not None:
+        if self.options.lossless.relaxed_p is not None and Sampler.for_requests(params) is not None:
             raise DecodeError("relaxed acceptance (--relaxed-p) is for greedy decoding; sampled "
                               "lossless is exact speculative sampling: drop one or the other")
         return params, budgets, seeds
@@ -529,30 +534,31 @@ class Decoder:
     def pages_needed(self, prompt_len, budget) -> np.ndarray:
         """Pages of the paged KV pool each request (prompt lengths and budgets, one or an array
         each) owns while it decodes; 0 without a pool (`paged.pages_needed`)."""
-        page = self.options.page_size
+        page = self.options.memory.page_size
         if page is None:
             return np.zeros(np.shape(prompt_len), np.int32)
         return np.asarray(pages_needed(np.asarray(prompt_len), np.asarray(budget), page))
 
     def _pool_pages(self, prompts, budgets, rows: int) -> int:
-        """Pages of the paged KV pool for a call: options.kv_pages (rounded up to whole pools for
-        the data shards: each shard's rows have a pool of their own), or enough for `rows` rows
+        """Pages of the paged KV pool for a call: options.memory.kv_pages (rounded up to whole pools
+        for the data shards: each shard's rows have a pool of their own), or enough for `rows` rows
         at the longest request; 0 without a pool. `check_prompts` has made sure every request
         fits one shard's pool (`_pool_problem`)."""
-        if self.options.page_size is None:
+        if self.options.memory.page_size is None:
             return 0
-        if self.options.kv_pages is None:
+        if self.options.memory.kv_pages is None:
             return rows * int(self.pages_needed([len(p) for p in prompts], budgets).max())
         return self.pages_per_shard() * self.data_shards()
 
     def pages_per_shard(self) -> int:
-        """Pages of each data shard's pool with options.kv_pages (split evenly, rounded up)."""
-        return -(-self.options.kv_pages // self.data_shards())
+        """Pages of each data shard's pool with options.memory.kv_pages (split evenly, rounded
+        up)."""
+        return -(-self.options.memory.kv_pages // self.data_shards())
 
     def _pool_problem(self, prompt_len: int, budget: int) -> str | None:
         """Why a request of `prompt_len` tokens and `budget` new ones can never be admitted to
-        the paged pool options.kv_pages sizes (a phrase following "request X"), or None."""
-        if self.options.page_size is None or self.options.kv_pages is None:
+        the paged pool options.memory.kv_pages sizes (a phrase following "request X"), or None."""
+        if self.options.memory.page_size is None or self.options.memory.kv_pages is None:
             return None
         need, per_shard = int(self.pages_needed(prompt_len, budget)), self.pages_per_shard()
         if need <= per_shard:
@@ -563,11 +569,12 @@ class Decoder:
             if shards == 1
             else (
                 f"each of the {shards} data shards' pools "
-                f"({per_shard} of --kv-pages {self.options.kv_pages})"
+                f"({per_shard} of --kv-pages {self.options.memory.kv_pages})"
             )
         )
         return (
-            f"needs {need} KV pages of {self.options.page_size} slots ({prompt_len} prompt tokens "
+            f"needs {need} KV pages of {self.options.memory.page_size} slots "
+            f"({prompt_len} prompt tokens "
             f"+ {budget} new), more than {pool}: raise --kv-pages or lower --max-new-tokens"
         )
 

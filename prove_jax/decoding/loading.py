@@ -117,8 +117,9 @@ def build_decoder(model_path: str, options: DecodeOptions, verifier_path: str | 
         except MeshError as e:
             raise DecodeError(str(e)) from None
     models = load_models(model_path, verifier_path if verify else None,
-                         with_head=verify and options.commit_rule == "head", dtype=dtype, mesh=mesh,
-                         tokenizer=tokenizer, stacked=options.scan_layers)
+                         with_head=verify and options.verify.commit_rule == "head", dtype=dtype,
+                         mesh=mesh,
+                         tokenizer=tokenizer, stacked=options.memory.scan_layers)
     decoder = Decoder(models.proposer, models.eos_ids, options, verifier=models.verifier,
                       commit_head=models.commit_head, mesh=mesh, pad_id=models.pad_id)
     return decoder, models.tokenizer

@@ -3,8 +3,8 @@
 `ar`, `threshold` and `verify` share the proposer step `propose_block`: a row feeds its
 pending committed tokens plus K-1 masks and gets a block D of K tokens whose first token is
 exact AR (greedy, or sampled from AR's distribution). `lossless` has its own layout (see
-layouts.LosslessLayout). Every step takes the `KernelOptions` its forwards run with
-(DecodeOptions.kernels) and, in a sampling program, the static `Sampler` (rows' parameters
+layouts.LosslessLayout). Every step takes the `ComputeOptions` its forwards run with
+(DecodeOptions.compute) and, in a sampling program, the static `Sampler` (rows' parameters
 are in state.sampling).
 """
 
@@ -18,7 +18,7 @@ from prove_jax.decoding.layouts import LosslessLayout, propose_layout
 from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, commit
 from prove_jax.models.attention import StepMask, causal_mask
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models.tokens import greedy_tokens, readable_tokens
 
 
@@ -27,13 +27,13 @@ def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
 
 
-def _logits_at(model, hidden: jax.Array, idx: jax.Array, kernels: KernelOptions) -> jax.Array:
+def _logits_at(model, hidden: jax.Array, idx: jax.Array, compute: ComputeOptions) -> jax.Array:
     """LM head only where logits are needed: hidden [B, T, D], idx [B, J] -> [B, J, V]."""
-    return model.logits(_gather_rows(hidden, idx), kernels=kernels)
+    return model.logits(_gather_rows(hidden, idx), compute=compute)
 
 
 def propose_block(model, state: LoopState, block_size: int, mask_id: int,
-                  kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
+                  compute: ComputeOptions = DEFAULT_COMPUTE, sampler: Sampler | None = None):
     """Proposer forward over [pending, MASK x (K-1)]. Returns (D [B,K], logits [B,K,V], cache):
     D is each position's greedy token, or in a sampling program a draw from its distribution."""
     width, intra_fn = propose_layout(block_size)
@@ -44,10 +44,10 @@ def propose_block(model, state: LoopState, block_size: int, mask_id: int,
     pending = jnp.take_along_axis(state.tokens, jnp.clip(slots, 0, n_slots - 1), axis=1)
     tokens = jnp.where(idx < n_pending[:, None], pending, mask_id).astype(jnp.int32)
     hidden, cache = model.hidden_states(
-        tokens, slots, StepMask(state.cache_len, intra_fn(n_pending)), state.cache, kernels=kernels
+        tokens, slots, StepMask(state.cache_len, intra_fn(n_pending)), state.cache, compute=compute
     )
     block_slots = n_pending[:, None] - 1 + jnp.arange(block_size)[None, :]
-    logits = _logits_at(model, hidden, block_slots, kernels)
+    logits = _logits_at(model, hidden, block_slots, compute)
     if state.sampling is None:
         return greedy_tokens(logits), logits, cache
     block, _ = sampling.sample_tokens(
@@ -83,8 +83,8 @@ def leading_true(accept: jax.Array) -> jax.Array:
 
 
 def threshold_step(model, state, *, block_size, mask_id, tau, conf_kind,
-                   kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None):
-    block, logits, cache = propose_block(model, state, block_size, mask_id, kernels, sampler)
+                   compute: ComputeOptions = DEFAULT_COMPUTE, sampler: Sampler | None = None):
+    block, logits, cache = propose_block(model, state, block_size, mask_id, compute, sampler)
     if block_size > 1:
         n = 1 + leading_true(confident(logits[:, 1:], conf_kind, tau))
     else:
@@ -118,26 +118,26 @@ def verify_step(
     tau_v,
     head=None,
     head_threshold=None,
-    kernels: KernelOptions = DEFAULT_KERNELS,
+    compute: ComputeOptions = DEFAULT_COMPUTE,
     sampler: Sampler | None = None,
     gate: tuple[str, float] | None = None,
 ):
     """ProVe with a separate verifier: it reads D in one causal forward and picks l in [1, K].
     `gate` (confidence kind, tau): a draft is committed only if the proposer's own confidence
     in it passes tau too (the verifier's rule and the proposer's signal together)."""
-    block, logits, cache = propose_block(model, state, block_size, mask_id, kernels, sampler)
+    block, logits, cache = propose_block(model, state, block_size, mask_id, compute, sampler)
     k = block_size
     positions = state.length[:, None] + jnp.arange(k)[None, :]
     # a proposed token past the verifier's embedding rows is read as 0 and never accepted
     verifier_block, readable = readable_tokens(block, verifier.cfg.vocab_size)
     hidden, verifier_cache = verifier.hidden_states(
         verifier_block, positions, StepMask(state.verifier_cache_len, causal_mask(1, k)),
-        state.verifier_cache, kernels=kernels)
+        state.verifier_cache, compute=compute)
     if k == 1:
         n = jnp.ones(block.shape[0], jnp.int32)
     else:
         # logits at D_i judge D_{i+1}
-        verifier_logits = verifier.logits(hidden[:, :-1], kernels=kernels)
+        verifier_logits = verifier.logits(hidden[:, :-1], compute=compute)
         following = verifier_block[:, 1:]
         if rule == "top1":
             accept = greedy_tokens(verifier_logits) == following
@@ -167,16 +167,16 @@ HEAD_ONE_PASS_MAX_EXTRA_ROWS = 8
 
 
 def head_in_one_pass(
-    layout: LosslessLayout, batch: int, kernels: KernelOptions = DEFAULT_KERNELS
+    layout: LosslessLayout, batch: int, compute: ComputeOptions = DEFAULT_COMPUTE
 ) -> bool:
     """Whether `lossless_step` at this batch size runs the LM head once over all slots (above);
     `kernels.lm_head_one_pass=False` forces two passes."""
     extra_rows = batch * (layout.width - (2 * layout.num_drafts + 1))
-    return kernels.lm_head_one_pass and extra_rows <= HEAD_ONE_PASS_MAX_EXTRA_ROWS
+    return compute.lm_head_one_pass and extra_rows <= HEAD_ONE_PASS_MAX_EXTRA_ROWS
 
 
 def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: int,
-                  kernels: KernelOptions = DEFAULT_KERNELS, sampler: Sampler | None = None,
+                  compute: ComputeOptions = DEFAULT_COMPUTE, sampler: Sampler | None = None,
                   relaxed_p: float | None = None):
     """ProVe-lossless: verify last step's drafts and propose the next ones in one forward.
 
@@ -216,18 +216,18 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
         positions,
         StepMask(state.cache_len, layout.intra_mask(served)),
         state.cache,
-        kernels=kernels,
+        compute=compute,
     )
 
     rows = state.sampling
     # sampling needs whole distributions at the draft slots: the head runs twice
-    one_pass = rows is None and head_in_one_pass(layout, batch, kernels)
+    one_pass = rows is None and head_in_one_pass(layout, batch, compute)
     if one_pass:  # every slot's argmax from one read of the LM head
-        all_logits = model.logits(hidden, kernels=kernels)
+        all_logits = model.logits(hidden, compute=compute)
         top = greedy_tokens(all_logits)  # [B, T]
         verify_logits, greedy = all_logits[:, : m + 1], top[:, : m + 1]
     else:
-        verify_logits = model.logits(hidden[:, : m + 1], kernels=kernels)
+        verify_logits = model.logits(hidden[:, : m + 1], compute=compute)
         greedy = greedy_tokens(verify_logits)
     # greedy [B, M+1] = g_1..g_{M+1}
     if rows is None and relaxed_p is None:
@@ -246,10 +246,10 @@ def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: i
     if one_pass:
         drafts = jnp.take_along_axis(top, draft_slots, axis=1)
     elif rows is None:
-        drafts = greedy_tokens(_logits_at(model, hidden, draft_slots, kernels))
+        drafts = greedy_tokens(_logits_at(model, hidden, draft_slots, compute))
     else:
         drafts, probs = sampling.sample_tokens(
-            _logits_at(model, hidden, draft_slots, kernels),
+            _logits_at(model, hidden, draft_slots, compute),
             rows,
             sampler,
             state.forwards,

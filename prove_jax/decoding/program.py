@@ -24,7 +24,7 @@ from prove_jax.decoding.queue import QueueState, Requests
 from prove_jax.decoding.sampling import Sampler
 from prove_jax.decoding.state import LoopState, initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models import paged
 from prove_jax.models.paged import PagedKVCache, data_shards, pages_needed, pooled
 from prove_jax.models.sharding import (
@@ -56,14 +56,15 @@ class ProgramSettings:
     sampler: Sampler | None = None
     """What sampling this program does; None: greedy only (no distributions carried)."""
     num_pages: int = 0
-    """Pages of the paged KV pools (options.page_size; the verifier's pool has as many, on the
+    """Pages of the paged KV pools (options.memory.page_size; the verifier's pool has as many, on
+    the
     same page table); 0: contiguous buffers."""
 
 
 def step_shape(options: DecodeOptions) -> tuple[int, int]:
     """(tokens one step feeds the proposer, drafts carried between steps) for validated options."""
     if options.mode == "lossless":
-        layout = LosslessLayout.build(options.block_size, options.max_groups)
+        layout = LosslessLayout.build(options.block_size, options.lossless.max_groups)
         return layout.width, layout.num_drafts
     return propose_layout(options.block_size)[0], 1
 
@@ -84,17 +85,17 @@ def cache_slots(slots: int) -> int:
 def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int, verifier=None,
                 head=None, sampler: Sampler | None = None) -> LoopState:
     """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
-    block_size, kernels = options.block_size, options.kernels
+    block_size, compute = options.block_size, options.compute
     if options.mode == "lossless":
-        layout = LosslessLayout.build(block_size, options.max_groups)
+        layout = LosslessLayout.build(block_size, options.lossless.max_groups)
         return mode_steps.lossless_step(
             model,
             state,
             layout=layout,
             mask_id=mask_id,
-            kernels=kernels,
+            compute=compute,
             sampler=sampler,
-            relaxed_p=options.relaxed_p,
+            relaxed_p=options.lossless.relaxed_p,
         )
     if options.mode == "verify":
         return mode_steps.verify_step(
@@ -103,22 +104,23 @@ def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int
             state,
             block_size=block_size,
             mask_id=mask_id,
-            rule=options.commit_rule,
-            tau_v=options.tau_v,
+            rule=options.verify.commit_rule,
+            tau_v=options.verify.tau_v,
             head=head,
-            head_threshold=options.head_threshold,
-            kernels=kernels,
+            head_threshold=options.verify.head_threshold,
+            compute=compute,
             sampler=sampler,
-            gate=None if options.gate_tau is None else (options.confidence, options.gate_tau),
+            gate=(None if options.verify.gate_tau is None
+                  else (options.threshold.confidence, options.verify.gate_tau)),
         )
     return mode_steps.threshold_step(
         model,
         state,
         block_size=block_size,
         mask_id=mask_id,
-        tau=options.tau,
-        conf_kind=options.confidence,
-        kernels=kernels,
+        tau=options.threshold.tau,
+        conf_kind=options.threshold.confidence,
+        compute=compute,
         sampler=sampler,
     )
 
@@ -131,7 +133,7 @@ def prefill(
     *,
     chunk_size: int,
     pad_id: int,
-    kernels: KernelOptions = DEFAULT_KERNELS,
+    compute: ComputeOptions = DEFAULT_COMPUTE,
     cache: PagedKVCache | None = None,
 ) -> KVCache | PagedKVCache:
     """A cache of `size` slots holding the KV of `prompts` [R, P] (row r's first prompt_len[r]);
@@ -158,7 +160,7 @@ def prefill(
         mask = StepMask(jnp.full((rows,), start, jnp.int32), causal & valid)
         if pad_id >= model.cfg.vocab_size:  # past a verifier's rows (prompt ids: checked)
             tokens = readable_tokens(tokens, model.cfg.vocab_size)[0]
-        return model.hidden_states(tokens, positions, mask, cache, kernels=kernels)[1]
+        return model.hidden_states(tokens, positions, mask, cache, compute=compute)[1]
 
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     return jax.lax.fori_loop(
@@ -170,7 +172,7 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
                pool: PagedKVCache | None = None, home: jax.Array | None = None,
                verifier_pool: PagedKVCache | None = None) -> LoopState:
     """Loop state of the rows serving `requests`, right after their prefill. With a paged KV
-    pool (options.page_size) each row's pages are taken from `pool` (None: a new, empty one
+    pool (options.memory.page_size) each row's pages are taken from `pool` (None: a new, empty one
     for the batch), from the pool of data shard `home` [R] (None: the batch's own rows); the
     caller makes sure they fit (`first_fitting`). The verifier's KV goes to `verifier_pool`
     (None: a new one), on the same pages (`PagedKVCache.with_pages_of`), or to a new
@@ -185,11 +187,11 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         .set(prompts)
     )
     static = dict(
-        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, kernels=options.kernels
+        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, compute=options.compute
     )
     # room for one step past the buffer: the proposer's step width, the verifier's K
     size = cache_slots(settings.num_slots + width)
-    page = options.page_size
+    page = options.memory.page_size
     if page is None:
         cache = prefill(model, prompts, prompt_len, size, **static)
     else:
@@ -249,7 +251,7 @@ def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopSt
           settings: ProgramSettings) -> LoopState:
     """One-row loop state of queued request `request` (traced) for batch row `row`, right after
     its prefill (its pages taken from the pool of the row's shard when the KV is paged)."""
-    if settings.options.page_size is None:
+    if settings.options.memory.page_size is None:
         return start_rows(model, verifier, requests.one(request), settings)
     home = state.cache.row_homes()[row][None]
     return start_rows(model, verifier, requests.one(request), settings, pool=state.cache, home=home,
@@ -259,7 +261,7 @@ def admit(model, verifier, requests: Requests, request: jax.Array, state: LoopSt
 def first_fitting(requests: Requests, settings: ProgramSettings) -> jax.Array | None:
     """bool [B]: which of the batch's first `requests` (one per row) fit the empty paged pools
     of their rows' data shards, taken in order (a prefix); None without a paged pool."""
-    page = settings.options.page_size
+    page = settings.options.memory.page_size
     if page is None:
         return None
     need = pages_needed(requests.prompt_len, requests.max_new, page)
@@ -270,7 +272,7 @@ def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, req
               num_live: jax.Array, settings: ProgramSettings) -> tuple[LoopState, QueueState]:
     """Refill finished rows from the queue (when it holds more requests than rows), then step."""
     state, queue_state = carry
-    page = settings.options.page_size
+    page = settings.options.memory.page_size
     if requests.prompts.shape[0] > settings.num_rows or page is not None:
         admit_request = functools.partial(admit, model, verifier, requests, settings=settings)
         need = None if page is None else pages_needed(requests.prompt_len, requests.max_new, page)
@@ -422,7 +424,7 @@ def admit_rows(graphdef, verifier_graphdef, settings: ProgramSettings, params, v
     each block's rows take their shard's pages. The host admits only what fits (stream.py)."""
     model, verifier = merge_models((graphdef, params), (verifier_graphdef, verifier_params))
     pool = verifier_pool = None
-    if settings.options.page_size is not None:
+    if settings.options.memory.page_size is not None:
         state = queue.release_done(state)
         pool, verifier_pool = state.cache, state.verifier_cache
     return put_admitted(state, start_rows(model, verifier, requests, settings, pool=pool,

@@ -238,11 +238,11 @@ def describe_options(options: DecodeOptions) -> str:
         return "ar"
     k = options.block_size
     if options.mode == "lossless":
-        return f"lossless K={k},G={LosslessLayout.build(k, options.max_groups).num_groups}"
+        return f"lossless K={k},G={LosslessLayout.build(k, options.lossless.max_groups).num_groups}"
     if options.mode == "verify":
-        return f"verify K={k},{options.commit_rule}"
+        return f"verify K={k},{options.verify.commit_rule}"
     return (
-        f"threshold K={k},{options.confidence}>={options.tau:g}"
-        if options.confidence != "entropy"
-        else f"threshold K={k},entropy<={options.tau:g}"
+        f"threshold K={k},{options.threshold.confidence}>={options.threshold.tau:g}"
+        if options.threshold.confidence != "entropy"
+        else f"threshold K={k},entropy<={options.threshold.tau:g}"
     )

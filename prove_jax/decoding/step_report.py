@@ -295,7 +295,7 @@ def _kv_chunk_trips(decoder, settings, filled: int, platform: str) -> int:
     slots = program.cache_slots(settings.num_slots + width)
     with _on_mesh(decoder.mesh):
         size = cache_chunk(slots, rows=rows_per_device(settings.num_rows), platform=platform)
-    page = settings.options.page_size or 1
+    page = settings.options.memory.page_size or 1
     size = min(slots, -(-size // page) * page)
     return 1 if size >= slots else -(-filled // size)
 
@@ -371,11 +371,11 @@ def price_programs(
         chip=chip,
         mode=o.mode,
         block_size=o.block_size,
-        groups=o.max_groups,
+        groups=o.lossless.max_groups,
         step_width=width,
-        scan_layers=o.scan_layers,
-        attention=o.kernels.attention,
-        page_size=o.page_size,
+        scan_layers=o.memory.scan_layers,
+        attention=o.compute.attention,
+        page_size=o.memory.page_size,
         batch=batch,
         rows=settings.num_rows,
         prompt_tokens=prompt_len,

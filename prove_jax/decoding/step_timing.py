@@ -16,15 +16,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from prove_jax.decoding import program
-from prove_jax.decoding.options import DecodeOptions
+from prove_jax.decoding.options import DecodeOptions, LosslessRule
 from prove_jax.decoding.state import initial_state
 from prove_jax.models.attention import KVCache, StepMask, causal_mask
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.timing import fastest_interleaved, timed
 
 
 def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384, filled: int = 200,
-                     repeats: int = 5, steps: int = 20, kernels: KernelOptions = DEFAULT_KERNELS
+                     repeats: int = 5, steps: int = 20, compute: ComputeOptions = DEFAULT_COMPUTE
                      ) -> dict[int, float]:
     """Seconds per forward of T new tokens against a `slots`-slot KV cache, for each T.
 
@@ -35,7 +35,7 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
     """
     graphdef, state = nnx.split(model)
     cache = model.new_cache(batch, slots)
-    run = jax.jit(functools.partial(_run_forwards, graphdef, kernels, steps, model.cfg.vocab_size))
+    run = jax.jit(functools.partial(_run_forwards, graphdef, compute, steps, model.cfg.vocab_size))
     runs = {}
     for t in widths:
         tokens = jnp.zeros((batch, t), jnp.int32)
@@ -46,7 +46,7 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
     return {t: v / steps for t, v in fastest_interleaved(runs, repeats).items()}
 
 
-def _run_forwards(graphdef, kernels: KernelOptions, steps: int, vocab: int, state, cache, tokens,
+def _run_forwards(graphdef, compute: ComputeOptions, steps: int, vocab: int, state, cache, tokens,
                   positions, mask):
     """`steps` forwards of `tokens` (shifted by the carry, so none can be hoisted); a token
     count that depends on every forward."""
@@ -54,7 +54,7 @@ def _run_forwards(graphdef, kernels: KernelOptions, steps: int, vocab: int, stat
 
     def body(i, carry):
         cache, acc = carry
-        logits, cache = model((tokens + acc) % vocab, positions, mask, cache, kernels=kernels)
+        logits, cache = model((tokens + acc) % vocab, positions, mask, cache, compute=compute)
         return cache, acc + jnp.argmax(logits[:, -1], -1).sum().astype(jnp.int32) % 2
     return jax.lax.fori_loop(0, steps, body, (cache, jnp.int32(0)))[1]
 
@@ -77,7 +77,7 @@ def time_decode_steps(
     steps: int = 20,
     seconds_per_timing: float = 0.5,
     keep=None,
-    kernels: KernelOptions = DEFAULT_KERNELS,
+    compute: ComputeOptions = DEFAULT_COMPUTE,
 ) -> dict[tuple[int, int], float]:
     """Seconds per decode-loop step of each lossless layout (K, groups), and of AR under key AR.
 
@@ -92,7 +92,7 @@ def time_decode_steps(
     seconds a step on a CPU. `keep({layout: seconds per step})` is asked after the first timed
     round which layouts to time `repeats` times (see `fastest_interleaved`).
     """
-    runs = decode_step_runs(model, batch, layouts, slots, filled, steps, kernels)
+    runs = decode_step_runs(model, batch, layouts, slots, filled, steps, compute)
     n_steps = {}
     for key, run in runs.items():
         run(1)  # compile and warm up
@@ -111,12 +111,12 @@ def decode_step_runs(
     slots: int = 384,
     filled: int = 200,
     steps: int = 20,
-    kernels: KernelOptions = DEFAULT_KERNELS,
+    compute: ComputeOptions = DEFAULT_COMPUTE,
 ) -> dict:
     """{(K, groups) or AR: callable running decode steps (`steps` unless it is given a count)
     and returning their seconds}, for `time_decode_steps` or for timing alongside other runs
     (benchmarks). The step count is an argument of one compiled loop per layout; every step
-    runs with `kernels`."""
+    runs with `compute`."""
     graphdef, params = nnx.split(model)
     cfg = model.cfg
     mask_id = 0 if cfg.mask_token_id is None else int(cfg.mask_token_id)
@@ -124,9 +124,10 @@ def decode_step_runs(
     runs = {}
     for key in keys:
         options = (
-            DecodeOptions("ar", kernels=kernels)
+            DecodeOptions("ar", compute=compute)
             if key == AR
-            else DecodeOptions("lossless", key[0], max_groups=key[1], kernels=kernels)
+            else DecodeOptions("lossless", key[0], lossless=LosslessRule(max_groups=key[1]),
+                               compute=compute)
         ).validate()
         width, n_drafts = program.step_shape(options)
         tokens = jax.random.randint(

@@ -453,10 +453,10 @@ class OpenStream(DecodeStream):
             sampling=None if sampler is None else RowSampling.from_params([GREEDY] * n, [0] * n),
         )
         pages = 0
-        if options.page_size is not None:
+        if options.memory.page_size is not None:
             pages = (
                 decoder.pages_per_shard() * decoder.data_shards()
-                if options.kv_pages is not None
+                if options.memory.kv_pages is not None
                 else rows * int(decoder.pages_needed(max_prompt_tokens, max_new_tokens))
             )
         settings = dataclasses.replace(
@@ -465,7 +465,7 @@ class OpenStream(DecodeStream):
             num_pages=pages,
         )
         super().__init__(decoder, store, [0] * capacity, settings, chunk_steps, log)
-        if options.page_size is not None:
+        if options.memory.page_size is not None:
             self._needs = np.zeros((n,), np.int64)
         self._free_slots = list(range(capacity))[::-1]
         # indices, the oldest last (popped from the end, as in __iter__)

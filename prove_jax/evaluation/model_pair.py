@@ -28,7 +28,8 @@ class ModelPair(LoadedModels):
     def decoder(self, options: DecodeOptions) -> Decoder:
         return Decoder(self.proposer, self.eos_ids, options,
                        verifier=self.verifier if options.mode == "verify" else None,
-                       commit_head=self.commit_head if options.commit_rule == "head" else None,
+                       commit_head=(self.commit_head if options.verify.commit_rule == "head"
+                                    else None),
                        pad_id=self.pad_id)
 
 

@@ -12,7 +12,7 @@ import jax
 
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.files import atomic_write_text
-from prove_jax.models.kernels import default_cpu_form
+from prove_jax.models.compute import default_cpu_form
 
 
 def cpu_description() -> str:

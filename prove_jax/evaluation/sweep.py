@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from prove_jax.decoding import DecodeOptions
+from prove_jax.decoding import DecodeOptions, LosslessRule, ThresholdRule, VerifyRule
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.options import COMMIT_RULES
 from prove_jax.errors import ProveJaxError
@@ -49,30 +49,34 @@ def ar_setting() -> Setting:
 
 def lossless_setting(k: int, groups: int | None = None, adaptive: bool = False,
                      record_steps: bool = False) -> Setting:
-    opts = DecodeOptions("lossless", block_size=k, max_groups=groups, adaptive=adaptive,
+    opts = DecodeOptions("lossless", block_size=k,
+                         lossless=LosslessRule(max_groups=groups, adaptive=adaptive),
                          record_steps=record_steps)
     g = LosslessLayout.build(k, groups).num_groups
     return Setting("lossless", f"adaptive,K<={k}" if adaptive else f"K={k},G={g}", opts)
 
 
 def relaxed_setting(k: int, groups: int | None, relaxed_p: float) -> Setting:
-    """Lossless's step with relaxed acceptance (`DecodeOptions.relaxed_p`): lossy, shown as its
-    own mode."""
+    """Lossless's step with relaxed acceptance (`DecodeOptions.lossless.relaxed_p`): lossy, shown
+    as its own mode."""
     exact = lossless_setting(k, groups)
     return Setting("relaxed", f"{exact.label},p={relaxed_p:g}",
-                   dataclasses.replace(exact.options, relaxed_p=relaxed_p))
+                   dataclasses.replace(exact.options, lossless=dataclasses.replace(
+                       exact.options.lossless, relaxed_p=relaxed_p)))
 
 
 def calibrated_setting(k_max: int = 8) -> Setting:
     """Adaptive lossless whose per-batch layout is measured on this machine before timing."""
     return Setting("lossless", f"calibrated,K<={k_max}",
-                   DecodeOptions("lossless", block_size=k_max, adaptive=True), calibrate=True)
+                   DecodeOptions("lossless", block_size=k_max,
+                                 lossless=LosslessRule(adaptive=True)), calibrate=True)
 
 
 def threshold_setting(tau: float, k: int = 8, confidence: str = "prob") -> Setting:
     label = f"K={k},tau={tau:g}" + ("" if confidence == "prob" else f",{confidence}")
     return Setting("threshold", label,
-                   DecodeOptions("threshold", block_size=k, tau=tau, confidence=confidence))
+                   DecodeOptions("threshold", block_size=k,
+                                 threshold=ThresholdRule(tau=tau, confidence=confidence)))
 
 
 def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5, head_threshold: float | None = None,
@@ -83,8 +87,10 @@ def verify_setting(rule: str, k: int = 8, tau_v: float = 0.5, head_threshold: fl
     label = (f"K={k},{rule}" + (f",tau_v={tau_v:g}" if rule == "prob" else "")
              + (f",p>={head_threshold:g}" if head_threshold is not None else "") + gate)
     return Setting("verify", label, DecodeOptions(
-        "verify", block_size=k, commit_rule=rule, tau_v=tau_v, head_threshold=head_threshold,
-        gate_tau=gate_tau, confidence=confidence))
+        "verify", block_size=k,
+        verify=VerifyRule(commit_rule=rule, tau_v=tau_v, head_threshold=head_threshold,
+                          gate_tau=gate_tau),
+        threshold=ThresholdRule(confidence=confidence)))
 
 
 DEFAULT_TAUS = (0.95, 0.8, 0.5)
@@ -108,8 +114,9 @@ def sweep_settings(modes: Sequence[str], have_head: bool, block_size: int = 8,
     each peer runs once per entry of `torch_threads`; `relaxed_ps` adds each lossless layout
     with that relaxed acceptance (`relaxed` rows); `head_thresholds` sweeps the commit head's
     threshold (its operating curve) beside its own; `gate_taus` adds verify's top-1 and prob
-    rules gated by the proposer's `confidence` statistic at each tau (`DecodeOptions.gate_tau`);
-    verify runs only the commit `rules` named (head also needs `have_head`).
+    rules gated by the proposer's `confidence` statistic at each tau
+    (`DecodeOptions.verify.gate_tau`); verify runs only the commit `rules` named (head also needs
+    `have_head`).
     `adaptive` adds the platform table's adaptive setting and, with `calibrated`, the calibrated
     one (its measurements compile every candidate layout: minutes at a real model's size).
     """

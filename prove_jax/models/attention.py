@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from prove_jax.models import attention_kernels
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.norm import RMSNorm
 from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules,
@@ -238,15 +238,15 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, pd, rngs, axis="head_dim")
             self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, pd, rngs, axis="head_dim")
 
-    def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
+    def __call__(self, x, cos, sin, attn_mask, kv=None, compute: ComputeOptions = DEFAULT_COMPUTE):
         """x [B,T,D]; attn_mask bool [B,T,T] without a cache, a StepMask with kv, a layer view of
         a cache (`ContiguousKV`, `LayerKV` or `PagedKV`). Returns (output, the view written)."""
         cfg = self.cfg
         dt = x.dtype
         # checkpoint names: what a remat policy may keep (models/remat.py); identity otherwise
-        q = dense(x, self.q_kernel[...].astype(dt), kernels=kernels)
-        k = dense(x, self.k_kernel[...].astype(dt), kernels=kernels)
-        v = dense(x, self.v_kernel[...].astype(dt), kernels=kernels)
+        q = dense(x, self.q_kernel[...].astype(dt), compute=compute)
+        k = dense(x, self.k_kernel[...].astype(dt), compute=compute)
+        v = dense(x, self.v_kernel[...].astype(dt), compute=compute)
         if cfg.attention_bias:
             biases = (self.q_bias, self.k_bias, self.v_bias)
             q, k, v = (y + b[...].astype(dt) for y, b in zip((q, k, v), biases))
@@ -284,18 +284,18 @@ class Attention(nnx.Module):
             # heads the mesh cannot split left whole (rows too few to split over tensor): GSPMD
             # splits such a cache like the query heads, and a per-device kernel would gather all
             # of it on every call (benchmarks/paged_kv_pair.md)
-            if (kernels.attention == "xla" or not kv.kernel_reads
+            if (compute.attention == "xla" or not kv.kernel_reads
                     or rules is DEFAULT_RULES and not splits_evenly("kv_heads", cfg.num_kv_heads)):
-                out = _attend_cached(q, own, attn_mask.intra, kv, start, kernels.target(), rules,
+                out = _attend_cached(q, own, attn_mask.intra, kv, start, compute.target(), rules,
                                      longest)
             else:  # the one dispatch point to a shipped kernel (models/attention_kernels.py)
                 out = _attend_cached_kernel(q, own, attn_mask.intra, kv.kernel_cache(), start,
-                                            kernels, rules)
+                                            compute, rules)
         out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
         if rules is not DEFAULT_RULES:  # back to the heads the output projection's kernel holds
             out = constrain(constrain(out, ("batch", "sequence", "heads", "head_dim"), rules),
                             ("batch", "sequence", "heads", "head_dim"))
-        out = dense(out, self.o_kernel[...].astype(dt), n_in=2, kernels=kernels)
+        out = dense(out, self.o_kernel[...].astype(dt), n_in=2, compute=compute)
         out = checkpoint_name(out, "o_proj")
         return out, kv
 
@@ -379,16 +379,16 @@ def _masked_scores(q: jax.Array, keys: jax.Array, mask: jax.Array, t: int, g: in
     return jnp.where(mask.reshape(mask.shape[0], 1, g * t, -1), s, _NEG_INF)
 
 
-def _attend_cached_kernel(q, own, intra, cache, cache_len, kernels: KernelOptions,
+def _attend_cached_kernel(q, own, intra, cache, cache_len, compute: ComputeOptions,
                           rules=DEFAULT_RULES) -> jax.Array:
     """`_attend_cached` with the committed span read by `kernels.attention`'s kernel, on each
     device's rows and kv heads as `rules` lay them."""
     t, g = q.shape[1], q.shape[3]
     grouped = _group_queries(q)
     own_scores = _masked_scores(grouped, own[0], intra, t, g)
-    out = attention_kernels.attend_cached(kernels.attention, grouped, own_scores, own[1], cache,
-                                          cache_len, interpret=kernels.interpret,
-                                          platform=kernels.target(), rules=rules)
+    out = attention_kernels.attend_cached(compute.attention, grouped, own_scores, own[1], cache,
+                                          cache_len, interpret=compute.interpret,
+                                          platform=compute.target(), rules=rules)
     return _ungroup_queries(out.astype(q.dtype), t, g)
 
 

@@ -6,7 +6,7 @@ mask. The work is split: the kernel attends to the committed span and returns it
 output with its running max and normaliser; XLA attends to the step's few own keys; the two are
 merged exactly by those normalisers (one softmax over both, as in `attention._attend`).
 
-Kernels (`KernelOptions.attention`; both run on CPU with `KernelOptions.interpret`):
+Kernels (`ComputeOptions.attention`; both run on CPU with `ComputeOptions.interpret`):
   "pallas_gpu": jax.experimental.pallas.ops.gpu.decode_attention (split-k flash decoding; visits
                 each row's blocks only up to its cache_len). A buffer's last slots short of one
                 kernel block (ALIGN) are read in XLA with the step's own keys.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.models.kernels import ATTENTION_KERNELS
+from prove_jax.models.compute import ATTENTION_KERNELS
 from prove_jax.models.paged import PagedKV
 from prove_jax.models.sharding import DEFAULT_RULES, logical_to_spec
 
@@ -118,7 +118,7 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
     out the rows and kv heads (`sharding.kv_rules`)."""
     if kind == "auto":
         raise AttentionKernelError("attention 'auto' is resolved on the host before tracing "
-                                   "(KernelOptions.resolve_attention)")
+                                   "(ComputeOptions.resolve_attention)")
     check_backend(kind, interpret, platform)
     if kind not in KERNEL_BACKENDS:
         raise AttentionKernelError(

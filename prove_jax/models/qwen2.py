@@ -22,7 +22,7 @@ from prove_jax.models.attention import Attention, KVCache, rope_cos_sin
 from prove_jax.models.paged import PagedKVCache
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
-from prove_jax.models.kernels import DEFAULT_KERNELS, KernelOptions
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.norm import RMSNorm
 from prove_jax.models.remat import remat_name, with_remat
@@ -48,17 +48,17 @@ class Qwen2(nnx.Module):
             self.lm_head = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
 
     def __call__(self, tokens, positions, attn_mask, cache: KVCache | None = None,
-                 kernels: KernelOptions = DEFAULT_KERNELS):
+                 compute: ComputeOptions = DEFAULT_COMPUTE):
         """tokens, positions [B, T] int32; attn_mask bool [B, T, T] (no cache) or a StepMask.
 
         Returns (logits [B, T, V] float32, updated cache or None).
         """
-        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, kernels)
-        return self.logits(hidden, kernels), cache
+        hidden, cache = self.hidden_states(tokens, positions, attn_mask, cache, compute)
+        return self.logits(hidden, compute), cache
 
     def hidden_states(self, tokens, positions, attn_mask,
                       cache: KVCache | PagedKVCache | None = None,
-                      kernels: KernelOptions = DEFAULT_KERNELS):
+                      compute: ComputeOptions = DEFAULT_COMPUTE):
         """Final-norm hidden states [B, T, D] and the updated cache (a contiguous `KVCache` or a
         `PagedKVCache`, per layer or stacked as the layers are)."""
         cfg = self.cfg
@@ -74,14 +74,14 @@ class Qwen2(nnx.Module):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         cos, sin = jax.lax.optimization_barrier((cos, sin))
         if cache is None:
-            x = self._training_layers(x, cos, sin, attn_mask, kernels)
+            x = self._training_layers(x, cos, sin, attn_mask, compute)
             return self.final_norm(x), None
         if isinstance(self.layers, LayerStack):
-            x, cache = self.layers.scan_cached(x, cos, sin, attn_mask, cache, kernels)
+            x, cache = self.layers.scan_cached(x, cos, sin, attn_mask, cache, compute)
             return self.final_norm(x), cache
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, attn_mask, cache.layer(i), kernels)
+            x, kv = layer(x, cos, sin, attn_mask, cache.layer(i), compute)
             new_k.append(kv.k)
             new_v.append(kv.v)
         x = self.final_norm(x)
@@ -97,7 +97,7 @@ class Qwen2(nnx.Module):
         """An empty KV cache of `length` slots for `batch` rows in this model's layer layout."""
         return KVCache.zeros(self.cfg, batch, length, stacked=self.layers_stacked)
 
-    def _training_layers(self, x, cos, sin, attn_mask, kernels: KernelOptions):
+    def _training_layers(self, x, cos, sin, attn_mask, compute: ComputeOptions):
         """The layers without a cache, each under the remat policy: unrolled, or (scan_layers)
         one `lax.scan` over their parameters stacked along a leading "layers" axis, so XLA
         optimises one layer's program, not num_layers copies (at 32B: 40% less peak memory,
@@ -110,7 +110,7 @@ class Qwen2(nnx.Module):
         graphdef = nnx.graphdef(self.layers[0])
 
         def layer_fn(state, x, cos, sin, attn_mask):
-            y, _ = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, None, kernels)
+            y, _ = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, None, compute)
             return y
 
         if not self.scan_layers:
@@ -131,12 +131,12 @@ class Qwen2(nnx.Module):
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 
-    def logits(self, hidden: jax.Array, kernels: KernelOptions = DEFAULT_KERNELS) -> jax.Array:
+    def logits(self, hidden: jax.Array, compute: ComputeOptions = DEFAULT_COMPUTE) -> jax.Array:
         """LM head, float32 logits [..., V], accumulated in float32 whatever the compute dtype
         (rounded to bfloat16, logits tie exactly at the top at about 2% of positions)."""
         dt = hidden.dtype
         w = self.embed if self.cfg.tie_word_embeddings else self.lm_head
-        return dense(hidden, w[...].astype(dt), kernels=kernels, out_dtype=jnp.float32)
+        return dense(hidden, w[...].astype(dt), compute=compute, out_dtype=jnp.float32)
 
 
 class LayerStack(nnx.Module):
@@ -149,7 +149,7 @@ class LayerStack(nnx.Module):
         self.num_layers = num_layers
 
     def scan_cached(self, x, cos, sin, attn_mask, cache: KVCache | PagedKVCache,
-                    kernels: KernelOptions):
+                    compute: ComputeOptions):
         """x through every layer; the stacked cache (or stacked paged pools) is carried and each
         layer writes only its step's slots in place (a cache passed as the scan's xs/ys would be
         rebuilt every step)."""
@@ -159,7 +159,7 @@ class LayerStack(nnx.Module):
             x, k, v = carry
             state, index = xs
             kv = cache.scanned_layer(k, v, index, self.num_layers)
-            x, kv = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, kv, kernels)
+            x, kv = nnx.merge(graphdef, state)(x, cos, sin, attn_mask, kv, compute)
             return (x, kv.k, kv.v), None
 
         index = jnp.arange(self.num_layers, dtype=jnp.int32)
@@ -226,10 +226,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, attn_mask, kv=None, kernels: KernelOptions = DEFAULT_KERNELS):
-        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv, kernels)
+    def __call__(self, x, cos, sin, attn_mask, kv=None, compute: ComputeOptions = DEFAULT_COMPUTE):
+        h, kv = self.attn(self.input_norm(x), cos, sin, attn_mask, kv, compute)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x), kernels)
+        x = x + self.mlp(self.post_attn_norm(x), compute)
         return constrain(x, ("batch", "sequence", "embed")), kv
 
 
@@ -241,12 +241,12 @@ class MLP(nnx.Module):
         self.up_kernel = param(rngs, (f, d), ("mlp", "embed"), pd)
         self.down_kernel = param(rngs, (d, f), ("embed", "mlp"), pd)
 
-    def __call__(self, x, kernels: KernelOptions = DEFAULT_KERNELS):
+    def __call__(self, x, compute: ComputeOptions = DEFAULT_COMPUTE):
         dt = x.dtype
-        gate = dense(x, self.gate_kernel[...].astype(dt), kernels=kernels)
+        gate = dense(x, self.gate_kernel[...].astype(dt), compute=compute)
         gate = checkpoint_name(gate, "gate_proj")
-        up = checkpoint_name(dense(x, self.up_kernel[...].astype(dt), kernels=kernels), "up_proj")
+        up = checkpoint_name(dense(x, self.up_kernel[...].astype(dt), compute=compute), "up_proj")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "sequence", "mlp"))
-        down = dense(h, self.down_kernel[...].astype(dt), kernels=kernels)
+        down = dense(h, self.down_kernel[...].astype(dt), compute=compute)
         return checkpoint_name(down, "down_proj")
 

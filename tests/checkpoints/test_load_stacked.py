@@ -57,12 +57,12 @@ def test_the_stacked_load_holds_the_weights_and_one_layer_at_most(saved, monkeyp
 
 def test_a_scanned_decoder_is_built_from_the_stacked_load(saved, monkeypatch):
     """build_decoder with scan_layers restores stacked; the Decoder has nothing left to stack."""
-    from prove_jax.decoding import DecodeOptions, engine
+    from prove_jax.decoding import DecodeOptions, engine, MemoryLayout
     from prove_jax.decoding.loading import build_decoder
 
     def stacked_again(model):
         raise AssertionError("the loaded layers were stacked again")
     monkeypatch.setattr(engine, "stack_layers", stacked_again)
-    decoder, _ = build_decoder(saved, DecodeOptions("ar", scan_layers=True))
+    decoder, _ = build_decoder(saved, DecodeOptions("ar", memory=MemoryLayout(scan_layers=True)))
     names = flat_params(decoder.state)
     assert names["layers.layer.attn.q_kernel"].shape[0] == LAYERS and "layers.0.attn.q_kernel" not in names

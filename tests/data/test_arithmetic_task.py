@@ -100,13 +100,13 @@ def test_shipped_test_set_is_the_generators():
 
 @pytest.fixture(scope="module")
 def arith_results():
-    from prove_jax.decoding import DecodeOptions
+    from prove_jax.decoding import DecodeOptions, LosslessRule
     from prove_jax.decoding.loading import build_decoder
     records = read_requests(assets.ARITH_TEST)[:12]
     ar, tok = build_decoder(assets.ARITH_PROPOSER, DecodeOptions("ar"))
     ids = [tok.encode(r["prompt"]) for r in records]
     ref = ar.generate(ids, 48)
-    lossless = ar.with_options(DecodeOptions("lossless", 6, max_groups=2)).generate(ids, 48)
+    lossless = ar.with_options(DecodeOptions("lossless", 6, lossless=LosslessRule(max_groups=2))).generate(ids, 48)
     return records, tok, ref, lossless
 
 

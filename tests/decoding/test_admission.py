@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, MemoryLayout
 from prove_jax.models import sharding
 from prove_jax.models.params import create_model
 from tests.decoding.test_inference_mesh import CFG, GATHERS, admissions, collectives
@@ -41,7 +41,7 @@ def _stream(decoder, rows):
 
 
 @pytest.mark.parametrize("options", [DecodeOptions("lossless", 4),
-                                     DecodeOptions("lossless", 4, page_size=16, scan_layers=True)],
+                                     DecodeOptions("lossless", 4, memory=MemoryLayout(page_size=16, scan_layers=True))],
                          ids=["contiguous", "paged-scanned"])
 def test_admission_writes_each_row_on_its_shard_and_decoding_equals_ar(models, options):
     sharded, mesh, want = models
@@ -51,5 +51,5 @@ def test_admission_writes_each_row_on_its_shard_and_decoding_equals_ar(models, o
         found = collectives(hlo)
         # no KV (nor any float) crosses devices but the tensor-parallel all-reduces
         assert not [c for c in found if c[0] in GATHERS and c[1] not in ("s32", "pred")], found
-        if options.page_size is None:  # not even an index: each device writes its own rows
+        if options.memory.page_size is None:  # not even an index: each device writes its own rows
             assert {op for op, _, _ in found} <= {"all-reduce"}, found

@@ -10,7 +10,7 @@ from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.cli import generate
 from prove_jax.data.corpus import build_corpus, heldout_prompts
 from prove_jax.checkpoints.checkpoint import load_tokenizer
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, LosslessRule
 from prove_jax.decoding import calibrate as cal
 from prove_jax.decoding import step_timing
 from prove_jax.decoding.adaptive import check_adaptive_table
@@ -82,7 +82,7 @@ def test_choose_layout():
 
 def test_trials_measure_real_decodes_against_ar():
     model = create_model(CFG, seed=3)
-    dec = Decoder(model, [1], DecodeOptions("lossless", 4, adaptive=True))
+    dec = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(adaptive=True)))
     speedups = cal.trial_speedups(dec, random_prompts(), [(2, 2), (4, 2)], 2, 8, repeats=1)
     assert set(speedups) == {(2, 2), (4, 2)} and all(0 < v < 100 for v in speedups.values())
     logs = []
@@ -101,7 +101,7 @@ def test_acceptance_profile_predicts_narrower_layouts():
     rows = cal.acceptance_profile(dec, prompts, 64, 8)
     assert rows.shape == (8, 8) and np.allclose(rows.sum(axis=1), 1.0) and rows[:, 1:].sum(axis=1).mean() > 0.2
     for k, g in ((2, 2), (4, 2), (4, 4)):
-        res = dec.with_options(DecodeOptions("lossless", k, max_groups=g)).generate(prompts, 64)
+        res = dec.with_options(DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=g))).generate(prompts, 64)
         measured = sum(map(len, res.output_ids)) / res.forwards.sum()
         predicted = cal.expected_batch_tokens_per_forward(rows, k, g, 1)
         assert predicted == pytest.approx(measured, rel=0.12), (k, g)
@@ -115,9 +115,9 @@ def test_acceptance_profile_predicts_narrower_layouts():
 def test_decoder_follows_its_table_and_stays_lossless():
     model = create_model(CFG, seed=3)
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(random_prompts(), 16)
-    dec = Decoder(model, [1], DecodeOptions("lossless", 8, adaptive=True), adaptive_table=((1, 2, 2), (4, 1, 1)))
+    dec = Decoder(model, [1], DecodeOptions("lossless", 8, lossless=LosslessRule(adaptive=True)), adaptive_table=((1, 2, 2), (4, 1, 1)))
     one = dec.generate(random_prompts()[:1], 16)
-    assert (one.options.mode, one.options.block_size, one.options.max_groups) == ("lossless", 2, 2)
+    assert (one.options.mode, one.options.block_size, one.options.lossless.max_groups) == ("lossless", 2, 2)
     assert one.output_ids == ar.output_ids[:1]
     four = dec.generate(random_prompts(), 16)
     assert four.options.mode == "ar" and four.output_ids == ar.output_ids  # K=1 row: plain AR
@@ -139,7 +139,7 @@ def test_time_decode_steps_times_the_engine_step_of_each_layout(monkeypatch):
     real = program.decode_step
 
     def spy(options, *a, **kw):
-        traced.append((options.mode, options.block_size, options.max_groups))
+        traced.append((options.mode, options.block_size, options.lossless.max_groups))
         return real(options, *a, **kw)
     monkeypatch.setattr(program, "decode_step", spy)
     costs = step_timing.time_decode_steps(create_model(CFG, seed=0), 2, [(2, 2), (4, 2)], slots=128, filled=32,
@@ -215,7 +215,7 @@ def test_benchmark_calibrated_setting(tmp_path):
     save_model(ckpt, create_model(CFG, seed=3))
     pair = load_pair(ckpt)
     settings = [ar_setting(), calibrated_setting(3)]
-    assert settings[1].label == "calibrated,K<=3" and settings[1].options.adaptive
+    assert settings[1].label == "calibrated,K<=3" and settings[1].options.lossless.adaptive
     records, _ = run_settings(pair, settings, random_prompts(), 12, [2], repeats=1, progress=lambda m: None)
     ar, calibrated = records
     assert calibrated["agreement_with_ar"] == 1.0 and calibrated["generated_tokens"] == ar["generated_tokens"]
@@ -275,7 +275,7 @@ def test_calibrate_decoder_measures_the_rows_generate_decodes_within_the_group_c
     monkeypatch.setattr(cal, "calibrate", fake_calibrate)
     mesh = make_mesh((2, 1, 1), devices=__import__("jax").devices()[:2])
     model = create_model(CFG, seed=3)
-    dec = Decoder(load_or_shard(model, mesh), [1], DecodeOptions("lossless", 8, max_groups=2, adaptive=True),
+    dec = Decoder(load_or_shard(model, mesh), [1], DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=2, adaptive=True)),
                   mesh=mesh)
     cal.calibrate_decoder(dec, random_prompts(), 1, 16)
     assert seen["batch_sizes"] == [2]
@@ -285,7 +285,7 @@ def test_calibrate_decoder_measures_the_rows_generate_decodes_within_the_group_c
     assert res.output_ids == Decoder(model, [1], DecodeOptions("ar")).generate(random_prompts()[:1], 12).output_ids
     with pytest.raises(DecodeError, match="batch size must be >= 1, got 0"):
         cal.calibrate_decoder(dec, random_prompts(), 0, 16)
-    capped = Decoder(model, [1], DecodeOptions("lossless", 8, max_groups=1, adaptive=True))
+    capped = Decoder(model, [1], DecodeOptions("lossless", 8, lossless=LosslessRule(max_groups=1, adaptive=True)))
     with pytest.raises(DecodeError, match="no lossless layout to calibrate"):
         cal.calibrate_decoder(capped, random_prompts(), 1, 16)
 
@@ -294,7 +294,7 @@ def test_rows_are_capped_at_the_requests():
     """A batch larger than the queue decodes only rows that have a request, so the adaptive
     layout is the one for the real batch (this table: lossless up to 4 rows, AR past it)."""
     model = create_model(CFG, seed=3)
-    dec = Decoder(model, [1], DecodeOptions("lossless", 8, adaptive=True), adaptive_table=((4, 4, 2),))
+    dec = Decoder(model, [1], DecodeOptions("lossless", 8, lossless=LosslessRule(adaptive=True)), adaptive_table=((4, 4, 2),))
     res = dec.generate(random_prompts()[:3], 12, batch_size=32)
     assert (res.options.mode, res.options.block_size) == ("lossless", 4)
     assert res.output_ids == Decoder(model, [1], DecodeOptions("ar")).generate(random_prompts()[:3], 12).output_ids

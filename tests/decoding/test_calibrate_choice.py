@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule
 from prove_jax.decoding import calibrate as cal
 from prove_jax.models.params import create_model
 from tests.decode_helpers import CFG, PROMPTS
@@ -20,10 +20,10 @@ def model():
 def test_calibrate_keeps_ar_unless_a_trial_decode_wins_by_the_margin(model, monkeypatch):
     """The real decodes decide: the fastest trial is kept only if it beats AR by `margin`
     (measured 1.04x is noise: AR), and it is the measured best, not the expected best."""
-    dec = Decoder(model, [1], DecodeOptions("lossless", 4, adaptive=True))
+    dec = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(adaptive=True)))
     monkeypatch.setattr(cal, "acceptance_profile", lambda *a: np.array([[0.1, 0.1, 0.1, 0.7]]))
     monkeypatch.setattr(cal, "time_decode_steps",
-                        lambda model, b, cands, keep=None, kernels=None: {cal.AR: 1.0} | {c: 1.0 for c in cands})
+                        lambda model, b, cands, keep=None, compute=None: {cal.AR: 1.0} | {c: 1.0 for c in cands})
     measured = {}
     monkeypatch.setattr(cal, "trial_speedups", lambda d, p, layouts, b, n: {x: measured[x] for x in layouts})
     cands = [(2, 2), (4, 4)]
@@ -34,7 +34,7 @@ def test_calibrate_keeps_ar_unless_a_trial_decode_wins_by_the_margin(model, monk
 
 
 def test_trial_speedup_is_ar_time_over_layout_time(model, monkeypatch):
-    dec = Decoder(model, [1], DecodeOptions("lossless", 4, adaptive=True))
+    dec = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(adaptive=True)))
     timed = {cal.AR: 2.0, (2, 2): 1.0, (4, 4): 4.0}  # seconds of the fastest decode of each
 
     def fastest(runs, repeats):

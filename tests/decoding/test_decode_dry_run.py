@@ -15,7 +15,7 @@ import pytest
 
 from prove_jax import aot
 from prove_jax.cli import generate
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, MemoryLayout
 from prove_jax.decoding.dry_run import dry_run_decode, mesh_shape, slice_options
 from prove_jax.models.config import ModelConfig, preset
 from prove_jax.models.params import create_model
@@ -62,8 +62,8 @@ def test_the_slice_gets_the_inference_mesh_of_the_pair():
 
 def test_slice_options_are_the_accelerators_not_this_cpus():
     options = slice_options(DecodeOptions("lossless", 8))
-    assert options.kernels.platform == "tpu" and options.kernels.matmul_form == "plain"
-    assert options.prefill_chunk == 256
+    assert options.compute.platform == "tpu" and options.compute.matmul_form == "plain"
+    assert options.memory.prefill_chunk == 256
 
 
 def test_cli_errors_are_one_line(capsys, monkeypatch):
@@ -86,7 +86,7 @@ def test_cli_errors_are_one_line(capsys, monkeypatch):
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
 def test_a_small_pair_compiles_for_v5p_8_and_reports_its_memory():
     verifier = CFG.replace(num_heads=2, num_kv_heads=1, mask_token_id=None)
-    report = dry_run_decode(CFG, DecodeOptions("verify", 4, scan_layers=True), chip="v5p", chips=4, batch=8,
+    report = dry_run_decode(CFG, DecodeOptions("verify", 4, memory=MemoryLayout(scan_layers=True)), chip="v5p", chips=4, batch=8,
                             context=256, new_tokens=64, verifier=verifier)
     assert report.topology == "v5p:2x2x1" and report.mesh == {"data": 4, "fsdp": 1, "tensor": 1}
     stats = report.stats

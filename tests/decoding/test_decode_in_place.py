@@ -20,10 +20,10 @@ import pytest
 from flax import nnx
 
 from prove_jax.models.config import ModelConfig
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule, ThresholdRule
 from prove_jax.decoding.program import cache_slots
 from prove_jax.models.attention import cache_chunk
-from prove_jax.models.kernels import MATMUL_FORMS, KernelOptions
+from prove_jax.models.compute import MATMUL_FORMS, ComputeOptions
 from prove_jax.models.params import create_model
 
 # head_dim 24 keeps cache buffers [B, K, S, 24] from sharing a shape with any score tensor
@@ -83,8 +83,8 @@ def models():
 @pytest.mark.parametrize("rows,queue", [(1, 1), (2, 4)])
 @pytest.mark.parametrize("options", [
     DecodeOptions("ar"),
-    DecodeOptions("lossless", 4, max_groups=2),
-    DecodeOptions("threshold", 3, tau=0.5),
+    DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2)),
+    DecodeOptions("threshold", 3, threshold=ThresholdRule(tau=0.5)),
     DecodeOptions("verify", 3),
 ], ids=["ar", "lossless", "threshold", "verify"])
 def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
@@ -109,7 +109,7 @@ def test_decode_loop_never_copies_the_kv_cache(models, options, rows, queue):
 
 
 @pytest.mark.parametrize("options,width", [(DecodeOptions("ar"), 1),
-                                           (DecodeOptions("lossless", 4, max_groups=2), 10)],
+                                           (DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2)), 10)],
                          ids=["ar", "lossless"])
 def test_chunked_cache_read_never_copies_the_kv_cache(models, options, width):
     """A buffer long enough to be read in chunks (`attention.cache_chunk`): the chunks are sliced
@@ -130,7 +130,7 @@ def test_decode_loop_never_moves_a_weight(models, form):
     """One row (so no activation in the loop has a weight's shape), in both CPU decode forms.
     (The plain form is not among them: XLA:CPU transposes the k/v kernels on every step.)"""
     proposer, _ = models
-    options = DecodeOptions("lossless", 4, max_groups=2, kernels=KernelOptions(matmul_form=form))
+    options = DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=ComputeOptions(matmul_form=form))
     decoder = Decoder(proposer, [1], options)
     result = decoder.generate([[2, 3, 4]], 40, batch_size=1)
     assert len(result.output_ids[0]) > 0

@@ -18,7 +18,7 @@ import pytest
 from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.models.config import ModelConfig
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, VerifyRule
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.models.params import create_model
 from tests.multihost import finish_two_processes, joining, run_two_processes, start_two_processes
@@ -97,7 +97,7 @@ def test_two_hosts_verify_with_the_commit_head(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     texts = ["def add(a, b):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def push(self, x):\n"]
     inp.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
-    options = DecodeOptions("verify", 8, commit_rule="head")
+    options = DecodeOptions("verify", 8, verify=VerifyRule(commit_rule="head"))
     here, tok = build_decoder(assets.DEMO_PROPOSER, options, verifier_path=assets.DEMO_VERIFIER,
                               mesh_shape="1,1,1")
     ref = here.generate([tok.encode(t, add_special_tokens=False) for t in texts], 32).output_ids

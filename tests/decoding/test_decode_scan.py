@@ -7,6 +7,7 @@ lossless equals AR), on the batch and the stream paths; the loop never copies th
 cache; the compiled program does not grow with depth; on a tensor mesh nothing is gathered.
 """
 
+import dataclasses
 import importlib.util
 import re
 
@@ -16,7 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.decoding import DecodeOptions, Decoder, ComputeOptions, LosslessRule, MemoryLayout
 from prove_jax.decoding.program import cache_slots
 from prove_jax.models import sharding
 from prove_jax.models.params import create_model, flat_params
@@ -30,13 +31,13 @@ CFG = SMALL.replace(num_layers=3)
 # step) and verify (a second, stacked model) cover its shapes
 MODES = {
     "ar": DecodeOptions("ar"),
-    "lossless": DecodeOptions("lossless", 4, max_groups=2),
+    "lossless": DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2)),
     "verify": DecodeOptions("verify", 3),
 }
 
 
 def scanned(options: DecodeOptions) -> DecodeOptions:
-    return DecodeOptions(**{**options.__dict__, "scan_layers": True})
+    return dataclasses.replace(options, memory=dataclasses.replace(options.memory, scan_layers=True))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_scanned_decode_on_a_tensor_mesh_gathers_nothing_and_equals_one_device()
     mesh = sharding.make_mesh((2, 1, 4))
     graphdef, state = nnx.split(model)
     on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
-    options = DecodeOptions("lossless", 4, scan_layers=True, kernels=KernelOptions(matmul_form="plain"))
+    options = DecodeOptions("lossless", 4, memory=MemoryLayout(scan_layers=True), compute=ComputeOptions(matmul_form="plain"))
     want = Decoder(model, [1], DecodeOptions("ar")).generate(PROMPTS, NEW).output_ids
     decoder = Decoder(on_mesh, [1], options, mesh=mesh)
     q = nnx.merge(decoder.graphdef, decoder.state).layers.layer.attn.q_kernel[...]
@@ -232,7 +233,7 @@ def test_on_tpu_the_scan_reads_each_layers_weights_in_place():
     placed = sharding.state_shardings(state, mesh)
     state = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s)),
                          state, placed, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    options = scanned(DecodeOptions("ar", kernels=KernelOptions(platform="tpu", matmul_form="plain")))
+    options = scanned(DecodeOptions("ar", compute=ComputeOptions(platform="tpu", matmul_form="plain")))
     decoder = Decoder(nnx.merge(graphdef, state), [1], options, mesh=mesh)
     hlo = decoder.lower([[2, 3, 4]], 8).compile().as_text()
     assert "while" in hlo and f"bf16[{cfg.num_layers},{cfg.intermediate_size},{cfg.hidden_size}]" in hlo
@@ -242,7 +243,7 @@ def test_on_tpu_the_scan_reads_each_layers_weights_in_place():
 def test_generate_takes_scan_layers_and_attention_flags():
     from prove_jax.cli import generate
     options = generate.decode_options(generate.parse_args(["--prompt", "x", "--scan-layers", "--attention", "pallas_tpu"]))
-    assert options.scan_layers and options.kernels.attention == "pallas_tpu"
+    assert options.memory.scan_layers and options.compute.attention == "pallas_tpu"
     default = generate.decode_options(generate.parse_args(["--prompt", "x"]))
     # "auto" until the Decoder resolves it on the host: the XLA path on this CPU
-    assert not default.scan_layers and default.kernels.resolve_attention().attention == "xla"
+    assert not default.memory.scan_layers and default.compute.resolve_attention().attention == "xla"

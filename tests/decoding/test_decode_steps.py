@@ -14,7 +14,7 @@ from flax import nnx
 from prove_jax import assets
 from prove_jax.evaluation import humaneval
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule, ThresholdRule, VerifyRule
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.params import create_model
@@ -95,9 +95,9 @@ def test_whole_blocks_equal_naive_blocks(model, verifier, blocks, ar):
     block; each block is what a full forward over [committed, masks] proposes, so the pending
     tokens of one step (K at once, their KV written by the next) are read and cached right."""
     assert blocks != ar  # the masks' guesses are not AR: a wrong context would show
-    thr = Decoder(model, NO_EOS, DecodeOptions("threshold", K, tau=0.0)).generate(PROMPTS, NEW)
+    thr = Decoder(model, NO_EOS, DecodeOptions("threshold", K, threshold=ThresholdRule(tau=0.0))).generate(PROMPTS, NEW)
     assert thr.output_ids == blocks and (thr.forwards == NEW // K).all()
-    prob0 = Decoder(model, NO_EOS, DecodeOptions("verify", K, commit_rule="prob", tau_v=0.0),
+    prob0 = Decoder(model, NO_EOS, DecodeOptions("verify", K, verify=VerifyRule(commit_rule="prob", tau_v=0.0)),
                     verifier=verifier).generate(PROMPTS, NEW)
     assert prob0.output_ids == blocks
     assert (prob0.forwards == NEW // K).all() and (prob0.verifier_forwards == NEW // K).all()
@@ -130,7 +130,7 @@ def test_verify_likelihood_rule_commits_as_the_verifier_probabilities_say(model,
             commits[r].append(n)
     assert np.abs(np.log(seen) - np.log(tau)).min() > 1e-4  # far beyond float noise
     assert len({n for c in commits for n in c[:-1]}) >= 2  # the rule decides something here
-    res = Decoder(model, NO_EOS, DecodeOptions("verify", K, commit_rule="prob", tau_v=tau, record_steps=True),
+    res = Decoder(model, NO_EOS, DecodeOptions("verify", K, verify=VerifyRule(commit_rule="prob", tau_v=tau), record_steps=True),
                   verifier=verifier).generate(PROMPTS, NEW)
     assert res.step_commits == commits
     assert res.output_ids == outs
@@ -153,8 +153,8 @@ def test_eos_only_cuts_the_output_and_a_finished_row_stops_counting(model, verif
         raise AssertionError("no EOS pair fits these prompts")
     want = [_cut(out, eos) for out in ar]
     assert min(map(len, want)) < NEW and max(map(len, want)) == NEW
-    for opts, v in ((DecodeOptions("threshold", K, tau=1.01), None),
-                    (DecodeOptions("verify", K, commit_rule="prob", tau_v=1.5), verifier)):
+    for opts, v in ((DecodeOptions("threshold", K, threshold=ThresholdRule(tau=1.01)), None),
+                    (DecodeOptions("verify", K, verify=VerifyRule(commit_rule="prob", tau_v=1.5)), verifier)):
         res = Decoder(model, eos, opts, verifier=v).generate(PROMPTS, NEW)
         assert res.output_ids == want, opts.mode
         assert list(res.forwards) == [len(o) for o in want]  # one exact token per forward
@@ -230,7 +230,7 @@ def test_lossless_steps_follow_a_naive_prove_lossless(demo):
     commits, accepted, outs, shifted = _naive_lossless(greedy_fn, prompts, k, groups, max_new,
                                                         proposer.cfg.mask_token_id)
     assert shifted >= 5  # partial acceptances beyond the served lengths happened
-    res = Decoder(proposer, NO_EOS, DecodeOptions("lossless", k, max_groups=groups, record_steps=True)
+    res = Decoder(proposer, NO_EOS, DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=groups), record_steps=True)
                   ).generate(prompts, max_new)
     assert res.output_ids == outs
     assert res.step_commits == commits

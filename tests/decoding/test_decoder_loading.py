@@ -10,7 +10,7 @@ import pytest
 from prove_jax import assets
 from prove_jax.checkpoints import checkpoint
 from prove_jax.models.config import ModelConfig
-from prove_jax.decoding import DecodeError, DecodeOptions
+from prove_jax.decoding import DecodeError, DecodeOptions, VerifyRule
 
 
 def test_build_decoder_loads_the_verifier_and_its_head_from_the_verifier_checkpoint():
@@ -22,7 +22,7 @@ def test_build_decoder_loads_the_verifier_and_its_head_from_the_verifier_checkpo
                            verifier_path=assets.DEMO_VERIFIER)
     assert (dec.verifier_cfg.num_layers, dec.verifier_cfg.hidden_size) == (verifier_cfg.num_layers,
                                                                           verifier_cfg.hidden_size)
-    dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("verify", 4, commit_rule="head"),
+    dec, _ = build_decoder(assets.DEMO_PROPOSER, DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="head")),
                            verifier_path=assets.DEMO_VERIFIER)
     assert dec.head_hidden_size == verifier_cfg.hidden_size
 

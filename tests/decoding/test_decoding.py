@@ -18,10 +18,10 @@ import torch
 from prove_jax.checkpoints.checkpoint import load_model, save_model
 from prove_jax.models.config import ConfigError
 from prove_jax.checkpoints.convert import hf_to_flax
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, KernelOptions, program, queue
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, ComputeOptions, program, queue, LosslessRule, MemoryLayout, ThresholdRule, VerifyRule
 from prove_jax.decoding.layouts import LosslessLayout
 from prove_jax.decoding.mode_steps import head_in_one_pass
-from prove_jax.models.kernels import DEFAULT_KERNELS
+from prove_jax.models.compute import DEFAULT_COMPUTE
 from prove_jax.models.attention import StepMask, causal_mask
 from prove_jax.models.qwen2 import Qwen2
 from prove_jax.models.params import create_model
@@ -60,9 +60,9 @@ def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     model = create_model(CFG, seed=3)
     long_prompts = random_prompts(3, (5, 23, 8, 40))
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(long_prompts, 20)
-    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2)).generate(long_prompts, 20, batch_size=2)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))).generate(long_prompts, 20, batch_size=2)
     assert lossless.output_ids == ar.output_ids
-    # an explicit chunk (DecodeOptions.prefill_chunk) overrides the default: same outputs, and
+    # an explicit chunk (DecodeOptions.memory.prefill_chunk) overrides the default: same outputs, and
     # the prefill forwards (traced) take that many tokens
     widths, real = [], Qwen2.hidden_states
 
@@ -72,10 +72,10 @@ def test_chunked_prefill_matches_transformers_generate(tmp_path, monkeypatch):
     monkeypatch.setattr(Qwen2, "hidden_states", spy)
     for chunk in (3, 16):
         widths.clear()
-        assert Decoder(ours, [5], DecodeOptions("ar", prefill_chunk=chunk)).generate(prompts, 12).output_ids == refs
+        assert Decoder(ours, [5], DecodeOptions("ar", memory=MemoryLayout(prefill_chunk=chunk))).generate(prompts, 12).output_ids == refs
         assert widths[0] == chunk and 8 not in widths
     with pytest.raises(DecodeError, match="prefill chunk must be >= 1"):
-        DecodeOptions("ar", prefill_chunk=0).validate()
+        DecodeOptions("ar", memory=MemoryLayout(prefill_chunk=0)).validate()
 
 
 def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
@@ -93,7 +93,7 @@ def test_buffer_read_in_chunks_matches_transformers_generate(tmp_path):
     assert dec.generate(prompts, 12).output_ids == hf_greedy(hf, prompts, 12, eos_id=5)
     model = create_model(CFG, seed=3)
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 16)
-    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2)).generate(prompts, 16)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))).generate(prompts, 16)
     assert lossless.output_ids == ar.output_ids
 
 
@@ -119,13 +119,13 @@ def test_a_large_batch_reads_a_short_buffer_in_short_chunks(tmp_path):
     assert re.search(rf"f32\[{rows},{cfg.num_kv_heads},{chunk},{cfg.head_dim}\]", compiled.as_text())
     model = create_model(CFG, seed=3)
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 12)
-    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2)).generate(prompts, 12)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))).generate(prompts, 12)
     assert lossless.output_ids == ar.output_ids
 
 
 @pytest.mark.parametrize("k,groups", [(4, None), (5, 2), (3, 1), (6, 3)])
 def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
-    res = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups)).generate(random_prompts(), 24)
+    res = Decoder(model, [1], DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=groups))).generate(random_prompts(), 24)
     assert res.output_ids == ar_out.output_ids
     assert (res.accept_hist.sum(1) == res.forwards).all()
 
@@ -133,7 +133,7 @@ def test_lossless_equals_ar_random_proposer(model, ar_out, k, groups):
 def test_lossless_reads_the_lm_head_once_where_few_extra_rows(model, ar_out, monkeypatch):
     """K=5, G=2 needs the head at 9 of its 13 slots: one pass over all 13 for one row (4 extra
     rows), two passes (the 5 verify slots, then the chosen group's 4) for four rows (16 extra).
-    With one group every slot is needed: one pass. `KernelOptions(lm_head_one_pass=False)`
+    With one group every slot is needed: one pass. `ComputeOptions(lm_head_one_pass=False)`
     forces two passes for one row too. All of them are AR."""
     widths = []
     real = Qwen2.logits
@@ -142,12 +142,12 @@ def test_lossless_reads_the_lm_head_once_where_few_extra_rows(model, ar_out, mon
         widths.append(hidden.shape[1])
         return real(self, hidden, **kw)
     monkeypatch.setattr(Qwen2, "logits", spy)
-    two_passes = KernelOptions(lm_head_one_pass=False)
-    for k, groups, rows, kernels, head_widths in [(5, 2, 1, DEFAULT_KERNELS, [13]), (5, 2, 4, DEFAULT_KERNELS, [5, 4]),
-                                                  (3, 1, 4, DEFAULT_KERNELS, [5]), (5, 2, 1, two_passes, [5, 4])]:
-        assert head_in_one_pass(LosslessLayout.build(k, groups), rows, kernels) == (len(head_widths) == 1)
+    two_passes = ComputeOptions(lm_head_one_pass=False)
+    for k, groups, rows, compute, head_widths in [(5, 2, 1, DEFAULT_COMPUTE, [13]), (5, 2, 4, DEFAULT_COMPUTE, [5, 4]),
+                                                  (3, 1, 4, DEFAULT_COMPUTE, [5]), (5, 2, 1, two_passes, [5, 4])]:
+        assert head_in_one_pass(LosslessLayout.build(k, groups), rows, compute) == (len(head_widths) == 1)
         widths.clear()
-        dec = Decoder(model, [1], DecodeOptions("lossless", k, max_groups=groups, kernels=kernels))
+        dec = Decoder(model, [1], DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=groups), compute=compute))
         assert dec.generate(random_prompts(), 24, batch_size=rows).output_ids == ar_out.output_ids
         assert widths == head_widths
 
@@ -193,7 +193,7 @@ def test_lossless_and_verify_stop_at_eos_like_ar(model, ar_out):
 def test_max_new_tokens_inside_block(model, ar_out, max_new):
     res = Decoder(model, [1], DecodeOptions("lossless", 4)).generate(random_prompts(), max_new)
     assert res.output_ids == [o[:max_new] for o in ar_out.output_ids]
-    thr = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.0)).generate(random_prompts(), max_new)
+    thr = Decoder(model, [1], DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=0.0))).generate(random_prompts(), max_new)
     assert all(len(o) == max_new for o in thr.output_ids)
     assert_hist_counts_committed_tokens(thr)
 
@@ -209,7 +209,7 @@ def test_buffer_nearly_full(model):
 
 
 def test_verify_with_proposer_as_verifier_equals_ar(model, ar_out):
-    res = Decoder(model, [1], DecodeOptions("verify", 4, commit_rule="top1"),
+    res = Decoder(model, [1], DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="top1")),
                   verifier=model).generate(random_prompts(), 24)
     assert res.output_ids == ar_out.output_ids
     assert (res.verifier_forwards == res.forwards).all()
@@ -220,7 +220,7 @@ def test_verifier_may_pad_its_vocabulary_to_other_rows_than_the_proposer(model, 
     """The paper's pair, Qwen2.5-32B and -3B, has 152,064 and 151,936 rows for one tokenizer."""
     more = with_rows(model, 128)
     for proposer, verifier in ((model, more), (more, model)):
-        res = Decoder(proposer, [1], DecodeOptions("verify", 4, commit_rule="top1"),
+        res = Decoder(proposer, [1], DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="top1")),
                       verifier=verifier).generate(random_prompts(), 24)
         assert res.output_ids == ar_out.output_ids
     # the verifier reads the prompts too: their ids must be within its rows
@@ -238,7 +238,7 @@ def test_a_proposed_token_past_the_verifier_rows_is_never_accepted_nor_poisons_i
     fed as they are, they gathered NaN into its cache and it then rejected everything."""
     eager = with_rows(model, 128, copy_of, scale)
     # tau_v = 0 accepts every draft the verifier can read
-    res = Decoder(eager, [1], DecodeOptions("verify", 4, commit_rule="prob", tau_v=0.0, record_steps=True),
+    res = Decoder(eager, [1], DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="prob", tau_v=0.0), record_steps=True),
                   verifier=model).generate(random_prompts(), 24)
     past, after_past = 0, []  # exact tokens past the rows; commits of the steps after one
     for out, commits in zip(res.output_ids, res.step_commits):
@@ -257,10 +257,10 @@ def test_a_proposed_token_past_the_verifier_rows_is_never_accepted_nor_poisons_i
 
 
 def test_threshold_tau_above_one_is_ar_and_lower_tau_commits_more(model, ar_out):
-    strict = Decoder(model, [1], DecodeOptions("threshold", 4, tau=1.01)).generate(random_prompts(), 24)
+    strict = Decoder(model, [1], DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=1.01))).generate(random_prompts(), 24)
     assert strict.output_ids == ar_out.output_ids
     assert (strict.forwards == 24).all()
-    loose = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.0)).generate(random_prompts(), 24)
+    loose = Decoder(model, [1], DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=0.0))).generate(random_prompts(), 24)
     assert (loose.forwards < strict.forwards).all()
 
 
@@ -273,8 +273,8 @@ def test_verify_gated_by_the_proposers_confidence(model, ar_out):
     prompts = random_prompts()
 
     def verify(**kw):
-        return Decoder(model, [1], DecodeOptions("verify", 4, **kw), verifier=verifier).generate(prompts, 24)
-    threshold = Decoder(model, [1], DecodeOptions("threshold", 4, tau=0.3)).generate(prompts, 24)
+        return Decoder(model, [1], DecodeOptions("verify", 4, verify=VerifyRule(**kw)), verifier=verifier).generate(prompts, 24)
+    threshold = Decoder(model, [1], DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=0.3))).generate(prompts, 24)
     gated = verify(commit_rule="prob", tau_v=0.0, gate_tau=0.3)
     assert gated.output_ids == threshold.output_ids
     np.testing.assert_array_equal(gated.forwards, threshold.forwards)
@@ -282,7 +282,7 @@ def test_verify_gated_by_the_proposers_confidence(model, ar_out):
     assert strict.output_ids == ar_out.output_ids and (strict.forwards == 24).all()
     assert verify(gate_tau=0.0).output_ids == verify().output_ids
     with pytest.raises(DecodeError, match="gate_tau gates verify"):
-        DecodeOptions("lossless", 4, gate_tau=0.5).validate()
+        DecodeOptions("lossless", 4, verify=VerifyRule(gate_tau=0.5)).validate()
 
 
 def _oracle_confidence(logits: np.ndarray, kind: str) -> np.ndarray:
@@ -316,7 +316,7 @@ def test_threshold_confidence_kinds_accept_as_transformers_logits_say(tmp_path, 
     passes = [(c <= tau) if kind == "entropy" else (c >= tau) for c in confs]
     expected = [1 + int(np.cumprod(ok).sum()) for ok in passes]
     assert min(expected) < k and max(expected) > 1  # the threshold decides something here
-    res = Decoder(ours, [-1], DecodeOptions("threshold", k, tau=tau, confidence=kind, record_steps=True)
+    res = Decoder(ours, [-1], DecodeOptions("threshold", k, threshold=ThresholdRule(tau=tau, confidence=kind), record_steps=True)
                   ).generate(prompts, 8)
     assert [c[0] for c in res.step_commits] == expected
     for out, block, n in zip(res.output_ids, blocks, expected):
@@ -330,8 +330,8 @@ def test_stats_are_consistent(model):
     accept every draft) but has room for 3 of 23. lossless counts steps by drafts matching AR
     (a, before the cut: what calibration reads), so only its last step may commit fewer than
     a + 1 (group caps never lower it: every verified token commits)."""
-    for opts in (DecodeOptions("threshold", 4, tau=0.0), DecodeOptions("lossless", 4),
-                 DecodeOptions("verify", 4, commit_rule="prob", tau_v=0.0)):
+    for opts in (DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=0.0)), DecodeOptions("lossless", 4),
+                 DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="prob", tau_v=0.0))):
         res = Decoder(model, [1], opts, verifier=model if opts.mode == "verify" else None
                       ).generate(random_prompts(), 23)
         assert (res.accept_hist.sum(1) == res.forwards).all()
@@ -361,8 +361,8 @@ def test_compiled_once_per_shape(model):
 
 
 @pytest.mark.parametrize("kernels_a,kernels_b", [
-    (KernelOptions(matmul_form="weight_major"), KernelOptions(matmul_form="plain")),
-    (KernelOptions(lm_head_one_pass=True), KernelOptions(lm_head_one_pass=False)),
+    (ComputeOptions(matmul_form="weight_major"), ComputeOptions(matmul_form="plain")),
+    (ComputeOptions(lm_head_one_pass=True), ComputeOptions(lm_head_one_pass=False)),
 ], ids=["matmul-form", "lm-head-passes"])
 def test_kernel_options_key_the_compiled_program(model, ar_out, monkeypatch, kernels_a, kernels_b):
     """Two DecodeOptions that differ only in their kernels, in one process: two traces, two
@@ -372,20 +372,20 @@ def test_kernel_options_key_the_compiled_program(model, ar_out, monkeypatch, ker
     traces = []
     real = program.run_program
     monkeypatch.setattr(program, "run_program", lambda *a, **kw: traces.append(a[3]) or real(*a, **kw))
-    base = DecodeOptions("lossless", 5, max_groups=2)  # at one row: the LM head in one pass by default
-    first = Decoder(model, [1], dataclasses.replace(base, kernels=kernels_a))
-    second = first.with_options(dataclasses.replace(base, kernels=kernels_b))
+    base = DecodeOptions("lossless", 5, lossless=LosslessRule(max_groups=2))  # at one row: the LM head in one pass by default
+    first = Decoder(model, [1], dataclasses.replace(base, compute=kernels_a))
+    second = first.with_options(dataclasses.replace(base, compute=kernels_b))
     results = [dec.generate(random_prompts(), 24, batch_size=1) for dec in (first, second)]
     assert len(traces) == 2 and [dec.trace_count for dec in (first, second)] == [1, 1]
     (key_a, compiled_a), = first.programs("run")
     (key_b, compiled_b), = second.programs("run")
     assert key_a != key_b and key_a[2:] == key_b[2:]  # ("run", settings, shapes...)
     settings_a, settings_b = key_a[1], key_b[1]
-    assert (settings_a.options.kernels, settings_b.options.kernels) == (kernels_a, kernels_b)
-    assert dataclasses.replace(settings_a, options=dataclasses.replace(settings_a.options, kernels=kernels_b)) == settings_b
+    assert (settings_a.options.compute, settings_b.options.compute) == (kernels_a, kernels_b)
+    assert dataclasses.replace(settings_a, options=dataclasses.replace(settings_a.options, compute=kernels_b)) == settings_b
     assert compiled_a.as_text() != compiled_b.as_text()
     assert results[0].output_ids == results[1].output_ids == ar_out.output_ids
-    assert [r.options.kernels for r in results] == [kernels_a, kernels_b]
+    assert [r.options.compute for r in results] == [kernels_a, kernels_b]
 
 
 def _queue_arrays(prompts, width=16, max_new=8):
@@ -481,10 +481,10 @@ def test_bad_requests(model):
     with pytest.raises(ConfigError, match="dtype must be one of float32, bfloat16, float16, got 'fp8'"):
         CFG.replace(dtype="fp8")
     with pytest.raises(DecodeError, match="tau must be a finite number"):
-        Decoder(model, [1], DecodeOptions("threshold", 4, tau=float("nan")))
+        Decoder(model, [1], DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=float("nan"))))
     with pytest.raises(DecodeError, match="tau_v .* >= 0"):
-        Decoder(model, [1], DecodeOptions("verify", 4, commit_rule="prob", tau_v=-0.1), verifier=model)
-    assert [DecodeOptions("threshold", confidence=c).validate().tau for c in ("prob", "margin", "entropy")
+        Decoder(model, [1], DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="prob", tau_v=-0.1)), verifier=model)
+    assert [DecodeOptions("threshold", threshold=ThresholdRule(confidence=c)).validate().threshold.tau for c in ("prob", "margin", "entropy")
             ] == [0.9, 0.8, 0.5]
     with pytest.raises(DecodeError, match="mask"):
         Decoder(create_model(CFG.replace(mask_token_id=None)), [1], DecodeOptions("lossless", 4))
@@ -500,7 +500,7 @@ def test_a_step_wider_than_the_buffer_is_refused_before_tracing(model):
         Decoder(model, [1], DecodeOptions("threshold", 40), max_buffer=64)
     with pytest.raises(DecodeError, match="4096-token step limit"):
         Decoder(model, [1], DecodeOptions("lossless", 100), max_buffer=1 << 20)
-    dec = Decoder(model, [1], DecodeOptions("lossless", 40, max_groups=1), max_buffer=80)  # 79 wide: fits
+    dec = Decoder(model, [1], DecodeOptions("lossless", 40, lossless=LosslessRule(max_groups=1)), max_buffer=80)  # 79 wide: fits
     with pytest.raises(DecodeError, match="1600 tokens per step"):
         dec.with_options(DecodeOptions("lossless", 40))
     assert dec.trace_count == 0
@@ -654,7 +654,7 @@ def test_one_bad_request_fails_alone(tmp_path, model, capsys):
 
 def test_adaptive_shrinks_width_with_batch_and_falls_back_to_ar(model, ar_out):
     from prove_jax.decoding import adapt_for_batch
-    opts = DecodeOptions("lossless", 8, adaptive=True)
+    opts = DecodeOptions("lossless", 8, lossless=LosslessRule(adaptive=True))
     widths = [adapt_for_batch(opts, b, "gpu") for b in (1, 4, 8, 16, 32, 64)]
     ks = [o.block_size for o in widths]
     assert ks == sorted(ks, reverse=True) and ks[0] == 8

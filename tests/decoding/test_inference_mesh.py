@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, KernelOptions
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, ComputeOptions, MemoryLayout
 from prove_jax.decoding.loading import build_decoder, parse_mesh
 from prove_jax.decoding.program import cache_slots, step_shape
 from prove_jax.checkpoints.checkpoint import save_model
@@ -82,7 +82,7 @@ def _chunk_program(decoder):
 @pytest.mark.parametrize("options, rows", [
     (DecodeOptions("ar"), 2),  # one row, one kv head and one token per device
     (DecodeOptions("lossless", 4), 4),
-    (DecodeOptions("lossless", 4, kernels=KernelOptions(matmul_form="plain")), 4)],
+    (DecodeOptions("lossless", 4, compute=ComputeOptions(matmul_form="plain")), 4)],
     ids=["ar", "lossless", "lossless-plain"])
 def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(models, one_device, options, rows):
     model, sharded, mesh = models
@@ -111,7 +111,7 @@ def test_decode_step_on_a_tensor_mesh_gathers_nothing_and_equals_one_device(mode
     width = 1 if options.mode == "ar" else 16
     assert all(np.prod(shape) <= rows // 2 * width * CFG.hidden_size for _, _, shape in found), found
     assert {op for op, _, _ in found} <= {"all-reduce", "collective-permute"}
-    if options.mode == "ar" or options.kernels.matmul_form == "plain":
+    if options.mode == "ar" or options.compute.matmul_form == "plain":
         assert {op for op, _, _ in found} == {"all-reduce"}
     # one all-reduce per output projection (2 per layer) and one for the embedding lookup,
     # whatever the cache length
@@ -143,7 +143,7 @@ def test_a_verifier_whose_kv_heads_the_tensor_axis_does_not_divide_gathers_nothi
     verifier_on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
     prompts = PROMPTS * 3  # 12 requests: rows refilled (8 rows: in the loop, by generate)
     for rows, scan, spec in ((4, False, P("data")), (8, True, P(("data", "tensor")))):
-        options = DecodeOptions("verify", 4, kernels=KernelOptions(matmul_form="plain"), scan_layers=scan)
+        options = DecodeOptions("verify", 4, compute=ComputeOptions(matmul_form="plain"), memory=MemoryLayout(scan_layers=scan))
         want = Decoder(model, [1], options, verifier=verifier).generate(prompts, NEW).output_ids
         decoder = Decoder(sharded, [1], options, verifier=verifier_on_mesh, mesh=mesh)
         got = {}
@@ -186,7 +186,7 @@ def test_a_row_split_cache_read_in_chunks_agrees_its_bound_without_a_collective(
     mesh = sharding.make_mesh((1, 1, 8))
     graphdef, state = nnx.split(create_model(CFG, seed=3))
     model = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
-    decoder = Decoder(model, [1], DecodeOptions("lossless", 4, kernels=KernelOptions(matmul_form="plain")), mesh=mesh)
+    decoder = Decoder(model, [1], DecodeOptions("lossless", 4, compute=ComputeOptions(matmul_form="plain")), mesh=mesh)
     assert sharding.kv_rules(CFG.num_kv_heads, 8, mesh) is sharding.ROW_SPLIT_RULES
     hlo = decoder.lower(PROMPTS * 2, NEW, batch_size=8, prompt_width=1024).compile().as_text()
     assert "/while/body/while/body" in hlo  # the chunk loop inside the decode loop
@@ -205,7 +205,7 @@ def test_rows_round_up_to_split_a_verifier_cache_where_that_holds_less_kv(models
     verify = Decoder(sharded, [1], DecodeOptions("verify", 4), verifier=verifier, mesh=mesh)
     assert [verify.rows(b, 12) for b in (1, 4, 6, 8, 12)] == [2, 4, 8, 8, 16]
     assert verify.rows(6, 5) == 8  # a row with no request costs less than the whole cache
-    assert verify.with_options(DecodeOptions("verify", 4, page_size=16)).rows(6, 12) == 6
+    assert verify.with_options(DecodeOptions("verify", 4, memory=MemoryLayout(page_size=16))).rows(6, 12) == 6
     assert verify.with_options(DecodeOptions("lossless", 4)).rows(6, 12) == 6
     assert Decoder(model, [1], DecodeOptions("verify", 4), verifier=verifier).rows(6, 12) == 6
     # per device, (row, kv head) pairs: split over rows, over data and heads, or replicated

@@ -2,13 +2,13 @@
 
 import pytest
 
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule, ThresholdRule, VerifyRule
 from prove_jax.models.sharding import make_mesh
 from tests.decode_helpers import load_or_shard, random_prompts
 
 LENGTHS = (3, 9, 1, 14, 6, 2, 11)
-OPTIONS = (DecodeOptions("ar"), DecodeOptions("lossless", 4), DecodeOptions("lossless", 3, max_groups=2),
-           DecodeOptions("threshold", 4, tau=1.01), DecodeOptions("verify", 4, commit_rule="top1"))
+OPTIONS = (DecodeOptions("ar"), DecodeOptions("lossless", 4), DecodeOptions("lossless", 3, lossless=LosslessRule(max_groups=2)),
+           DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=1.01)), DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="top1")))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_reference_has_requests_that_stop_early(reference):
     assert min(lengths) < 24 and max(lengths) == 24  # rows finish at different steps
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"{o.mode}-K{o.block_size}-G{o.max_groups}")
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"{o.mode}-K{o.block_size}-G{o.lossless.max_groups}")
 def test_queue_equals_ar_token_for_token(model, eos, reference, opts):
     res = Decoder(model, [eos], opts, verifier=model).generate(random_prompts(7, LENGTHS), 24, batch_size=2)
     assert res.output_ids == reference.output_ids

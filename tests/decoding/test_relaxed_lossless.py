@@ -1,4 +1,4 @@
-"""Relaxed lossless (`DecodeOptions.relaxed_p`): the lossless step's one forward, with a draft also
+"""Relaxed lossless (`DecodeOptions.lossless.relaxed_p`): the lossless step's one forward, with a draft also
 committed where the proposer's own AR distribution gives it probability >= relaxed_p.
 
 On the shipped arithmetic pair: relaxed_p 1 is exact lossless (== AR token for token); every token
@@ -15,7 +15,7 @@ import pytest
 from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import load_model
 from prove_jax.cli import generate as generate_cli
-from prove_jax.decoding import DecodeError, DecodeOptions, SamplingParams
+from prove_jax.decoding import DecodeError, DecodeOptions, SamplingParams, LosslessRule
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.decoding.requests import read_requests
 from prove_jax.models.attention import causal_mask
@@ -25,7 +25,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def arith():
-    decoder, tok = build_decoder(assets.ARITH_PROPOSER, DecodeOptions("lossless", 6, max_groups=2))
+    decoder, tok = build_decoder(assets.ARITH_PROPOSER, DecodeOptions("lossless", 6, lossless=LosslessRule(max_groups=2)))
     prompts = [tok.encode(r["prompt"]) for r in read_requests(assets.ARITH_TEST)[:6]]
     return decoder, prompts
 
@@ -38,7 +38,7 @@ def relaxed_run(arith):
 
     def run(relaxed_p):
         if relaxed_p not in runs:
-            d = decoder.with_options(DecodeOptions("lossless", 6, max_groups=2, relaxed_p=relaxed_p))
+            d = decoder.with_options(DecodeOptions("lossless", 6, lossless=LosslessRule(max_groups=2, relaxed_p=relaxed_p)))
             runs[relaxed_p] = d.generate(prompts, NEW, batch_size=len(prompts))
         return runs[relaxed_p]
     return run
@@ -80,10 +80,10 @@ def test_every_committed_token_is_argmax_or_likely_enough(arith, relaxed_run, re
 def test_bad_settings_are_one_line_errors(arith):
     decoder, prompts = arith
     with pytest.raises(DecodeError, match=r"relaxed_p is a probability in \(0, 1\], got 0"):
-        DecodeOptions("lossless", 4, relaxed_p=0.0).validate()
+        DecodeOptions("lossless", 4, lossless=LosslessRule(relaxed_p=0.0)).validate()
     with pytest.raises(DecodeError, match="mode 'threshold' has none"):
-        DecodeOptions("threshold", 4, relaxed_p=0.3).validate()
-    relaxed = decoder.with_options(DecodeOptions("lossless", 4, relaxed_p=0.3))
+        DecodeOptions("threshold", 4, lossless=LosslessRule(relaxed_p=0.3)).validate()
+    relaxed = decoder.with_options(DecodeOptions("lossless", 4, lossless=LosslessRule(relaxed_p=0.3)))
     with pytest.raises(DecodeError, match="for greedy decoding"):
         relaxed.generate(prompts[:1], 4, params=SamplingParams(temperature=0.7, seed=1))
     args = generate_cli.parse_args(["--prompt", "x", "--mode", "ar", "--relaxed-p", "0.3"])

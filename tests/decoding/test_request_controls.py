@@ -11,7 +11,7 @@ import torch
 from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import load_model, load_tokenizer, save_model
 from prove_jax.checkpoints.convert import hf_to_flax
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule
 from prove_jax.decoding.request_run import run_requests
 from prove_jax.decoding.sampling import SamplingParams
 from prove_jax.decoding.stopping import StopStrings
@@ -104,7 +104,7 @@ def test_logprobs_are_transformers_log_softmax_and_lossless_equals_ar(hf_pair):
             np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:3], atol=2e-5)
             assert [i for i, _ in top] == np.argsort(-row, kind="stable")[:3].tolist()
     for k, groups in ((3, None), (5, 2)):
-        lossless = Decoder(ours, [], DecodeOptions("lossless", k, max_groups=groups, logprobs=3)).generate(prompts, 12)
+        lossless = Decoder(ours, [], DecodeOptions("lossless", k, lossless=LosslessRule(max_groups=groups), logprobs=3)).generate(prompts, 12)
         assert lossless.output_ids == ar.output_ids
         for a, b in zip(lossless.logprobs, ar.logprobs):
             np.testing.assert_allclose([lp for lp, _ in a], [lp for lp, _ in b], atol=1e-5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prove_jax.decoding import BatchResult, DecodeOptions, Decoder
+from prove_jax.decoding import BatchResult, DecodeOptions, Decoder, LosslessRule
 from prove_jax.decoding import request_run
 from prove_jax.models.params import create_model
 from tests.decode_helpers import CFG, NEW, NO_EOS, PROMPTS
@@ -27,7 +27,7 @@ def test_run_requests_stats_add_up_and_every_chunk_shares_one_program(model, ar,
     """Chunks of 2 requests whose own prompt widths differ (32, 16, 32 after rounding) still run
     one compiled program; per-request and summary stats are those of the outputs."""
     monkeypatch.setattr(request_run, "QUEUE_BATCHES", 1)
-    dec = Decoder(model, NO_EOS, DecodeOptions("lossless", 3, max_groups=2))
+    dec = Decoder(model, NO_EOS, DecodeOptions("lossless", 3, lossless=LosslessRule(max_groups=2)))
     results, summary = request_run.run_requests(dec, PROMPTS, NEW, 2, progress=False)
     outputs, stats = [r.output_ids for r in results], [r.stats for r in results]
     assert dec.trace_count == 1

@@ -203,16 +203,16 @@ def test_chat_without_a_chat_template_fails_before_the_model_loads(tmp_path, cap
 def test_run_requests_names_bad_requests_by_id_and_reports_what_ran():
     """Errors name the request id (not its position), and the summary's `setting` is the layout
     actually decoded: adaptive lossless chose AR on CPU, which mode alone does not say."""
-    from prove_jax.decoding import DecodeOptions, Decoder
+    from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule
     from prove_jax.decoding.request_run import run_requests
     from prove_jax.models.params import create_model
     from tests.decode_helpers import CFG
-    dec = Decoder(create_model(CFG, seed=3), [1], DecodeOptions("lossless", 4, adaptive=True))
+    dec = Decoder(create_model(CFG, seed=3), [1], DecodeOptions("lossless", 4, lossless=LosslessRule(adaptive=True)))
     with pytest.raises(DecodeError, match=r"request 'second' is empty"):
         run_requests(dec, [[4, 5], []], 8, 1, progress=False, ids=["first", "second"])
     _, summary = run_requests(dec, [[4, 5], [6]], 8, 2, progress=False, ids=["first", "second"])
     assert (summary["mode"], summary["setting"]) == ("lossless", "ar")
-    _, summary = run_requests(dec.with_options(DecodeOptions("lossless", 4, max_groups=2)),
+    _, summary = run_requests(dec.with_options(DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))),
                                  [[4, 5]], 8, 1, progress=False)
     assert summary["setting"] == "lossless K=4,G=2"
 
@@ -251,5 +251,5 @@ def test_options_of_the_mode_reach_the_decoder(tmp_path, monkeypatch):
     generate.main(base + ["--mode", "verify", "--commit-rule", "prob", "--tau-v", "0.3"])
     generate.main(base + ["--mode", "threshold", "--confidence", "entropy", "--tau", "1.5"])
     generate.main(base + ["--mode", "verify"])
-    assert [(o.commit_rule, o.tau_v) for o in (seen[0], seen[2])] == [("prob", 0.3), ("top1", 0.5)]
-    assert (seen[1].confidence, seen[1].tau) == ("entropy", 1.5)
+    assert [(o.verify.commit_rule, o.verify.tau_v) for o in (seen[0], seen[2])] == [("prob", 0.3), ("top1", 0.5)]
+    assert (seen[1].threshold.confidence, seen[1].threshold.tau) == ("entropy", 1.5)

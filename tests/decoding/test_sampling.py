@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from prove_jax.checkpoints.checkpoint import load_model
 from prove_jax.checkpoints.convert import hf_to_flax
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, sampling
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, sampling, LosslessRule
 from prove_jax.decoding.sampling import RowSampling, Sampler, SamplingParams
 from tests.hf_models import make_hf_qwen2
 from tests.decode_helpers import random_prompts
@@ -155,7 +155,7 @@ SETTINGS = [("ar", 1, None, SamplingParams(temperature=1.0)),
 def test_sampling_draws_from_the_exact_ar_distribution(tiny, mode, k, groups, params):
     hf, ours = tiny
     joint = _exact_distribution(hf, params)
-    outs, res = _sample(ours, DecodeOptions(mode, k, max_groups=groups), params)
+    outs, res = _sample(ours, DecodeOptions(mode, k, lossless=LosslessRule(max_groups=groups)), params)
     if mode == "lossless":  # the rule decided both ways: drafts were accepted and rejected
         later = res.accept_hist.sum(axis=0)
         assert later[1:].sum() > DRAWS // 10 and res.forwards.sum() > DRAWS * 2
@@ -174,7 +174,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(tiny, monkeypatch):
         q_draft, p_draft = (jnp.take_along_axis(x, drafts[..., None], -1)[..., 0] for x in (q, p[:, :-1]))
         return real(p, q, drafts, jnp.where(q_draft >= p_draft, 0.0, jnp.inf), valid)
     monkeypatch.setattr(sampling, "speculative_accept", wrong)
-    outs, _ = _sample(ours, DecodeOptions("lossless", 4, max_groups=2), params)
+    outs, _ = _sample(ours, DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2)), params)
     assert min(_test_against_exact(outs, _exact_distribution(hf, params))) < 1e-6
 
 

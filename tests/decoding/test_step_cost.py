@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from prove_jax import aot, hlo_cost
-from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.decoding import DecodeOptions, Decoder, ComputeOptions, LosslessRule, MemoryLayout
 from prove_jax.decoding import program, step_report
 from prove_jax.models import attention, sharding
 from prove_jax.models.config import ModelConfig
@@ -277,7 +277,7 @@ def test_a_scanned_step_copies_no_stacked_cache(model, page_size):
     """The scanned step writes its KV into the stacked cache (or paged pool) in place and reads
     a layer's chunks from it: no instruction but the in-place write produces a buffer of the
     whole cache's shape (on libtpu, each layer copied the pool, or its own slice, every step)."""
-    decoder = Decoder(model, [1], DecodeOptions("ar", 1, scan_layers=True, page_size=page_size))
+    decoder = Decoder(model, [1], DecodeOptions("ar", 1, memory=MemoryLayout(scan_layers=True, page_size=page_size)))
     fns, _, state = step_report.stream_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS)
     fn, args = fns["step"]
     cost = hlo_cost.step_cost(fn.lower(*args).compile().as_text())
@@ -297,8 +297,8 @@ def test_on_tpu_a_layer_reads_its_kv_in_place(page_size):
     step moves what it must within 1.3x."""
     cfg = ModelConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_layers=2, num_heads=16,
                       num_kv_heads=8, head_dim=128, mask_token_id=1023, eos_token_ids=(1,))
-    options = DecodeOptions("lossless", 6, max_groups=2, scan_layers=True, page_size=page_size,
-                            kernels=KernelOptions(attention="pallas_tpu"))
+    options = DecodeOptions("lossless", 6, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(scan_layers=True, page_size=page_size),
+                            compute=ComputeOptions(attention="pallas_tpu"))
     report = step_report.step_report(cfg, options, chip="v5p", chips=4, batch=16, context=8192, programs=("step",))
     (step,) = report.programs
     kv_layer = 2 * 4 * cfg.num_kv_heads * 8192 * cfg.head_dim * 2  # K and V of a chip's 4 rows, bf16
@@ -313,7 +313,7 @@ def test_a_stream_allocates_its_caches_in_whole_tiles_of_slots(model):
     """A verify stream's proposer (step width 2K-1 = 15) and verifier (K = 8) caches each hold a
     row's buffer and one step past it, rounded up to whole 16-slot tiles (`program.cache_slots`),
     and the report prices the slots they hold."""
-    decoder = Decoder(model, [1], DecodeOptions("verify", 8, scan_layers=True), verifier=model)
+    decoder = Decoder(model, [1], DecodeOptions("verify", 8, memory=MemoryLayout(scan_layers=True)), verifier=model)
     _, settings, state = step_report.stream_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS)
     for cache, past in ((state.cache, 15), (state.verifier_cache, 8)):
         slots = cache.k.shape[2] // CFG.num_layers
@@ -329,7 +329,7 @@ def test_on_tpu_an_ar_step_of_28_layers_copies_no_cache():
     step must move); in whole tiles it copies nothing and moves what it must within 1.3x."""
     cfg = ModelConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_layers=28, num_heads=16,
                       num_kv_heads=8, head_dim=128, mask_token_id=1023, eos_token_ids=(1,))
-    options = DecodeOptions("ar", 1, scan_layers=True, kernels=KernelOptions(attention="pallas_tpu"))
+    options = DecodeOptions("ar", 1, memory=MemoryLayout(scan_layers=True), compute=ComputeOptions(attention="pallas_tpu"))
     report = step_report.step_report(cfg, options, chip="v5e", chips=4, batch=16, context=8192, programs=("step",))
     (step,) = report.programs
     assert step.bytes_by_opcode.get("copy", 0) < 0.01 * step.hbm_bytes, step.largest

@@ -31,7 +31,7 @@ from prove_jax.evaluation.sweep import (ALL_MODES, BenchError, DEFAULT_LOSSLESS,
 from prove_jax.evaluation import benchmark as bench_lib
 from prove_jax.checkpoints.checkpoint import save_model
 from prove_jax.models.config import ModelConfig
-from prove_jax.decoding import DecodeOptions
+from prove_jax.decoding import DecodeOptions, ThresholdRule
 from prove_jax.models.params import create_model
 from prove_jax.profiling import trace_files
 from tests.tokenizers_fixture import make_tokenizer
@@ -68,7 +68,7 @@ def pair(tmp_path_factory):
 def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
     loaded = load_pair(pair[0])
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
-    for opts in (DecodeOptions("lossless", 3), DecodeOptions("threshold", 4, tau=0.0)):
+    for opts in (DecodeOptions("lossless", 3), DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=0.0))):
         plain = loaded.decoder(opts).generate(prompts, 12)
         traced = loaded.decoder(dataclasses.replace(opts, record_steps=True)).generate(prompts, 12)
         assert plain.step_commits is None
@@ -81,24 +81,24 @@ def test_record_steps_trace_matches_counters_and_changes_nothing(pair):
 
 def test_head_thresholds_sweep_the_commit_head_beside_its_own():
     settings = [s for s in sweep_settings(["verify"], True, 6, head_thresholds=[0.3, 0.1])
-                if s.options.commit_rule == "head"]
-    assert [s.options.head_threshold for s in settings] == [None, 0.3, 0.1]
+                if s.options.verify.commit_rule == "head"]
+    assert [s.options.verify.head_threshold for s in settings] == [None, 0.3, 0.1]
     assert [s.label for s in settings] == ["K=6,head", "K=6,head,p>=0.3", "K=6,head,p>=0.1"]
     assert not [s for s in sweep_settings(["verify"], False, head_thresholds=[0.3])
-                if s.options.commit_rule == "head"]
+                if s.options.verify.commit_rule == "head"]
 
 
 def test_gate_taus_add_the_gated_verifier_rules():
     settings = [s for s in sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.8, 0.6])
-                if s.options.gate_tau is not None]
-    assert [(s.options.commit_rule, s.options.tau_v, s.options.gate_tau) for s in settings] == [
+                if s.options.verify.gate_tau is not None]
+    assert [(s.options.verify.commit_rule, s.options.verify.tau_v, s.options.verify.gate_tau) for s in settings] == [
         ("top1", 0.5, 0.8), ("top1", 0.5, 0.6), ("prob", 0.3, 0.8), ("prob", 0.3, 0.6)]
     assert [s.label for s in settings][-1] == "K=6,prob,tau_v=0.3,gate=0.6"
-    assert {s.options.confidence for s in settings} == {"prob"}
+    assert {s.options.threshold.confidence for s in settings} == {"prob"}
     # --confidence picks the gate's statistic, as generate's does
     margin = [s for s in sweep_settings(["verify"], False, 6, tau_vs=[0.3], gate_taus=[0.4],
-                                        confidence="margin") if s.options.gate_tau is not None]
-    assert [s.options.confidence for s in margin] == ["margin", "margin"]
+                                        confidence="margin") if s.options.verify.gate_tau is not None]
+    assert [s.options.threshold.confidence for s in margin] == ["margin", "margin"]
     assert [s.label for s in margin] == ["K=6,top1,margin gate=0.4", "K=6,prob,tau_v=0.3,margin gate=0.4"]
 
 
@@ -108,7 +108,7 @@ def test_rules_pick_the_verify_settings():
     both = sweep_settings(["verify"], True, 8, tau_vs=[0.3], gate_taus=[0.6], rules=["top1", "head"])
     assert [s.label for s in both] == ["-", "K=8,top1", "K=8,top1,gate=0.6", "K=8,head"]
     # the default runs every rule, head only where the verifier has one
-    assert {s.options.commit_rule for s in sweep_settings(["verify"], False)[1:]} == {"top1", "prob"}
+    assert {s.options.verify.commit_rule for s in sweep_settings(["verify"], False)[1:]} == {"top1", "prob"}
 
 
 def test_limit_takes_the_first_records_of_a_prompts_file():

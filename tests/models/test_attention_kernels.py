@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.decoding import DecodeOptions, Decoder, ComputeOptions, LosslessRule, MemoryLayout
 from prove_jax.models import attention, attention_kernels, sharding
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.params import create_model
@@ -16,8 +16,8 @@ from prove_jax.models.sharding import make_mesh
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, mask_token_id=95, eos_token_ids=(1,))
-GPU_INTERPRET = KernelOptions(attention="pallas_gpu", interpret=True)
-TPU_INTERPRET = KernelOptions(attention="pallas_tpu", interpret=True)
+GPU_INTERPRET = ComputeOptions(attention="pallas_gpu", interpret=True)
+TPU_INTERPRET = ComputeOptions(attention="pallas_tpu", interpret=True)
 KERNELS = [pytest.param(GPU_INTERPRET, id="pallas_gpu"), pytest.param(TPU_INTERPRET, id="pallas_tpu")]
 
 
@@ -29,13 +29,13 @@ def _inputs(b=3, t=3, k=2, g=2, s=64, dh=8, seed=0):
     return q, own, cache
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("compute", KERNELS)
 @pytest.mark.parametrize("slots,lens", [(64, (0, 17, 64 - 3)), (256, (200, 5, 129)), (48, (48, 1, 30)),
                                         (200, (0, 199, 130)), (75, (70, 3, 64))])
-def test_kernel_matches_xla_on_ragged_rows(kernels, slots, lens, monkeypatch):
+def test_kernel_matches_xla_on_ragged_rows(compute, slots, lens, monkeypatch):
     """Ragged rows, an empty row, buffers of whole kernel blocks and not (the GPU kernel's tail
     read in XLA; the TPU kernel's last block overhanging the buffer, in blocks of 64 here)."""
-    if kernels.attention == "pallas_tpu":
+    if compute.attention == "pallas_tpu":
         if slots not in (256, 75):  # interpret mode is slow; these two cover its block edges
             pytest.skip("covered by the other buffer sizes")
         monkeypatch.setattr(attention_kernels, "BLOCK", 64)
@@ -46,24 +46,24 @@ def test_kernel_matches_xla_on_ragged_rows(kernels, slots, lens, monkeypatch):
                        [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
                        [[1, 1, 1], [0, 1, 0], [1, 0, 1]]], bool)
     want = attention._attend_cached(q, own, intra, cache, cache_len)
-    got = attention._attend_cached_kernel(q, own, intra, cache, cache_len, kernels)
+    got = attention._attend_cached_kernel(q, own, intra, cache, cache_len, compute)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_kernel_ignores_slots_past_each_rows_length(kernels):
+@pytest.mark.parametrize("compute", KERNELS)
+def test_kernel_ignores_slots_past_each_rows_length(compute):
     q, own, (ck, cv) = _inputs(s=256)
     cache_len = jnp.array([10, 0, 33], jnp.int32)
     intra = jnp.tril(jnp.ones((1, 3, 3), bool))
     slot = jnp.arange(256)[None, None, :, None]
     junk = lambda c: jnp.where(slot >= cache_len[:, None, None, None], 1e4, c)
-    a = attention._attend_cached_kernel(q, own, intra, (ck, cv), cache_len, kernels)
-    b = attention._attend_cached_kernel(q, own, intra, (junk(ck), junk(cv)), cache_len, kernels)
+    a = attention._attend_cached_kernel(q, own, intra, (ck, cv), cache_len, compute)
+    b = attention._attend_cached_kernel(q, own, intra, (junk(ck), junk(cv)), cache_len, compute)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_kernel_runs_per_shard_under_a_mesh(kernels):
+@pytest.mark.parametrize("compute", KERNELS)
+def test_kernel_runs_per_shard_under_a_mesh(compute):
     """Under a mesh (rows on data, kv heads on tensor) the kernel runs per shard (XLA cannot
     partition a Pallas call) and still matches the XLA path."""
     q, own, cache = _inputs(b=4, s=256)
@@ -71,18 +71,18 @@ def test_kernel_runs_per_shard_under_a_mesh(kernels):
     intra = jnp.tril(jnp.ones((1, 3, 3), bool))
     want = attention._attend_cached(q, own, intra, cache, cache_len)
     with jax.set_mesh(make_mesh((2, 1, 2))):
-        got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, kernels))(q, own, intra, cache, cache_len)
+        got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, compute))(q, own, intra, cache, cache_len)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     # rows split over data x tensor, both heads on each device (sharding.kv_rules)
     with jax.set_mesh(make_mesh((2, 1, 2))):
-        got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, kernels, sharding.ROW_SPLIT_RULES))(
+        got = jax.jit(lambda *a: attention._attend_cached_kernel(*a, compute, sharding.ROW_SPLIT_RULES))(
             q, own, intra, cache, cache_len)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_kernel_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
-        KernelOptions(attention="flash")
+        ComputeOptions(attention="flash")
     with pytest.raises(attention_kernels.AttentionKernelError, match="runs on gpu, not cpu"):
         attention_kernels.check_backend("pallas_gpu", interpret=False, backend="cpu")
     with pytest.raises(attention_kernels.AttentionKernelError, match="got 8"):
@@ -93,12 +93,12 @@ def test_kernel_errors_name_the_problem():
         attention_kernels.check_backend("pallas_tpu", interpret=False, backend="cpu")
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
+@pytest.mark.parametrize("compute", KERNELS)
+def test_lossless_with_kernel_equals_ar(compute, monkeypatch):
     """Decoding through the kernel (interpret mode) is lossless: AR token for token, and AR
     through the kernel equals AR through XLA. A long prompt makes the buffer hold whole blocks of
     both kernels, so the kernel is called (counted)."""
-    name = "_committed_gpu" if kernels.attention == "pallas_gpu" else "_span_call"
+    name = "_committed_gpu" if compute.attention == "pallas_gpu" else "_span_call"
     calls = []
     real = getattr(attention_kernels, name)
     monkeypatch.setattr(attention_kernels, name, lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
@@ -106,19 +106,19 @@ def test_lossless_with_kernel_equals_ar(kernels, monkeypatch):
     rs = np.random.RandomState(0)
     prompts = [rs.randint(2, 90, n).tolist() for n in (3, 140, 1)]
     ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 12)
-    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2, kernels=kernels)
+    lossless = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=compute)
                        ).generate(prompts, 12)
     assert calls
     assert lossless.output_ids == ar.output_ids
-    if kernels.attention == "pallas_gpu":  # the TPU kernel's AR reads are the scanned run's below
-        ar_k = Decoder(model, [1], DecodeOptions("ar", kernels=kernels)).generate(prompts, 12)
+    if compute.attention == "pallas_gpu":  # the TPU kernel's AR reads are the scanned run's below
+        ar_k = Decoder(model, [1], DecodeOptions("ar", compute=compute)).generate(prompts, 12)
         assert ar_k.output_ids == ar.output_ids
-    if kernels.attention != "pallas_tpu":  # the scan feeds both kernels the same way: one is enough
+    if compute.attention != "pallas_tpu":  # the scan feeds both kernels the same way: one is enough
         return
     # with the layers scanned, the kernel reads each layer of the stacked cache in place (handed
     # the whole [B, K, L * S, Dh] buffer)
     calls.clear()
-    scanned = Decoder(model, [1], DecodeOptions("lossless", 4, max_groups=2, kernels=kernels, scan_layers=True)
+    scanned = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=compute, memory=MemoryLayout(scan_layers=True))
                       ).generate(prompts, 12)
     assert calls and all(shape[2] % CFG.num_layers == 0 and shape[2] > 140 * CFG.num_layers for shape in calls)
     assert scanned.output_ids == ar.output_ids
@@ -133,7 +133,7 @@ def test_the_kernel_reads_only_kv_heads_the_mesh_splits_whole(monkeypatch):
     calls = []
     xla = attention._attend_cached
     monkeypatch.setattr(attention, "_attend_cached_kernel",
-                        lambda q, own, intra, committed, start, kernels, rules: calls.append(rules)
+                        lambda q, own, intra, committed, start, compute, rules: calls.append(rules)
                         or xla(q, own, intra, committed, start))
     model = create_model(CFG, seed=3)
     for rows, shape, kernel in ((2, (2, 1, 2), True), (2, (1, 1, 4), False), (2, (4, 1, 1), True),
@@ -143,7 +143,7 @@ def test_the_kernel_reads_only_kv_heads_the_mesh_splits_whole(monkeypatch):
         mask = attention.StepMask(jnp.zeros((rows,), jnp.int32), attention.causal_mask(1, 3))
         calls.clear()
         with jax.set_mesh(make_mesh(shape)):
-            jax.eval_shape(lambda c: model.hidden_states(tokens, positions, mask, c, kernels=TPU_INTERPRET)[0],
+            jax.eval_shape(lambda c: model.hidden_states(tokens, positions, mask, c, compute=TPU_INTERPRET)[0],
                            model.new_cache(rows, 16))
         assert bool(calls) == kernel, (rows, shape)
         if rows == 4:  # each device's own row, both heads
@@ -183,17 +183,17 @@ def test_attention_auto_is_the_platforms_fast_path_resolved_on_the_host():
     included, XLA elsewhere; resolved before any program traces it, which refuses it."""
     from prove_jax.cli import generate
     from prove_jax.decoding.dry_run import slice_options
-    from prove_jax.models.kernels import KernelOptions as Kernels
+    from prove_jax.models.compute import ComputeOptions as Kernels
     assert Kernels(attention="auto").resolve_attention("tpu").attention == "pallas_tpu"
     assert Kernels(attention="auto").resolve_attention("gpu").attention == "xla"
     assert Kernels(attention="auto").resolve("tpu").attention == "pallas_tpu"
     assert Kernels(attention="xla").resolve("tpu").attention == "xla"
     # generate's options keep "auto" until the Decoder is built (after a multi-host job joins)
     here = generate.decode_options(generate.parse_args(["--model", "m", "--prompt", "p"]))
-    built = Decoder(create_model(CFG, seed=3), [1], here).options.kernels.attention
+    built = Decoder(create_model(CFG, seed=3), [1], here).options.compute.attention
     assert built == ("pallas_tpu" if jax.default_backend() == "tpu" else "xla")
     dry = generate.decode_options(generate.parse_args(["--dry-run", "v5p-8", "--model", "m", "--page-size", "64"]))
-    assert slice_options(dry).kernels.attention == "pallas_tpu"
+    assert slice_options(dry).compute.attention == "pallas_tpu"
     q, own, cache = _inputs()
     with pytest.raises(attention_kernels.AttentionKernelError, match="resolved on the host"):
         attention_kernels.attend_cached("auto", q[:, 0], None, own[1], cache, jnp.zeros(3, jnp.int32))

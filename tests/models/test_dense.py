@@ -1,5 +1,5 @@
 """`matmul.dense`: every matmul form computes the same thing, and each is used where it should be;
-each `KernelOptions` compiles its own program; checkpoints of the old [in, out] kernel layout, or
+each `ComputeOptions` compiles its own program; checkpoints of the old [in, out] kernel layout, or
 missing a weight, are refused by name. (That the input-major weight transpose stays out of the
 decode loop is tests/decoding/test_decode_in_place.py.)"""
 
@@ -21,8 +21,8 @@ from prove_jax.checkpoints.checkpoint import (CheckpointError, load_model, param
 from prove_jax.models import matmul
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.config import ModelConfig
-from prove_jax.models.kernels import (CPU_DECODE_MAX_ROWS, DEFAULT_KERNELS, MATMUL_FORM_ENV, MATMUL_FORMS,
-                                      KernelOptions, KernelOptionsError)
+from prove_jax.models.compute import (CPU_DECODE_MAX_ROWS, DEFAULT_COMPUTE, MATMUL_FORM_ENV, MATMUL_FORMS,
+                                      ComputeOptions, ComputeOptionsError)
 from prove_jax.models.matmul import dense
 from prove_jax.models.params import create_model
 
@@ -56,10 +56,10 @@ def test_matmul_forms_agree_values_and_gradients(x_shape, w_shape, n_in):
     want = np.tensordot(np.asarray(x, np.float64), np.asarray(w, np.float64), axes=axes)
     results = {}
     for form in MATMUL_FORMS:
-        kernels = KernelOptions(matmul_form=form, matmul_max_rows=10_000)
-        loss = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in, kernels=kernels)))  # noqa: E731
-        assert _has_barrier(lambda x, w: dense(x, w, n_in, kernels=kernels), x, w) == (form != "plain")
-        out = dense(x, w, n_in, kernels=kernels)
+        compute = ComputeOptions(matmul_form=form, matmul_max_rows=10_000)
+        loss = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in, compute=compute)))  # noqa: E731
+        assert _has_barrier(lambda x, w: dense(x, w, n_in, compute=compute), x, w) == (form != "plain")
+        out = dense(x, w, n_in, compute=compute)
         grads = jax.grad(loss, argnums=(0, 1))(x, w)
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
         results[form] = grads
@@ -72,13 +72,13 @@ def test_matmul_forms_agree_values_and_gradients(x_shape, w_shape, n_in):
 def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
     assert matmul.padded_dot_rows(rows) == want
     # the benchmarks' side-by-side switch
-    assert matmul.padded_dot_rows(rows, KernelOptions(pad_dot_rows=False)) == rows
+    assert matmul.padded_dot_rows(rows, ComputeOptions(pad_dot_rows=False)) == rows
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((1, rows, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
-    kernels = KernelOptions(matmul_form="weight_major")
-    jaxpr = jax.make_jaxpr(lambda x, w: dense(x, w, kernels=kernels))(x, w).jaxpr
-    out = dense(x, w, kernels=kernels)
+    compute = ComputeOptions(matmul_form="weight_major")
+    jaxpr = jax.make_jaxpr(lambda x, w: dense(x, w, compute=compute))(x, w).jaxpr
+    out = dense(x, w, compute=compute)
     pads = [e.outvars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "pad"]
     assert pads == ([] if want == rows else [(want, 16)])
     assert out.shape == (1, rows, 40)  # the zero rows are cut off again
@@ -88,39 +88,39 @@ def test_weight_major_rows_are_padded_to_whole_tiles(rows, want):
 def test_cpu_default_form_is_used_for_decode_rows_only(monkeypatch):
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(MATMUL_FORM_ENV, raising=False)
-    kernels = KernelOptions()
-    form, limit = matmul.decode_matmul_form(kernels)
+    compute = ComputeOptions()
+    form, limit = matmul.decode_matmul_form(compute)
     assert form == "weight_major"
     assert limit == CPU_DECODE_MAX_ROWS
     w = jnp.ones((8, 16))
-    decode = functools.partial(dense, kernels=kernels)
+    decode = functools.partial(dense, compute=compute)
     assert _has_barrier(decode, jnp.ones((2, limit // 2, 16)), w)  # a decode step's rows
     assert not _has_barrier(decode, jnp.ones((2, limit, 16)), w)  # prefill / training rows
     monkeypatch.setenv(MATMUL_FORM_ENV, "plain")  # the override for other CPUs
     # read on the host when options are made, never while tracing: options made before the
     # change keep their form, and the new ones differ from them (so they key another program)
-    assert matmul.decode_matmul_form(kernels) == ("weight_major", limit)
+    assert matmul.decode_matmul_form(compute) == ("weight_major", limit)
     assert _has_barrier(decode, jnp.ones((2, 3, 16)), w)
-    overridden = KernelOptions()
-    assert overridden != kernels and overridden.cpu_matmul_form == "plain"
+    overridden = ComputeOptions()
+    assert overridden != compute and overridden.cpu_matmul_form == "plain"
     assert matmul.decode_matmul_form(overridden) == ("plain", limit)
-    assert not _has_barrier(functools.partial(dense, kernels=overridden), jnp.ones((2, 3, 16)), w)
+    assert not _has_barrier(functools.partial(dense, compute=overridden), jnp.ones((2, 3, 16)), w)
     monkeypatch.setenv(MATMUL_FORM_ENV, "fastest")
     with pytest.raises(ValueError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major, input_major, plain"):
-        KernelOptions()
+        ComputeOptions()
     monkeypatch.delenv(MATMUL_FORM_ENV)
     with pytest.raises(ValueError, match="unknown matmul form 'transposed'"):
-        KernelOptions(matmul_form="transposed")
+        ComputeOptions(matmul_form="transposed")
 
 
 def test_bad_cpu_matmul_env_is_one_error_line_not_an_import_failure(tmp_path):
-    """A bad PROVE_JAX_CPU_MATMUL is a KernelOptionsError where options are made or used: the
-    package still imports (DEFAULT_KERNELS holds it unchecked), and the CLI prints one line."""
-    held = KernelOptions(cpu_matmul_form="fastest")  # what DEFAULT_KERNELS is under that env
-    with pytest.raises(KernelOptionsError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major"):
+    """A bad PROVE_JAX_CPU_MATMUL is a ComputeOptionsError where options are made or used: the
+    package still imports (DEFAULT_COMPUTE holds it unchecked), and the CLI prints one line."""
+    held = ComputeOptions(cpu_matmul_form="fastest")  # what DEFAULT_COMPUTE is under that env
+    with pytest.raises(ComputeOptionsError, match=r"PROVE_JAX_CPU_MATMUL='fastest'.*weight_major"):
         held.decode_form()
-    with pytest.raises(KernelOptionsError, match="PROVE_JAX_CPU_MATMUL='fastest'"):
-        jax.make_jaxpr(functools.partial(dense, kernels=held))(jnp.ones((1, 3, 16)), jnp.ones((8, 16)))
+    with pytest.raises(ComputeOptionsError, match="PROVE_JAX_CPU_MATMUL='fastest'"):
+        jax.make_jaxpr(functools.partial(dense, compute=held))(jnp.ones((1, 3, 16)), jnp.ones((8, 16)))
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
     env = {**os.environ, MATMUL_FORM_ENV: "fastest", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-m", "prove_jax.cli.main", "generate", "--input", "in.jsonl",
@@ -133,21 +133,21 @@ def test_bad_cpu_matmul_env_is_one_error_line_not_an_import_failure(tmp_path):
 
 
 def test_platform_picks_the_form_it_compiles_for(monkeypatch):
-    """`KernelOptions.platform` is honoured while tracing: options for a TPU traced on this CPU
+    """`ComputeOptions.platform` is honoured while tracing: options for a TPU traced on this CPU
     take the accelerator's plain form (no barrier), whatever the CPU default; `resolve` spells
     the same choice out on the host."""
     monkeypatch.setenv(MATMUL_FORM_ENV, "input_major")
     x, w = jnp.ones((1, 3, 16)), jnp.ones((8, 16))
     for platform, form in (("tpu", "plain"), ("gpu", "plain"), ("cpu", "input_major")):
-        kernels = KernelOptions(platform=platform)
-        assert kernels.decode_form()[0] == form
-        assert _has_barrier(functools.partial(dense, kernels=kernels), x, w) == (form != "plain")
-        resolved = kernels.resolve()
+        compute = ComputeOptions(platform=platform)
+        assert compute.decode_form()[0] == form
+        assert _has_barrier(functools.partial(dense, compute=compute), x, w) == (form != "plain")
+        resolved = compute.resolve()
         assert (resolved.platform, resolved.matmul_form) == (platform, form)
         assert resolved.decode_form()[0] == form
-    assert KernelOptions().resolve("tpu").matmul_form == "plain"
-    assert KernelOptions(matmul_form="weight_major").resolve("tpu").matmul_form == "weight_major"
-    assert KernelOptions().resolve().platform == jax.default_backend()
+    assert ComputeOptions().resolve("tpu").matmul_form == "plain"
+    assert ComputeOptions(matmul_form="weight_major").resolve("tpu").matmul_form == "weight_major"
+    assert ComputeOptions().resolve().platform == jax.default_backend()
 
 
 def test_model_logits_equal_in_every_form():
@@ -156,37 +156,37 @@ def test_model_logits_equal_in_every_form():
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
     logits = {}
     for form in MATMUL_FORMS:
-        kernels = KernelOptions(matmul_form=form)
-        logits[form] = np.asarray(model(tokens, positions, causal_mask(2, 9), kernels=kernels)[0])
+        compute = ComputeOptions(matmul_form=form)
+        logits[form] = np.asarray(model(tokens, positions, causal_mask(2, 9), compute=compute)[0])
     for form in MATMUL_FORMS:
         np.testing.assert_allclose(logits[form], logits["plain"], rtol=1e-5, atol=1e-5)
 
 
 def test_two_kernel_options_compile_two_programs():
-    """`kernels` is static in a jit: two options in one process are two programs (not a reuse of
+    """`compute` is static in a jit: two options in one process are two programs (not a reuse of
     whichever traced first) computing the same logits; equal options share one."""
     graphdef, state = nnx.split(create_model(CFG, seed=2))
     traces = []
 
-    @functools.partial(jax.jit, static_argnames="kernels")
-    def forward(state, tokens, positions, mask, kernels=DEFAULT_KERNELS):
-        traces.append(kernels)
-        return nnx.merge(graphdef, state)(tokens, positions, mask, kernels=kernels)[0]
+    @functools.partial(jax.jit, static_argnames="compute")
+    def forward(state, tokens, positions, mask, compute=DEFAULT_COMPUTE):
+        traces.append(compute)
+        return nnx.merge(graphdef, state)(tokens, positions, mask, compute=compute)[0]
 
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 3)), jnp.int32)
     args = (state, tokens, jnp.arange(3)[None], causal_mask(1, 3))
     hlo, logits = {}, {}
     for form in ("weight_major", "plain"):
-        kernels = KernelOptions(matmul_form=form)
-        hlo[form] = forward.lower(*args, kernels=kernels).as_text()
-        logits[form] = np.asarray(forward(*args, kernels=kernels))
+        compute = ComputeOptions(matmul_form=form)
+        hlo[form] = forward.lower(*args, compute=compute).as_text()
+        logits[form] = np.asarray(forward(*args, compute=compute))
     assert hlo["weight_major"] != hlo["plain"]
     # each weight-major projection is one barrier more (the rotary tables have one in both)
     barriers = {form: text.count("stablehlo.optimization_barrier") for form, text in hlo.items()}
     assert barriers["weight_major"] > barriers["plain"], barriers
     np.testing.assert_allclose(logits["weight_major"], logits["plain"], rtol=1e-5, atol=1e-5)
     traced = len(traces)
-    forward(*args, kernels=KernelOptions(matmul_form="plain"))  # an equal object: no new trace
+    forward(*args, compute=ComputeOptions(matmul_form="plain"))  # an equal object: no new trace
     assert len(traces) == traced and {k.matmul_form for k in traces} == {"weight_major", "plain"}
 
 
@@ -220,7 +220,7 @@ def test_bfloat16_logits_and_attention_scores_accumulate_in_float32():
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.standard_normal((2, 5, cfg.hidden_size)), jnp.bfloat16)
     for form in MATMUL_FORMS:
-        logits = model.logits(hidden, kernels=KernelOptions(matmul_form=form))
+        logits = model.logits(hidden, compute=ComputeOptions(matmul_form=form))
         assert logits.dtype == jnp.float32
         w = np.asarray(model.lm_head[...].astype(jnp.float32), np.float64)
         ref = np.asarray(hidden.astype(jnp.float32), np.float64) @ w.T

@@ -13,7 +13,7 @@ from prove_jax.evaluation.model_pair import load_pair
 from prove_jax.checkpoints import convert
 from prove_jax.checkpoints.checkpoint import load_model, save_model
 from prove_jax.models.config import ConfigError, ModelConfig, preset
-from prove_jax.decoding import DecodeOptions, Decoder
+from prove_jax.decoding import DecodeOptions, Decoder, LosslessRule
 from prove_jax.models.inflate import inflate, inflated_config
 from tests.hf_models import hf_greedy, make_hf_qwen2
 from tests.models.test_parity import our_logits, reload_hf, torch_logits
@@ -47,7 +47,7 @@ def test_inflated_weights_give_torch_the_source_logits(tmp_path, tied, head_dim)
     # in AR and lossless.
     prompts = [[7, 30, 2, 99, 14], [200, 3]]
     refs = hf_greedy(hf, prompts, 12, eos_id=5)
-    for options in (DecodeOptions("ar"), DecodeOptions("lossless", 4, max_groups=2)):
+    for options in (DecodeOptions("ar"), DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))):
         assert Decoder(big, [5], options).generate(prompts, 12).output_ids == refs
 
 

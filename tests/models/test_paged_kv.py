@@ -9,6 +9,7 @@ mesh gathers nothing; and bad settings are one-line errors.
 """
 
 import functools
+import dataclasses
 import importlib.util
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions
+from prove_jax.decoding import DecodeOptions, Decoder, ComputeOptions, LosslessRule, MemoryLayout
 from prove_jax.decoding.options import DecodeError
 from prove_jax.decoding.sampling import SamplingParams
 from prove_jax.models import sharding
@@ -27,20 +28,20 @@ from prove_jax.models.params import create_model
 from tests.decoding.test_decode_in_place import CFG, moves_of_shape
 from tests.decoding.test_inference_mesh import CFG as MESH_CFG, NEW, PROMPTS, collectives
 
-XLA = KernelOptions()
-TPU_INTERPRET = KernelOptions(attention="pallas_tpu", interpret=True)
+XLA = ComputeOptions()
+TPU_INTERPRET = ComputeOptions(attention="pallas_tpu", interpret=True)
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # mixed lengths: the longest request needs 4x the pages of the shortest
 LENGTHS = [3, 40, 5, 12, 70, 2, 9]
 MODES = {
     "ar": DecodeOptions("ar"),
-    "lossless": DecodeOptions("lossless", 4, max_groups=2),
+    "lossless": DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2)),
     "verify": DecodeOptions("verify", 3),
 }
 
 
 def paged(options: DecodeOptions, page_size: int, kv_pages: int | None = None) -> DecodeOptions:
-    return DecodeOptions(**{**options.__dict__, "page_size": page_size, "kv_pages": kv_pages})
+    return dataclasses.replace(options, memory=dataclasses.replace(options.memory, page_size=page_size, kv_pages=kv_pages))
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,9 @@ def prompts():
     return [rng.randint(2, 90, k).tolist() for k in LENGTHS]
 
 
-@pytest.mark.parametrize("slots,kernels", [(64, XLA), (1024, XLA), (64, TPU_INTERPRET)],
+@pytest.mark.parametrize("slots,compute", [(64, XLA), (1024, XLA), (64, TPU_INTERPRET)],
                          ids=["one-pass", "chunked", "pallas_tpu"])
-def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots, kernels):
+def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots, compute):
     """Prefill 3 rows of different lengths, then a one-token and a wide step with a non-causal
     intra mask, both through a contiguous cache and through a pool whose pages are handed out
     in shuffled order: the hidden states are the same (the chunked read visits pages in chunks;
@@ -75,7 +76,7 @@ def test_a_shuffled_pool_reads_as_the_contiguous_cache(models, slots, kernels):
     pool = pool.allocate(jnp.asarray([2, 6, 4], jnp.int32))
     owned = np.asarray(pool.table)[np.asarray(pool.table) < pool.pages_per_shard]
     assert len(set(owned.tolist())) == 12 and not set(owned.tolist()) & set(taken.tolist())
-    forward = jax.jit(functools.partial(model.hidden_states, kernels=kernels))
+    forward = jax.jit(functools.partial(model.hidden_states, compute=compute))
     _, contiguous = jax.jit(model.hidden_states)(tokens, positions, prefill, model.new_cache(rows, slots))
     _, pool = forward(tokens, positions, prefill, pool)
     for width, intra in [(1, jnp.ones((1, 1, 1), bool)),
@@ -181,7 +182,7 @@ def test_scanned_layers_carry_stacked_pools_in_place(models, prompts):
     and the loop never copies a pool, nor one layer's."""
     model = create_model(CFG.replace(num_layers=3), seed=0)
     want = Decoder(model, [1], MODES["ar"]).generate(prompts, 24).output_ids
-    options = DecodeOptions("lossless", 4, max_groups=2, page_size=8, kv_pages=16, scan_layers=True)
+    options = DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(page_size=8, kv_pages=16, scan_layers=True))
     decoder = Decoder(model, [1], options)
     assert decoder.generate(prompts, 24, batch_size=3).output_ids == want
     streamed = {}
@@ -250,7 +251,7 @@ def test_on_a_mesh_each_data_shard_has_its_pool_split_over_kv_heads_and_nothing_
     graphdef, state = nnx.split(model)
     on_mesh = nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
     want = Decoder(model, [1], DecodeOptions("ar")).generate(PROMPTS, NEW).output_ids
-    options = paged(DecodeOptions("lossless", 4, kernels=KernelOptions(matmul_form="plain")), 8, kv_pages=8)
+    options = paged(DecodeOptions("lossless", 4, compute=ComputeOptions(matmul_form="plain")), 8, kv_pages=8)
     decoder = Decoder(on_mesh, [1], options, mesh=mesh)
     streamed = {}
     for event in decoder.stream(PROMPTS, NEW, batch_size=2):
@@ -273,7 +274,7 @@ def test_lossless_through_the_paged_tpu_kernel_is_ar(models, prompts):
     prefill included; lossless stays AR token for token."""
     few = [prompts[3], prompts[0], prompts[5]]  # 12, 3 and 2 tokens: interpret mode is slow
     want = Decoder(models[0], [1], MODES["ar"]).generate(few, 14).output_ids
-    options = paged(DecodeOptions("lossless", 4, max_groups=2, kernels=TPU_INTERPRET), 8, kv_pages=6)
+    options = paged(DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=TPU_INTERPRET), 8, kv_pages=6)
     assert Decoder(models[0], [1], options).generate(few, 14, batch_size=2).output_ids == want
 
 
@@ -287,8 +288,7 @@ def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective(mode, 
     from prove_jax.decoding.dry_run import dry_run_decode
     from tests.decoding.test_decode_dry_run import CFG as TPU_CFG
     cfg = TPU_CFG.replace(head_dim=128)
-    options = DecodeOptions(mode, 4, max_groups=2 if mode == "lossless" else None, page_size=128,
-                            scan_layers=scan_layers, kernels=KernelOptions(attention="pallas_tpu"))
+    options = DecodeOptions(mode, 4, lossless=LosslessRule(max_groups=2 if mode == "lossless" else None), memory=MemoryLayout(page_size=128, scan_layers=scan_layers), compute=ComputeOptions(attention="pallas_tpu"))
     verifier = cfg.replace(num_layers=1, mask_token_id=None) if mode == "verify" else None
     report = dry_run_decode(cfg, options, chip="v5p", chips=4, batch=8, context=512, new_tokens=64,
                             verifier=verifier)
@@ -298,11 +298,11 @@ def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective(mode, 
 
 def test_bad_paged_settings_are_one_line_errors(models, prompts):
     with pytest.raises(DecodeError, match="give a page size too"):
-        DecodeOptions("ar", kv_pages=4).validate()
+        DecodeOptions("ar", memory=MemoryLayout(kv_pages=4)).validate()
     with pytest.raises(DecodeError, match="page size must be"):
-        DecodeOptions("ar", page_size=0).validate()
+        DecodeOptions("ar", memory=MemoryLayout(page_size=0)).validate()
     with pytest.raises(DecodeError, match="read by --attention xla or pallas_tpu, not pallas_gpu"):
-        DecodeOptions("ar", page_size=8, kernels=KernelOptions(attention="pallas_gpu")).validate()
+        DecodeOptions("ar", memory=MemoryLayout(page_size=8), compute=ComputeOptions(attention="pallas_gpu")).validate()
     decoder = Decoder(models[0], [1], paged(MODES["ar"], 8, kv_pages=4))
     with pytest.raises(DecodeError, match=r"^prompt 1 needs 8 KV pages of 8 slots \(40 prompt tokens \+ 24 new\), more than the pool.s 4: raise --kv-pages"):
         decoder.generate(prompts, 24)
@@ -338,6 +338,6 @@ def test_generate_takes_page_flags():
     from prove_jax.cli import generate
     options = generate.decode_options(generate.parse_args(
         ["--prompt", "x", "--mode", "lossless", "--page-size", "16", "--kv-pages", "64"]))
-    assert (options.page_size, options.kv_pages) == (16, 64)
+    assert (options.memory.page_size, options.memory.kv_pages) == (16, 64)
     with pytest.raises(DecodeError, match="^--page-size must be"):
         generate.decode_options(generate.parse_args(["--prompt", "x", "--page-size", "0"]))

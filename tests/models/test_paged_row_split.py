@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from prove_jax.decoding import DecodeOptions, Decoder, KernelOptions, queue
+from prove_jax.decoding import DecodeOptions, Decoder, ComputeOptions, queue, MemoryLayout
 from prove_jax.decoding.state import initial_state
 from prove_jax.models import paged, sharding
 from prove_jax.models.attention import KVCache
@@ -45,10 +45,10 @@ def _on(mesh, model):
 def setup():
     mesh = sharding.make_mesh((2, 1, 4))
     model, verifier = create_model(CFG, seed=3), create_model(VERIFIER, seed=4)
-    options = DecodeOptions("verify", 4, kernels=KernelOptions(matmul_form="plain"), scan_layers=True)
+    options = DecodeOptions("verify", 4, compute=ComputeOptions(matmul_form="plain"), memory=MemoryLayout(scan_layers=True))
     # one request per row: the reference program holds no admission (it compiles in half the time)
     want = Decoder(model, [1], options, verifier=verifier).generate(PROMPTS, NEW).output_ids
-    decoder = Decoder(_on(mesh, model), [1], dataclasses.replace(options, page_size=8, kv_pages=64),
+    decoder = Decoder(_on(mesh, model), [1], dataclasses.replace(options, memory=dataclasses.replace(options.memory, page_size=8, kv_pages=64)),
                       verifier=_on(mesh, verifier), mesh=mesh)
     return mesh, decoder, want
 

@@ -33,7 +33,7 @@ from prove_jax.cli import convert as convert_cli
 from prove_jax.cli import generate
 from prove_jax.data import pipeline as data_lib
 from prove_jax.data.chat import chat_problem
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, LosslessRule, VerifyRule
 from prove_jax.decoding.requests import encode_prompts
 from prove_jax.decoding.text import TextGenerator
 from prove_jax.models import sharding
@@ -94,13 +94,13 @@ def test_tied_logits_match_transformers_and_greedy_generate_is_ar_and_lossless(p
     ref = hf_greedy(hf, prompts, 16, eos_id=5)
     ar = Decoder(ours, [5], DecodeOptions("ar")).generate(prompts, 16)
     assert ar.output_ids == ref
-    lossless = Decoder(ours, [5], DecodeOptions("lossless", 4, max_groups=2)).generate(prompts, 16)
+    lossless = Decoder(ours, [5], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2))).generate(prompts, 16)
     assert lossless.output_ids == ref
 
     # verify mode judged by a commit head on the Qwen3 verifier's states: above 1 it commits
     # only each block's exact first token, transformers' greedy text
     head = CommitHead(ours.cfg.hidden_size, rngs=nnx.Rngs(0))
-    verify = DecodeOptions("verify", 4, commit_rule="head", head_threshold=1.1)
+    verify = DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="head", head_threshold=1.1))
     assert Decoder(ours, [5], verify, verifier=ours, commit_head=head).generate(prompts, 16).output_ids == ref
 
     # the commit head's labels: the proposer's block after each prompt, 1 while it is still

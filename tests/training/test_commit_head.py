@@ -19,7 +19,7 @@ from prove_jax.training.commit_head_training import (head_examples, head_loss, p
                                                      verifier_inputs)
 from prove_jax.checkpoints.commit_head_io import load_commit_head, save_commit_head
 from prove_jax.models.config import ModelConfig
-from prove_jax.decoding import DecodeError, DecodeOptions, Decoder
+from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, ThresholdRule, VerifyRule
 from prove_jax.models.params import create_model
 from prove_jax.training.config import load_config
 from tests.tokenizers_fixture import make_tokenizer, stdlib_text
@@ -69,12 +69,12 @@ def test_head_rule_drives_commit_length(proposer, verifier):
     ar = Decoder(proposer, [-1], DecodeOptions("ar")).generate(_prompts(), 12)
 
     def run(threshold):
-        options = DecodeOptions("verify", 4, commit_rule="head", head_threshold=threshold)
+        options = DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="head", head_threshold=threshold))
         return Decoder(proposer, [-1], options, verifier=verifier, commit_head=head).generate(_prompts(), 12)
     never = run(1.1)  # only the exact first token of each block: greedy AR, one per forward
     assert never.output_ids == ar.output_ids and (never.forwards == 12).all()
     always = run(0.0)  # every proposed token: the whole block, like threshold mode with tau 0
-    blocks = Decoder(proposer, [-1], DecodeOptions("threshold", 4, tau=0.0)).generate(_prompts(), 12)
+    blocks = Decoder(proposer, [-1], DecodeOptions("threshold", 4, threshold=ThresholdRule(tau=0.0))).generate(_prompts(), 12)
     assert always.output_ids == blocks.output_ids and (always.forwards == 3).all()
     head.threshold = 1.1  # the default is the head's own threshold
     assert run(None).output_ids == ar.output_ids
@@ -105,10 +105,10 @@ def test_save_load_roundtrip_and_missing_head(tmp_path, verifier):
 def test_head_for_another_verifier_is_refused(proposer, verifier):
     wrong = CommitHead(verifier.cfg.hidden_size * 2, rngs=nnx.Rngs(0))
     with pytest.raises(DecodeError, match="hidden states of width 32 but the verifier's hidden size is 16"):
-        Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"), verifier=verifier,
+        Decoder(proposer, [-1], DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="head")), verifier=verifier,
                 commit_head=wrong)
     right = CommitHead(verifier.cfg.hidden_size, rngs=nnx.Rngs(0))
-    Decoder(proposer, [-1], DecodeOptions("verify", 4, commit_rule="head"), verifier=verifier,
+    Decoder(proposer, [-1], DecodeOptions("verify", 4, verify=VerifyRule(commit_rule="head")), verifier=verifier,
             commit_head=right)  # the same call with a matching head is accepted
 
 

@@ -1,11 +1,16 @@
-"""Kernel choices that change a compiled program, as one frozen (hashable) options object.
+"""How a forward is computed, as one frozen (hashable) options object: `ComputeOptions`.
+
+Named for what it holds, which is more than kernels: the form of the few-row projections, the
+attention path (XLA or a Pallas kernel), whether the lossless step reads the LM head in one
+pass, interpret mode, and the platform compiled for. None of them changes what is computed,
+only how (the tokens are the same; the program and its speed are not).
 
 Every choice here is read while tracing, so it must be part of whatever keys a compile cache:
-`DecodeOptions.kernels` carries it into the decoder's cache key, and model forwards take it as
+`DecodeOptions.compute` carries it into the decoder's cache key, and model forwards take it as
 an explicit argument. Nothing is read from module globals or the environment at trace time: the
 one environment setting (`PROVE_JAX_CPU_MATMUL`) is read on the host when an options object is
-made, into its `cpu_matmul_form` field; a bad value is a `KernelOptionsError` when options are
-made or first used, never at import (`DEFAULT_KERNELS` holds it unchecked until used).
+made, into its `cpu_matmul_form` field; a bad value is a `ComputeOptionsError` when options are
+made or first used, never at import (`DEFAULT_COMPUTE` holds it unchecked until used).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from prove_jax.errors import ProveJaxError
 
 MATMUL_FORMS = ("weight_major", "input_major", "plain")
 ATTENTION_KERNELS = ("xla", "pallas_gpu", "pallas_tpu")  # models/attention_kernels.py
-# "auto": the platform's fast path, resolved on the host (`KernelOptions.resolve_attention`): on
+# "auto": the platform's fast path, resolved on the host (`ComputeOptions.resolve_attention`): on
 # TPU the Pallas kernel, which keeps a wide step's scores in VMEM (XLA writes them to HBM per KV
 # chunk: benchmarks/decode_step_cost.md); XLA elsewhere
 ATTENTION_CHOICES = ATTENTION_KERNELS + ("auto",)
@@ -29,8 +34,9 @@ MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
 CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
 
 
-class KernelOptionsError(ProveJaxError, ValueError):
-    """A kernel choice no program has: an unknown form or kernel, or a bad PROVE_JAX_CPU_MATMUL."""
+class ComputeOptionsError(ProveJaxError, ValueError):
+    """A compute choice no program has: an unknown form or kernel, or a bad
+    PROVE_JAX_CPU_MATMUL."""
 
 
 def _env_cpu_form() -> str:
@@ -41,19 +47,19 @@ def _env_cpu_form() -> str:
 
 def _checked_cpu_form(form: str) -> str:
     if form not in MATMUL_FORMS:
-        raise KernelOptionsError(f"{MATMUL_FORM_ENV}={form!r}: "
+        raise ComputeOptionsError(f"{MATMUL_FORM_ENV}={form!r}: "
                                  f"choose one of {', '.join(MATMUL_FORMS)}")
     return form
 
 
 def default_cpu_form() -> str:
     """The CPU's default decode form: `PROVE_JAX_CPU_MATMUL` if set, else weight-major; a bad
-    value is a KernelOptionsError."""
+    value is a ComputeOptionsError."""
     return _checked_cpu_form(_env_cpu_form())
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptions:
+class ComputeOptions:
     """How the model's projections and the lossless step's LM head are computed."""
 
     matmul_form: str | None = None
@@ -81,13 +87,13 @@ class KernelOptions:
     weight_major."""
 
     def __post_init__(self):
-        # cpu_matmul_form is checked where it is used (`decode_form`), so that DEFAULT_KERNELS,
+        # cpu_matmul_form is checked where it is used (`decode_form`), so that DEFAULT_COMPUTE,
         # made at import, can hold a bad PROVE_JAX_CPU_MATMUL without failing the import
         if self.matmul_form is not None and self.matmul_form not in MATMUL_FORMS:
-            raise KernelOptionsError(f"unknown matmul form {self.matmul_form!r}; "
+            raise ComputeOptionsError(f"unknown matmul form {self.matmul_form!r}; "
                                      f"choose one of {', '.join(MATMUL_FORMS)}")
         if self.attention not in ATTENTION_CHOICES:
-            raise KernelOptionsError(f"unknown attention kernel {self.attention!r}; "
+            raise ComputeOptionsError(f"unknown attention kernel {self.attention!r}; "
                                      f"choose one of {', '.join(ATTENTION_CHOICES)}")
 
     def target(self) -> str:
@@ -104,7 +110,7 @@ class KernelOptions:
             return _checked_cpu_form(self.cpu_matmul_form), max_rows
         return "plain", 0
 
-    def resolve(self, platform: str | None = None) -> "KernelOptions":
+    def resolve(self, platform: str | None = None) -> "ComputeOptions":
         """These options with every default spelled out on the host: the platform (`platform`,
         else this one's, else jax's backend) and the matmul form it takes (`decode_form`), as
         an AOT compile for another platform needs them (`decoding/dry_run.slice_options`)."""
@@ -113,7 +119,7 @@ class KernelOptions:
         form, max_rows = resolved.decode_form()
         return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows)
 
-    def resolve_attention(self, platform: str | None = None) -> "KernelOptions":
+    def resolve_attention(self, platform: str | None = None) -> "ComputeOptions":
         """These options with attention "auto" replaced, on the host, by the fast path of
         `platform` (else the target's): AUTO_ATTENTION, else "xla"."""
         if self.attention != "auto":
@@ -123,4 +129,4 @@ class KernelOptions:
 
 
 # made at import: the environment's form unchecked, a bad one raising where it is first used
-DEFAULT_KERNELS = KernelOptions(cpu_matmul_form=_env_cpu_form())
+DEFAULT_COMPUTE = ComputeOptions(cpu_matmul_form=_env_cpu_form())
