@@ -53,6 +53,13 @@ class ProgramSettings:
     """The proposer's <|mask|> token; -1 without one (ar only)."""
     prefill_chunk: int
     """Prompt tokens per prefill forward."""
+    compute: ComputeOptions = dataclasses.field(init=False, compare=False)
+    """`options.compute` resolved on the host when the settings are made
+    (`ComputeOptions.resolve`): what the program's trace reads, so that it never asks for the
+    backend. Not part of the key: in one process it follows from `options.compute`."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "compute", self.options.compute.resolve())
     sampler: Sampler | None = None
     """What sampling this program does; None: greedy only (no distributions carried)."""
     num_pages: int = 0
@@ -83,9 +90,12 @@ def cache_slots(slots: int) -> int:
 
 
 def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int, verifier=None,
-                head=None, sampler: Sampler | None = None) -> LoopState:
-    """One step of the decode loop for validated `options` (`ar` is threshold with K=1)."""
-    block_size, compute = options.block_size, options.compute
+                head=None, sampler: Sampler | None = None,
+                compute: ComputeOptions | None = None) -> LoopState:
+    """One step of the decode loop for validated `options` (`ar` is threshold with K=1), computed
+    as `compute` (the host-resolved `options.compute`; None: `options.compute` as it is)."""
+    block_size = options.block_size
+    compute = options.compute if compute is None else compute
     if options.mode == "lossless":
         layout = LosslessLayout.build(block_size, options.lossless.max_groups)
         return mode_steps.lossless_step(
@@ -187,7 +197,7 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         .set(prompts)
     )
     static = dict(
-        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, compute=options.compute
+        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, compute=settings.compute
     )
     # room for one step past the buffer: the proposer's step width, the verifier's K
     size = cache_slots(settings.num_slots + width)
@@ -278,7 +288,7 @@ def loop_body(carry: tuple[LoopState, QueueState], *, model, verifier, head, req
         need = None if page is None else pages_needed(requests.prompt_len, requests.max_new, page)
         state, queue_state = queue.refill(state, queue_state, num_live, admit_request, need=need)
     state = decode_step(settings.options, model, state, mask_id=settings.mask_id, verifier=verifier,
-                        head=head, sampler=settings.sampler)
+                        head=head, sampler=settings.sampler, compute=settings.compute)
     return state.replace(step=state.step + 1), queue_state
 
 
@@ -458,6 +468,7 @@ def run_chunk(graphdef, verifier_graphdef, head_graphdef, settings: ProgramSetti
             verifier=verifier,
             head=head,
             sampler=settings.sampler,
+            compute=settings.compute,
         )
         return state.replace(step=state.step + 1), n + 1
 

@@ -35,6 +35,7 @@ def time_step_widths(model, batch: int, widths: Sequence[int], slots: int = 384,
     """
     graphdef, state = nnx.split(model)
     cache = model.new_cache(batch, slots)
+    compute = compute.resolve()  # on the host: the trace reads fields only
     run = jax.jit(functools.partial(_run_forwards, graphdef, compute, steps, model.cfg.vocab_size))
     runs = {}
     for t in widths:
@@ -120,6 +121,7 @@ def decode_step_runs(
     graphdef, params = nnx.split(model)
     cfg = model.cfg
     mask_id = 0 if cfg.mask_token_id is None else int(cfg.mask_token_id)
+    compute = compute.resolve()  # on the host: the trace reads fields only
     keys = [AR] + [tuple(x) for x in layouts if tuple(x) != AR]
     runs = {}
     for key in keys:

@@ -27,19 +27,20 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from prove_jax.models.attention import causal_mask
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.training.objectives import next_token_targets, token_nll
 from prove_jax.models.sharding import batch_shards
 from prove_jax.training.step import BATCH_SPEC
 
 
-def heldout_sums(graphdef, state, batch: dict):
+def heldout_sums(graphdef, compute: ComputeOptions, state, batch: dict):
     """(summed NLL, summed top-1 hits, trained tokens) of one batch, the model rebuilt from
-    (graphdef, state) inside the trace."""
+    (graphdef, state) inside the trace and run with `compute` (resolved on the host)."""
     m = nnx.merge(graphdef, state)
     ids = batch["input_ids"]
     b, length = ids.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (b, length))
-    logits, _ = m(ids, positions, causal_mask(b, length, batch["valid"]))
+    logits, _ = m(ids, positions, causal_mask(b, length, batch["valid"]), compute=compute)
     labels, w = next_token_targets(batch)
     hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     return (token_nll(logits, labels) * w).sum(), (hit * w).sum(), w.sum()
@@ -58,7 +59,9 @@ def heldout_metrics(model, rows, batch_size: int = 16, mesh=None) -> dict:
         place = lambda batch: jax.device_put(batch, rows_sharding)  # noqa: E731
         out_shardings = NamedSharding(mesh, PartitionSpec())  # every host reads the sums
 
-    sums = jax.jit(functools.partial(heldout_sums, graphdef), out_shardings=out_shardings)
+    # resolved here, on the host: the trace reads fields only
+    compute = DEFAULT_COMPUTE.resolve()
+    sums = jax.jit(functools.partial(heldout_sums, graphdef, compute), out_shardings=out_shardings)
 
     n = rows.input_ids.shape[0]
     nll = hits = count = 0.0

@@ -97,7 +97,11 @@ class ComputeOptions:
                                      f"choose one of {', '.join(ATTENTION_CHOICES)}")
 
     def target(self) -> str:
-        """The platform compiled for: `platform`, else jax's default backend (one per process)."""
+        """The platform compiled for: `platform`, else jax's default backend (one per process).
+        The fallback is for a forward called directly (a test, a notebook): every jitted entry
+        point (the Decoder's programs, the train step, held-out evaluation, calibration's
+        timings, the commit-head step) traces with options `resolve`d on the host, so that its
+        trace reads fields only (tests/test_trace_time.py)."""
         return self.platform or jax.default_backend()
 
     def decode_form(self) -> tuple[str, int]:

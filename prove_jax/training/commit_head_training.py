@@ -28,6 +28,7 @@ from prove_jax.checkpoints.commit_head_io import save_commit_head
 from prove_jax.checkpoints.vocab import check_shared_vocabulary
 from prove_jax.models.attention import causal_mask
 from prove_jax.models.commit_head import CommitHead, predicted_length
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models.params import abstract_model, abstract_sharded
 from prove_jax.models.sharding import shardings_of
 from prove_jax.models.tokens import greedy_tokens, readable_tokens
@@ -58,7 +59,8 @@ def _layout(context, context_valid, extra: int):
     return pos, causal_mask(b, n, keys) | jnp.eye(n, dtype=bool)[None]
 
 
-def propose_and_label(proposer, context, block_size: int, mask_id: int, context_valid=None):
+def propose_and_label(proposer, context, block_size: int, mask_id: int, context_valid=None,
+                      compute: ComputeOptions = DEFAULT_COMPUTE):
     """Proposer block after each context row and its AR-matching labels.
 
     context [B, C] (left-padded where `context_valid` [B, C] is False) -> (block D [B, K],
@@ -68,25 +70,27 @@ def propose_and_label(proposer, context, block_size: int, mask_id: int, context_
     k = block_size
     x = jnp.concatenate([context, jnp.full((b, k - 1), mask_id, context.dtype)], axis=1)
     pos, mask = _layout(context, context_valid, k - 1)
-    h, _ = proposer.hidden_states(x, pos, mask)
-    block = greedy_tokens(proposer.logits(h[:, c - 1:])).astype(context.dtype)  # [B, K]
+    h, _ = proposer.hidden_states(x, pos, mask, compute=compute)
+    # [B, K]
+    block = greedy_tokens(proposer.logits(h[:, c - 1:], compute)).astype(context.dtype)
     y = jnp.concatenate([context, block], axis=1)
     pos, mask = _layout(context, context_valid, k)
-    h, _ = proposer.hidden_states(y, pos, mask)
-    greedy = greedy_tokens(proposer.logits(h[:, c: c + k - 1]))  # after D_0..D_{K-2}
+    h, _ = proposer.hidden_states(y, pos, mask, compute=compute)
+    greedy = greedy_tokens(proposer.logits(h[:, c: c + k - 1], compute))  # after D_0..D_{K-2}
     match = greedy == block[:, 1:]
     return block, jnp.cumprod(match.astype(jnp.int32), axis=-1).astype(jnp.float32)
 
 
-def verifier_inputs(verifier, context, block, context_valid=None):
+def verifier_inputs(verifier, context, block, context_valid=None,
+                    compute: ComputeOptions = DEFAULT_COMPUTE):
     """Verifier hidden [B, K-1, D] and logits at D_0..D_{K-2}, which judge D_1..D_{K-1}."""
     b, c = context.shape
     k = block.shape[1]
     y = jnp.concatenate([context, block], axis=1)
     pos, mask = _layout(context, context_valid, k)
-    h, _ = verifier.hidden_states(y, pos, mask)
+    h, _ = verifier.hidden_states(y, pos, mask, compute=compute)
     h = h[:, c: c + k - 1]
-    return h, verifier.logits(h)
+    return h, verifier.logits(h, compute)
 
 
 def cut_points(loss_mask, valid, context_len: int):
@@ -123,16 +127,17 @@ class HeadExamples(NamedTuple):
 
 
 def head_examples(proposer, verifier, ids, loss_mask, valid, key, *, context_len: int,
-                  block_size: int, mask_id: int) -> HeadExamples:
+                  block_size: int, mask_id: int,
+                  compute: ComputeOptions = DEFAULT_COMPUTE) -> HeadExamples:
     """A random context per data row, the proposer's block after it and the labels: what the head
     learns from. Labels are free: they come from the frozen proposer itself."""
     ctx, ctx_valid, used = sample_contexts(ids, loss_mask, valid, context_len, key)
-    block, labels = propose_and_label(proposer, ctx, block_size, mask_id, ctx_valid)
+    block, labels = propose_and_label(proposer, ctx, block_size, mask_id, ctx_valid, compute)
     # as decoding does (mode_steps.verify_step): a token past the verifier's rows is read as 0 and
     # never committed, so a prefix through it is no target either
     verifier_block, readable = readable_tokens(block, verifier.cfg.vocab_size)
     labels = labels * jnp.cumprod(readable[:, 1:], axis=-1).astype(labels.dtype)
-    hidden, verifier_logits = verifier_inputs(verifier, ctx, verifier_block, ctx_valid)
+    hidden, verifier_logits = verifier_inputs(verifier, ctx, verifier_block, ctx_valid, compute)
     return HeadExamples(hidden, verifier_logits, verifier_block[:, 1:], labels, used)
 
 
@@ -186,6 +191,7 @@ class HeadStepSettings:
     context_len: int  # the longest context: max_length - block_size
     block_size: int
     mask_id: int  # the proposer's `<|mask|>`
+    compute: ComputeOptions  # the forwards', resolved on the host (the trace reads fields only)
 
 
 def head_metrics(head: CommitHead, ex: HeadExamples, loss, logits) -> dict:
@@ -212,7 +218,7 @@ def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
     key = jax.random.fold_in(jax.random.key(settings.seed), step_number)
     ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"],
                        key, context_len=settings.context_len, block_size=settings.block_size,
-                       mask_id=settings.mask_id)
+                       mask_id=settings.mask_id, compute=settings.compute)
 
     def loss_of(params, ex):
         head = nnx.merge(head_def, params)
@@ -224,11 +230,14 @@ def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
     return {"head": head, "opt_state": opt_state}, metrics
 
 
-def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int):
+def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int,
+                  platform: str | None = None):
     """The train config's `head_step`, jitted with explicit shardings; the head's state is
-    donated (updated in place)."""
+    donated (updated in place). Its forwards' compute options are resolved here, on the host, for
+    `platform` (None: this process's backend; the dry run's "tpu")."""
     settings = HeadStepSettings(seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
-                                block_size=cfg.block_size, mask_id=mask_id)
+                                block_size=cfg.block_size, mask_id=mask_id,
+                                compute=DEFAULT_COMPUTE.resolve(platform))
     step = functools.partial(head_step, layout.proposer_def, layout.verifier_def, layout.head_def,
                              settings, tx)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

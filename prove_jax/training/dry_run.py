@@ -212,7 +212,7 @@ def _abstract_mesh(cfg: TrainConfig, chip: str | None):
 
 def _lowered_train_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
     """(train state layout, the step lowered for TPU with shardings on `mesh`)."""
-    _, layout, step = configured_step(cfg, model_cfg, mesh)
+    _, layout, step = configured_step(cfg, model_cfg, mesh, platform="tpu")
     batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length, packed=cfg.pack_documents)
     return layout, step.trace(layout.abstract, batch).lower(lowering_platforms=("tpu",))
 
@@ -298,7 +298,7 @@ def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunRepo
     tx = head_optimizer(cfg)
     with jax.sharding.use_abstract_mesh(mesh):
         layout = head_layout(proposer_cfg, verifier_cfg, tx, mesh, cfg.seed)
-        step = jit_head_step(cfg, layout, tx, mesh, proposer_cfg.mask_token_id)
+        step = jit_head_step(cfg, layout, tx, mesh, proposer_cfg.mask_token_id, platform="tpu")
         t0 = time.perf_counter()
         batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)
         step.trace(layout.state, layout.frozen, batch,

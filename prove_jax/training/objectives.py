@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from prove_jax.errors import ProveJaxError
 from prove_jax.models.attention import causal_mask
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 
 OBJECTIVES = ("ar", "mars")
 
@@ -182,8 +183,8 @@ def _real_tokens(batch) -> jax.Array:
     return batch["valid"].sum().astype(jnp.float32)
 
 
-def mars_loss(model, batch, *, block_size: int, mask_token_id: int,
-              ar_weight: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+def mars_loss(model, batch, *, block_size: int, mask_token_id: int, ar_weight: float = 1.0,
+              compute: ComputeOptions = DEFAULT_COMPUTE) -> tuple[jax.Array, dict[str, jax.Array]]:
     """CE(masked stream) + ar_weight * CE(clean stream), one forward of the 2L sequence.
 
     metrics: loss, loss_masked, loss_clean, masked_acc_by_pos f32 [block_size] (top-1 accuracy
@@ -194,7 +195,8 @@ def mars_loss(model, batch, *, block_size: int, mask_token_id: int,
     inp = mars_inputs(batch, block_size, mask_token_id)
     length = batch["input_ids"].shape[1]
     seg = batch.get("segment_ids")
-    logits, _ = model(inp["tokens"], inp["positions"], inp["attn_mask"])  # [B, 2L, V] f32
+    # [B, 2L, V] f32
+    logits, _ = model(inp["tokens"], inp["positions"], inp["attn_mask"], compute=compute)
     nll = token_nll(logits, inp["labels"])
     w = inp["weights"]
     loss_clean = sequence_mean(nll[:, :length], w[:, :length], seg)
@@ -218,7 +220,8 @@ def mars_loss(model, batch, *, block_size: int, mask_token_id: int,
     return loss, metrics
 
 
-def ar_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+def ar_loss(model, batch, *, compute: ComputeOptions = DEFAULT_COMPUTE
+            ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Plain causal next-token loss with the same per-sequence averaging as mars_loss."""
     ids = batch["input_ids"]
     b, length = ids.shape
@@ -228,7 +231,7 @@ def ar_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         mask = causal_mask(b, length, batch["valid"])
     else:
         positions, mask = batch["positions"].astype(jnp.int32), packed_causal_mask(seg)
-    logits, _ = model(ids, positions, mask)
+    logits, _ = model(ids, positions, mask, compute=compute)
     labels, w = next_token_targets(batch)
     loss = sequence_mean(token_nll(logits, labels), w, seg)
     return loss, dict(loss=loss, loss_clean=loss, tokens=w.sum(), sequences=_sequences(w, seg),
@@ -239,11 +242,14 @@ LOSS_FNS: dict[str, Callable] = {"ar": ar_loss, "mars": mars_loss}
 
 
 def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id: int | None = None,
-                 ar_weight: float = 1.0) -> Callable:
+                 ar_weight: float = 1.0, compute: ComputeOptions | None = None) -> Callable:
     """`loss_fn(model, batch) -> (loss, metrics)` for objective 'ar' or 'mars'; the train step
     (step.build_step_fn) differentiates it. 'ar' ignores the MARS settings; 'mars' needs
-    block_size and mask_token_id.
+    block_size and mask_token_id. `compute`: how the forward is computed, resolved on the host
+    (`ComputeOptions.resolve`) by the train step, so that its trace reads fields only; None:
+    the defaults.
     """
+    bound = {} if compute is None else {"compute": compute}
     if objective == "commit_head":  # trained by training/commit_head_training.py, not this step
         raise ObjectiveError("objective=commit_head trains only the verifier's small head "
                              "(prove_jax/training/commit_head_training.py), not through the train "
@@ -252,11 +258,11 @@ def make_loss_fn(objective: str, *, block_size: int | None = None, mask_token_id
         raise ObjectiveError(f"unknown objective {objective!r}; "
                              f"valid objectives: {', '.join(OBJECTIVES)}")
     if objective == "ar":
-        return ar_loss
+        return functools.partial(ar_loss, **bound) if bound else ar_loss
     if block_size is None or block_size <= 0:
         raise ObjectiveError(f"objective 'mars' needs a positive block_size, got {block_size}")
     if mask_token_id is None:
         raise ObjectiveError("objective 'mars' needs mask_token_id (add <|mask|> with "
                              "prove_jax.checkpoints.vocab.ensure_mask_token)")
     return functools.partial(mars_loss, block_size=int(block_size),
-                             mask_token_id=int(mask_token_id), ar_weight=float(ar_weight))
+                             mask_token_id=int(mask_token_id), ar_weight=float(ar_weight), **bound)

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from prove_jax.models import sharding
+from prove_jax.models.compute import DEFAULT_COMPUTE
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.params import abstract_model, abstract_sharded
 from prove_jax.training.config import TrainConfig
@@ -135,14 +136,17 @@ def jit_step(step_fn, layout: StateLayout, mesh):
                    out_shardings=(layout.shardings, replicated), donate_argnums=(0,))
 
 
-def configured_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh):
+def configured_step(cfg: TrainConfig, model_cfg: ModelConfig, mesh, platform: str | None = None):
     """(optimizer, state layout, jitted train step) of a config training `model_cfg` on `mesh`
-    (a real or an abstract one): the one recipe the loop compiles and the dry run lowers."""
+    (a real or an abstract one): the one recipe the loop compiles and the dry run lowers. The
+    forward's compute options are resolved here, on the host, for `platform` (None: this
+    process's backend; the dry run's "tpu"), so that the step's trace reads fields only."""
     tx = make_optimizer(cfg.optimizer, cfg.steps)
     model = abstract_model(model_cfg, cfg.model.remat, cfg.model.scan_layers)
     layout = state_layout(model, tx, mesh)
     loss_fn = make_loss_fn(cfg.objective, block_size=cfg.block_size,
-                           mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight)
+                           mask_token_id=model_cfg.mask_token_id, ar_weight=cfg.ar_weight,
+                           compute=DEFAULT_COMPUTE.resolve(platform))
     step = build_step_fn(layout.graphdef, tx, loss_fn, cfg.optimizer.grad_accum)
     return tx, layout, jit_step(step, layout, mesh)
 
