@@ -244,6 +244,7 @@ def main(argv=None) -> int:
     from prove_jax import aot
     from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
     from prove_jax.models.compute import ComputeOptions
+    from prove_jax.decoding.dry_run import SliceRun
     from prove_jax.decoding.step_report import step_report
     from prove_jax.evaluation.progress import log
     from prove_jax.evaluation.report import device_description, write_results
@@ -295,9 +296,8 @@ def main(argv=None) -> int:
         cell = dict(accelerator=accelerator, proposer=args.proposer,
                     verifier=args.verifier if mode == "verify" else None, context=args.context)
         try:
-            report = step_report(proposer, opts, chip=chip, chips=chips, batch=batch, context=args.context,
-                                 new_tokens=args.new_tokens, verifier=verifier if mode == "verify" else None,
-                                 programs=programs)
+            report = step_report(SliceRun(proposer, opts, chip=chip, chips=chips, batch=batch, context=args.context,
+                                 new_tokens=args.new_tokens, verifier=verifier if mode == "verify" else None), programs=programs)
         except Exception as e:  # a program that fails to compile is a result too, said in its row
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             log(f"  failed: {error}")

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     import jax
 
     from prove_jax import aot
-    from prove_jax.decoding.dry_run import dry_run_decode
+    from prove_jax.decoding.dry_run import dry_run_decode, SliceRun
     from prove_jax.decoding.options import DecodeOptions, LosslessRule, MemoryLayout
     from prove_jax.evaluation.progress import log
     from prove_jax.evaluation.report import device_description, write_results
@@ -163,8 +163,8 @@ def main(argv=None) -> int:
         chip, chips = aot.accelerator_chips(accelerator)
         log(f"{accelerator}: {label}, batch {batch}, context {context}")
         try:
-            report = dry_run_decode(proposer, options, chip=chip, chips=chips, batch=batch, context=context,
-                                    new_tokens=args.new_tokens, verifier=verifier if options.mode == "verify" else None)
+            report = dry_run_decode(SliceRun(proposer, options, chip=chip, chips=chips, batch=batch, context=context,
+                                    new_tokens=args.new_tokens, verifier=verifier if options.mode == "verify" else None))
         except Exception as e:  # a program that fails to compile is a result too, said in its row
             log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             rows.append(dict(accelerator=accelerator, label=label, batch=batch, context=context,

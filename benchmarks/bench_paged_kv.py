@@ -148,7 +148,7 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
     """The queue's program compiled for `accelerator`: lossless K=8 G=2 at the preset's
     widths, or with `verifier` (a preset) verify K=16 with scanned layers."""
     from prove_jax import aot
-    from prove_jax.decoding.dry_run import dry_run_decode
+    from prove_jax.decoding.dry_run import dry_run_decode, SliceRun
     from prove_jax.decoding.options import DecodeOptions, MemoryLayout
     from prove_jax.evaluation.progress import log
     from prove_jax.models.config import preset
@@ -167,8 +167,8 @@ def tpu_rows(preset_name: str, accelerator: str, verifier: str | None = None) ->
     rows = []
     for name, options in variants:
         log(f"compiling {name} for {accelerator} at the {preset_name} widths ...")
-        report = dry_run_decode(cfg, options, chip=chip, chips=chips, batch=ROWS, context=max(lengths) + NEW + 1,
-                                new_tokens=NEW, prompt_lengths=lengths, verifier=verifier_cfg)
+        report = dry_run_decode(SliceRun(cfg, options, chip=chip, chips=chips, batch=ROWS, context=max(lengths) + NEW + 1,
+                                new_tokens=NEW, verifier=verifier_cfg), prompt_lengths=lengths)
         stats = report.stats
         row = dict(layout=name, accelerator=accelerator, mesh=report.mesh, fits=report.fits,
                    does_not_fit=report.does_not_fit)

@@ -40,7 +40,7 @@ def model_config(spec: str, flag: str, proposer: bool) -> ModelConfig:
 
 def run_dry_run(args, options: DecodeOptions) -> int:
     """Compile and print the report; exit 0 when the program fits a chip, 1 when it does not."""
-    from prove_jax.decoding.dry_run import dry_run_decode
+    from prove_jax.decoding.dry_run import SliceRun, dry_run_decode
     chip, chips = aot.accelerator_chips(args.dry_run)
     proposer = model_config(args.model, "--model", proposer=True)
     verifier = None
@@ -50,40 +50,31 @@ def run_dry_run(args, options: DecodeOptions) -> int:
                 "--mode verify needs --verifier (a checkpoint or a preset) with --dry-run"
             )
         verifier = model_config(args.verifier, "--verifier", proposer=False)
+    run = SliceRun(proposer, options, chip=chip, chips=chips, batch=args.batch_size,
+                   context=args.context, new_tokens=args.max_new_tokens, verifier=verifier,
+                   dtype=args.dtype)
     if getattr(args, "report", None):
-        return _run_report(args, options, chip, chips, proposer, verifier)
+        return _run_report(args, run)
     print(f"compiling the {options.mode} decode program for {args.dry_run} ({chips} x {chip}) ...",
           file=sys.stderr, flush=True)
-    report = dry_run_decode(proposer, options, chip=chip, chips=chips, batch=args.batch_size,
-                            context=args.context, new_tokens=args.max_new_tokens, verifier=verifier,
-                            dtype=args.dtype)
+    report = dry_run_decode(run)
     print(report.describe())
     return 0 if report.fits else 1
 
 
-def _run_report(args, options: DecodeOptions, chip: str, chips: int, proposer, verifier) -> int:
+def _run_report(args, run) -> int:
     """The step-cost report: written to args.report (JSON) and printed; exit 1 when a program
     does not fit a chip."""
     from prove_jax.decoding.step_report import step_report
     if os.path.isdir(args.report):
         raise DecodeError(f"--report {args.report} is a directory; give the JSON file to write")
     print(
-        f"compiling the {options.mode} stream programs (step, prefill, admission) for "
-        f"{args.dry_run} ({chips} x {chip}) ...",
+        f"compiling the {run.options.mode} stream programs (step, prefill, admission) for "
+        f"{args.dry_run} ({run.chips} x {run.chip}) ...",
         file=sys.stderr,
         flush=True,
     )
-    report = step_report(
-        proposer,
-        options,
-        chip=chip,
-        chips=chips,
-        batch=args.batch_size,
-        context=args.context,
-        new_tokens=args.max_new_tokens,
-        verifier=verifier,
-        dtype=args.dtype,
-    )
+    report = step_report(run)
     report.write(args.report)
     print(report.table())
     return 1 if report.does_not_fit else 0

@@ -185,39 +185,34 @@ def _bytes_per_chip(model, mesh) -> int:
     return total
 
 
-def dry_run_decode(
-    proposer: ModelConfig,
-    options: DecodeOptions,
-    *,
-    chip: str,
-    chips: int,
-    batch: int,
-    context: int,
-    new_tokens: int = DEFAULT_NEW_TOKENS,
-    verifier: ModelConfig | None = None,
-    dtype: str = "bfloat16",
-    prompt_lengths: list[int] | None = None,
-) -> DecodeDryRun:
-    """Compile the decode program of `batch` rows, each a prompt of `context - new_tokens`
-    tokens and `new_tokens` to generate, for a slice of `chips` `chip`s (needs libtpu). With
-    `prompt_lengths`, `batch` rows serve a queue of prompts of those lengths instead (each
-    below `context`). A program XLA refuses for lack of memory comes back as a report with
-    `does_not_fit` set."""
-    report, decoder, prompt = _on_slice(
-        proposer,
-        options,
-        chip=chip,
-        chips=chips,
-        batch=batch,
-        context=context,
-        new_tokens=new_tokens,
-        verifier=verifier,
-        dtype=dtype,
-    )
+@dataclasses.dataclass(frozen=True)
+class SliceRun:
+    """One decode setting on a TPU slice, as the dry run and the step report compile it: the
+    models (configs only: the weights are abstract), the options, the slice (`chips` `chip`s),
+    and the request shape (`batch` rows, each a prompt of `context - new_tokens` tokens and
+    `new_tokens` to generate), in `dtype`."""
+
+    proposer: ModelConfig
+    options: DecodeOptions
+    chip: str
+    chips: int
+    batch: int
+    context: int
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    verifier: ModelConfig | None = None
+    dtype: str = "bfloat16"
+
+
+def dry_run_decode(run: SliceRun, prompt_lengths: list[int] | None = None) -> DecodeDryRun:
+    """Compile the decode program of `run` (needs libtpu). With `prompt_lengths`, its `batch`
+    rows serve a queue of prompts of those lengths instead (each below `context`). A program
+    XLA refuses for lack of memory comes back as a report with `does_not_fit` set."""
+    report, decoder, prompt = _on_slice(run)
+    batch = run.batch
     prompts = (
         [prompt] * batch if prompt_lengths is None else [prompt[:1] * n for n in prompt_lengths]
     )
-    lowered = decoder.lower(prompts, new_tokens, batch_size=batch)
+    lowered = decoder.lower(prompts, run.new_tokens, batch_size=batch)
     report.rows = decoder.rows(batch, batch)
     report.options = adapt_for_batch(report.options, report.rows, table=ADAPTIVE_TABLES["tpu"])
     try:
@@ -228,20 +223,12 @@ def dry_run_decode(
     return report
 
 
-def _on_slice(
-    proposer: ModelConfig,
-    options: DecodeOptions,
-    *,
-    chip: str,
-    chips: int,
-    batch: int,
-    context: int,
-    new_tokens: int,
-    verifier: ModelConfig | None,
-    dtype: str,
-):
+def _on_slice(run: SliceRun):
     """(a report without compile stats, the Decoder `generate` would build on the slice with
     abstract weights, one prompt of `context - new_tokens` tokens), after checking the request."""
+    proposer, options, verifier, dtype = run.proposer, run.options, run.verifier, run.dtype
+    chip, chips, batch, context, new_tokens = (run.chip, run.chips, run.batch, run.context,
+                                               run.new_tokens)
     if not aot.libtpu_available():
         raise DecodeError('the decode dry run compiles for a TPU slice and needs libtpu: '
                           'pip install "libtpu==0.0.42.*" (docs/environment.md)')

@@ -28,8 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from prove_jax import aot, hlo_cost
 from prove_jax.files import atomic_write_text
 from prove_jax.decoding import program
-from prove_jax.decoding.dry_run import DOES_NOT_FIT_ADVICE, DEFAULT_NEW_TOKENS, _on_slice
-from prove_jax.decoding.options import DecodeOptions
+from prove_jax.decoding.dry_run import DOES_NOT_FIT_ADVICE, SliceRun, _on_slice
 from prove_jax.decoding.program import step_shape
 from prove_jax.decoding.stream import state_sharding
 from prove_jax.models.attention import cache_chunk
@@ -300,40 +299,20 @@ def _kv_chunk_trips(decoder, settings, filled: int, platform: str) -> int:
     return 1 if size >= slots else -(-filled // size)
 
 
-def step_report(
-    proposer: ModelConfig,
-    options: DecodeOptions,
-    *,
-    chip: str,
-    chips: int,
-    batch: int,
-    context: int,
-    new_tokens: int = DEFAULT_NEW_TOKENS,
-    verifier: ModelConfig | None = None,
-    dtype: str = "bfloat16",
-    programs: tuple[str, ...] = ("step", "prefill", "admit"),
-) -> StepReport:
-    """Compile the programs a stream of `batch` rows runs on a TPU slice of `chips` `chip`s
-    (prompts of `context - new_tokens` tokens, `new_tokens` each; needs libtpu) and price each
-    from its HLO. The step is priced at rows filled to `context` slots (a request's dearest)."""
-    dry, decoder, prompt = _on_slice(
-        proposer,
-        options,
-        chip=chip,
-        chips=chips,
-        batch=batch,
-        context=context,
-        new_tokens=new_tokens,
-        verifier=verifier,
-        dtype=dtype,
-    )
-    setting = dict(chip=chip, chips=chips, topology=dry.topology, mesh=dry.mesh,
+def step_report(run: SliceRun, programs: tuple[str, ...] = ("step", "prefill", "admit")
+                ) -> StepReport:
+    """Compile the programs a stream of `run.batch` rows runs on `run`'s TPU slice (needs
+    libtpu) and price each from its HLO. The step is priced at rows filled to `context` slots
+    (a request's dearest)."""
+    dry, decoder, prompt = _on_slice(run)
+    chip, batch = run.chip, run.batch
+    setting = dict(chip=chip, chips=run.chips, topology=dry.topology, mesh=dry.mesh,
                    proposer_params=dry.proposer_params, verifier_params=dry.verifier_params,
                    weight_bytes=dry.weight_bytes, hbm_capacity=dry.hbm_bytes)
     return price_programs(
         decoder,
         [prompt] * batch,
-        new_tokens,
+        run.new_tokens,
         batch,
         chip=chip,
         topology=dry.topology,

@@ -16,7 +16,7 @@ import pytest
 from prove_jax import aot
 from prove_jax.cli import generate
 from prove_jax.decoding import DecodeError, DecodeOptions, Decoder, MemoryLayout
-from prove_jax.decoding.dry_run import dry_run_decode, mesh_shape, slice_options
+from prove_jax.decoding.dry_run import dry_run_decode, mesh_shape, slice_options, SliceRun
 from prove_jax.models.config import ModelConfig, preset
 from prove_jax.models.params import create_model
 
@@ -86,8 +86,8 @@ def test_cli_errors_are_one_line(capsys, monkeypatch):
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
 def test_a_small_pair_compiles_for_v5p_8_and_reports_its_memory():
     verifier = CFG.replace(num_heads=2, num_kv_heads=1, mask_token_id=None)
-    report = dry_run_decode(CFG, DecodeOptions("verify", 4, memory=MemoryLayout(scan_layers=True)), chip="v5p", chips=4, batch=8,
-                            context=256, new_tokens=64, verifier=verifier)
+    report = dry_run_decode(SliceRun(CFG, DecodeOptions("verify", 4, memory=MemoryLayout(scan_layers=True)), chip="v5p", chips=4, batch=8,
+                            context=256, new_tokens=64, verifier=verifier))
     assert report.topology == "v5p:2x2x1" and report.mesh == {"data": 4, "fsdp": 1, "tensor": 1}
     stats = report.stats
     assert report.fits and 0 < stats.peak_bytes < report.hbm_bytes
@@ -105,8 +105,8 @@ def test_a_small_pair_compiles_for_v5p_8_and_reports_its_memory():
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu (docs/environment.md)")
 def test_a_program_too_large_for_a_chip_is_reported_not_raised():
     big = CFG.replace(num_kv_heads=4, num_heads=4, head_dim=128, max_position_embeddings=1 << 17)
-    report = dry_run_decode(big, DecodeOptions("ar"), chip="v5e", chips=1, batch=64, context=1 << 16,
-                            new_tokens=64)
+    report = dry_run_decode(SliceRun(big, DecodeOptions("ar"), chip="v5e", chips=1, batch=64, context=1 << 16,
+                            new_tokens=64))
     assert report.stats is None and not report.fits
     assert "does not fit a chip of v5e:1x1" in report.does_not_fit and "RESOURCE_EXHAUSTED" in report.does_not_fit
     assert "DOES NOT FIT" in report.describe()

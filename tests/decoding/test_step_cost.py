@@ -19,6 +19,7 @@ from flax import nnx
 from prove_jax import aot, hlo_cost
 from prove_jax.decoding import DecodeOptions, Decoder, ComputeOptions, LosslessRule, MemoryLayout
 from prove_jax.decoding import program, step_report
+from prove_jax.decoding.dry_run import SliceRun
 from prove_jax.models import attention, sharding
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.params import create_model
@@ -299,7 +300,7 @@ def test_on_tpu_a_layer_reads_its_kv_in_place(page_size):
                       num_kv_heads=8, head_dim=128, mask_token_id=1023, eos_token_ids=(1,))
     options = DecodeOptions("lossless", 6, lossless=LosslessRule(max_groups=2), memory=MemoryLayout(scan_layers=True, page_size=page_size),
                             compute=ComputeOptions(attention="pallas_tpu"))
-    report = step_report.step_report(cfg, options, chip="v5p", chips=4, batch=16, context=8192, programs=("step",))
+    report = step_report.step_report(SliceRun(cfg, options, chip="v5p", chips=4, batch=16, context=8192), programs=("step",))
     (step,) = report.programs
     kv_layer = 2 * 4 * cfg.num_kv_heads * 8192 * cfg.head_dim * 2  # K and V of a chip's 4 rows, bf16
     assert step.bytes_by_opcode.get("copy", 0) < 0.01 * step.hbm_bytes
@@ -330,7 +331,7 @@ def test_on_tpu_an_ar_step_of_28_layers_copies_no_cache():
     cfg = ModelConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_layers=28, num_heads=16,
                       num_kv_heads=8, head_dim=128, mask_token_id=1023, eos_token_ids=(1,))
     options = DecodeOptions("ar", 1, memory=MemoryLayout(scan_layers=True), compute=ComputeOptions(attention="pallas_tpu"))
-    report = step_report.step_report(cfg, options, chip="v5e", chips=4, batch=16, context=8192, programs=("step",))
+    report = step_report.step_report(SliceRun(cfg, options, chip="v5e", chips=4, batch=16, context=8192), programs=("step",))
     (step,) = report.programs
     assert step.bytes_by_opcode.get("copy", 0) < 0.01 * step.hbm_bytes, step.largest
     assert step.waste <= 1.3

@@ -285,13 +285,13 @@ def test_the_paged_tpu_kernel_compiles_for_v5p_8_with_no_large_collective(mode, 
     """The whole paged program with the Pallas kernel (verify: the verifier's pools too),
     compiled by the dry run for v5p-8 (4 chips, data parallel): it fits, and nothing the size of
     a page pool is gathered."""
-    from prove_jax.decoding.dry_run import dry_run_decode
+    from prove_jax.decoding.dry_run import dry_run_decode, SliceRun
     from tests.decoding.test_decode_dry_run import CFG as TPU_CFG
     cfg = TPU_CFG.replace(head_dim=128)
     options = DecodeOptions(mode, 4, lossless=LosslessRule(max_groups=2 if mode == "lossless" else None), memory=MemoryLayout(page_size=128, scan_layers=scan_layers), compute=ComputeOptions(attention="pallas_tpu"))
     verifier = cfg.replace(num_layers=1, mask_token_id=None) if mode == "verify" else None
-    report = dry_run_decode(cfg, options, chip="v5p", chips=4, batch=8, context=512, new_tokens=64,
-                            verifier=verifier)
+    report = dry_run_decode(SliceRun(cfg, options, chip="v5p", chips=4, batch=8, context=512, new_tokens=64,
+                            verifier=verifier))
     assert report.fits and report.mesh["data"] == 4
     assert all(v["bytes"] < 2**20 for v in report.stats.collectives.values()), report.stats.collectives
 
