@@ -17,7 +17,7 @@ def _fixed_logits_model(logits):
     """A stand-in for the model: returns the given [B, 2L, V] logits, whatever the inputs."""
     logits = jnp.asarray(logits, jnp.float32)
 
-    def model(tokens, positions, attn_mask):
+    def model(tokens, positions, attn_mask, compute=None):  # the model's forward signature
         assert tokens.shape == positions.shape == logits.shape[:2]
         assert attn_mask.shape == (logits.shape[0], logits.shape[1], logits.shape[1])
         return logits, None
