@@ -53,6 +53,11 @@ class ProgramSettings:
     """The proposer's <|mask|> token; -1 without one (ar only)."""
     prefill_chunk: int
     """Prompt tokens per prefill forward."""
+    sampler: Sampler | None = None
+    """What sampling this program does; None: greedy only (no distributions carried)."""
+    num_pages: int = 0
+    """Pages of the paged KV pools (options.memory.page_size; the verifier's pool has as many, on
+    the same page table); 0: contiguous buffers."""
     compute: ComputeOptions = dataclasses.field(init=False, compare=False)
     """`options.compute` resolved on the host when the settings are made
     (`ComputeOptions.resolve`): what the program's trace reads, so that it never asks for the
@@ -60,12 +65,6 @@ class ProgramSettings:
 
     def __post_init__(self):
         object.__setattr__(self, "compute", self.options.compute.resolve())
-    sampler: Sampler | None = None
-    """What sampling this program does; None: greedy only (no distributions carried)."""
-    num_pages: int = 0
-    """Pages of the paged KV pools (options.memory.page_size; the verifier's pool has as many, on
-    the
-    same page table); 0: contiguous buffers."""
 
 
 def step_shape(options: DecodeOptions) -> tuple[int, int]:
