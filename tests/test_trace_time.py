@@ -99,3 +99,18 @@ def test_the_train_and_commit_head_steps_trace_without_the_backend(tmp_path, mon
     with backend_refused_in(monkeypatch, heads, "head_step"):
         step = heads.jit_head_step(cfg, layout, tx, mesh, CFG.mask_token_id)
         step.trace(layout.state, layout.frozen, batch, heads.abstract_step_number(mesh))
+
+
+def test_program_settings_made_for_another_backend_key_another_program(monkeypatch):
+    """The compile cache's key holds the resolved compute options the trace reads: settings
+    equal in every given field but resolved for another backend are another program."""
+    options = DecodeOptions("ar").validate()
+
+    def settings():
+        return program.ProgramSettings(options=options, num_rows=1, num_slots=16, pad_id=0,
+                                       mask_id=-1, prefill_chunk=4)
+    here = settings()
+    assert here == settings() and hash(here) == hash(settings())
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    elsewhere = settings()
+    assert elsewhere.compute.platform == "tpu" != here.compute.platform

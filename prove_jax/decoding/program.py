@@ -58,10 +58,10 @@ class ProgramSettings:
     num_pages: int = 0
     """Pages of the paged KV pools (options.memory.page_size; the verifier's pool has as many, on
     the same page table); 0: contiguous buffers."""
-    compute: ComputeOptions = dataclasses.field(init=False, compare=False)
+    compute: ComputeOptions = dataclasses.field(init=False)
     """`options.compute` resolved on the host when the settings are made
     (`ComputeOptions.resolve`): what the program's trace reads, so that it never asks for the
-    backend. Not part of the key: in one process it follows from `options.compute`."""
+    backend. Part of the key, which so holds exactly what the trace reads."""
 
     def __post_init__(self):
         object.__setattr__(self, "compute", self.options.compute.resolve())
@@ -90,11 +90,11 @@ def cache_slots(slots: int) -> int:
 
 def decode_step(options: DecodeOptions, model, state: LoopState, *, mask_id: int, verifier=None,
                 head=None, sampler: Sampler | None = None,
-                compute: ComputeOptions | None = None) -> LoopState:
+                compute: ComputeOptions) -> LoopState:
     """One step of the decode loop for validated `options` (`ar` is threshold with K=1), computed
-    as `compute` (the host-resolved `options.compute`; None: `options.compute` as it is)."""
+    as `compute`: `options.compute` resolved on the host (`ComputeOptions.resolve`), so that the
+    trace never asks for the backend."""
     block_size = options.block_size
-    compute = options.compute if compute is None else compute
     if options.mode == "lossless":
         layout = LosslessLayout.build(block_size, options.lossless.max_groups)
         return mode_steps.lossless_step(

@@ -151,10 +151,11 @@ def decode_step_runs(
 
 def _run_steps(graphdef, options, mask_id: int, params, start, steps):
     """`steps` (traced) decode steps from state `start`, each reset to its row lengths (for
-    timing)."""
+    timing). `options.compute` was resolved on the host (`decode_step_runs`)."""
     model = nnx.merge(graphdef, params)
 
     def body(_, state):
-        state = program.decode_step(options, model, state, mask_id=mask_id)
+        state = program.decode_step(options, model, state, mask_id=mask_id,
+                                    compute=options.compute)
         return state.replace(length=start.length, cache_len=start.cache_len, done=start.done)
     return jax.lax.fori_loop(0, steps, body, start)
