@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Callable
 
 import numpy as np
@@ -21,7 +20,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, Decoder, VerifyRule
 from prove_jax.decoding.loading import build_decoder
 from prove_jax.models.params import create_model
-from tests.multihost import finish_two_processes, joining, run_two_processes, start_two_processes
+from tests.multihost import CommandsJob, finish_two_processes, joining, start_two_processes
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +31,6 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
 def _two_hosts(args: list[str], host_args=((), ())) -> Callable[[int, int], list[str]]:
     """`-m infer.generate ARGS` for processes 0 and 1 of one job (plus `host_args[i]`)."""
     return lambda i, port: ["-m", "infer.generate", *args, *host_args[i], *joining(i, port)]
-
-
-def _run_two_hosts(args: list[str], host_args=((), ()), check: bool = True) -> list[subprocess.CompletedProcess]:
-    return run_two_processes(_two_hosts(args, host_args), check=check)
 
 
 FAILING_TEST = "test_a_host_that_fails_stops_the_job_and_the_other_says_so"
@@ -66,21 +61,45 @@ def _summary_lines(stderr: str) -> list[dict]:
     return [json.loads(x) for x in stderr.splitlines() if x.startswith("{")]
 
 
-def test_two_hosts_decode_like_one(tmp_path):
+def _prompts() -> list[list[int]]:
     rs = np.random.RandomState(0)
-    prompts = [rs.randint(2, 90, n).tolist() for n in (3, 9, 1, 14, 6, 11, 2, 8, 5, 13)]
-    model = create_model(CFG, seed=3)
-    ckpt = str(tmp_path / "ckpt")
-    save_model(ckpt, model)
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
-    ar = Decoder(model, [1], DecodeOptions("ar")).generate(prompts, 24).output_ids
+    return [rs.randint(2, 90, n).tolist() for n in (3, 9, 1, 14, 6, 11, 2, 8, 5, 13)]
 
+
+PROMPTS = _prompts()
+TEXTS = ["def add(a, b):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def push(self, x):\n"]
+
+
+@pytest.fixture(scope="module")
+def decodes(tmp_path_factory):
+    """The two decoding tests' runs as one two-process job (tests/multihost.CommandsJob: one
+    launch; the first generate joins, the second runs on the joined hosts), started with the
+    first of them: (lossless folder, verify folder, the job)."""
+    lossless, verify = tmp_path_factory.mktemp("lossless"), tmp_path_factory.mktemp("verify")
+    save_model(str(lossless / "ckpt"), create_model(CFG, seed=3))
+    (lossless / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n"
+                                               for i, p in enumerate(PROMPTS)))
+    (verify / "in.jsonl").write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(TEXTS)))
     # the batch over 4 data shards on two hosts, the model split over 2 tensor shards; 10
     # requests queue for 4 rows, so rows are refilled mid-loop on both hosts alike
-    hosts = _run_two_hosts([
-        "--model", ckpt, "--mode", "lossless", "--block-size", "4", "--groups", "2", "--mesh", "4,1,2",
-        "--batch-size", "4", "--max-new-tokens", "24", "--input", str(inp), "--output", str(out), "--sort"])
+    job = CommandsJob([
+        ["infer.generate", "--model", str(lossless / "ckpt"), "--mode", "lossless", "--block-size", "4",
+         "--groups", "2", "--mesh", "4,1,2", "--batch-size", "4", "--max-new-tokens", "24",
+         "--input", str(lossless / "in.jsonl"), "--output", str(lossless / "out.jsonl"), "--sort"],
+        ["infer.generate", "--mode", "verify", "--commit-rule", "head", "--batch-size", "3",
+         "--max-new-tokens", "32", "--input", str(verify / "in.jsonl"), "--output", str(verify / "out.jsonl"),
+         "--sort"]], tmp_path_factory.mktemp("job"))
+    yield lossless, verify, job
+    job.stop()
+
+
+def test_two_hosts_decode_like_one(decodes):
+    tmp_path, _, job = decodes
+    model = create_model(CFG, seed=3)
+    out = tmp_path / "out.jsonl"
+    ar = Decoder(model, [1], DecodeOptions("ar")).generate(PROMPTS, 24).output_ids
+
+    hosts = job.results()[0]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"r{i}" for i in range(10)]
     assert [r["output_ids"] for r in rows] == ar
@@ -91,19 +110,16 @@ def test_two_hosts_decode_like_one(tmp_path):
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("out.jsonl")) == ["out.jsonl", "out.jsonl.settings.json"]
 
 
-def test_two_hosts_verify_with_the_commit_head(tmp_path):
+def test_two_hosts_verify_with_the_commit_head(decodes):
     """The shipped pair: proposer, verifier and the verifier's commit head (replicated from one
     host's memory onto every device of the mesh) on all 8 devices of the two hosts."""
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    texts = ["def add(a, b):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def push(self, x):\n"]
-    inp.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    _, tmp_path, job = decodes
+    out = tmp_path / "out.jsonl"
     options = DecodeOptions("verify", 8, verify=VerifyRule(commit_rule="head"))
     here, tok = build_decoder(assets.DEMO_PROPOSER, options, verifier_path=assets.DEMO_VERIFIER,
                               mesh_shape="1,1,1")
-    ref = here.generate([tok.encode(t, add_special_tokens=False) for t in texts], 32).output_ids
-    hosts = _run_two_hosts([
-        "--mode", "verify", "--commit-rule", "head", "--batch-size", "3", "--max-new-tokens", "32",
-        "--input", str(inp), "--output", str(out), "--sort"])
+    ref = here.generate([tok.encode(t, add_special_tokens=False) for t in TEXTS], 32).output_ids
+    hosts = job.results()[1]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["output_ids"] for r in rows] == ref
     assert all(r["stats"]["verifier_forwards"] > 0 for r in rows)

@@ -16,7 +16,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.data.pipeline import TokenizedRows, tokenize_examples
 from prove_jax.decoding import DecodeOptions, Decoder
 from prove_jax.models.params import create_model
-from tests.multihost import joining, run_two_processes
+from tests.multihost import CommandsJob
 from tests.tokenizers_fixture import stdlib_text
 from tests.train_helpers import write_tokenizer
 
@@ -27,6 +27,9 @@ CFG = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_laye
 
 
 def test_distill_and_evaluate_on_two_hosts_equal_one_process(tmp_path):
+    """Both commands in one two-process job (tests/multihost.CommandsJob: one launch, distill
+    joins and evaluate runs after it on the same hosts); the references are computed here
+    while it runs."""
     model = create_model(CFG, seed=5)
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, model, tokenizer_dir=write_tokenizer(tmp_path))
@@ -34,23 +37,29 @@ def test_distill_and_evaluate_on_two_hosts_equal_one_process(tmp_path):
     prompts = [rs.randint(3, 300, n).tolist() for n in (4, 9, 2, 7, 5)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "distill.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
-    hosts = run_two_processes(lambda i, port: [
-        "-m", "prove_jax", "distill", "--model", ckpt, "--prompts", str(inp), "--out", str(out),
-        "--mesh", "4,1,2", "--batch-size", "4", "--max-new-tokens", "16", *joining(i, port)])
-    ar = Decoder(model, [0], DecodeOptions("ar")).generate(prompts, 16).output_ids
-    records = {r["id"]: r["response_ids"] for r in map(json.loads, out.read_text().splitlines())}
-    assert records == {f"r{i}": o for i, o in enumerate(ar)}
-    assert "wrote" in hosts[0].stderr and hosts[1].stderr.strip() == "", hosts[1].stderr[-500:]
-
     data = tmp_path / "heldout.txt"
     data.write_text(stdlib_text(("fnmatch",)))
-    hosts = run_two_processes(lambda i, port: [
-        "-m", "prove_jax", "evaluate", "--model", ckpt, "--data", str(data), "--max-length", "32",
-        "--max-rows", "6", "--batch-size", "4", "--mesh", "2,2,2", *joining(i, port)])
-    rows = tokenize_examples([{"text": data.read_text()}], load_tokenizer(ckpt), max_length=32, block_size=1)
-    rows = TokenizedRows(rows.input_ids[:6], rows.loss_mask[:6], rows.valid[:6], 0, 0)
-    here = heldout.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
+    logs = tmp_path / "job"
+    logs.mkdir()
+    job = CommandsJob([
+        ["prove_jax.cli.distill", "--model", ckpt, "--prompts", str(inp), "--out", str(out),
+         "--mesh", "4,1,2", "--batch-size", "4", "--max-new-tokens", "16"],
+        ["prove_jax.cli.evaluate", "--model", ckpt, "--data", str(data), "--max-length", "32",
+         "--max-rows", "6", "--batch-size", "4", "--mesh", "2,2,2"]], logs)
+    try:
+        ar = Decoder(model, [0], DecodeOptions("ar")).generate(prompts, 16).output_ids
+        rows = tokenize_examples([{"text": data.read_text()}], load_tokenizer(ckpt), max_length=32, block_size=1)
+        rows = TokenizedRows(rows.input_ids[:6], rows.loss_mask[:6], rows.valid[:6], 0, 0)
+        here = heldout.heldout_metrics(load_model(ckpt, dtype="float32", param_dtype="float32"), rows)
+        distill, evaluate = job.results()
+    finally:
+        job.stop()
+
+    records = {r["id"]: r["response_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert records == {f"r{i}": o for i, o in enumerate(ar)}
+    assert "wrote" in distill[0].stderr and distill[1].stderr.strip() == "", distill[1].stderr[-500:]
+
     # (CPU collectives: Gloo prints its connections to stdout first)
-    [result] = json.loads(hosts[0].stdout.splitlines()[-1])
+    [result] = json.loads(evaluate[0].stdout.splitlines()[-1])
     assert result["nll"] == pytest.approx(here["nll"], rel=1e-5) and result["tokens"] == here["tokens"]
-    assert "nll" not in hosts[1].stdout and "perplexity" not in hosts[1].stderr
+    assert "nll" not in evaluate[1].stdout and "perplexity" not in evaluate[1].stderr
