@@ -285,7 +285,7 @@ def _slots(cache, settings, num_layers: int) -> int:
     first = jax.tree.leaves(cache.k)[0]
     if hasattr(cache, "table"):  # a pool: [D, K, (L,) Pl, page, Dh] for rows / D rows each
         return first.shape[-3] * first.shape[-2] // max(1, settings.num_rows // first.shape[0])
-    return first.shape[-2] // (num_layers if cache.stacked else 1)
+    return cache.slots_per_layer(num_layers)
 
 
 def _kv_chunk_trips(decoder, settings, filled: int, platform: str) -> int:

@@ -44,6 +44,8 @@ CACHE_CHUNK = 256
 CACHE_CHUNKS_MAX = 8
 CPU_SHORT_CHUNK_ROWS = 16
 GPU_CHUNKED_MIN_ROWS = 16
+# TPU vector lanes: a stacked cache whose head dim is narrower keeps its slots minor (`KVCache`)
+LANES = 128
 
 
 @struct.dataclass
@@ -57,9 +59,16 @@ class KVCache:
     index the same array: as [B, K, L, S, Dh], written at (layer, slot), libtpu laid the buffer
     out with the layers next to Dh and copied a layer's slice (or, read in place, the whole
     buffer) in every layer of every step; reshaped to flat slots to write, it copied the whole
-    buffer when S was not a whole number of tiles (benchmarks/decode_step_cost.md)."""
+    buffer when S was not a whole number of tiles (benchmarks/decode_step_cost.md).
+
+    A stacked buffer whose head dim is under LANES (a 0.5B's 64) is held slots minor, k, v
+    [B, K, Dh, L * S] (`slots_minor`): held [.., L * S, Dh], libtpu laid it out with the slots
+    minor anyway (so as not to pad Dh to 128 lanes), for the step's scatter, while the kernel
+    read wants its operand as it is shaped, and copied the whole buffer between the two in
+    every layer of every step; shaped slots minor, the writer, the carry and the kernel agree."""
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
+    slots_minor: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None,
@@ -69,14 +78,17 @@ class KVCache:
         # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES), or
         # rows on both where tensor cannot split the heads (`kv_rules`)
         rules = kv_rules(config.num_kv_heads, batch)
+        slots_minor = stacked and config.head_dim < LANES
         if stacked:
             shape = shape[:2] + (config.num_layers * length,) + shape[3:]
+            if slots_minor:
+                shape = shape[:2] + (shape[3], shape[2])
             axes = cache_axes(stacked=True)
             mk = lambda: constrain(jnp.zeros(shape, dtype), axes, rules)  # noqa: E731
         else:
             zeros = lambda: constrain(jnp.zeros(shape, dtype), KV_CACHE_AXES, rules)  # noqa: E731
             mk = lambda: tuple(zeros() for _ in range(config.num_layers))  # noqa: E731
-        return cls(k=mk(), v=mk())
+        return cls(k=mk(), v=mk(), slots_minor=slots_minor)
 
     @property
     def stacked(self) -> bool:
@@ -90,12 +102,19 @@ class KVCache:
                       num_layers: int) -> "LayerKV":
         """Layer `index`'s view of the stacked buffers k, v a layer scan carries (this cache's own,
         as the scan has updated them so far)."""
-        return LayerKV(k, v, index, num_layers)
+        return LayerKV(k, v, index, num_layers, self.slots_minor)
+
+    def slots_per_layer(self, num_layers: int) -> int:
+        """Slots one layer of a row holds (`num_layers`: the model's, for a stacked buffer)."""
+        first = self.k if self.stacked else self.k[0]
+        slots = first.shape[-1] if self.slots_minor else first.shape[-2]
+        return slots // (num_layers if self.stacked else 1)
 
 
 def cache_axes(stacked: bool) -> tuple[str, ...]:
     """Logical axes of one cache buffer: KV_CACHE_AXES, per layer or stacked (the layers' slots
-    one axis, split as a layer's slots are: not at all)."""
+    one axis, split as a layer's slots are: not at all; held slots minor, the last two axes
+    swap, both whole)."""
     return KV_CACHE_AXES
 
 
@@ -150,25 +169,28 @@ class ContiguousKV(_BufferView):
 
 @struct.dataclass
 class LayerKV(_BufferView):
-    """Layer `layer`'s part of a stacked cache k, v [B, K, L * S, Dh], as a scanned layer sees
-    it: it writes its step's slots into the whole buffer (in place in the scan's carry) and
-    reads its own layer's (the module docstring lists the interface)."""
+    """Layer `layer`'s part of a stacked cache k, v [B, K, L * S, Dh] (`slots_minor`: [B, K, Dh,
+    L * S], see `KVCache`), as a scanned layer sees it: it writes its step's slots into the
+    whole buffer (in place in the scan's carry) and reads its own layer's (the module docstring
+    lists the interface)."""
     k: jax.Array
     v: jax.Array
     layer: jax.Array  # int32 scalar
     num_layers: int = struct.field(pytree_node=False, default=1)  # L
+    slots_minor: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def slots(self) -> int:
         """S: a layer's slots."""
-        return self.k.shape[2] // self.num_layers
+        return self.k.shape[3 if self.slots_minor else 2] // self.num_layers
 
     def write(self, new_k: jax.Array, new_v: jax.Array, start: jax.Array) -> "LayerKV":
         """Row b's step keys and values written at this layer's slots start[b] + [0, T), into the
         whole stacked buffer (`write_step`)."""
-        rules, layer = self.rules, (self.layer, self.num_layers)
-        return self.replace(k=write_step(self.k, new_k, start, layer=layer, rules=rules),
-                            v=write_step(self.v, new_v, start, layer=layer, rules=rules))
+        rules, layer, minor = self.rules, (self.layer, self.num_layers), self.slots_minor
+        return self.replace(
+            k=write_step(self.k, new_k, start, layer=layer, rules=rules, slots_minor=minor),
+            v=write_step(self.v, new_v, start, layer=layer, rules=rules, slots_minor=minor))
 
     def read(self, start: jax.Array | int = 0,
              size: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -178,7 +200,11 @@ class LayerKV(_BufferView):
         size = self.slots if size is None else size
 
         first = jnp.asarray(self.layer, jnp.int32) * self.slots + jnp.asarray(start, jnp.int32)
-        take = lambda c: jax.lax.dynamic_slice_in_dim(c, first, size, axis=2)  # noqa: E731
+        if self.slots_minor:  # the slice, not the buffer, turned to [B, K, size, Dh]
+            take = lambda c: jnp.swapaxes(  # noqa: E731
+                jax.lax.dynamic_slice_in_dim(c, first, size, axis=3), 2, 3)
+        else:
+            take = lambda c: jax.lax.dynamic_slice_in_dim(c, first, size, axis=2)  # noqa: E731
         return take(self.k), take(self.v)
 
     def kernel_cache(self) -> "LayerKV":
@@ -308,7 +334,7 @@ def _to_rows(x: jax.Array, axes: tuple, rules) -> jax.Array:
 
 
 def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: tuple | None = None,
-               rules=DEFAULT_RULES) -> jax.Array:
+               rules=DEFAULT_RULES, slots_minor: bool = False) -> jax.Array:
     """cache [B, K, S, Dh] with row b's step keys (or values) new[b] [K, T, Dh] written at slots
     start[b] + [0, T); a slot past the buffer end is dropped, never clamped onto valid KV. With
     `layer` (l, L), cache is a stacked [B, K, L * S, Dh] and the step goes to layer l's slots.
@@ -320,18 +346,21 @@ def write_step(cache: jax.Array, new: jax.Array, start: jax.Array, layer: tuple 
     single window (one row, one head, one token on a device) into an update-slice that it
     duplicates into the cache's readers, copying the buffer on every step
     (tests/decoding/test_decode_in_place.py, tests/decoding/test_inference_mesh.py).
-    `rules`: where the cache lies (`sharding.kv_rules`).
+    `rules`: where the cache lies (`sharding.kv_rules`). `slots_minor`: the cache is [B, K, Dh,
+    S] (`KVCache`), each slot a column.
     """
     b, k, t, _ = new.shape
     new = constrain(new, KV_CACHE_AXES, rules)  # where the cache lies
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
-    size = cache.shape[-2] if layer is None else cache.shape[-2] // layer[1]
+    size = cache.shape[-1 if slots_minor else -2] // (1 if layer is None else layer[1])
     if t == 1:
         slots = jnp.concatenate([slots, start[:, None] + size], axis=1)
         new = jnp.concatenate([new, new], axis=2)
     slots = jnp.broadcast_to(slots[:, None], (b, k, slots.shape[1]))
-    # [S, Dh] <- [T, Dh] at [T]
-    write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
+    if slots_minor:  # [Dh, S] <- [T, Dh] at [T], as columns
+        write = lambda c, u, s: c.at[:, s].set(u.T.astype(c.dtype), mode="drop")  # noqa: E731
+    else:  # [S, Dh] <- [T, Dh] at [T]
+        write = lambda c, u, s: c.at[s].set(u.astype(c.dtype), mode="drop")  # noqa: E731
     # layer l's slot s is l * S + s; one past S is dropped, not the next layer's
     if layer is not None:
         index, n_layers = layer

@@ -146,7 +146,8 @@ def attend_cached(kind: str, q, own_scores, own_values, cache, cache_len, interp
         keys, values = (cache.k, cache.v) if stacked else cache
         layer = jnp.asarray(cache.layer, jnp.int32) if stacked else jnp.zeros((), jnp.int32)
         call = functools.partial(
-            _committed_contiguous_tpu, num_layers=max(1, stacked), interpret=interpret
+            _committed_contiguous_tpu, num_layers=max(1, stacked), interpret=interpret,
+            slots_minor=stacked and cache.slots_minor,
         )
         return _merge(_per_shard(call, q.astype(keys.dtype), keys, values, cache_len, layer, rules),
                       own_scores, own_values)
@@ -220,7 +221,8 @@ BLOCK = 512  # slots a contiguous block holds: a 128 KiB bf16 K block at Dh = 12
 
 
 def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, k_ref, v_ref,
-                 o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *, scale: float):
+                 o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *, scale: float,
+                 slots_minor: bool = False):
     from jax.experimental import pallas as pl
 
     b, j = pl.program_id(0), pl.program_id(2)
@@ -243,6 +245,7 @@ def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, 
             l_sc,
             acc_sc,
             scale,
+            slots_minor,
         )
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -252,19 +255,22 @@ def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, 
         m_ref[...] = m_sc[...]
 
 
-def _accumulate(q, k, v, first, length, m_sc, l_sc, acc_sc, scale: float):
+def _accumulate(q, k, v, first, length, m_sc, l_sc, acc_sc, scale: float,
+                slots_minor: bool = False):
     """The flash-attention recurrence over one block: queries q [Q, Dh] against keys and values
-    [block, Dh] whose first slot is the row's slot `first`, of which those in [0, length) are
-    seen; running max, normaliser and output in m_sc, l_sc [Q, LANES] and acc_sc [Q, Dh]."""
+    [block, Dh] (`slots_minor`: [Dh, block]) whose first slot is the row's slot `first`, of
+    which those in [0, length) are seen; running max, normaliser and output in m_sc, l_sc
+    [Q, LANES] and acc_sc [Q, Dh]."""
     # float32 caches at full precision (the tests' oracle); bfloat16 ones as XLA reads them
     precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=precision) * scale  # [Q, block]
-    slot = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    slot_axis = 1 if slots_minor else 0  # of k and v
+    s = jax.lax.dot_general(q, k, (((1,), (1 - slot_axis,)), ((), ())),
+                            preferred_element_type=jnp.float32, precision=precision) * scale
+    slot = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)  # s: [Q, block]
     s = jnp.where((slot >= 0) & (slot < length), s, jnp.finfo(jnp.float32).min)
     # values outside the row's span (another layer's, past the buffer's end, a stale buffer) may be
     # anything
-    v_slot = first + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+    v_slot = first + jax.lax.broadcasted_iota(jnp.int32, v.shape, slot_axis)
     v = jnp.where((v_slot >= 0) & (v_slot < length), v, jnp.zeros_like(v))
     m_prev = m_sc[...][:, :1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -277,7 +283,7 @@ def _accumulate(q, k, v, first, length, m_sc, l_sc, acc_sc, scale: float):
     acc_sc[...] = acc_sc[...] * rescale + jax.lax.dot_general(
         p.astype(v.dtype),
         v,
-        (((1,), (0,)), ((), ())),
+        (((1,), (slot_axis,)), ((), ())),
         preferred_element_type=jnp.float32,
         precision=precision,
     )
@@ -301,11 +307,12 @@ def span_cost(
     )
 
 
-def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, interpret: bool):
+def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, interpret: bool,
+               slots_minor: bool = False):
     """q [B, K, Q, Dh] against row b's blocks of `block` slots, blocks[b, :counts[b]], of buffer
-    row rows[b] of keys, values [N, K, M, Dh] (blocks[b, j]'s first slot is the row's slot
-    starts[b, j]), up to lens[b]: unnormalised output [B, K, Q, Dh], normaliser l and max m
-    [B, K, Q] (float32; l = 0 for an empty span)."""
+    row rows[b] of keys, values [N, K, M, Dh] (`slots_minor`: [N, K, Dh, M]; blocks[b, j]'s
+    first slot is the row's slot starts[b, j]), up to lens[b]: unnormalised output [B, K, Q,
+    Dh], normaliser l and max m [B, K, Q] (float32; l = 0 for an empty span)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -316,19 +323,16 @@ def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, 
     qn = nq + pad
 
     def kv_block(bi, h, j, rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref):
-        return (
-            rows_ref[bi],
-            h,
-            blocks_ref[bi, jnp.minimum(j, jnp.maximum(counts_ref[bi] - 1, 0))],
-            0,
-        )
+        at = blocks_ref[bi, jnp.minimum(j, jnp.maximum(counts_ref[bi] - 1, 0))]
+        return (rows_ref[bi], h) + ((0, at) if slots_minor else (at, 0))
 
     row_block = lambda bi, h, j, *refs: (bi, h, 0, 0)  # noqa: E731
+    kv_shape = (None, None) + ((dh, block) if slots_minor else (block, dh))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5, grid=(b, k, visits),
         in_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
-                  pl.BlockSpec((None, None, block, dh), kv_block),
-                  pl.BlockSpec((None, None, block, dh), kv_block)],
+                  pl.BlockSpec(kv_shape, kv_block),
+                  pl.BlockSpec(kv_shape, kv_block)],
         out_specs=[pl.BlockSpec((None, None, qn, dh), row_block),
                    pl.BlockSpec((None, None, qn, LANES), row_block),
                    pl.BlockSpec((None, None, qn, LANES), row_block)],
@@ -336,8 +340,8 @@ def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, 
                         pltpu.VMEM((qn, dh), jnp.float32)])
     cost = span_cost(b, k, qn, dh, visits, block, keys.dtype.itemsize, q.dtype.itemsize)
 
-    return _run_span_kernel(functools.partial(_span_kernel, scale=dh ** -0.5), grid_spec, cost,
-                            (b, k, qn, dh), nq, interpret,
+    kernel = functools.partial(_span_kernel, scale=dh ** -0.5, slots_minor=slots_minor)
+    return _run_span_kernel(kernel, grid_spec, cost, (b, k, qn, dh), nq, interpret,
                             rows, blocks, starts, counts, lens, q, keys, values)
 
 
@@ -387,11 +391,13 @@ def contiguous_blocks(slots: int, num_layers: int, layer, lens, block: int):
 
 
 def _committed_contiguous_tpu(
-    q, cache_k, cache_v, cache_len, layer, num_layers: int, interpret: bool
+    q, cache_k, cache_v, cache_len, layer, num_layers: int, interpret: bool,
+    slots_minor: bool = False,
 ):
     """q [B, K, Q, Dh] against layer `layer` (int32 scalar) of one shard's buffers [B, K, L * S,
-    Dh] (L = num_layers; a per-layer buffer: 1), up to cache_len [B]: `_span_call`'s result."""
-    b, _, total, _ = cache_k.shape
+    Dh] (`slots_minor`: [B, K, Dh, L * S]; L = num_layers; a per-layer buffer: 1), up to
+    cache_len [B]: `_span_call`'s result."""
+    b, total = cache_k.shape[0], cache_k.shape[3 if slots_minor else 2]
     block = min(BLOCK, total)
     lens = cache_len.astype(jnp.int32)
     blocks, starts, counts = contiguous_blocks(total // num_layers, num_layers, layer, lens, block)
@@ -406,6 +412,7 @@ def _committed_contiguous_tpu(
         lens,
         block,
         interpret,
+        slots_minor,
     )
 
 

@@ -317,7 +317,7 @@ def test_a_stream_allocates_its_caches_in_whole_tiles_of_slots(model):
     decoder = Decoder(model, [1], DecodeOptions("verify", 8, memory=MemoryLayout(scan_layers=True)), verifier=model)
     _, settings, state = step_report.stream_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS)
     for cache, past in ((state.cache, 15), (state.verifier_cache, 8)):
-        slots = cache.k.shape[2] // CFG.num_layers
+        slots = cache.slots_per_layer(CFG.num_layers)
         assert slots % 16 == 0 and 0 <= slots - (settings.num_slots + past) < 16
     assert [program.cache_slots(n) for n in (1, 16, 17, 8193)] == [16, 16, 32, 8208]
 

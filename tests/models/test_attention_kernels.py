@@ -116,11 +116,13 @@ def test_lossless_with_kernel_equals_ar(compute, monkeypatch):
     if compute.attention != "pallas_tpu":  # the scan feeds both kernels the same way: one is enough
         return
     # with the layers scanned, the kernel reads each layer of the stacked cache in place (handed
-    # the whole [B, K, L * S, Dh] buffer)
+    # the whole buffer: [B, K, Dh, L * S], slots minor, as a head dim under 128 lanes is held)
     calls.clear()
     scanned = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=compute, memory=MemoryLayout(scan_layers=True))
                       ).generate(prompts, 12)
-    assert calls and all(shape[2] % CFG.num_layers == 0 and shape[2] > 140 * CFG.num_layers for shape in calls)
+    assert CFG.head_dim < attention.LANES
+    assert calls and all(shape[2] == CFG.head_dim and shape[3] % CFG.num_layers == 0
+                         and shape[3] > 140 * CFG.num_layers for shape in calls)
     assert scanned.output_ids == ar.output_ids
 
 
@@ -150,8 +152,10 @@ def test_the_kernel_reads_only_kv_heads_the_mesh_splits_whole(monkeypatch):
             assert calls[0] is sharding.ROW_SPLIT_RULES
 
 
-def test_the_tpu_kernel_reads_a_stacked_layer_in_place(monkeypatch):
-    """A stacked cache [B, K, L * S, Dh] is read at its layer through block indices, with blocks
+@pytest.mark.parametrize("slots_minor", [False, True], ids=["slots-then-dh", "slots-minor"])
+def test_the_tpu_kernel_reads_a_stacked_layer_in_place(monkeypatch, slots_minor):
+    """A stacked cache [B, K, L * S, Dh] (or [B, K, Dh, L * S], slots minor, as a head dim under
+    128 lanes is held) is read at its layer through block indices, with blocks
     (16 slots here) that straddle the layers before and after and overhang the buffer's end:
     each layer's result is the XLA path's over that layer's slots, whatever the other layers
     hold (junk there), and the kernel is handed the whole buffer, not a slice of it."""
@@ -167,12 +171,18 @@ def test_the_tpu_kernel_reads_a_stacked_layer_in_place(monkeypatch):
     for layer in (1, 2):  # blocks straddling both neighbours; the last overhanging the buffer's end
         mine = (jnp.arange(layers * slots) // slots == layer)[None, None, :, None]
         junk = lambda c: jnp.where(mine, c, 1e4)  # noqa: E731
-        stacked = attention.LayerKV(junk(ck), junk(cv), jnp.int32(layer), num_layers=layers)
+        held = (lambda c: jnp.swapaxes(junk(c), 2, 3)) if slots_minor else junk  # noqa: E731
+        stacked = attention.LayerKV(held(ck), held(cv), jnp.int32(layer), num_layers=layers,
+                                    slots_minor=slots_minor)
         part = lambda c: c[:, :, layer * slots:(layer + 1) * slots]  # noqa: E731
         want = attention._attend_cached(q, own, intra, (part(ck), part(cv)), cache_len)
         got = read(stacked)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
-    assert seen and all(shape == ck.shape for shape in seen)
+        # the XLA path reads the same layer of the buffer as held
+        xla = attention._attend_cached(q, own, intra, stacked, cache_len)
+        np.testing.assert_allclose(np.asarray(xla), np.asarray(want), rtol=2e-5, atol=2e-5)
+    shape = (ck.shape[:2] + ck.shape[:1:-1]) if slots_minor else ck.shape
+    assert seen and all(s == shape for s in seen)
     blocks, starts, counts = attention_kernels.contiguous_blocks(slots, layers, 1, cache_len, 16)
     assert counts.tolist() == [0, 6, 3]  # layer 1 is slots [75, 150): blocks 4..9 of 16
     assert blocks[1].tolist()[:6] == [4, 5, 6, 7, 8, 9] and starts[1, 0] == 64 - 75
