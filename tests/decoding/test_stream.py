@@ -14,6 +14,7 @@ import pytest
 
 from prove_jax import assets
 from prove_jax.checkpoints.checkpoint import save_model
+from prove_jax.cli import generate
 from prove_jax.decoding import DecodeOptions, Decoder, SamplingParams
 from prove_jax.models.params import create_model
 from tests.decode_helpers import CFG, ROOT
@@ -76,9 +77,10 @@ def _cli(*args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
 
 
-def test_a_job_killed_with_sigkill_continues_where_it_stopped(tmp_path, model):
+def test_a_job_killed_with_sigkill_continues_where_it_stopped(tmp_path, model, capsys):
     """The rerun of the same command skips the records already written and cuts a torn line;
-    the finished file holds the records of an uninterrupted run (any order)."""
+    the finished file holds the records of an uninterrupted run (any order). Only the killed
+    job needs a process of its own: the uninterrupted run and the rerun call the command here."""
     ckpt = str(tmp_path / "ckpt")
     save_model(ckpt, model)
     prompts, budgets = _requests(40, seed=2)
@@ -88,8 +90,7 @@ def test_a_job_killed_with_sigkill_continues_where_it_stopped(tmp_path, model):
     common = ["--model", ckpt, "--input", str(inp), "--max-new-tokens", "40", "--batch-size", "2",
               "--chunk-steps", "1", "--no-progress"]
     full, killed = tmp_path / "full.jsonl", tmp_path / "killed.jsonl"
-    first = _cli(*common, "--output", str(full))
-    assert first.wait(timeout=600) == 0, first.stderr.read()
+    assert generate.main([*common, "--output", str(full)]) == 0
     job = _cli(*common, "--output", str(killed))
     deadline = time.time() + 300
     while time.time() < deadline and (not killed.exists() or len(killed.read_text().splitlines()) < 5):
@@ -100,20 +101,20 @@ def test_a_job_killed_with_sigkill_continues_where_it_stopped(tmp_path, model):
     assert 5 <= len(written) < 40, "the kill came after the job ended: nothing to resume"
     with open(killed, "a") as f:
         f.write('{"id": "r9", "output_')  # as if the kill tore the next record
-    rerun = _cli(*common, "--output", str(killed))
-    assert rerun.wait(timeout=600) == 0, rerun.stderr.read()
-    assert f"resuming: {len(written)} of 40 requests are already in" in rerun.stderr.read()
+    capsys.readouterr()
+    assert generate.main([*common, "--output", str(killed)]) == 0
+    assert f"resuming: {len(written)} of 40 requests are already in" in capsys.readouterr().err
     records = lambda path: sorted(path.read_text().splitlines())  # noqa: E731
     assert len(records(killed)) == 40 and records(killed) == records(full)
 
 
-def test_prompt_prints_the_completion_as_it_is_committed_with_blocks_marked():
+def test_prompt_prints_the_completion_as_it_is_committed_with_blocks_marked(capsys):
     """--prompt with the shipped pair: stdout is the completion, [...] around each committed
     block off a terminal; its text equals the batch path's record."""
     text = "def add(a, b):\n"
-    job = _cli("--prompt", text, "--max-new-tokens", "24", "--show-blocks", "--no-progress")
-    out, err = job.communicate(timeout=600)
-    assert job.returncode == 0, err
+    code = generate.main(["--prompt", text, "--max-new-tokens", "24", "--show-blocks", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     blocks = out.rstrip("\n").split("][")
     assert len(blocks) >= 3 and out.startswith("[") and "tokens/forward" in err
     from prove_jax.checkpoints.checkpoint import load_tokenizer
