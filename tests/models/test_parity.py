@@ -6,8 +6,6 @@ converter (library and CLI), and compared with torch's logits on the same tokens
 
 import json
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +15,9 @@ import torch
 from tests.hf_models import make_hf_qwen2, our_logits, random_tokens, reload_hf, torch_logits
 from prove_jax.checkpoints import convert
 from prove_jax.checkpoints.checkpoint import load_model
+from prove_jax.cli import convert as convert_cli
 from prove_jax.models.params import flat_params
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Together: tied and untied heads, GQA groups 1, 2 and 4, head_dim != hidden/heads, theta 1e6.
 CONFIGS = {
@@ -38,11 +36,11 @@ CONFIGS = {
 
 
 
-def run_cli(*args):
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "prove_jax", "convert", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=120)
+def run_cli(capsys, *args) -> tuple[int, str]:
+    """`prove-jax convert ARGS` in this process (the command's main, as the other CLI tests
+    call it; tests/checkpoints/test_convert_errors.py starts it as a process): (exit code, stderr)."""
+    code = convert_cli.main(list(args))
+    return code, capsys.readouterr().err
 
 
 
@@ -113,14 +111,14 @@ def train_briefly(hf_model, steps=40, seed=0) -> float:
     return loss.item()
 
 
-def test_cli_bfloat16_argmax_agreement_and_cli_round_trip(tmp_path):
+def test_cli_bfloat16_argmax_agreement_and_cli_round_trip(tmp_path, capsys):
     hf = make_hf_qwen2(tmp_path / "hf", seed=7)
     assert train_briefly(hf) < 0.5
     hf.save_pretrained(str(tmp_path / "hf"))
-    r = run_cli("hf-to-flax", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "bf16"),
-                "--dtype", "bfloat16", "--compute-dtype", "bfloat16")
-    assert r.returncode == 0, r.stderr
-    assert "tensors" in r.stderr  # progress line
+    code, err = run_cli(capsys, "hf-to-flax", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "bf16"),
+                        "--dtype", "bfloat16", "--compute-dtype", "bfloat16")
+    assert code == 0, err
+    assert "tensors" in err  # progress line
     saved = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert saved["param_dtype"] == "bfloat16" and saved["dtype"] == "bfloat16"
     model = load_model(str(tmp_path / "bf16"))
@@ -132,9 +130,9 @@ def test_cli_bfloat16_argmax_agreement_and_cli_round_trip(tmp_path):
     assert agree >= 0.99, agree
 
     # CLI flax-to-hf from the bf16 checkpoint, written as float32: reloads and stays close
-    r = run_cli("flax-to-hf", "--ckpt", str(tmp_path / "bf16"), "--out", str(tmp_path / "back"),
-                "--dtype", "float32")
-    assert r.returncode == 0, r.stderr
+    code, err = run_cli(capsys, "flax-to-hf", "--ckpt", str(tmp_path / "bf16"), "--out", str(tmp_path / "back"),
+                        "--dtype", "float32")
+    assert code == 0, err
     assert sorted(os.listdir(tmp_path / "back")) == ["config.json", "generation_config.json", "model.safetensors"]
     gen = json.loads((tmp_path / "back" / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 1
