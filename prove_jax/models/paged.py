@@ -70,20 +70,22 @@ def _homes(rows: int, shards: int, home: jax.Array | None = None) -> jax.Array:
     return jnp.clip(home, 0, shards - 1)
 
 
-def shard_cumsum(need: jax.Array, homes: jax.Array, shards: int) -> jax.Array:
-    """Each row's need [R] added up over the rows before it and itself on its shard (`homes`
-    [R]): what its shard's pool has given out once the row has its pages."""
-    mine = (homes[:, None] == jnp.arange(shards)[None, :]).astype(jnp.int32)
-    mine = mine * need[:, None]  # [R, D]
-    return jnp.take_along_axis(jnp.cumsum(mine, axis=0), homes[:, None], axis=1)[:, 0]
+def _shard_rows(rows: int, shards: int, home: jax.Array | None) -> jax.Array | None:
+    """bool [D, R]: which of `rows` rows each of the `shards` data shards' pools serves (`home`
+    [R]: a view's rows, any shard's); None for the batch's own rows or an admission's blocks
+    (home None, a whole number of rows per shard): shard d's are block d, split by a reshape,
+    so each shard reads and writes its page lists where they lie."""
+    if home is None and rows % shards == 0:
+        return None
+    homes = _homes(rows, shards, home)
+    return homes[None, :] == jnp.arange(shards, dtype=jnp.int32)[:, None]
 
 
 def first_fitting(need: jax.Array, pages_per_shard: int) -> jax.Array:
     """bool [B]: which of a batch's rows, needing `need` [B] pages each, fit their shards' empty
     pools when taken in order (a prefix: the queue admits in order)."""
-    shards = data_shards(need.shape[0])
-    fits = shard_cumsum(need, _homes(need.shape[0], shards), shards) <= pages_per_shard
-    return jnp.cumprod(fits.astype(jnp.int32)).astype(bool)
+    given = jnp.cumsum(need.reshape(data_shards(need.shape[0]), -1), axis=1)  # per shard's block
+    return jnp.cumprod((given.reshape(-1) <= pages_per_shard).astype(jnp.int32)).astype(bool)
 
 
 @struct.dataclass
@@ -156,23 +158,19 @@ class PagedKVCache:
 
     def allocate(self, need: jax.Array, home: jax.Array | None = None) -> "PagedKVCache":
         """The pools with `need` [R] pages taken for each of R rows from the pool of its shard
-        (`home` [R]; None: R is the batch, in its own order), the lowest free pages first, in row
-        order: a cache of those R rows. The caller makes sure they fit."""
-        d, p, row_pages = self.shards, self.pages_per_shard, self.table.shape[1]
-        if home is None and need.shape[0] % d == 0:
-            # R rows in D blocks, one per shard: each shard's pool gives its block pages where both
-            # lie (indexed by shard, the free lists' int32 entries were all-gathered)
-            table, free = jax.vmap(functools.partial(_take_pages, row_pages=row_pages))(
-                self.free, need.reshape(d, -1))
-            return self.replace(table=table.reshape(-1, row_pages), free=free, home=None)
-        homes = _homes(need.shape[0], d, home)
-        first = shard_cumsum(need, homes, d) - need  # the row's first page in its shard's free list
-        free_lists = jax.vmap(lambda f: jnp.nonzero(f, size=p, fill_value=p)[0])(self.free)
-        free_lists = free_lists.astype(jnp.int32)
-        j = jnp.arange(row_pages, dtype=jnp.int32)[None, :]
-        pick = jnp.minimum(first[:, None] + j, p - 1)
-        table = jnp.where(j < need[:, None], free_lists[homes[:, None], pick], p)
-        free = self.free.at[homes[:, None], table].set(False, mode="drop")
+        (`home` [R]; None: R rows in blocks, one per shard, as the batch's), the lowest free
+        pages first, in row order: a cache of those R rows. The caller makes sure they fit
+        (`first_fitting`, the queue's room check); a row past its shard's free pages owns none
+        (P) at its logical pages past them. Each shard takes pages for its own rows where its
+        pool lies (`_take_pages`, vmapped over the shards: indexed by shard, the free lists'
+        int32 entries were all-gathered); a view's rows are masked to their home shard's."""
+        d, row_pages = self.shards, self.table.shape[1]
+        mine = _shard_rows(need.shape[0], d, home)
+        needs = need.reshape(d, -1) if mine is None else jnp.where(mine, need[None], 0)
+        take = jax.vmap(functools.partial(_take_pages, row_pages=row_pages))
+        table, free = take(self.free, needs)
+        # each row's pages are its shard's; elsewhere P, the largest entry
+        table = table.reshape(-1, row_pages) if mine is None else jnp.min(table, axis=0)
         return self.replace(table=table, free=free, home=home)
 
     def with_pages_of(self, other: "PagedKVCache") -> "PagedKVCache":
@@ -181,15 +179,17 @@ class PagedKVCache:
         return self.replace(table=other.table, free=other.free, home=other.home)
 
     def release(self, rows: jax.Array) -> "PagedKVCache":
-        """The pools with the pages of the batch rows marked in `rows` [B] (bool) free again;
-        those rows own none."""
+        """The pools with the pages of the rows marked in `rows` [R] (bool) free again, each
+        given back to its shard's pool where it lies (as `allocate` takes them); those rows own
+        none."""
         p, d = self.pages_per_shard, self.shards
         owned = jnp.where(rows[:, None], self.table, p)
-        if self.home is None and owned.shape[0] % d == 0:  # each shard's rows, where they lie
-            owned = owned.reshape(d, -1)
-            free = jax.vmap(lambda f, o: f.at[o].set(True, mode="drop"))(self.free, owned)
+        mine = _shard_rows(owned.shape[0], d, self.home)
+        if mine is None:
+            owned = owned.reshape(d, -1, owned.shape[1])
         else:
-            free = self.free.at[self.row_homes()[:, None], owned].set(True, mode="drop")
+            owned = jnp.where(mine[:, :, None], owned[None], p)
+        free = jax.vmap(lambda f, o: f.at[o].set(True, mode="drop"))(self.free, owned)
         return self.replace(free=free, table=jnp.where(rows[:, None], p, self.table))
 
     def put_rows(self, part: "PagedKVCache", rows: jax.Array) -> "PagedKVCache":
@@ -200,12 +200,13 @@ class PagedKVCache:
 
 def _take_pages(free: jax.Array, need: jax.Array, row_pages: int):
     """One shard's pool: (table [r, row_pages], free [P]) with `need` [r] pages taken for each of
-    its r rows from `free` [P] (bool), the lowest free pages first, in row order."""
+    its r rows from `free` [P] (bool), the lowest free pages first, in row order; past the free
+    pages, P (none)."""
     p = free.shape[0]
-    first = jnp.cumsum(need) - need
-    free_list = jnp.nonzero(free, size=p, fill_value=p)[0].astype(jnp.int32)
+    free_list = jnp.nonzero(free, size=p, fill_value=p)[0].astype(jnp.int32)  # then P's
     j = jnp.arange(row_pages, dtype=jnp.int32)[None, :]
-    table = jnp.where(j < need[:, None], free_list[jnp.minimum(first[:, None] + j, p - 1)], p)
+    pick = (jnp.cumsum(need) - need)[:, None] + j  # the page's place in the free list
+    table = jnp.where((j < need[:, None]) & (pick < p), free_list[jnp.minimum(pick, p - 1)], p)
     return table, free.at[table].set(False, mode="drop")
 
 
