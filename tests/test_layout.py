@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests import prewarmed
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "prove_jax")
 
@@ -179,11 +181,20 @@ def test_installed_package_runs_from_outside_the_repository(tmp_path):
     assert all(len(x["output_ids"]) == 8 and x["text"] and x["stats"]["generated_tokens"] == 8 for x in records)
 
 
-@pytest.mark.parametrize("shim, command", [("infer.generate", "generate"), ("infer.benchmark", "benchmark"),
-                                           ("infer.demo", "demo"), ("train.train", "train")])
-def test_repository_entry_points_are_the_commands(shim, command):
+SHIMS = {"infer.generate": "generate", "infer.benchmark": "benchmark", "infer.demo": "demo", "train.train": "train"}
+
+
+@pytest.fixture(scope="module")
+def shim_help(tmp_path_factory):
+    """{shim: (exit code, stdout, stderr)} of `python -m SHIM --help` from the repository root,
+    the launches sharing one interpreter's jax and flax import (tests/prewarmed.py)."""
+    return prewarmed.run_each({s: ["-m", s, "--help"] for s in SHIMS}, REPO, dict(os.environ),
+                              tmp_path_factory.mktemp("logs"))
+
+
+@pytest.mark.parametrize("shim, command", list(SHIMS.items()))
+def test_repository_entry_points_are_the_commands(shim, command, shim_help):
     """`python -m infer.generate` etc. from the repository root run the `prove-jax` command itself."""
-    r = subprocess.run([sys.executable, "-m", shim, "--help"], capture_output=True, text=True, cwd=REPO,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"usage: prove-jax {command} ")
+    code, stdout, stderr = shim_help[shim]
+    assert code == 0, stderr
+    assert stdout.startswith(f"usage: prove-jax {command} ")

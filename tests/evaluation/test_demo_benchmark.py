@@ -13,8 +13,6 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -34,6 +32,7 @@ from prove_jax.models.config import ModelConfig
 from prove_jax.decoding import DecodeOptions, ThresholdRule
 from prove_jax.models.params import create_model
 from prove_jax.profiling import trace_files
+from tests import prewarmed
 from tests.tokenizers_fixture import make_tokenizer
 
 REQUIRED = ("mode", "setting", "batch_size", "tokens_per_forward", "tokens_per_second",
@@ -587,51 +586,15 @@ def test_the_readme_names_every_benchmark_script():
     assert scripts and README_SCRIPTS == scripts
 
 
-# Runs each script's `--help` as `python benchmarks/bench_X.py --help` would, in a child forked
-# from one interpreter that has imported the third-party libraries the scripts load (jax, flax:
-# seconds each time, nine times over): the child's sys.path is the script's own launch's (its
-# folder first, no PYTHONPATH, cwd elsewhere), so resolving prove_jax is still each script's own.
-HELP_RUNNER = r"""
-import json, os, runpy, sys, traceback
-import flax.nnx, jax, jax.numpy, numpy  # noqa: F401
-scripts, out = json.loads(sys.argv[1]), sys.argv[2]
-codes = {}
-for script in scripts:
-    name = os.path.join(out, os.path.basename(script))
-    pid = os.fork()
-    if pid == 0:
-        for fd, ext in ((1, ".out"), (2, ".err")):
-            os.dup2(os.open(name + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv, sys.path[0] = [script, "--help"], os.path.dirname(script)
-        code = 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    codes[os.path.basename(script)] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-with open(os.path.join(out, "codes.json"), "w") as f:
-    json.dump(codes, f)
-"""
-
-
 @pytest.fixture(scope="module")
 def script_help(tmp_path_factory):
     """{script: (exit code, stdout, stderr)} of `python benchmarks/SCRIPT --help` run from another
     directory without PYTHONPATH, for every script the README names."""
-    out = tmp_path_factory.mktemp("bench_help")
+    # one interpreter's jax and flax shared by the launches (tests/prewarmed.py): nine of the
+    # scripts import them, seconds each; finding prove_jax stays each script's own
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    scripts = [os.path.join(REPO, "benchmarks", s) for s in README_SCRIPTS]
-    proc = subprocess.run([sys.executable, "-c", HELP_RUNNER, json.dumps(scripts), str(out)],
-                          cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    codes = json.loads((out / "codes.json").read_text())
-    return {s: (codes[s], (out / f"{s}.out").read_text(), (out / f"{s}.err").read_text()) for s in README_SCRIPTS}
+    return prewarmed.run_each({s: [os.path.join(REPO, "benchmarks", s), "--help"] for s in README_SCRIPTS},
+                              tmp_path_factory.mktemp("elsewhere"), env, tmp_path_factory.mktemp("logs"))
 
 
 @pytest.mark.parametrize("script", README_SCRIPTS)
