@@ -160,19 +160,15 @@ def verify_step(
     )
 
 
-# A lossless step needs the LM head at 2M+1 of its T slots, known only after the first argmax:
-# two passes read the head weights twice, one pass over all T slots computes the extra rows.
-# One pass pays where the head is dear to read and the extra rows are few (benchmarks/step_cost.md).
-HEAD_ONE_PASS_MAX_EXTRA_ROWS = 8
-
-
 def head_in_one_pass(
     layout: LosslessLayout, batch: int, compute: ComputeOptions = DEFAULT_COMPUTE
 ) -> bool:
-    """Whether `lossless_step` at this batch size runs the LM head once over all slots (above);
-    `kernels.lm_head_one_pass=False` forces two passes."""
+    """Whether `lossless_step` at this batch size runs the LM head once over all T slots, of
+    which it needs 2M+1 (known only after the first argmax), or twice (reading the head twice):
+    once while the extra rows are at most `compute.head_extra_rows()` (the platform's rule,
+    `compute.HEAD_ONE_PASS_MAX_EXTRA_ROWS`); `compute.lm_head_one_pass=False` forces two."""
     extra_rows = batch * (layout.width - (2 * layout.num_drafts + 1))
-    return compute.lm_head_one_pass and extra_rows <= HEAD_ONE_PASS_MAX_EXTRA_ROWS
+    return compute.lm_head_one_pass and extra_rows <= compute.head_extra_rows()
 
 
 def lossless_step(model, state: LoopState, *, layout: LosslessLayout, mask_id: int,

@@ -32,6 +32,15 @@ ATTENTION_CHOICES = ATTENTION_KERNELS + ("auto",)
 AUTO_ATTENTION = MappingProxyType({"tpu": "pallas_tpu"})
 MATMUL_FORM_ENV = "PROVE_JAX_CPU_MATMUL"  # overrides the CPU decode form
 CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
+# A lossless step needs the LM head at 2M+1 of its T slots, known only after the first argmax:
+# two passes read the head weights twice, one pass over all T slots computes the extra rows.
+# Most extra rows (batch x (T - 2M - 1)) one pass takes, per platform (resolved on the host):
+# on CPU the extra rows cost more than a second read of a small head past 8
+# (benchmarks/step_cost.md); on TPU a step of 16 rows is bound by HBM bytes and one pass is
+# cheaper, while at 64 rows it is about even (bound by FLOPs on v5e and v5p, where the extra
+# rows cost more than the head's second read; by bytes on v6e): 80, K=6 G=2 at 16 rows
+# (benchmarks/decode_step_cost.md); a GPU's FLOPs per byte lie between v5p's and v6e's
+HEAD_ONE_PASS_MAX_EXTRA_ROWS = MappingProxyType({"cpu": 8, "tpu": 80, "gpu": 80})
 
 
 class ComputeOptionsError(ProveJaxError, ValueError):
@@ -71,6 +80,10 @@ class ComputeOptions:
     """Pad weight-major products to whole CPU kernel tiles (see benchmarks/step_cost.md)."""
     lm_head_one_pass: bool = True
     """Allow the lossless step to read the LM head once over every slot when few rows are extra."""
+    head_one_pass_max_extra_rows: int | None = None
+    """Most extra rows (batch x slots whose logits the step does not need) one LM-head pass may
+    compute; past them two passes; None: the platform's (HEAD_ONE_PASS_MAX_EXTRA_ROWS, spelled
+    out by `resolve`)."""
     attention: str = "xla"
     """How cached attention reads the committed slots: "xla" (chunked, models/attention.py) or a
     shipped kernel (models/attention_kernels.py ATTENTION_KERNELS, e.g. "pallas_gpu"); "auto"
@@ -92,6 +105,9 @@ class ComputeOptions:
         if self.matmul_form is not None and self.matmul_form not in MATMUL_FORMS:
             raise ComputeOptionsError(f"unknown matmul form {self.matmul_form!r}; "
                                      f"choose one of {', '.join(MATMUL_FORMS)}")
+        if self.head_one_pass_max_extra_rows is not None and self.head_one_pass_max_extra_rows < 0:
+            raise ComputeOptionsError("head_one_pass_max_extra_rows must be >= 0, got "
+                                      f"{self.head_one_pass_max_extra_rows}")
         if self.attention not in ATTENTION_CHOICES:
             raise ComputeOptionsError(f"unknown attention kernel {self.attention!r}; "
                                      f"choose one of {', '.join(ATTENTION_CHOICES)}")
@@ -114,14 +130,23 @@ class ComputeOptions:
             return _checked_cpu_form(self.cpu_matmul_form), max_rows
         return "plain", 0
 
+    def head_extra_rows(self) -> int:
+        """Most extra rows one lossless LM-head pass may compute: `head_one_pass_max_extra_rows`,
+        else the target platform's (HEAD_ONE_PASS_MAX_EXTRA_ROWS; the CPU's elsewhere)."""
+        if self.head_one_pass_max_extra_rows is not None:
+            return self.head_one_pass_max_extra_rows
+        return HEAD_ONE_PASS_MAX_EXTRA_ROWS.get(self.target(), HEAD_ONE_PASS_MAX_EXTRA_ROWS["cpu"])
+
     def resolve(self, platform: str | None = None) -> "ComputeOptions":
         """These options with every default spelled out on the host: the platform (`platform`,
-        else this one's, else jax's backend) and the matmul form it takes (`decode_form`), as
-        an AOT compile for another platform needs them (`decoding/dry_run.slice_options`)."""
+        else this one's, else jax's backend), the matmul form it takes (`decode_form`) and its
+        LM-head rule (`head_extra_rows`), as an AOT compile for another platform needs them
+        (`decoding/dry_run.slice_options`)."""
         resolved = dataclasses.replace(self, platform=platform or self.target())
         resolved = resolved.resolve_attention(resolved.platform)
         form, max_rows = resolved.decode_form()
-        return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows)
+        return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows,
+                                   head_one_pass_max_extra_rows=resolved.head_extra_rows())
 
     def resolve_attention(self, platform: str | None = None) -> "ComputeOptions":
         """These options with attention "auto" replaced, on the host, by the fast path of
