@@ -98,7 +98,7 @@ def test_the_train_and_commit_head_steps_trace_without_the_backend(tmp_path, mon
     layout = heads.head_layout(CFG, CFG.replace(mask_token_id=None), tx, mesh)
     with backend_refused_in(monkeypatch, heads, "head_step"):
         step = heads.jit_head_step(cfg, layout, tx, mesh, CFG.mask_token_id)
-        step.trace(layout.state, layout.frozen, batch, heads.abstract_step_number(mesh))
+        step.trace(layout.frozen, layout.state, batch)
 
 
 def test_program_settings_made_for_another_backend_key_another_program(monkeypatch):
@@ -114,3 +114,4 @@ def test_program_settings_made_for_another_backend_key_another_program(monkeypat
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     elsewhere = settings()
     assert elsewhere.compute.platform == "tpu" != here.compute.platform
+    assert elsewhere != here

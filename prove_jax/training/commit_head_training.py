@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -32,15 +31,16 @@ from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models.params import abstract_model, abstract_sharded
 from prove_jax.models.sharding import shardings_of
 from prove_jax.models.tokens import greedy_tokens, readable_tokens
-from prove_jax.training.batches import make_data_iterator, next_global_batch
+from prove_jax.training.batches import make_data_iterator
 from prove_jax.training.compiled_step import compile_checked
 from prove_jax.training.config import TrainConfigError
 from prove_jax.training.export import export_model
 from prove_jax.training.host_log import log_main
 from prove_jax.training.mesh import config_mesh
-from prove_jax.training.metrics import MetricsFile
+from prove_jax.training.metrics import Goodput, MetricsFile
 from prove_jax.training.optimizer import lr_schedule
 from prove_jax.training.step import abstract_batch, batch_shardings, gradient_update
+from prove_jax.training.step_loop import Steps, run_steps
 
 
 # ---- labels ----------------------------------------------------------------------------------
@@ -152,8 +152,8 @@ def head_loss(head: CommitHead, ex: HeadExamples):
 
 class HeadLayout(NamedTuple):
     """The commit-head train step's inputs without their values: graph definitions, and
-    ShapeDtypeStructs with shardings of `state` ({"head", "opt_state"}, replicated: a few KB)
-    and `frozen` ({"proposer", "verifier"} parameters, sharded by the logical-axis rules, as
+    ShapeDtypeStructs with shardings of `state` ({"head", "opt_state", "step"}, replicated: a few
+    KB) and `frozen` ({"proposer", "verifier"} parameters, sharded by the logical-axis rules, as
     `checkpoint.load_model(path, mesh)` reads them). All a compile or a dry run needs."""
     proposer_def: nnx.GraphDef
     verifier_def: nnx.GraphDef
@@ -180,14 +180,15 @@ def head_layout(proposer_cfg, verifier_cfg, tx: optax.GradientTransformation, me
         nnx.eval_shape(lambda: CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(seed))))
     head = nnx.to_pure_dict(head)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                         {"head": head, "opt_state": jax.eval_shape(tx.init, head)})
+                         {"head": head, "opt_state": jax.eval_shape(tx.init, head),
+                          "step": jax.ShapeDtypeStruct((), jnp.int32)})
     return HeadLayout(defs["proposer"], defs["verifier"], head_def, state, frozen)
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadStepSettings:
     """The head step's static settings (part of its compiled program)."""
-    seed: int  # with the step number, the key of the step's random contexts
+    seed: int  # with the step's number, the key of its random contexts
     context_len: int  # the longest context: max_length - block_size
     block_size: int
     mask_id: int  # the proposer's `<|mask|>`
@@ -208,14 +209,15 @@ def head_metrics(head: CommitHead, ex: HeadExamples, loss, logits) -> dict:
 
 
 def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
-              tx: optax.GradientTransformation, state: dict, frozen: dict, batch: dict,
-              step_number) -> tuple[dict, dict]:
-    """(state, frozen, batch, step number) -> (state, metrics): one `gradient_update` of the
-    head (the train step's recipe), the proposer and verifier frozen. The step's random
-    contexts come from (seed, step number), so a resumed or re-sharded run draws the same ones."""
+              tx: optax.GradientTransformation, frozen: dict, state: dict,
+              batch: dict) -> tuple[dict, dict]:
+    """(frozen, state, batch) -> (state, metrics): one `gradient_update` of the head (the train
+    step's recipe), the proposer and verifier frozen; with `frozen` bound, the train loop's
+    (state, batch) step (step_loop.py). The step's random contexts come from (seed, the step's
+    number, 1 for the first), so a re-sharded run draws the same ones."""
     proposer = nnx.merge(proposer_def, frozen["proposer"])
     verifier = nnx.merge(verifier_def, frozen["verifier"])
-    key = jax.random.fold_in(jax.random.key(settings.seed), step_number)
+    key = jax.random.fold_in(jax.random.key(settings.seed), state["step"] + 1)
     ex = head_examples(proposer, verifier, batch["input_ids"], batch["loss_mask"], batch["valid"],
                        key, context_len=settings.context_len, block_size=settings.block_size,
                        mask_id=settings.mask_id, compute=settings.compute)
@@ -227,34 +229,30 @@ def head_step(proposer_def, verifier_def, head_def, settings: HeadStepSettings,
 
     head, opt_state, _, metrics = gradient_update(loss_of, tx, state["head"], state["opt_state"],
                                                   ex)
-    return {"head": head, "opt_state": opt_state}, metrics
+    return {"head": head, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
 def jit_head_step(cfg, layout: HeadLayout, tx: optax.GradientTransformation, mesh, mask_id: int,
                   platform: str | None = None):
-    """The train config's `head_step`, jitted with explicit shardings; the head's state is
-    donated (updated in place). Its forwards' compute options are resolved here, on the host, for
-    `platform` (None: this process's backend; the dry run's "tpu")."""
+    """The train config's `head_step`, jitted with explicit shardings; the head's state (the
+    second argument) is donated (updated in place). Its forwards' compute options are resolved
+    here, on the host, for `platform` (None: this process's backend; the dry run's "tpu")."""
     settings = HeadStepSettings(seed=cfg.seed, context_len=cfg.max_length - cfg.block_size,
                                 block_size=cfg.block_size, mask_id=mask_id,
                                 compute=DEFAULT_COMPUTE.resolve(platform))
     step = functools.partial(head_step, layout.proposer_def, layout.verifier_def, layout.head_def,
                              settings, tx)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.jit(step, in_shardings=(shardings_of(layout.state), shardings_of(layout.frozen),
-                                       batch_shardings(mesh), replicated),
-                   out_shardings=(shardings_of(layout.state), replicated), donate_argnums=(0,))
+    return jax.jit(step, in_shardings=(shardings_of(layout.frozen), shardings_of(layout.state),
+                                       batch_shardings(mesh)),
+                   out_shardings=(shardings_of(layout.state), replicated), donate_argnums=(1,))
 
 
-def abstract_step_number(mesh) -> jax.ShapeDtypeStruct:
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-
-
-def _require_contexts(loss_mask, valid, context_len: int, step: int, cfg) -> None:
+def _require_contexts(cfg, step: int, batch: dict) -> None:
     """A batch without a single usable context would train on nothing (loss 0): say why.
     Checked on the global batch, so every host comes to the same answer."""
-    if not bool(_any_cut_point(loss_mask, valid, context_len)):
+    context_len = cfg.max_length - cfg.block_size
+    if not bool(_any_cut_point(batch["loss_mask"], batch["valid"], context_len)):
         raise TrainConfigError(
             f"commit head step {step}: no row of the batch has a trained (response) token within "
             f"its first max_length - block_size = {context_len} tokens, so no context to propose "
@@ -275,9 +273,8 @@ def head_optimizer(cfg) -> optax.GradientTransformation:
 def compile_head_step(layout: HeadLayout, tx, mesh, cfg, mask_id: int, log):
     """The commit-head step compiled for the run's shapes before any weight is read, refused
     with the sizes when the devices cannot hold it (two frozen float32 models, their forwards)."""
-    args = (layout.state, layout.frozen,
-            abstract_batch(mesh, cfg.global_batch_size, cfg.max_length),
-            abstract_step_number(mesh))
+    args = (layout.frozen, layout.state,
+            abstract_batch(mesh, cfg.global_batch_size, cfg.max_length))
     return compile_checked(
         jit_head_step(cfg, layout, tx, mesh, mask_id), args, mesh, name="commit-head step", log=log,
         what=(f"a commit-head step of {cfg.global_batch_size} x {cfg.max_length} tokens (the "
@@ -307,6 +304,27 @@ def _check_inputs(cfg):
     return proposer_cfg, verifier_cfg, mask_id, tokenizer, tok_dir
 
 
+class HeadProgress:
+    """A head run's logged records: the step's scalars, to RUN_DIR/metrics.jsonl (a head run
+    never resumes: its first record replaces an earlier run's; one that fails before any step
+    leaves that file as it was) and, when shown, as a line on stderr (process 0)."""
+
+    def __init__(self, run_dir: str, steps: int, show: bool):
+        self.file = MetricsFile(run_dir)
+        self.steps = steps
+        self.show = show and distributed.is_main_process()
+
+    def record(self, step: int, metrics: dict) -> dict:
+        rec = {"step": step} | {name: float(value) for name, value in metrics.items()}
+        self.file.append(rec)
+        if self.show:
+            print(f"commit head step {step}/{self.steps}: loss {rec['loss']:.4f}, "
+                  f"exact length {rec['length_accuracy']:.2f}, "
+                  f"AR-match length {rec['ar_match_length']:.2f}, "
+                  f"predicted {rec['predicted_length']:.2f}", file=sys.stderr, flush=True)
+        return rec
+
+
 def train_commit_head(cfg, show_bar: bool = True) -> dict:
     """Train only the head from a TrainConfig with objective=commit_head, model.checkpoint =
     verifier, proposer = MARS proposer checkpoint. The step is compiled and its memory checked
@@ -330,29 +348,15 @@ def train_commit_head(cfg, show_bar: bool = True) -> dict:
     head = CommitHead(verifier_cfg.hidden_size, rngs=nnx.Rngs(cfg.seed))
     params = nnx.to_pure_dict(nnx.state(head))
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state = jax.device_put({"head": params, "opt_state": tx.init(params)}, everywhere)
+    state = jax.device_put({"head": params, "opt_state": tx.init(params),
+                            "step": jnp.zeros((), jnp.int32)}, everywhere)
 
-    main = distributed.is_main_process()
-    # a head run never resumes: a rerun replaces the records, from its first one on (a rerun
-    # that fails before any step leaves the last run's file as it was)
-    metrics_file = MetricsFile(cfg.run_dir)
-    records = []
-    bar_every = max(1, cfg.log_every)
-    context_len = cfg.max_length - cfg.block_size
-    with jax.set_mesh(mesh):
-        for i in range(1, cfg.steps + 1):
-            batch = next_global_batch(data, mesh)
-            _require_contexts(batch["loss_mask"], batch["valid"], context_len, i, cfg)
-            state, metrics = step(state, frozen, batch, jax.device_put(np.int32(i), everywhere))
-            if i % bar_every == 0 or i == cfg.steps:
-                rec = {"step": i} | {name: float(value) for name, value in metrics.items()}
-                records.append(rec)
-                metrics_file.append(rec)
-                if show_bar and main:
-                    print(f"commit head step {i}/{cfg.steps}: loss {rec['loss']:.4f}, "
-                          f"exact length {rec['length_accuracy']:.2f}, "
-                          f"AR-match length {rec['ar_match_length']:.2f}, "
-                          f"predicted {rec['predicted_length']:.2f}", file=sys.stderr, flush=True)
+    # a head run never resumes and saves nothing but the final export
+    progress = HeadProgress(cfg.run_dir, cfg.steps, show_bar)
+    steps = Steps(functools.partial(step, frozen), data, mesh, progress.record,
+                  log_every=cfg.log_every, log_first=False,
+                  check_batch=functools.partial(_require_contexts, cfg))
+    state, records, _ = run_steps(steps, state, 0, cfg.steps, Goodput(), log_main)
     out = os.path.join(cfg.run_dir, "model")
     export_model(out, layout.verifier_def, frozen["verifier"], frozen_config(verifier_cfg), tok_dir)
     save_commit_head(out, nnx.merge(layout.head_def, state["head"]))

@@ -24,9 +24,8 @@ from prove_jax.models.remat import remat_name
 from prove_jax.models.sharding import MESH_AXES, logical_to_spec, shard_shape
 from prove_jax import aot
 from prove_jax.checkpoints.checkpoint import load_config
-from prove_jax.training.commit_head_training import (FROZEN_DTYPE, abstract_step_number,
-                                                     frozen_config, head_layout, head_optimizer,
-                                                     jit_head_step)
+from prove_jax.training.commit_head_training import (FROZEN_DTYPE, frozen_config, head_layout,
+                                                     head_optimizer, jit_head_step)
 from prove_jax.training.config import TrainConfig
 from prove_jax.training.model_source import source_model_config, with_run_dtypes
 from prove_jax.training.step import abstract_batch, accumulator_dtype, configured_step
@@ -301,8 +300,7 @@ def dry_run_commit_head(cfg: TrainConfig, chip: str | None = None) -> DryRunRepo
         step = jit_head_step(cfg, layout, tx, mesh, proposer_cfg.mask_token_id, platform="tpu")
         t0 = time.perf_counter()
         batch = abstract_batch(mesh, cfg.global_batch_size, cfg.max_length)
-        step.trace(layout.state, layout.frozen, batch,
-                   abstract_step_number(mesh)).lower(lowering_platforms=("tpu",))
+        step.trace(layout.frozen, layout.state, batch).lower(lowering_platforms=("tpu",))
         seconds = time.perf_counter() - t0
     rows, k = cfg.global_batch_size // dp, cfg.block_size
     head_b = _shard_bytes(layout.state["head"])

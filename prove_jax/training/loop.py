@@ -10,31 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Callable
-
-import jax
-import jax.numpy as jnp
 
 from prove_jax import distributed, storage
 from prove_jax.checkpoints import vocab
 from prove_jax.models import params as params_lib
 from prove_jax.models.config import ModelConfig
-from prove_jax.profiling import StepProfile
-from prove_jax.training.batches import next_global_batch
 from prove_jax.training.config import TrainConfig, to_dict
-from prove_jax.training.errors import TrainError
+from prove_jax.training.errors import TrainError  # noqa: F401 (what `train` raises)
 from prove_jax.training.export import export_at_step, exported_step
 from prove_jax.training.host_log import log_main
 from prove_jax.training.metrics import Goodput, MetricsLogger, train_flops_per_step
 from prove_jax.training.model_source import load_initial_model
 from prove_jax.training.optimizer import lr_schedule
-from prove_jax.training.preemption import Preempted, PreemptionWatch
+from prove_jax.training.preemption import Preempted
 from prove_jax.training.resume import restore_run, schedule_change_note
 from prove_jax.training.run_checkpoint import RunCheckpoints
 from prove_jax.training.run_setup import RunSetup, prepare_run
 from prove_jax.training.run_tokenizer import save_run_tokenizer
 from prove_jax.training.step import init_state
+from prove_jax.training.step_loop import Steps, run_steps
 
 
 @dataclasses.dataclass
@@ -81,8 +76,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = log_main, show_bar: boo
                            show_bar=show_bar and distributed.is_main_process(),
                            learning_rate=lr_schedule(cfg.optimizer, cfg.steps), goodput=goodput)
     try:
-        state, records, preempted_at = _run_steps(run, state, start, end, ckpts, logger, goodput,
-                                                  tok_dir, profile, log)
+        steps = Steps(run.step_fn, run.data_iter, run.mesh, logger.record,
+                      log_every=cfg.log_every, log_first=True)
+        state, records, preempted_at = run_steps(steps, state, start, end, goodput, log,
+                                                 saves=_Saves(run, ckpts, tok_dir), profile=profile)
     finally:
         logger.close()
         ckpts.close()
@@ -119,54 +116,27 @@ def _starting_state(run: RunSetup, restored, ckpt_dir: str, log: Callable[[str],
     return 0, init_state(model, run.tx, run.layout)
 
 
-def _run_steps(run: RunSetup, state: dict, start: int, end: int, ckpts: RunCheckpoints,
-               logger: MetricsLogger, goodput: Goodput, tok_dir: str, profile: str | None,
-               log: Callable[[str], None]) -> tuple[dict, list[dict], int | None]:
-    """Steps start+1..end: each logged every log_every steps, saved every save_every (and
-    exported with export_every_save). Returns (state, the logged records, the step saved on a
-    preemption notice or None)."""
-    cfg = run.cfg
-    meta = {"model_config": run.train_cfg.to_json_dict(), "objective": cfg.objective}
-    records, preempted_at = [], None
-    tracing = StepProfile(profile, "train_step")
-    try:
-        with jax.set_mesh(run.mesh), PreemptionWatch(start, log) as preemption:
-            goodput.begin_steps()
-            for step in range(start, end):
-                with goodput.timing("data_wait"):
-                    batch = next_global_batch(run.data_iter, run.mesh)
-                # traced: the step whole
-                with tracing.step(sync=lambda: jax.block_until_ready(state)):
-                    state, metrics = run.step_fn(state, batch)
-                done = step + 1
-                # asked at every step on every host (JAX's manager agrees on a step it was
-                # told); the last step saves and exports as usual
-                preempted = preemption.reached(done) and done < end
-                saving = done % cfg.save_every == 0 or done == end or preempted
-                if done % cfg.log_every == 0 or done in (start + 1, end):
-                    rec = logger.record(done, metrics)
-                    records.append(rec)
-                    check_finite(done, rec["loss"], state["params"] if saving else None)
-                elif saving:  # never checkpoint a diverged state, logged step or not
-                    check_finite(done, float(metrics["loss"]), state["params"])
-                if saving:
-                    jax.block_until_ready(state)  # the step's compute counts as a step's
-                    with goodput.timing("checkpoint"):
-                        ckpts.save(done, state, run.data_iter, meta)
-                        if cfg.export_every_save and done != cfg.steps and not preempted:
-                            ckpts.wait()
-                            export_at_step(storage.join(cfg.run_dir, "model"), done,
-                                           run.layout.graphdef, state["params"], run.train_cfg,
-                                           tok_dir, cfg.export_dtype)
-                if preempted:  # the kill follows the notice: the checkpoint only, then stop
-                    ckpts.wait()
-                    preempted_at = done
-                    break
-            goodput.end_steps()
-        ckpts.wait()
-    finally:
-        tracing.close()
-    return state, records, preempted_at
+class _Saves:
+    """The model run's checkpoints for `step_loop.run_steps`: every save_every steps and the
+    last, each exported too with export_every_save (not a preemption's: the kill follows)."""
+
+    def __init__(self, run: RunSetup, ckpts: RunCheckpoints, tok_dir: str):
+        self.run, self.ckpts, self.tok_dir = run, ckpts, tok_dir
+        self.meta = {"model_config": run.train_cfg.to_json_dict(), "objective": run.cfg.objective}
+
+    def due(self, step: int, end: int) -> bool:
+        return step % self.run.cfg.save_every == 0 or step == end
+
+    def save(self, step: int, state: dict, preempted: bool) -> None:
+        run, cfg = self.run, self.run.cfg
+        self.ckpts.save(step, state, run.data_iter, self.meta)
+        if cfg.export_every_save and step != cfg.steps and not preempted:
+            self.ckpts.wait()
+            export_at_step(storage.join(cfg.run_dir, "model"), step, run.layout.graphdef,
+                           state["params"], run.train_cfg, self.tok_dir, cfg.export_dtype)
+
+    def wait(self) -> None:
+        self.ckpts.wait()
 
 
 def _final_export(run: RunSetup, state: dict, start: int, final: int, tok_dir: str,
@@ -184,19 +154,3 @@ def _final_export(run: RunSetup, state: dict, start: int, final: int, tok_dir: s
                                tok_dir, cfg.export_dtype)
     log(f"exported the trained model to {model_dir}")
     return model_dir
-
-
-@jax.jit
-def _all_finite(params) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
-
-
-def check_finite(step: int, loss: float, params) -> None:
-    """Refuse to go on (or save) from a diverged state: the step's loss (computed before its
-    update) and the updated weights themselves must be finite."""
-    if not math.isfinite(loss):
-        raise TrainError(f"loss is {loss} at step {step}; stopping (lower optimizer.lr or set "
-                         f"optimizer.clip_norm)")
-    if params is not None and not bool(_all_finite(params)):
-        raise TrainError(f"the weights became non-finite at step {step}; stopping without saving "
-                         f"them (lower optimizer.lr or set optimizer.clip_norm)")
