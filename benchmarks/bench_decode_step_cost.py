@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -151,6 +152,28 @@ def vmem_note(rows: list[dict]) -> str:
     return "The rows here whose layer's activations do not fit (must counts them): " + "; ".join(over) + "."
 
 
+def over_note(rows: list[dict], limit: float = 1.3) -> str:
+    """The pallas_tpu step rows (generate's path on TPU) over `limit` times what they must move,
+    each with its dearest layout move (copy, reshape), else its dearest instruction: opcode and
+    (first) shape; computed from the rows."""
+    over = []
+    for r in rows:
+        step = next((p for p in r.get("programs") or [] if p["name"] == "step"), None)
+        if step is None or step["waste"] <= limit or r.get("attention") != "pallas_tpu":
+            continue
+        largest = step.get("largest") or []
+        # a layout move (copy, or a reshape that is one) names the waste better than the top
+        moves = [t for t in largest if t[3] in ("copy", "reshape")]
+        top = (moves or largest or [None])[0]
+        shape = re.search(r"\w+\[[\d,]*\]", top[4]) if top else None
+        what = f", {top[3]} {shape.group(0) if shape else ''}" if top else ""
+        over.append(f"{r['accelerator']} {r['proposer']} {label(r)}, batch {r['batch']}, {r['context']} slots "
+                    f"({step['waste']:.2f}{what})")
+    if not over:
+        return f"No pallas_tpu step row here moves over {limit}x what it must."
+    return f"The pallas_tpu step rows over {limit}x what they must move: " + "; ".join(over) + "."
+
+
 def label(r: dict) -> str:
     """The row's setting, ending with its attention path (rows from before the label named it)."""
     if r.get("attention") and r["attention"] not in r["label"]:
@@ -194,17 +217,34 @@ NOTES = """Notes.
   and verify steps came out at 0.91-0.99 of must): the 7B rows and the 32B's lossless K=6 G=2
   and verify K=16 rows at 8k (batch 16 and 64, pallas_tpu) are priced with it; the 32B's other
   rows are short by their heads' share per chip (on v5p-8 0.73 GiB for the 32B's, read twice by
-  a lossless step, and 0.29 GiB for the 3B's). Past `mode_steps.HEAD_ONE_PASS_MAX_EXTRA_ROWS`
-  extra rows (2 rows of K=6 G=2 are past it) a lossless step runs its LM head in two passes,
-  each reading the head: most of the 7B lossless rows' ratio over 1.
+  a lossless step, and 0.29 GiB for the 3B's).
+- Past `ComputeOptions.head_one_pass_max_extra_rows` extra rows (a row of K=6 G=2 has 5: it
+  needs the head at 11 of its 16 slots) a lossless step runs its LM head in two passes, each
+  reading the head; resolved per platform on the host: 8 on CPU (benchmarks/step_cost.md), 80
+  on TPU and GPU, so one pass up to 16 rows. The lossless step priced both ways (pallas_tpu,
+  contiguous, 8k; `ComputeOptions(head_one_pass_max_extra_rows=...)`), HBM GiB / TFLOP /
+  roofline ms: at 16 rows, bound by bytes, one pass is cheaper (v5e-4 7B 9.15 / 1.08 / 12.00
+  two, 8.64 / 1.10 / 11.33 one; v5p-8 32B 42.34 / 4.63 / 16.44 two, 41.64 / 4.66 / 16.17 one);
+  at 64 rows it is about even, dearer where the step is bound by FLOPs (v5e-4 7B 15.32 / 4.31 /
+  21.88 two, 15.25 / 4.40 / 22.32 one; v5p-8 32B 78.48 / 18.53 / 40.38 two, 77.88 / 18.66 /
+  40.65 one), cheaper where by bytes (v6e-4 7B 22.56 / 4.30 / 14.77 two, 21.98 / 4.39 / 14.39
+  one; v6e-8 32B 27.67 / 9.33 / 18.12 two, 27.49 / 9.39 / 18.00 one): two passes there, as the
+  64-row rows are. The 16-row lossless rows at 8k are priced with one pass; those at 2k were
+  priced before, with two (most of the 7B's 16-row ratio over 1 there).
 - A contiguous cache holds a row's buffer and one step past it rounded up to whole 16-slot bf16
   tiles (`program.cache_slots`). The 7B's 28 stacked layers at AR and verify widths had made it
   no whole number of tiles, and libtpu copied it whole in every layer of every step (AR ratios
-  1.46-12.7; AR at 64 rows of 8k on v5e-4 did not fit). The 7B's verify rows still over 1.3
-  copy the 0.5B verifier's KV instead, whose head dim is 64: libtpu carries that cache (or
-  pool) with the slots or pages minor, so that the 64-wide head dim is not padded to 128 lanes,
-  while the step's write and the kernel's read want the head dim minor, and copies it whole
-  per layer per step (their dearest instruction names it); the slot count is not the cause.
+  1.46-12.7; AR at 64 rows of 8k on v5e-4 did not fit).
+- A stacked cache whose head dim is under 128 lanes (the 0.5B verifier's 64) is held slots
+  minor, [B, K, Dh, L * S] (`attention.KVCache`): held [B, K, L * S, Dh], libtpu laid it out
+  slots minor for the step's scatter (so as not to pad the 64-wide head dim to 128 lanes) while
+  the kernel read it as shaped, and copied it whole per layer per step (the 7B's verify rows on
+  the contiguous cache at 16 and 64 rows were 2.1-6.6x must). Not yet: the paged pool of such
+  a verifier, whose pages are written as one flat [K, L * P * page, Dh] scatter that libtpu
+  lays out slots minor while the kernel reads [page, Dh] blocks, and one row a chip of the
+  slots-minor cache (v6e-4 at batch 1), where XLA drops the unit row axis and libtpu's scatter
+  then wants the head dim minor: both are copied whole per layer per step (the v6e-4 batch-1 row
+  was 1.00 held [.., L * S, Dh]). {over}
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
@@ -328,7 +368,7 @@ def markdown(rows: list[dict], jax_version: str) -> list[str]:
                "| slice | setting | batch | program | HBM GiB | must GiB | ratio | TFLOP | roofline ms | collectives |",
                "|---|---|---|---|---|---|---|---|---|---|"]
         md += [table_row(r) for r in group]
-    md += ["", NOTES.format(vmem=vmem_note(rows))]
+    md += ["", NOTES.format(vmem=vmem_note(rows), over=over_note(rows))]
     return md
 
 if __name__ == "__main__":
