@@ -239,12 +239,14 @@ NOTES = """Notes.
   minor, [B, K, Dh, L * S] (`attention.KVCache`): held [B, K, L * S, Dh], libtpu laid it out
   slots minor for the step's scatter (so as not to pad the 64-wide head dim to 128 lanes) while
   the kernel read it as shaped, and copied it whole per layer per step (the 7B's verify rows on
-  the contiguous cache at 16 and 64 rows were 2.1-6.6x must). Not yet: the paged pool of such
-  a verifier, whose pages are written as one flat [K, L * P * page, Dh] scatter that libtpu
-  lays out slots minor while the kernel reads [page, Dh] blocks, and one row a chip of the
-  slots-minor cache (v6e-4 at batch 1), where XLA drops the unit row axis and libtpu's scatter
-  then wants the head dim minor: both are copied whole per layer per step (the v6e-4 batch-1 row
-  was 1.00 held [.., L * S, Dh]). {over}
+  the contiguous cache at 16 and 64 rows of 8k, and at 64 of 2k, were 2.1-6.6x must). Not
+  yet: the paged pool of such a verifier, whose pages are written as one flat [K, L * P * page,
+  Dh] scatter that libtpu lays out slots minor while the kernel reads [page, Dh] blocks; and
+  libtpu's scatter picks its operand's layout by shape, so that at some shapes it wants the
+  head dim minor of the slots-minor cache and copies it instead: 16 rows of 2k (v5e-4 1.04 held
+  [.., L * S, Dh], 1.60 now; v6e-4 1.01, 1.24) and one row a chip at 8k (v6e-4 batch 1, 1.00,
+  1.47). A layout no scatter chooses (the step's KV written by a kernel in place, as JAX's
+  ragged paged attention does) is what is left. {over}
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
