@@ -144,9 +144,12 @@ def prefill(
     pad_id: int,
     compute: ComputeOptions = DEFAULT_COMPUTE,
     cache: PagedKVCache | None = None,
+    layout_rows: int | None = None,
 ) -> KVCache | PagedKVCache:
     """A cache of `size` slots holding the KV of `prompts` [R, P] (row r's first prompt_len[r]);
-    with `cache`, a paged pool with these rows' pages allocated, written there instead.
+    with `cache`, a paged pool with these rows' pages allocated, written there instead. A new
+    contiguous cache is held as one of `layout_rows` rows would be (default R: the batch's, that
+    admitted rows join: `KVCache.zeros`).
 
     Written `chunk_size` tokens at a time up to the longest prompt of these rows, so prefill
     costs what the prompts are long, not the prompt width P of the whole call.
@@ -173,7 +176,9 @@ def prefill(
 
     n_chunks = (jnp.max(prompt_len) + chunk - 1) // chunk
     return jax.lax.fori_loop(
-        0, n_chunks, write_chunk, model.new_cache(rows, size) if cache is None else cache
+        0, n_chunks, write_chunk,
+        model.new_cache(rows, size, compute=compute, layout_rows=layout_rows) if cache is None
+        else cache
     )
 
 
@@ -196,7 +201,8 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         .set(prompts)
     )
     static = dict(
-        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, compute=settings.compute
+        chunk_size=settings.prefill_chunk, pad_id=settings.pad_id, compute=settings.compute,
+        layout_rows=settings.num_rows,
     )
     # room for one step past the buffer: the proposer's step width, the verifier's K
     size = cache_slots(settings.num_slots + width)

@@ -19,6 +19,7 @@ G = H // K query heads per kv head, Dh head dim.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +29,12 @@ from jax.ad_checkpoint import checkpoint_name
 from prove_jax.models import attention_kernels
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.initializers import param
-from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
+from prove_jax.models.compute import DEFAULT_COMPUTE, LANES, ComputeOptions
 from prove_jax.models.matmul import dense
 from prove_jax.models.norm import RMSNorm
 from prove_jax.models.sharding import (DEFAULT_RULES, KV_CACHE_AXES, constrain, kv_rules,
-                                      rows_per_device, splits_evenly)
+                                      logical_to_spec, rows_per_device, shard_shape,
+                                      splits_evenly)
 
 _NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -44,8 +46,6 @@ CACHE_CHUNK = 256
 CACHE_CHUNKS_MAX = 8
 CPU_SHORT_CHUNK_ROWS = 16
 GPU_CHUNKED_MIN_ROWS = 16
-# TPU vector lanes: a stacked cache whose head dim is narrower keeps its slots minor (`KVCache`)
-LANES = 128
 
 
 @struct.dataclass
@@ -61,26 +61,37 @@ class KVCache:
     buffer) in every layer of every step; reshaped to flat slots to write, it copied the whole
     buffer when S was not a whole number of tiles (benchmarks/decode_step_cost.md).
 
-    A stacked buffer whose head dim is under LANES (a 0.5B's 64) is held slots minor, k, v
-    [B, K, Dh, L * S] (`slots_minor`): held [.., L * S, Dh], libtpu laid it out with the slots
-    minor anyway (so as not to pad Dh to 128 lanes), for the step's scatter, while the kernel
-    read wants its operand as it is shaped, and copied the whole buffer between the two in
-    every layer of every step; shaped slots minor, the writer, the carry and the kernel agree."""
+    A stacked buffer whose head dim is under LANES (a 0.5B's 64) may be held slots minor, k, v
+    [B, K, Dh, L * S] (`slots_minor`): held [.., L * S, Dh], libtpu lays a large one out with
+    the slots minor anyway (so as not to pad Dh to 128 lanes) for the step's scatter, while the
+    kernel read wants its operand as it is shaped, and copied the whole buffer between the two
+    in every layer of every step; a small one it keeps head dim minor, and copies one shaped
+    slots minor. Shaped as the scatter lays it out, the writer, the carry and the kernel agree:
+    `ComputeOptions.kv_held_slots_minor` decides from the buffer's bytes a chip, on TPU only."""
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
     slots_minor: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None,
-              stacked: bool = False) -> "KVCache":
+              stacked: bool = False, compute: ComputeOptions = DEFAULT_COMPUTE,
+              layout_rows: int | None = None) -> "KVCache":
+        """An empty cache of `length` slots for `batch` rows: per layer, or `stacked` (one
+        buffer, held as `compute` says for the size a chip of a cache of `layout_rows` rows,
+        default `batch`, under the ambient mesh: admitted rows' caches are held as the batch's
+        they join)."""
         dtype = jnp.dtype(config.dtype) if dtype is None else dtype
         shape = (batch, config.num_kv_heads, length, config.head_dim)
         # pinned under a mesh: rows on the batch axes, kv heads on tensor (KV_CACHE_AXES), or
         # rows on both where tensor cannot split the heads (`kv_rules`)
         rules = kv_rules(config.num_kv_heads, batch)
-        slots_minor = stacked and config.head_dim < LANES
+        slots_minor = False
         if stacked:
             shape = shape[:2] + (config.num_layers * length,) + shape[3:]
+            rows = batch if layout_rows is None else layout_rows
+            slots_minor = compute.kv_held_slots_minor(config.head_dim, _chip_bytes(
+                (rows,) + shape[1:], jnp.dtype(dtype).itemsize,
+                kv_rules(config.num_kv_heads, rows)))
             if slots_minor:
                 shape = shape[:2] + (shape[3], shape[2])
             axes = cache_axes(stacked=True)
@@ -109,6 +120,16 @@ class KVCache:
         first = self.k if self.stacked else self.k[0]
         slots = first.shape[-1] if self.slots_minor else first.shape[-2]
         return slots // (num_layers if self.stacked else 1)
+
+
+def _chip_bytes(shape: tuple[int, ...], itemsize: int, rules) -> int:
+    """Bytes of one chip's piece of a cache buffer of `shape` [B, K, S, Dh] laid out by `rules`
+    under the ambient mesh (the whole buffer outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty and mesh.shape:
+        shape = shard_shape(shape, logical_to_spec(KV_CACHE_AXES, shape, mesh, rules),
+                            dict(mesh.shape))
+    return math.prod(shape) * itemsize
 
 
 def cache_axes(stacked: bool) -> tuple[str, ...]:

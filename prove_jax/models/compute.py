@@ -41,6 +41,14 @@ CPU_DECODE_MAX_ROWS = 64  # past this many token rows the plain form is as fast
 # rows cost more than the head's second read; by bytes on v6e): 80, K=6 G=2 at 16 rows
 # (benchmarks/decode_step_cost.md); a GPU's FLOPs per byte lie between v5p's and v6e's
 HEAD_ONE_PASS_MAX_EXTRA_ROWS = MappingProxyType({"cpu": 8, "tpu": 80, "gpu": 80})
+# A stacked KV cache of heads under LANES wide (a 0.5B's 64), held [B, K, L * S, Dh], is laid
+# out by libtpu for the step's scatter by its bytes a chip (one of K, V; v5e and v6e alike):
+# head dim minor up to 120 MiB, slots minor from 133 MiB; a kernel reading the other layout
+# copied it whole per layer per step. On TPU such a cache is shaped slots minor, [B, K, Dh,
+# L * S], from KV_SLOTS_MINOR_MIN_BYTES a chip, as the scatter lays it out; CPU and GPU keep
+# [.., L * S, Dh] (benchmarks/decode_step_cost.md)
+LANES = 128
+KV_SLOTS_MINOR_MIN_BYTES = 128 * 2 ** 20
 
 
 class ComputeOptionsError(ProveJaxError, ValueError):
@@ -84,6 +92,11 @@ class ComputeOptions:
     """Most extra rows (batch x slots whose logits the step does not need) one LM-head pass may
     compute; past them two passes; None: the platform's (HEAD_ONE_PASS_MAX_EXTRA_ROWS, spelled
     out by `resolve`)."""
+    kv_slots_minor: bool | None = None
+    """Hold a stacked KV cache whose head dim is under LANES slots minor, [B, K, Dh, L * S]
+    (`attention.KVCache`): True or False forces it; None: the platform's rule, spelled out by
+    `resolve`: never on CPU and GPU; on TPU where the cache is made, from KV_SLOTS_MINOR_MIN_BYTES
+    of one buffer a chip (`kv_held_slots_minor`)."""
     attention: str = "xla"
     """How cached attention reads the committed slots: "xla" (chunked, models/attention.py) or a
     shipped kernel (models/attention_kernels.py ATTENTION_KERNELS, e.g. "pallas_gpu"); "auto"
@@ -137,16 +150,31 @@ class ComputeOptions:
             return self.head_one_pass_max_extra_rows
         return HEAD_ONE_PASS_MAX_EXTRA_ROWS.get(self.target(), HEAD_ONE_PASS_MAX_EXTRA_ROWS["cpu"])
 
+    def kv_held_slots_minor(self, head_dim: int, chip_bytes: int) -> bool:
+        """Whether a stacked KV buffer of heads `head_dim` wide, `chip_bytes` (one of K, V) on
+        a chip, is held slots minor: never at LANES and over; else `kv_slots_minor` if set, else
+        on TPU from KV_SLOTS_MINOR_MIN_BYTES (the layout libtpu's scatter picks there)."""
+        if head_dim >= LANES:
+            return False
+        if self.kv_slots_minor is not None:
+            return self.kv_slots_minor
+        return self.target() == "tpu" and chip_bytes >= KV_SLOTS_MINOR_MIN_BYTES
+
     def resolve(self, platform: str | None = None) -> "ComputeOptions":
         """These options with every default spelled out on the host: the platform (`platform`,
-        else this one's, else jax's backend), the matmul form it takes (`decode_form`) and its
-        LM-head rule (`head_extra_rows`), as an AOT compile for another platform needs them
-        (`decoding/dry_run.slice_options`)."""
+        else this one's, else jax's backend), the matmul form it takes (`decode_form`), its
+        LM-head rule (`head_extra_rows`) and KV layout rule (`kv_slots_minor`: False off TPU;
+        on TPU None, the cache's size decides), as an AOT compile for another platform needs
+        them (`decoding/dry_run.slice_options`)."""
         resolved = dataclasses.replace(self, platform=platform or self.target())
         resolved = resolved.resolve_attention(resolved.platform)
         form, max_rows = resolved.decode_form()
+        slots_minor = self.kv_slots_minor
+        if slots_minor is None and resolved.platform != "tpu":
+            slots_minor = False
         return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows,
-                                   head_one_pass_max_extra_rows=resolved.head_extra_rows())
+                                   head_one_pass_max_extra_rows=resolved.head_extra_rows(),
+                                   kv_slots_minor=slots_minor)
 
     def resolve_attention(self, platform: str | None = None) -> "ComputeOptions":
         """These options with attention "auto" replaced, on the host, by the fast path of

@@ -93,9 +93,13 @@ class Qwen2(nnx.Module):
         takes a stacked `KVCache`."""
         return isinstance(self.layers, LayerStack)
 
-    def new_cache(self, batch: int, length: int) -> KVCache:
-        """An empty KV cache of `length` slots for `batch` rows in this model's layer layout."""
-        return KVCache.zeros(self.cfg, batch, length, stacked=self.layers_stacked)
+    def new_cache(self, batch: int, length: int, compute: ComputeOptions = DEFAULT_COMPUTE,
+                  layout_rows: int | None = None) -> KVCache:
+        """An empty KV cache of `length` slots for `batch` rows in this model's layer layout
+        (a stacked one held as `compute` says for a cache of `layout_rows` rows, default
+        `batch`: `ComputeOptions.kv_slots_minor`, `KVCache.zeros`)."""
+        return KVCache.zeros(self.cfg, batch, length, stacked=self.layers_stacked,
+                             compute=compute, layout_rows=layout_rows)
 
     def _training_layers(self, x, cos, sin, attn_mask, compute: ComputeOptions):
         """The layers without a cache, each under the remat policy: unrolled, or (scan_layers)

@@ -1,7 +1,9 @@
 """Decoding with the layers as one `lax.scan` (`DecodeOptions(scan_layers=True)`).
 
 The Decoder stacks each layer weight once (`qwen2.stack_layers`) and the KV cache is one
-[B, K, L * S, Dh] buffer carried through the scan, each layer writing its step's slots in place.
+[B, K, L * S, Dh] buffer carried through the scan, each layer writing its step's slots in place
+(or [B, K, Dh, L * S], slots minor, as a TPU holds a large one of a head dim under 128 lanes:
+forced here with `ComputeOptions(kv_slots_minor=True)`, so that both layouts run on CPU).
 Checked here: the output equals the unrolled program's token for token in every mode (and
 lossless equals AR), on the batch and the stream paths; the loop never copies the stacked
 cache; the compiled program does not grow with depth; on a tensor mesh nothing is gathered.
@@ -36,8 +38,16 @@ MODES = {
 }
 
 
-def scanned(options: DecodeOptions) -> DecodeOptions:
-    return dataclasses.replace(options, memory=dataclasses.replace(options.memory, scan_layers=True))
+def scanned(options: DecodeOptions, slots_minor: bool | None = None) -> DecodeOptions:
+    """`options` with the layers scanned; `slots_minor`: the stacked cache's layout forced."""
+    compute = dataclasses.replace(options.compute, kv_slots_minor=slots_minor)
+    return dataclasses.replace(options, compute=compute,
+                               memory=dataclasses.replace(options.memory, scan_layers=True))
+
+
+# the slots-minor cache (TPU's at large sizes) where the checks are dearest: lossless (== AR, and
+# the stream's admissions) and verify (two stacked caches); AR keeps this CPU's layout
+SLOTS_MINOR = {"ar": None, "lossless": True, "verify": True}
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +82,17 @@ def test_scanned_decode_equals_the_unrolled_program_token_for_token(models, mode
     options = MODES[mode]
     kwargs = dict(verifier=verifier) if mode == "verify" else {}
     unrolled = Decoder(proposer, [1], options, **kwargs)
-    scan = Decoder(proposer, [1], scanned(options), **kwargs)
+    scan = Decoder(proposer, [1], scanned(options, SLOTS_MINOR[mode]), **kwargs)
     prompts = _prompts(5)
     # 2 rows serving 5 requests: rows are refilled (admission prefill) inside the loop
     want = unrolled.generate(prompts, 24, batch_size=2)
     got = scan.generate(prompts, 24, batch_size=2)
+    # the stacked cache is held as forced: [2 rows, K, Dh, L * S] slots minor
+    (program,) = [c.as_text() for _, c in scan.programs("run")]
+    held = [int(n) for n in re.findall(
+        r"f32\[2,{},{},(\d+)\]".format(CFG.num_kv_heads, CFG.head_dim), program)]
+    assert any(n >= 16 * CFG.num_layers and n % CFG.num_layers == 0 for n in held) \
+        == bool(SLOTS_MINOR[mode]), (mode, held)
     assert got.output_ids == want.output_ids
     np.testing.assert_array_equal(got.forwards, want.forwards)
     np.testing.assert_array_equal(got.accept_hist, want.accept_hist)
@@ -101,23 +117,28 @@ def test_with_options_moves_the_weights_between_layouts(models):
     assert back.generate(_prompts(2), 16).output_ids == scan.generate(_prompts(2), 16).output_ids
 
 
-@pytest.mark.parametrize("mode,new_tokens", [("ar", 40), ("lossless", 40), ("lossless", 500)],
-                         ids=["ar", "lossless", "lossless-chunked-read"])
-def test_the_scanned_loop_never_copies_the_stacked_cache(models, mode, new_tokens):
+@pytest.mark.parametrize("mode,new_tokens,slots_minor",
+                         [("ar", 40, False), ("lossless", 40, True), ("lossless", 500, False)],
+                         ids=["ar", "lossless-slots-minor", "lossless-chunked-read"])
+def test_the_scanned_loop_never_copies_the_stacked_cache(models, mode, new_tokens, slots_minor):
     """Each layer writes its step's slots into the carried buffer and reads its own layer: no
-    copy of the [B, K, L * S, Dh] buffer, nor of one layer's [B, K, S, Dh], inside the loop
-    (a cache passed through the scan as xs/ys would be rebuilt on every step)."""
-    options = scanned(MODES[mode])
+    copy of the [B, K, L * S, Dh] buffer (or [B, K, Dh, L * S], held slots minor), nor of one
+    layer's [B, K, S, Dh], inside the loop (a cache passed through the scan as xs/ys would be
+    rebuilt on every step). This CPU holds it [.., L * S, Dh] unless forced."""
+    options = scanned(MODES[mode], slots_minor=True if slots_minor else None)
     decoder = Decoder(models[0], [1], options)
     result = decoder.generate(_prompts(4), new_tokens, batch_size=2)
     assert all(len(out) > 0 for out in result.output_ids)
     ((_, compiled),) = decoder.programs("run")
     hlo = compiled.as_text()
     slots = cache_slots(decoder.buffer_len(16, new_tokens) + {"ar": 1, "lossless": 10}[mode])
-    # every layer's slots, one axis (minor: a head dim under 128 lanes, as the cache holds it)
-    stacked = (2, CFG.num_kv_heads, CFG.head_dim, CFG.num_layers * slots)
+    # every layer's slots, one axis (minor where the cache is held so)
+    held = ((CFG.head_dim, CFG.num_layers * slots) if slots_minor
+            else (CFG.num_layers * slots, CFG.head_dim))
+    stacked = (2, CFG.num_kv_heads) + held
     assert "f32[{},{},{},{}]".format(*stacked) in hlo  # the shape looked for is the cache's
-    assert not moves_of_shape(hlo, stacked)
+    for shape in (stacked, stacked[:2] + stacked[:1:-1]):  # as held, and turned
+        assert not moves_of_shape(hlo, shape)
     assert not moves_of_shape(hlo, (2, CFG.num_kv_heads, CFG.head_dim, slots))
     assert not moves_of_shape(hlo, (2, CFG.num_kv_heads, slots, CFG.head_dim))
 

@@ -273,13 +273,17 @@ def _stacked_buffers(state) -> list[str]:
     return sorted({"[" + ",".join(map(str, x.shape)) + "]" for x in leaves})
 
 
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_a_scanned_step_copies_no_stacked_cache(model, page_size):
+@pytest.mark.parametrize("page_size,slots_minor", [(None, None), (None, True), (64, None)],
+                         ids=["contiguous", "contiguous-slots-minor", "paged"])
+def test_a_scanned_step_copies_no_stacked_cache(model, page_size, slots_minor):
     """The scanned step writes its KV into the stacked cache (or paged pool) in place and reads
     a layer's chunks from it: no instruction but the in-place write produces a buffer of the
-    whole cache's shape (on libtpu, each layer copied the pool, or its own slice, every step)."""
-    decoder = Decoder(model, [1], DecodeOptions("ar", 1, memory=MemoryLayout(scan_layers=True, page_size=page_size)))
+    whole cache's shape (on libtpu, each layer copied the pool, or its own slice, every step),
+    the cache held as this CPU holds it or slots minor (as a TPU holds a large one)."""
+    decoder = Decoder(model, [1], DecodeOptions("ar", 1, memory=MemoryLayout(scan_layers=True, page_size=page_size),
+                                                compute=ComputeOptions(kv_slots_minor=slots_minor)))
     fns, _, state = step_report.stream_programs(decoder, [[3] * PROMPT] * ROWS, NEW, ROWS)
+    assert getattr(state.cache, "slots_minor", False) is bool(slots_minor)
     fn, args = fns["step"]
     cost = hlo_cost.step_cost(fn.lower(*args).compile().as_text())
     whole = [t for t in cost.top if any(dims in t[4] for dims in _stacked_buffers(state))

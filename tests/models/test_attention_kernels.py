@@ -3,6 +3,8 @@
 The Pallas GPU decode kernel runs here in interpret mode (CPU); the oracle is the XLA path, which
 tests/decoding/test_decoding.py checks against transformers, and greedy AR decoding token for token."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,9 +118,11 @@ def test_lossless_with_kernel_equals_ar(compute, monkeypatch):
     if compute.attention != "pallas_tpu":  # the scan feeds both kernels the same way: one is enough
         return
     # with the layers scanned, the kernel reads each layer of the stacked cache in place (handed
-    # the whole buffer: [B, K, Dh, L * S], slots minor, as a head dim under 128 lanes is held)
+    # the whole buffer: [B, K, Dh, L * S], slots minor, as a TPU holds a large one of a head dim
+    # under 128 lanes; forced here, where the cache is small and this CPU holds it [.., L * S, Dh])
     calls.clear()
-    scanned = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=compute, memory=MemoryLayout(scan_layers=True))
+    minor = dataclasses.replace(compute, kv_slots_minor=True)
+    scanned = Decoder(model, [1], DecodeOptions("lossless", 4, lossless=LosslessRule(max_groups=2), compute=minor, memory=MemoryLayout(scan_layers=True))
                       ).generate(prompts, 12)
     assert CFG.head_dim < attention.LANES
     assert calls and all(shape[2] == CFG.head_dim and shape[3] % CFG.num_layers == 0
