@@ -235,18 +235,25 @@ NOTES = """Notes.
   tiles (`program.cache_slots`). The 7B's 28 stacked layers at AR and verify widths had made it
   no whole number of tiles, and libtpu copied it whole in every layer of every step (AR ratios
   1.46-12.7; AR at 64 rows of 8k on v5e-4 did not fit).
-- A stacked cache whose head dim is under 128 lanes (the 0.5B verifier's 64) is held slots
-  minor, [B, K, Dh, L * S] (`attention.KVCache`): held [B, K, L * S, Dh], libtpu laid it out
-  slots minor for the step's scatter (so as not to pad the 64-wide head dim to 128 lanes) while
-  the kernel read it as shaped, and copied it whole per layer per step (the 7B's verify rows on
-  the contiguous cache at 16 and 64 rows of 8k, and at 64 of 2k, were 2.1-6.6x must). Not
-  yet: the paged pool of such a verifier, whose pages are written as one flat [K, L * P * page,
-  Dh] scatter that libtpu lays out slots minor while the kernel reads [page, Dh] blocks; and
-  libtpu's scatter picks its operand's layout by shape, so that at some shapes it wants the
-  head dim minor of the slots-minor cache and copies it instead: 16 rows of 2k (v5e-4 1.04 held
-  [.., L * S, Dh], 1.60 now; v6e-4 1.01, 1.24) and one row a chip at 8k (v6e-4 batch 1, 1.00,
-  1.47). A layout no scatter chooses (the step's KV written by a kernel in place, as JAX's
-  ragged paged attention does) is what is left. {over}
+- A stacked cache whose head dim is under 128 lanes (the 0.5B verifier's 64) is held as
+  libtpu's scatter lays it out for the step's write, which it picks by the buffer's bytes a
+  chip (one of K, V; v5e and v6e alike): held [B, K, L * S, Dh], it laid one of 133 MiB and
+  more out slots minor (so as not to pad the 64-wide head dim to 128 lanes) while the kernel
+  read it as shaped, and copied it whole per layer per step (the 7B's verify rows on the
+  contiguous cache at 16 and 64 rows of 8k, and at 64 of 2k, 192-770 MiB a chip: 2.1-6.6x
+  must); held slots minor, [B, K, Dh, L * S], one of 120 MiB and less was laid out head dim
+  minor and copied (16 rows of 2k, 48 MiB: v5e-4 1.60x, v6e-4 1.24x; one row a chip at 8k on
+  v6e-4, 48 MiB: 1.47x). So on TPU such a cache is held slots minor from
+  `compute.KV_SLOTS_MINOR_MIN_BYTES` (128 MiB) a chip, head dim minor below
+  (`ComputeOptions.kv_slots_minor`, resolved on the host; CPU and GPU hold it head dim minor).
+  The bound, from 7B verify K=8 steps held slots minor (ratio, per-chip buffer): v6e-4 8k
+  batch 8 (96 MiB) 1.60, copied; v6e-4 4k batch 20 (120 MiB) 1.74, copied, and 1.02 held head
+  dim minor; v6e-4 2k batch 44 (133 MiB) 1.03; v6e-4 8k batch 12 (144 MiB) 1.01; v5e-4 2k
+  batch 48 (145 MiB, one head a chip) 1.05. An admission's rows are held as the batch's they
+  join. Not yet: the paged pool of such a verifier, whose pages are written as one flat [K,
+  L * P * page, Dh] scatter that libtpu lays out slots minor while the kernel reads [page, Dh]
+  blocks. A layout no scatter chooses (the step's KV written by a kernel in place, as JAX's
+  ragged paged attention does) would not depend on libtpu's choice. {over}
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
