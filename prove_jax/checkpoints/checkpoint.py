@@ -313,6 +313,6 @@ def load_tokenizer(path: str):
     if not storage.exists(storage.join(path, "tokenizer.json")) and not storage.exists(
             storage.join(path, "vocab.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow to import: only a checkpoint with a vocabulary
     with storage.local_copy(path, TOKENIZER_FILES) as local:  # transformers reads local files
         return AutoTokenizer.from_pretrained(local)

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -29,12 +29,10 @@ from prove_jax.decoding.options import (
 from prove_jax.decoding.program import ProgramSettings, step_shape
 from prove_jax.decoding.queue import Requests
 from prove_jax.decoding.sampling import GREEDY, RowSampling, Sampler, SamplingParams
+from prove_jax.decoding.stream import DecodeStream
 from prove_jax.models.paged import pages_needed, pooled
 from prove_jax.models.qwen2 import stack_layers, unstack_layers
 from prove_jax.models.sharding import ROW_SPLIT_RULES, batch_shards, kv_per_device, kv_rules
-
-if TYPE_CHECKING:  # stream.py imports this module's neighbours; the class is made in stream()
-    from prove_jax.decoding.stream import DecodeStream
 
 
 def check_step_width(options: DecodeOptions, max_buffer: int) -> None:
@@ -492,7 +490,6 @@ class Decoder:
         """
         if chunk_steps < 1:
             raise DecodeError(f"chunk steps must be >= 1, got {chunk_steps}")
-        from prove_jax.decoding.stream import DecodeStream
         params, budgets, seeds = self._prepare(prompts, max_new_tokens, batch_size, params, seed)
         n = len(prompts)
         rows = self.rows(batch_size or 1, n)

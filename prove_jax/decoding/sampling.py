@@ -18,6 +18,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from prove_jax.decoding.options import DecodeError
@@ -135,7 +136,6 @@ class RowSampling:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int]):
         """Host (numpy) arrays for a queue of requests; `seeds` are the requests' final seeds."""
-        import numpy as np
         return cls(temperature=np.asarray([p.temperature for p in params], np.float32),
                    top_k=np.asarray([p.top_k for p in params], np.int32),
                    top_p=np.asarray([p.top_p for p in params], np.float32),

@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from prove_jax.decoding import program
@@ -63,7 +64,6 @@ def _to_host(tree):
     """The values of a pytree of (possibly sharded) arrays on this host, copied together; on
     several hosts every process gets all of them."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         return jax.tree.map(
             lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree
         )

@@ -80,7 +80,7 @@ def load_hf_model(model_dir: str, dtype: str = "float32"):
     torch = _torch()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise PeerError(f"not an HF model directory (no config.json): {model_dir}")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # slow to import: only the peers need it
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
                                                      local_files_only=True)
@@ -126,7 +126,7 @@ def _eos_ids(model, eos_token_id) -> list[int]:
 
 
 def _generation_config(max_new_tokens: int, eos_ids: list[int], pad_id: int, **extra):
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # slow to import: only the peers need it
     return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                             min_new_tokens=0, eos_token_id=eos_ids, pad_token_id=pad_id,
                             repetition_penalty=1.0, **extra)
