@@ -69,7 +69,7 @@ def split_k(slots: int) -> tuple[int, int]:
 def _committed_gpu(q, cache_k, cache_v, cache_len, interpret: bool):
     """q [B, K, Q, Dh] against cache [B, K, S, Dh] up to cache_len [B]: unnormalised output
     [B, K, Q, Dh] (float32), normaliser l and max m [B, K, Q] (float32; l = 0 for an empty span)."""
-    from jax.experimental.pallas.ops.gpu import decode_attention as da
+    from jax.experimental.pallas.ops.gpu import decode_attention as da  # slow: kernel path only
 
     splits, block_k = split_k(cache_k.shape[2])
     inner = functools.partial(
@@ -223,7 +223,7 @@ BLOCK = 512  # slots a contiguous block holds: a 128 KiB bf16 K block at Dh = 12
 def _span_kernel(rows_ref, blocks_ref, starts_ref, counts_ref, lens_ref, q_ref, k_ref, v_ref,
                  o_ref, l_ref, m_ref, m_sc, l_sc, acc_sc, *, scale: float,
                  slots_minor: bool = False):
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # slow to import: only a kernel path needs it
 
     b, j = pl.program_id(0), pl.program_id(2)
 
@@ -295,7 +295,7 @@ def span_cost(
     """pl.CostEstimate of `_span_kernel` over b rows, k kv heads, `visits` blocks of `block` slots
     each (a row filled to its whole span): the K and V blocks it fetches, its queries, its
     float32 outputs; two dots per block; an exp per score. What hlo_cost prices the call at."""
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # slow to import: only a kernel path needs it
 
     slots = visits * block
     fetched = 2 * b * k * slots * dh * itemsize
@@ -313,7 +313,7 @@ def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, 
     row rows[b] of keys, values [N, K, M, Dh] (`slots_minor`: [N, K, Dh, M]; blocks[b, j]'s
     first slot is the row's slot starts[b, j]), up to lens[b]: unnormalised output [B, K, Q,
     Dh], normaliser l and max m [B, K, Q] (float32; l = 0 for an empty span)."""
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # slow to import: only a kernel path needs it
     from jax.experimental.pallas import tpu as pltpu
 
     b, k, nq, dh = q.shape
@@ -348,7 +348,7 @@ def _span_call(q, keys, values, rows, blocks, starts, counts, lens, block: int, 
 def _run_span_kernel(kernel, grid_spec, cost, shape, nq: int, interpret: bool, *operands):
     """Run a committed-span kernel over its grid (rows, kv heads, blocks) -> its unnormalised
     output [B, K, nq, Dh], normaliser and max [B, K, nq], the queries' padding dropped."""
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # slow to import: only a kernel path needs it
     from jax.experimental.pallas import tpu as pltpu
 
     b, k, qn, dh = shape
@@ -422,7 +422,7 @@ def _paged_kernel(table_ref, counts_ref, lens_ref, q_ref, k_hbm, v_hbm, o_ref, l
     page, Dh]): each page copied from the pool (k_hbm [K, pages, page, Dh], page table_ref[b, i])
     into one half of a double buffer while the other half is computed, as JAX's ragged paged
     attention does; pages past the row's counts_ref[b] are not copied."""
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # slow to import: only a kernel path needs it
     from jax.experimental.pallas import tpu as pltpu
 
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -476,7 +476,7 @@ def _committed_paged_tpu(q, pool_k, pool_v, table, cache_len, layer, interpret: 
     layer `layer`, int32 scalar; table [B, R]) up to cache_len [B]: unnormalised output
     [B, K, Q, Dh], normaliser l and max m [B, K, Q] (float32), pages of BLOCK slots in all a
     grid step (`_paged_kernel`; the pools are read as [K, L * P, page, Dh]: a view, not a copy)."""
-    from jax.experimental import pallas as pl
+    from jax.experimental import pallas as pl  # slow to import: only a kernel path needs it
     from jax.experimental.pallas import tpu as pltpu
 
     b, k, nq, dh = q.shape
