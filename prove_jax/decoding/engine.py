@@ -266,7 +266,8 @@ class Decoder:
         cfgs = (self.cfg, self.verifier_cfg) if self.verifier_cfg is not None else (self.cfg,)
         # a verifier's contiguous cache (paged.pooled)
         if self.options.memory.page_size is not None:
-            cfgs = tuple(c for c in cfgs[1:] if not pooled(c.num_kv_heads, rows, self.mesh))
+            cfgs = tuple(c for c in cfgs[1:]
+                         if not pooled(c, rows, self.options.compute, self.mesh))
         if cfgs:
             shards = max(
                 [shards]

@@ -217,10 +217,10 @@ def start_rows(model, verifier, requests: Requests, settings: ProgramSettings,
         cache = prefill(model, prompts, prompt_len, size, cache=pool, **static)
     verifier_cache = None
     if verifier is not None:
-        # a verifier whose cache splits over rows keeps a contiguous one (paged.pooled); the
-        # batch's start decides, an admission follows the batch's cache
+        # a verifier whose cache splits over rows, or whose heads a pool would copy, keeps a
+        # contiguous one (paged.pooled); the batch's start decides, an admission follows it
         if verifier_pool is None and page is not None:
-            contiguous = not pooled(verifier.cfg.num_kv_heads, rows)
+            contiguous = not pooled(verifier.cfg, rows, settings.compute)
         else:
             contiguous = not isinstance(verifier_pool, PagedKVCache)
         if contiguous:

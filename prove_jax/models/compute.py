@@ -97,6 +97,10 @@ class ComputeOptions:
     (`attention.KVCache`): True or False forces it; None: the platform's rule, spelled out by
     `resolve`: never on CPU and GPU; on TPU where the cache is made, from KV_SLOTS_MINOR_MIN_BYTES
     of one buffer a chip (`kv_held_slots_minor`)."""
+    pool_narrow_kv: bool | None = None
+    """Keep the KV of a verifier whose head dim is under LANES in the proposer's paged pool
+    (`paged.pooled`): True or False forces it; None: the platform's rule, spelled out by
+    `resolve`: pooled on CPU and GPU, not on TPU (`pools_kv`)."""
     attention: str = "xla"
     """How cached attention reads the committed slots: "xla" (chunked, models/attention.py) or a
     shipped kernel (models/attention_kernels.py ATTENTION_KERNELS, e.g. "pallas_gpu"); "auto"
@@ -160,11 +164,23 @@ class ComputeOptions:
             return self.kv_slots_minor
         return self.target() == "tpu" and chip_bytes >= KV_SLOTS_MINOR_MIN_BYTES
 
+    def pools_kv(self, head_dim: int) -> bool:
+        """Whether a verifier's KV of heads `head_dim` wide may sit in the proposer's paged
+        pool: always at LANES and over; else `pool_narrow_kv` if set, else off TPU only. On TPU
+        libtpu lays the pool's scatter out slots minor while the paged kernel reads it head dim
+        minor, and copied the whole pool per layer per step (benchmarks/decode_step_cost.md);
+        such a verifier keeps a contiguous cache beside the pool."""
+        if head_dim >= LANES:
+            return True
+        if self.pool_narrow_kv is not None:
+            return self.pool_narrow_kv
+        return self.target() != "tpu"
+
     def resolve(self, platform: str | None = None) -> "ComputeOptions":
         """These options with every default spelled out on the host: the platform (`platform`,
         else this one's, else jax's backend), the matmul form it takes (`decode_form`), its
-        LM-head rule (`head_extra_rows`) and KV layout rule (`kv_slots_minor`: False off TPU;
-        on TPU None, the cache's size decides), as an AOT compile for another platform needs
+        LM-head rule (`head_extra_rows`), KV layout rule (`kv_slots_minor`: False off TPU;
+        on TPU None, the cache's size decides) and pool rule (`pool_narrow_kv`), as an AOT compile for another platform needs
         them (`decoding/dry_run.slice_options`)."""
         resolved = dataclasses.replace(self, platform=platform or self.target())
         resolved = resolved.resolve_attention(resolved.platform)
@@ -174,7 +190,8 @@ class ComputeOptions:
             slots_minor = False
         return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows,
                                    head_one_pass_max_extra_rows=resolved.head_extra_rows(),
-                                   kv_slots_minor=slots_minor)
+                                   kv_slots_minor=slots_minor,
+                                   pool_narrow_kv=resolved.pools_kv(0))
 
     def resolve_attention(self, platform: str | None = None) -> "ComputeOptions":
         """These options with attention "auto" replaced, on the host, by the fast path of

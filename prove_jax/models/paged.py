@@ -19,7 +19,9 @@ and head shapes) shares the proposer pool's pages: the same table and free list
 cannot split the verifier's kv heads but can split its rows (`sharding.kv_rules`: a 3B
 verifier's 2 heads over tensor=8): its pool would lie whole on every tensor device, and every
 step gathered it there (benchmarks/decode_step_cost.md); such a verifier keeps a contiguous
-cache split over rows beside the proposer's pool (`pooled`, docs/decoding.md says why).
+cache split over rows beside the proposer's pool (`pooled`, docs/decoding.md says why). So
+does one whose head dim is under 128 lanes on TPU (a 0.5B's 64): libtpu copied its whole pool
+per layer per step between the scatter's layout and the kernel's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from prove_jax.models.compute import DEFAULT_COMPUTE, ComputeOptions
 from prove_jax.models.config import ModelConfig
 from prove_jax.models.sharding import DEFAULT_RULES, constrain, kv_rules, rows_per_device
 
@@ -47,11 +50,15 @@ def data_shards(rows: int) -> int:
     return rows // rows_per_device(rows)
 
 
-def pooled(num_kv_heads: int, rows: int, mesh=None) -> bool:
-    """Whether a verifier with `num_kv_heads` kv heads decoding `rows` rows keeps its KV in a
-    paged pool on the proposer's pages (on `mesh`, default the ambient one): not where its cache
-    splits over rows (`sharding.kv_rules`); it then keeps a contiguous one, split so."""
-    return kv_rules(num_kv_heads, rows, mesh) is DEFAULT_RULES
+def pooled(config: ModelConfig, rows: int, compute: ComputeOptions = DEFAULT_COMPUTE,
+           mesh=None) -> bool:
+    """Whether a verifier of `config` decoding `rows` rows keeps its KV in a paged pool on the
+    proposer's pages (on `mesh`, default the ambient one): not where its cache splits over rows
+    (`sharding.kv_rules`), nor where `compute` keeps heads that narrow out of a pool
+    (`ComputeOptions.pools_kv`: a head dim under 128 lanes on TPU); it then keeps a contiguous
+    one beside the pool."""
+    return (kv_rules(config.num_kv_heads, rows, mesh) is DEFAULT_RULES
+            and compute.pools_kv(config.head_dim))
 
 
 def pages_needed(prompt_len: jax.Array, max_new: jax.Array, page_size: int) -> jax.Array:

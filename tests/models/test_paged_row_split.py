@@ -55,9 +55,9 @@ def setup():
 
 def test_the_pooled_rule_follows_the_row_split(setup):
     mesh = setup[0]
-    assert paged.pooled(CFG.num_kv_heads, ROWS, mesh)  # tensor=4 splits 4 heads
-    assert not paged.pooled(VERIFIER.num_kv_heads, ROWS, mesh)  # 2 heads: over rows instead
-    assert paged.pooled(VERIFIER.num_kv_heads, 6, mesh)  # 6 rows do not split 8 ways: a pool
+    assert paged.pooled(CFG, ROWS, mesh=mesh)  # tensor=4 splits 4 heads
+    assert not paged.pooled(VERIFIER, ROWS, mesh=mesh)  # 2 heads: over rows instead
+    assert paged.pooled(VERIFIER, 6, mesh=mesh)  # 6 rows do not split 8 ways: a pool
 
 
 def test_a_row_split_verifier_beside_the_pool_decodes_as_one_device_and_gathers_nothing(setup):
