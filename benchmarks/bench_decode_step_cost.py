@@ -174,6 +174,24 @@ def over_note(rows: list[dict], limit: float = 1.3) -> str:
     return f"The pallas_tpu step rows over {limit}x what they must move: " + "; ".join(over) + "."
 
 
+def narrow_pool_note(rows: list[dict]) -> str:
+    """The paged verify step rows of a verifier whose head dim is under 128 lanes (on TPU its
+    cache is contiguous beside the proposer's pool, `paged.pooled`), each with its ratio;
+    computed from the rows."""
+    from prove_jax.models.config import preset
+    priced = []
+    for r in rows:
+        step = next((p for p in r.get("programs") or [] if p["name"] == "step"), None)
+        if (step is None or r["mode"] != "verify" or not r.get("page_size") or not r.get("verifier")
+                or preset(r["verifier"]).head_dim >= 128):
+            continue
+        priced.append(f"{r['accelerator']} {r['proposer']} + {r['verifier']} batch {r['batch']} "
+                      f"of {r['context']} {step['waste']:.2f}")
+    if not priced:
+        return "No paged verify row here has such a verifier."
+    return "The paged verify rows of such a verifier (ratio): " + "; ".join(priced) + "."
+
+
 def label(r: dict) -> str:
     """The row's setting, ending with its attention path (rows from before the label named it)."""
     if r.get("attention") and r["attention"] not in r["label"]:
@@ -250,10 +268,14 @@ NOTES = """Notes.
   batch 8 (96 MiB) 1.60, copied; v6e-4 4k batch 20 (120 MiB) 1.74, copied, and 1.02 held head
   dim minor; v6e-4 2k batch 44 (133 MiB) 1.03; v6e-4 8k batch 12 (144 MiB) 1.01; v5e-4 2k
   batch 48 (145 MiB, one head a chip) 1.05. An admission's rows are held as the batch's they
-  join. Not yet: the paged pool of such a verifier, whose pages are written as one flat [K,
-  L * P * page, Dh] scatter that libtpu lays out slots minor while the kernel reads [page, Dh]
-  blocks. A layout no scatter chooses (the step's KV written by a kernel in place, as JAX's
-  ragged paged attention does) would not depend on libtpu's choice. {over}
+  join. In a paged pool such a verifier's pages were written as one flat [K, L * P * page, Dh]
+  scatter that libtpu laid out slots minor while the kernel read [page, Dh] blocks: the whole
+  pool copied per layer per step (the 7B's paged verify K=8 rows 4.15-13.28x must; a pool held
+  slots minor needs page windows aligned to 128 lanes, and Mosaic refuses 64-slot offsets). So
+  on TPU such a verifier keeps a contiguous cache beside the proposer's pool, held as above
+  (`paged.pooled`, `ComputeOptions.pool_narrow_kv`; CPU and GPU pool it). {narrow} A layout
+  no scatter chooses (the step's KV written by a kernel in place, as JAX's ragged paged
+  attention does) would not depend on libtpu's choice. {over}
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
@@ -377,7 +399,8 @@ def markdown(rows: list[dict], jax_version: str) -> list[str]:
                "| slice | setting | batch | program | HBM GiB | must GiB | ratio | TFLOP | roofline ms | collectives |",
                "|---|---|---|---|---|---|---|---|---|---|"]
         md += [table_row(r) for r in group]
-    md += ["", NOTES.format(vmem=vmem_note(rows), over=over_note(rows))]
+    md += ["", NOTES.format(vmem=vmem_note(rows), over=over_note(rows),
+                                narrow=narrow_pool_note(rows))]
     return md
 
 if __name__ == "__main__":
