@@ -8,9 +8,12 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Callable
 
 from tests.xla_flags import xla_flags
@@ -31,15 +34,139 @@ def run_two_processes(argv_of: Callable[[int, int], list[str]], check: bool = Tr
     return finish_two_processes(start_two_processes(argv_of), check)
 
 
-def start_two_processes(argv_of: Callable[[int, int], list[str]]) -> list[subprocess.Popen]:
-    """The launch of `run_two_processes`, returning at once (`finish_two_processes` waits)."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+def host_env() -> dict[str, str]:
+    return dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+
+
+def start_two_processes(argv_of: Callable[[int, int], list[str]]) -> list["HostProcess"]:
+    """The launch of `run_two_processes`, returning at once (`finish_two_processes` waits).
+    Each process is `python ARGV` forked from this test process's pre-warmed interpreter
+    (`HostPool`), not a fresh one."""
     port = free_port()
-    return [subprocess.Popen(["timeout", "300", sys.executable, *argv_of(i, port)], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    return [HostPool.shared().launch(argv_of(i, port), host_env()) for i in range(2)]
 
 
-def finish_two_processes(procs: list[subprocess.Popen], check: bool = True
+# The host interpreter: imports the libraries every host process loads (jax, flax, optax, orbax:
+# seconds per process on the loaded 2 cores) and no JAX backend, then forks one child per launch;
+# the child takes that launch's argv, sys.path, environment and output files, so it starts as
+# `python ARGV` would (its JAX runtime, distributed join and devices its own). Reaped children's
+# exit codes go to LOG.code.
+HOST_SERVER = r"""
+import atexit, json, os, runpy, select, signal, sys, traceback
+import flax.nnx, jax, jax.numpy, numpy, optax, orbax.checkpoint  # noqa: F401
+from jax._src import xla_bridge
+assert not xla_bridge._backends, "a backend started before the fork"
+logs = {}
+
+def child(argv, env, log):
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, ext in ((1, ".out"), (2, ".err")):
+        os.dup2(os.open(log + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    signal.alarm(300)  # what `timeout 300` gave a launch
+    os.environ.clear()
+    os.environ.update(env)
+    code = 0
+    try:
+        if argv[0] == "-m":  # python -m puts the cwd first
+            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:  # python SCRIPT puts the script's folder first
+            sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.realpath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # as at an interpreter's exit: JAX leaves the job (its shutdown barrier)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+def reap():
+    while logs:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        log = logs.pop(pid)
+        with open(log + ".code.tmp", "w") as f:
+            f.write(str(os.waitstatus_to_exitcode(status)))
+        os.replace(log + ".code.tmp", log + ".code")
+
+while True:
+    ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+    reap()
+    if not ready:
+        continue
+    line = sys.stdin.readline()
+    if not line:
+        break
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        child(request["argv"], request["env"], request["log"])
+    logs[pid] = request["log"]
+    print(pid, flush=True)
+"""
+
+
+class HostProcess:
+    """One launch forked by the `HostPool`: `subprocess.Popen`'s args, returncode, poll,
+    communicate and terminate."""
+
+    def __init__(self, args: list[str], pid: int, log: str):
+        self.args, self.pid, self.log, self.returncode = args, pid, log, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and os.path.exists(self.log + ".code"):
+            self.returncode = int(_read(self.log + ".code"))
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return _read(self.log + ".out"), _read(self.log + ".err")
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+
+class HostPool:
+    """This test process's host interpreter (HOST_SERVER), started at its first launch and
+    ended with this process (its stdin closes)."""
+
+    _shared: "HostPool | None" = None
+
+    @classmethod
+    def shared(cls) -> "HostPool":
+        if cls._shared is None or cls._shared.server.poll() is not None:
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self):
+        self.server = subprocess.Popen([sys.executable, "-c", HOST_SERVER], cwd=REPO, env=host_env(),
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.logs = tempfile.mkdtemp(prefix="hosts-")
+        self.count = 0
+
+    def launch(self, argv: list[str], env: dict[str, str]) -> HostProcess:
+        log = os.path.join(self.logs, f"launch{self.count}")
+        self.count += 1
+        self.server.stdin.write(json.dumps({"argv": argv, "env": env, "log": log}) + "\n")
+        self.server.stdin.flush()
+        line = self.server.stdout.readline()
+        assert line, "the host interpreter exited"
+        return HostProcess(["python", *argv], int(line), log)
+
+
+def finish_two_processes(procs: list[HostProcess], check: bool = True
                          ) -> list[subprocess.CompletedProcess]:
     done = []
     for i, p in enumerate(procs):
