@@ -127,23 +127,32 @@ def groups(rows: list[dict]) -> dict:
     return {k: sorted(v, key=order) for k, v in sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1]))}
 
 
+def _layer_activations(r: dict) -> list[tuple[int, int]]:
+    """(one layer's, the step's) activation bytes per chip of each model the row's step runs
+    (`step_report.activation_bytes`): the proposer, and the verifier in verify."""
+    from prove_jax.decoding.step_report import activation_bytes
+    from prove_jax.models.config import preset
+    mesh = r["mesh"]
+    chip_rows = max(1, r["rows"] // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
+    models = [(preset(r["proposer"]), r["step_width"])]
+    if r["mode"] == "verify" and r.get("verifier"):
+        models.append((preset(r["verifier"]), r["block_size"]))
+    out = []
+    for cfg, width in models:
+        step = activation_bytes(cfg, chip_rows * width, mesh.get("tensor", 1), 2)
+        out.append((step // (2 * cfg.num_layers), step))
+    return out
+
+
 def vmem_note(rows: list[dict]) -> str:
     """The priced step rows whose one layer of activations (`step_report.activation_bytes`, per
     chip) does not fit the chip's VMEM, so that must-move counts them; computed from each row."""
-    from prove_jax.decoding.step_report import CHIP_VMEM_BYTES, activation_bytes
-    from prove_jax.models.config import preset
+    from prove_jax.decoding.step_report import CHIP_VMEM_BYTES
     over = []
     for r in rows:
         if not r.get("programs") or not r.get("mesh") or r["chip"] not in CHIP_VMEM_BYTES:
             continue
-        mesh = r["mesh"]
-        chip_rows = max(1, r["rows"] // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
-        models = [(preset(r["proposer"]), r["step_width"])]
-        if r["mode"] == "verify" and r.get("verifier"):
-            models.append((preset(r["verifier"]), r["block_size"]))
-        for cfg, width in models:
-            step = activation_bytes(cfg, chip_rows * width, mesh.get("tensor", 1), 2)
-            layer = step // (2 * cfg.num_layers)
+        for layer, step in _layer_activations(r):
             if layer > CHIP_VMEM_BYTES[r["chip"]]:
                 over.append(f"{r['accelerator']} {r['proposer']} {label(r)} at {r['batch']} rows, "
                             f"{r['context']} slots ({layer / 2 ** 20:.0f} MiB a layer, {step / GIB:.1f} GiB a step)")
@@ -155,7 +164,9 @@ def vmem_note(rows: list[dict]) -> str:
 def over_note(rows: list[dict], limit: float = 1.3) -> str:
     """The pallas_tpu step rows (generate's path on TPU) over `limit` times what they must move,
     each with its dearest layout move (copy, reshape), else its dearest instruction: opcode and
-    (first) shape; computed from the rows."""
+    (first) shape, and its ratio with the activations counted where the VMEM rule left them out
+    of must; computed from the rows."""
+    from prove_jax.decoding.step_report import CHIP_VMEM_BYTES
     over = []
     for r in rows:
         step = next((p for p in r.get("programs") or [] if p["name"] == "step"), None)
@@ -167,6 +178,12 @@ def over_note(rows: list[dict], limit: float = 1.3) -> str:
         top = (moves or largest or [None])[0]
         shape = re.search(r"\w+\[[\d,]*\]", top[4]) if top else None
         what = f", {top[3]} {shape.group(0) if shape else ''}" if top else ""
+        # activations the VMEM rule leaves out of must: libtpu may still round-trip them in HBM
+        vmem = CHIP_VMEM_BYTES.get(r["chip"], 0)
+        left = sum(step_ for layer, step_ in _layer_activations(r) if layer <= vmem) if r.get("mesh") else 0
+        if left > 0.05 * step["min_hbm_bytes"]:
+            what += (f"; {step['hbm_bytes'] / (step['min_hbm_bytes'] + left):.2f} with the "
+                     f"{left / GIB:.1f} GiB of activations the VMEM rule leaves out")
         over.append(f"{r['accelerator']} {r['proposer']} {label(r)}, batch {r['batch']}, {r['context']} slots "
                     f"({step['waste']:.2f}{what})")
     if not over:
