@@ -472,7 +472,15 @@ def _attend_cached(q: jax.Array, own, intra: jax.Array, cache, cache_len: jax.Ar
     dt = q.dtype
     if isinstance(cache, tuple):  # bare buffers, as tests and benchmarks pass them
         cache = ContiguousKV(*cache)
-    slots, read, page = cache.slots, cache.read, cache.page_size
+    slots, page = cache.slots, cache.page_size
+    read = cache.read
+    if rules is DEFAULT_RULES and not splits_evenly("kv_heads", q.shape[2]):
+        # kv heads the mesh leaves whole while it splits the queries: each read pinned whole, as
+        # the cache lies, so GSPMD splits the head out of the slots read, not out of the whole
+        # stacked buffer before the chunk loop (a copy of it in every layer of every step,
+        # benchmarks/decode_step_cost.md)
+        read = lambda start, size: tuple(  # noqa: E731
+            constrain(x, KV_CACHE_AXES, rules) for x in cache.read(start, size))
     # the rule is about one device's work: a batch sharded 2 ways reads half the rows each
     size = cache_chunk(slots, rows=rows_per_device(q.shape[0], rules), platform=platform)
     size = min(slots, -(-size // page) * page)
