@@ -46,14 +46,17 @@ def start_two_processes(argv_of: Callable[[int, int], list[str]]) -> list["HostP
     return [HostPool.shared().launch(argv_of(i, port), host_env()) for i in range(2)]
 
 
-# The host interpreter: imports the libraries every host process loads (jax, flax, optax, orbax:
-# seconds per process on the loaded 2 cores) and no JAX backend, then forks one child per launch;
-# the child takes that launch's argv, sys.path, environment and output files, so it starts as
-# `python ARGV` would (its JAX runtime, distributed join and devices its own). Reaped children's
-# exit codes go to LOG.code.
+# The host interpreter: imports the libraries and project modules the host processes load (jax,
+# flax, optax, orbax; transformers and torch by way of the tokenizer: seconds per process on the
+# loaded 2 cores), starting no JAX backend, then forks one child per launch; the child takes that
+# launch's argv, sys.path, environment and output files, so it starts as `python ARGV` would (its
+# JAX runtime, distributed join and devices its own). Reaped children's exit codes go to LOG.code.
 HOST_SERVER = r"""
 import atexit, json, os, runpy, select, signal, sys, traceback
 import flax.nnx, jax, jax.numpy, numpy, optax, orbax.checkpoint  # noqa: F401
+import prove_jax.checkpoints.convert, prove_jax.cli.distill, prove_jax.cli.evaluate  # noqa: F401
+import prove_jax.cli.generate, prove_jax.cli.train, prove_jax.data.pipeline  # noqa: F401
+import prove_jax.decoding.loading, prove_jax.training.loop, prove_jax.training.model_source  # noqa: F401
 from jax._src import xla_bridge
 assert not xla_bridge._backends, "a backend started before the fork"
 logs = {}
