@@ -293,6 +293,13 @@ NOTES = """Notes.
   (`paged.pooled`, `ComputeOptions.pool_narrow_kv`; CPU and GPU pool it). {narrow} A layout
   no scatter chooses (the step's KV written by a kernel in place, as JAX's ragged paged
   attention does) would not depend on libtpu's choice. {over}
+- A cache whose kv heads the tensor axis cannot split at a batch too small to split over rows
+  (the 3B verifier's 2 over v6e-8's tensor=8 at batch 1) lies whole on each chip while the
+  queries split over heads; XLA reads it (a per-chip kernel would gather it). GSPMD had taken
+  each chip's head out of the whole stacked [1, 2, L * S, 128] buffer ahead of the chunked
+  read, a copy of it in every layer of every step (v6e-8 verify K=8 batch 1: 1.85x must at 8k,
+  1.12x at 2k); each read is now pinned whole, as the cache lies (`attention._attend_cached`,
+  tests/models/test_unsplit_kv_read.py), so the head comes out of the chunk read.
 - Must move: the weights once (an untied embedding: the looked-up rows), each row's KV over the
   filled slots once, the step's new KV, its activations (each projection's output and the
   residual stream written and read once, per chip as tensor and data split them:
