@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import jax
@@ -22,9 +18,8 @@ from prove_jax.training import loop as trainer
 from prove_jax.training.config import load_config
 from prove_jax.training.loop import train
 from prove_jax.training.preemption import PREEMPTED, Preempted
-from tests.multihost import REPO, free_port, joining
+from tests.multihost import REPO, HostPool, free_port, host_env, joining
 from tests.train_helpers import tiny_config, write_config
-from tests.xla_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -112,60 +107,6 @@ PAUSE_S = 0.25
 STOPPED = re.compile(r"preempted: saved step (\d+) to (\S+); relaunch the same command to continue")
 
 
-# One interpreter per host that has imported the train CLI (seconds of jax, flax, optax and
-# orbax imports, paid once instead of per launch); each launch is a child forked from it: a
-# process of its own (pid, signals, exit code) whose JAX runtime starts in it, as none has
-# started in the parent. It reads one launch per line, {"argv", "env", "out", "err"}, and
-# answers the child's pid, then its exit code.
-HOST = r"""
-import json, os, runpy, sys, traceback
-sys.path.insert(0, {repo!r})
-from prove_jax.cli import runner, train  # noqa: F401
-from prove_jax.training import loop  # noqa: F401
-for line in sys.stdin:
-    spec = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        os.environ.update(spec["env"])
-        for fd, path in ((1, spec["out"]), (2, spec["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv, code = spec["argv"], 0
-        try:
-            runpy.run_path(spec["argv"][0], run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    print(pid, flush=True)
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-"""
-
-
-def _start_hosts(tmp_path) -> list[subprocess.Popen]:
-    host = tmp_path / "host.py"
-    host.write_text(HOST.format(repo=REPO))
-    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    hosts = [subprocess.Popen([sys.executable, str(host)], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    for host in hosts:  # its answers, read as they come
-        host.answers = queue.Queue()
-        threading.Thread(target=lambda h: [h.answers.put(int(x)) for x in h.stdout], args=(host,),
-                         daemon=True).start()
-    return hosts
-
-
-def _answer(host: subprocess.Popen, timeout_s: float) -> int:
-    """The host's next answer (a launch's pid or exit code)."""
-    try:
-        return host.answers.get(timeout=timeout_s)
-    except queue.Empty:
-        raise AssertionError(f"no answer from a host in {timeout_s} s (host exit code {host.poll()})") from None
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # the host reaps its child at once: a finished launch is gone
@@ -177,39 +118,37 @@ def _alive(pid: int) -> bool:
 def _wait_for_line(path: str, line: str, pids, deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        with open(path) as f:
-            if line in f.read().splitlines():
-                return
+        if os.path.exists(path):  # the forked launch opens its log as it starts
+            with open(path) as f:
+                if line in f.read().splitlines():
+                    return
         if not all(map(_alive, pids)):
             break
         time.sleep(0.05)
     raise AssertionError(f"no {line!r} in {path} (running: {[_alive(p) for p in pids]})")
 
 
-def _sigterm_host1(hosts, tmp_path, name: str, argv: list[str], wait_for: str, hold_s: float = 0) -> int:
-    """Launch the paced CLI as two processes, send SIGTERM to process 1 alone once both printed
-    `wait_for`; both must exit PREEMPTED, and host 0 alone says which step it saved (returned)."""
-    cli = tmp_path / "paced_cli.py"
+def _sigterm_host1(tmp_path, name: str, argv: list[str], wait_for: str, hold_s: float = 0) -> int:
+    """Launch the paced CLI as two processes (each forked from the pre-warmed host interpreter,
+    `multihost.HostPool`: a process of its own, pid, signals and exit code), send SIGTERM to
+    process 1 alone once both printed `wait_for`; both must exit PREEMPTED, and host 0 alone
+    says which step it saved (returned)."""
+    cli = tmp_path / f"paced_cli_{name}.py"
     cli.write_text(PACED_CLI.format(repo=REPO, pause=PAUSE_S))
     port = free_port()
-    logs = [{k: str(tmp_path / f"{name}{i}.{k}") for k in ("out", "err")} for i in range(2)]
-    for path in (p for log in logs for p in log.values()):
-        open(path, "w").close()  # there before the launch writes to it
-    for i, host in enumerate(hosts):
-        host.stdin.write(json.dumps({"argv": [str(cli), *argv, *joining(i, port)], "env": {"HOLD_S": str(hold_s)},
-                                     **logs[i]}) + "\n")
-        host.stdin.flush()
-    pids = [_answer(host, 240) for host in hosts]
+    env = dict(host_env(), HOLD_S=str(hold_s))
+    procs = [HostPool.shared().launch([str(cli), *argv, *joining(i, port)], env) for i in range(2)]
+    pids = [p.pid for p in procs]
     try:
-        for i in range(2):
-            _wait_for_line(logs[i]["out"], wait_for, pids, deadline_s=240)
+        for p in procs:
+            _wait_for_line(p.log + ".out", wait_for, pids, deadline_s=240)
         os.kill(pids[1], signal.SIGTERM)
-        codes = [_answer(host, 120) for host in hosts]
+        err = [p.communicate(timeout=120)[1] for p in procs]
     finally:
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    err = [open(logs[i]["err"]).read() for i in range(2)]
+        for p in procs:
+            if p.poll() is None and _alive(p.pid):
+                os.kill(p.pid, signal.SIGKILL)
+    codes = [p.returncode for p in procs]
     assert codes == [PREEMPTED, PREEMPTED], (codes, err[0][-2000:], err[1][-2000:])
     assert not STOPPED.search(err[1])  # host 0 reports
     found = STOPPED.findall(err[0])
@@ -227,24 +166,15 @@ def test_sigterm_to_one_of_two_hosts_saves_the_same_step_on_both(tmp_path):
     run_dir = str(tmp_path / "multi")
     argv = ["--config", cfg_path, "--no-progress"]
 
-    hosts = _start_hosts(tmp_path)
-    try:
-        step, where = _sigterm_host1(hosts, tmp_path, "first", argv, wait_for="step 3")
-        assert where == run_dir and 3 < step < 19 and _saved_steps(run_dir) == [step]
-        data_dir = os.path.join(run_dir, "checkpoints", str(step), "data")
-        assert sorted(n for n in os.listdir(data_dir) if n.endswith(".json")) == [
-            "process_0-of-2.json", "process_1-of-2.json"]
+    step, where = _sigterm_host1(tmp_path, "first", argv, wait_for="step 3")
+    assert where == run_dir and 3 < step < 19 and _saved_steps(run_dir) == [step]
+    data_dir = os.path.join(run_dir, "checkpoints", str(step), "data")
+    assert sorted(n for n in os.listdir(data_dir) if n.endswith(".json")) == [
+        "process_0-of-2.json", "process_1-of-2.json"]
 
-        # the notice comes before the loop: JAX's manager agreed on step 1, long passed
-        early, _ = _sigterm_host1(hosts, tmp_path, "early", argv, wait_for="loop", hold_s=3)
-        assert early == step + 1 and _saved_steps(run_dir) == [step, step + 1]
-    finally:
-        for host in hosts:
-            host.stdin.close()
-            try:
-                host.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                host.kill()
+    # the notice comes before the loop: JAX's manager agreed on step 1, long passed
+    early, _ = _sigterm_host1(tmp_path, "early", argv, wait_for="loop", hold_s=3)
+    assert early == step + 1 and _saved_steps(run_dir) == [step, step + 1]
 
     # the rest on one process, 8 local devices (a resume may change the host count): the
     # two-host continuation is checked above, by the losses of the early relaunch's step
