@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Callable
 
+from tests.prewarmed import RUN_ARGV
 from tests.xla_flags import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,8 @@ def start_two_processes(argv_of: Callable[[int, int], list[str]]) -> list["HostP
 # launch's argv, sys.path, environment and output files, so it starts as `python ARGV` would (its
 # JAX runtime, distributed join and devices its own). Reaped children's exit codes go to LOG.code.
 HOST_SERVER = r"""
-import atexit, json, os, runpy, select, signal, sys, traceback
+import atexit, json, os, select, signal
+""" + RUN_ARGV + r"""
 import flax.nnx, jax, jax.numpy, numpy, optax, orbax.checkpoint  # noqa: F401
 import prove_jax.checkpoints.convert, prove_jax.cli.distill, prove_jax.cli.evaluate  # noqa: F401
 import prove_jax.cli.generate, prove_jax.cli.train, prove_jax.data.pipeline  # noqa: F401
@@ -68,21 +70,7 @@ def child(argv, env, log):
     signal.alarm(300)  # what `timeout 300` gave a launch
     os.environ.clear()
     os.environ.update(env)
-    code = 0
-    try:
-        if argv[0] == "-m":  # python -m puts the cwd first
-            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:  # python SCRIPT puts the script's folder first
-            sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.realpath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+    code = run_argv(argv)
     atexit._run_exitfuncs()  # as at an interpreter's exit: JAX leaves the job (its shutdown barrier)
     sys.stdout.flush()
     sys.stderr.flush()

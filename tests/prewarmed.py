@@ -12,9 +12,35 @@ import os
 import subprocess
 import sys
 
+# `run_argv(argv)`: `python *argv` run in this (forked) process, as the interpreter would start
+# it (the script's folder, or for -m the cwd, first on sys.path); its exit code. Shared with the
+# multi-host tests' host interpreter (tests/multihost.py).
+RUN_ARGV = r"""
+import runpy, sys, traceback
+
+def run_argv(argv):
+    code = 0
+    try:
+        if argv[0] == "-m":  # python -m puts the cwd first
+            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:  # python SCRIPT puts the script's folder first
+            sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.realpath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    return code
+"""
+
 RUNNER = r"""
-import json, os, runpy, sys, traceback
+import json, os
 import flax.nnx, jax, jax.numpy, numpy  # noqa: F401
+""" + RUN_ARGV + r"""
 commands, out = json.loads(sys.argv[1]), sys.argv[2]
 codes = {}
 for name, argv in commands.items():
@@ -23,19 +49,7 @@ for name, argv in commands.items():
     if pid == 0:
         for fd, ext in ((1, ".out"), (2, ".err")):
             os.dup2(os.open(log + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        code = 0
-        try:
-            if argv[0] == "-m":  # python -m puts the cwd first
-                sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:  # python SCRIPT puts the script's folder first
-                sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.realpath(argv[0]))
-                runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
+        code = run_argv(argv)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
