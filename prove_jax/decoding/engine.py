@@ -243,7 +243,8 @@ class Decoder:
         that model's cache then splits over rows (`sharding.kv_rules`), so 12 rows of a 2-head
         verifier on v6e-8 become 16 and each chip holds 2 rows' cache, not 12. A paged pool keeps
         the rows asked for (at whole shards of data x tensor such a verifier keeps a contiguous
-        cache split over rows beside it: `paged.pooled`)."""
+        cache split over rows beside it, as on TPU does one whose head dim is under 128 lanes:
+        `paged.pooled`)."""
         rows = _round_up(min(batch_size, num_requests), self.data_shards())
         if self.mesh is None or self.options.memory.page_size is not None:
             return rows
