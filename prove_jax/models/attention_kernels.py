@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from prove_jax.errors import ProveJaxError
-from prove_jax.models.compute import ATTENTION_KERNELS
+from prove_jax.models.compute import ATTENTION_KERNELS, LANES
 from prove_jax.models.paged import PagedKV
 from prove_jax.models.sharding import DEFAULT_RULES, logical_to_spec
 
@@ -215,7 +215,7 @@ def _merge(committed, own_scores, own_values):
 # table. A row's blocks past its length repeat its last block's index, so the pipeline fetches
 # nothing new; blocks wholly past it are not computed. It returns the unnormalised output with
 # its max and normaliser for the exact merge (`_merge`).
-LANES = 128  # the max and normaliser are kept lane-broadcast: TPU vector tiles are [8, 128]
+# LANES (compute.py): the max and normaliser are kept lane-broadcast: TPU vector tiles are [8, 128]
 BLOCK = 512  # slots a contiguous block holds: a 128 KiB bf16 K block at Dh = 128, so a grid step's
 # fixed cost is small beside its DMA (JAX's flash attention defaults to 512-slot blocks too)
 

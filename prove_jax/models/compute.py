@@ -180,18 +180,18 @@ class ComputeOptions:
         """These options with every default spelled out on the host: the platform (`platform`,
         else this one's, else jax's backend), the matmul form it takes (`decode_form`), its
         LM-head rule (`head_extra_rows`), KV layout rule (`kv_slots_minor`: False off TPU;
-        on TPU None, the cache's size decides) and pool rule (`pool_narrow_kv`), as an AOT compile for another platform needs
-        them (`decoding/dry_run.slice_options`)."""
+        on TPU None, the cache's size decides) and pool rule (`pool_narrow_kv`: off TPU only),
+        as an AOT compile for another platform needs them (`decoding/dry_run.slice_options`)."""
         resolved = dataclasses.replace(self, platform=platform or self.target())
         resolved = resolved.resolve_attention(resolved.platform)
         form, max_rows = resolved.decode_form()
-        slots_minor = self.kv_slots_minor
-        if slots_minor is None and resolved.platform != "tpu":
-            slots_minor = False
+        off_tpu = resolved.platform != "tpu"
+        slots_minor = False if self.kv_slots_minor is None and off_tpu else self.kv_slots_minor
+        pooled = off_tpu if self.pool_narrow_kv is None else self.pool_narrow_kv
         return dataclasses.replace(resolved, matmul_form=form, matmul_max_rows=max_rows,
                                    head_one_pass_max_extra_rows=resolved.head_extra_rows(),
                                    kv_slots_minor=slots_minor,
-                                   pool_narrow_kv=resolved.pools_kv(0))
+                                   pool_narrow_kv=pooled)
 
     def resolve_attention(self, platform: str | None = None) -> "ComputeOptions":
         """These options with attention "auto" replaced, on the host, by the fast path of
